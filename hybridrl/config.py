@@ -1,0 +1,436 @@
+"""Typed run configuration: one dataclass per concern, each field documented once.
+
+A YAML file, dotted `key=value` overrides on the command line and keyword arguments in Python are
+three spellings of one thing: each becomes a nested dict that `build_config` turns into a `Config`.
+Every mistake a user can make here (unknown key, wrong type, value out of range, batch sizes that do
+not divide) is reported by `ConfigError` with the dotted key, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message names the key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny:llama"
+    """Hugging Face model name or local directory; `tiny:<family>` builds a small random model from a
+    built-in config (families: llama, qwen2, qwen3) with no download."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype; `auto` is bfloat16 on GPU and float32 on CPU."""
+    attn_implementation: str = "auto"
+    """`auto` picks flash_attention_2 when installed, else sdpa; any transformers value is accepted."""
+    trust_remote_code: bool = False
+    """Allow model code shipped with the checkpoint to run (only for models you trust)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute."""
+    tokenizer_path: str | None = None
+    """Tokenizer location when it differs from `path`."""
+
+
+@dataclass
+class DataConfig:
+    train_path: str = ""
+    """Prompts for training: .jsonl, .csv, .parquet, or a saved Hugging Face `datasets` directory."""
+    eval_path: str | None = None
+    """Held-out prompts, evaluated every `trainer.eval_every` steps."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text; every other column is passed to reward functions."""
+    response_key: str = "response"
+    """Column holding the target text (SFT only)."""
+    max_prompt_length: int = 512
+    """Prompts longer than this many tokens are dropped, and the count is reported."""
+    prompt_template: str | None = None
+    """Format string applied to the prompt, e.g. "Question: {prompt}\\nAnswer:"; overrides the chat template."""
+    use_chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template when it has one."""
+    shuffle: bool = True
+    """Shuffle training prompts each epoch (seeded by `trainer.seed`)."""
+    max_eval_samples: int | None = None
+    """Evaluate on at most this many held-out prompts."""
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["auto", "hf", "builtin", "vllm"] = "auto"
+    """Generation engine; `auto` is the built-in engine where it supports the model, else `hf`."""
+    num_samples_per_prompt: int = 8
+    """Responses sampled for each prompt (the group size of GRPO/RLOO)."""
+    max_new_tokens: int = 256
+    """Longest response; longer ones are cut and count as truncated."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely one."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Generation stops after any of these strings (the end-of-sequence token always stops)."""
+    eval_temperature: float = 0.0
+    """Sampling temperature for evaluation; 0 is greedy."""
+    kv_cache_memory: float = 0.3
+    """Built-in engine: KV cache size as a fraction of free device memory (or GiB if > 1)."""
+
+
+@dataclass
+class RewardSpec:
+    fn: str = ""
+    """A built-in reward name (exact_match, numeric_match, format, length_penalty) or `file.py:function`."""
+    weight: float = 1.0
+    """Weight of this reward in the total."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the function."""
+
+
+@dataclass
+class RewardConfig:
+    functions: list[RewardSpec] = field(default_factory=list)
+    """Reward functions, summed with their weights; each is logged as `reward/<name>`."""
+    reward_model: str | None = None
+    """Hugging Face sequence-classification model scoring decoded text (its own tokenizer)."""
+    reward_model_weight: float = 1.0
+    """Weight of the reward model's score in the total."""
+
+
+@dataclass
+class AlgorithmConfig:
+    name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"] = "grpo"
+    """Advantage estimator; `ppo` uses GAE with a critic."""
+    normalize_std: bool = True
+    """GRPO: divide group-centred scores by the group's standard deviation."""
+    gamma: float = 1.0
+    """Discount factor (GAE, REINFORCE++)."""
+    lam: float = 0.95
+    """GAE lambda."""
+    clip_ratio_low: float = 0.2
+    """PPO clip below 1 (ratio >= 1 - clip_ratio_low)."""
+    clip_ratio_high: float = 0.2
+    """PPO clip above 1; larger than the low clip is DAPO's clip-higher."""
+    dual_clip: float | None = None
+    """Dual-clip PPO lower bound factor (e.g. 3.0) for negative advantages; null disables."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses become one number."""
+    kl_coef: float = 0.0
+    """Weight of the KL divergence to the reference model; 0 skips the reference forward pass."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman's k1/k2/k3)."""
+    kl_in_reward: bool = False
+    """Subtract the KL from the token rewards (classic RLHF) instead of adding it to the loss."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    value_clip: float = 0.2
+    """Clipping range of the value loss."""
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm; 0 disables."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int = 0
+    """Sequences per optimizer step; 0 means the whole rollout batch (one step per rollout)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+
+
+@dataclass
+class CriticConfig:
+    lr: float = 1e-5
+    """Peak learning rate of the critic."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm; 0 disables."""
+    critic_warmup_steps: int = 0
+    """Steps at the start during which only the critic is trained."""
+    path: str | None = None
+    """Backbone for the critic; defaults to the actor's `model.path`."""
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 100
+    """Rollout-and-update steps."""
+    prompts_per_step: int = 32
+    """Prompts per rollout; the batch has prompts_per_step * num_samples_per_prompt sequences."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    device: str = "auto"
+    """`auto` (cuda if visible, else cpu), `cpu`, `cuda` or `cuda:N`."""
+    output_dir: str = "runs/default"
+    """Where metrics, samples and models are written."""
+    eval_every: int = 0
+    """Evaluate on the held-out set every N steps (and before the first and after the last); 0 disables."""
+    save_model: bool = True
+    """Save the final actor as a Hugging Face directory in `output_dir/model`."""
+
+
+@dataclass
+class LoggingConfig:
+    sinks: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Metric sinks: console, jsonl."""
+    log_every: int = 1
+    """Print a console line every N steps."""
+    num_samples_to_print: int = 2
+    """Sample prompts/completions/rewards printed with each console line; 0 disables."""
+
+
+@dataclass
+class SFTConfig:
+    num_epochs: int = 1
+    """Passes over the SFT data."""
+    batch_size: int = 32
+    """Examples per optimizer step."""
+    lr: float = 1e-3
+    """Peak learning rate (cosine decay after warm-up)."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps; 0 runs all epochs."""
+    max_length: int = 512
+    """Prompt + response tokens; longer examples are dropped and counted."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    @property
+    def rollout_batch_size(self) -> int:
+        """Sequences generated per step."""
+        return self.trainer.prompts_per_step * self.rollout.num_samples_per_prompt
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building: YAML file + dotted overrides + keyword arguments -> Config
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, **kwargs: Any) -> Config:
+    """Read a YAML file (optional), apply `key=value` overrides, then keyword arguments, and validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = read_yaml(path)
+    for item in overrides or []:
+        key, value = parse_override(item)
+        set_dotted(raw, key, value)
+    for key, value in kwargs.items():
+        set_dotted(raw, key.replace("__", "."), value)
+    return build_config(raw)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file.")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}.")
+    return raw
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`rollout.temperature=0.8` -> ("rollout.temperature", 0.8); values are parsed as YAML scalars."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. trainer.total_steps=200).")
+    key, text = item.split("=", 1)
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    return key.strip(), value
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {key!r}: {part!r} is a value, not a section.")
+        node = child
+    node[parts[-1]] = value
+
+
+def build_config(raw: dict[str, Any]) -> Config:
+    raw = dict(raw)
+    # Shorthand from the Python API: algorithm="grpo" means algorithm.name="grpo".
+    if isinstance(raw.get("algorithm"), str):
+        raw["algorithm"] = {"name": raw["algorithm"]}
+    config = _build_dataclass(Config, raw, prefix="")
+    validate(config)
+    return config
+
+
+def _build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "the config"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping of keys to values, got {raw!r}.")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    values = {}
+    for key, value in raw.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" Did you mean '{prefix}{close[0]}'?" if close else f" Known keys: {', '.join(names)}."
+            raise ConfigError(f"unknown config key '{prefix}{key}'.{hint}")
+        values[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    """Check `value` against the annotation `hint`, converting only where lossless (int -> float)."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build_dataclass(hint, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _coerce(option, value, key)
+            except ConfigError as error:
+                errors.append(error)
+        raise errors[0]
+    if origin is Literal:
+        if value not in args:
+            allowed = ", ".join(repr(a) for a in args)
+            raise ConfigError(f"{key} must be one of {allowed}; got {value!r}.")
+        return value
+    if origin is list:
+        if isinstance(value, (str, dict)) or not isinstance(value, (list, tuple)):
+            if isinstance(value, str) and args and args[0] is str:
+                value = [value]
+            else:
+                raise ConfigError(f"{key} must be a list; got {value!r}.")
+        return [_coerce(args[0], item, f"{key}[{i}]") for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping; got {value!r}.")
+        return dict(value)
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false; got {value!r}.")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer; got {value!r}.")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number; got {value!r}.")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string; got {value!r}.")
+        return value
+    raise AssertionError(f"unhandled annotation {hint} for {key}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: ranges and cross-field consistency, all in one place
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(config: Config) -> None:
+    r, a, act, t = config.rollout, config.algorithm, config.actor, config.trainer
+    _require(r.num_samples_per_prompt >= 1, "rollout.num_samples_per_prompt must be at least 1.")
+    _require(r.max_new_tokens >= 1, "rollout.max_new_tokens must be at least 1.")
+    _require(r.temperature >= 0, "rollout.temperature must be >= 0 (0 is greedy).")
+    _require(r.eval_temperature >= 0, "rollout.eval_temperature must be >= 0 (0 is greedy).")
+    _require(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1].")
+    _require(r.top_k >= 0, "rollout.top_k must be >= 0 (0 disables).")
+    _require(0 <= r.min_p < 1, "rollout.min_p must be in [0, 1).")
+    _require(r.kv_cache_memory > 0, "rollout.kv_cache_memory must be > 0.")
+    _require(config.data.max_prompt_length >= 1, "data.max_prompt_length must be at least 1.")
+    _require(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low must be in [0, 1).")
+    _require(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high must be >= 0.")
+    _require(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip must be > 1 (e.g. 3.0) or null.")
+    _require(0 <= a.gamma <= 1, "algorithm.gamma must be in [0, 1].")
+    _require(0 <= a.lam <= 1, "algorithm.lam must be in [0, 1].")
+    _require(a.kl_coef >= 0, "algorithm.kl_coef must be >= 0.")
+    _require(a.value_clip > 0, "algorithm.value_clip must be > 0.")
+    if a.name in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
+        _require(r.num_samples_per_prompt >= 2,
+                 f"algorithm.name={a.name!r} compares samples of the same prompt, so "
+                 "rollout.num_samples_per_prompt must be at least 2.")
+    for section, opt in (("actor", act), ("critic", config.critic)):
+        _require(opt.lr > 0, f"{section}.lr must be > 0.")
+        _require(opt.warmup_steps >= 0, f"{section}.warmup_steps must be >= 0.")
+        _require(opt.max_grad_norm >= 0, f"{section}.max_grad_norm must be >= 0 (0 disables clipping).")
+    _require(act.ppo_epochs >= 1, "actor.ppo_epochs must be at least 1.")
+    _require(act.micro_batch_size >= 1, "actor.micro_batch_size must be at least 1.")
+    _require(t.total_steps >= 1, "trainer.total_steps must be at least 1.")
+    _require(t.prompts_per_step >= 1, "trainer.prompts_per_step must be at least 1.")
+    _require(t.eval_every >= 0, "trainer.eval_every must be >= 0.")
+    _require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
+             f"trainer.device must be auto, cpu, cuda or cuda:N; got {t.device!r}.")
+    batch = config.rollout_batch_size
+    mini = act.mini_batch_size or batch
+    _require(batch % mini == 0,
+             f"actor.mini_batch_size={mini} must divide the rollout batch of {batch} sequences "
+             f"(trainer.prompts_per_step={t.prompts_per_step} x rollout.num_samples_per_prompt="
+             f"{r.num_samples_per_prompt}).")
+    _require(mini % act.micro_batch_size == 0 or act.micro_batch_size >= mini,
+             f"actor.micro_batch_size={act.micro_batch_size} must divide actor.mini_batch_size={mini}.")
+    for i, spec in enumerate(config.reward.functions):
+        _require(bool(spec.fn), f"reward.functions[{i}].fn is empty; name a built-in reward or file.py:function.")
+    for sink in config.logging.sinks:
+        _require(sink in ("console", "jsonl", "tensorboard", "wandb"),
+                 f"logging.sinks has unknown sink {sink!r}; choose from console, jsonl, tensorboard, wandb.")
+    s = config.sft
+    _require(s.num_epochs >= 1 and s.batch_size >= 1, "sft.num_epochs and sft.batch_size must be at least 1.")
+    _require(s.lr > 0, "sft.lr must be > 0.")
