@@ -38,8 +38,8 @@ class Generation:
     token_ids: list[int]
     """Response tokens, including the stop token when one ended it; nothing after a stop string."""
     logprobs: list[float]
-    """Sampler's log-probability of each response token (after temperature/top-p/top-k/min-p
-    filtering when sampling; the raw softmax when greedy)."""
+    """log_softmax(logits / temperature) of each response token, taken before top-p/top-k/min-p
+    filtering (temperature 1 when greedy), so it is directly comparable to the trainer's log-probs."""
     finish_reason: FinishReason
 
 
