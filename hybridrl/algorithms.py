@@ -1,0 +1,352 @@
+"""The tensor math of RL post-training: advantage estimators, PPO losses, KL and entropy.
+
+Every function takes tensors and plain numbers (no models, no config objects), so each is tested
+against hand-computed values and the trainer picks variants by dict lookup.
+
+Conventions: B = sequences, T = response-token positions. `mask (B, T)` is 1.0 on real response
+tokens and 0.0 on padding; masked positions never contribute to a loss, mean or return, but must
+hold finite values. `scores (B,)` are outcome rewards per sequence, ordered group-major: the
+`group_size` samples of prompt 0, then those of prompt 1, and so on.
+
+Choices:
+- Standard deviations (GRPO's group std, whitening) use Bessel's correction, as `torch.std` does,
+  to match verl and TRL so learning curves compare across libraries.
+- Masked positions are transparent to the backward recursions (return-to-go, GAE): they neither
+  receive a value nor break the chain, so a mask with holes (tool output inside a response)
+  discounts over the policy's own tokens only.
+- Advantages are computed under `no_grad`: they are targets, never differentiated.
+- `approx_kl` in `policy_loss` is Schulman's k3 estimate of KL(old || new) on the sampled tokens:
+  unbiased for samples from the old policy and never negative.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+from torch import Tensor
+
+# ---------------------------------------------------------------------------------------------
+# Masked statistics
+# ---------------------------------------------------------------------------------------------
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of `x` where `mask` is 1; 0 where nothing is valid, so an empty batch gives no NaN."""
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """Shift and scale `x` to mean 0, std 1 over valid positions (Bessel-corrected); padding -> 0.
+
+    Whitening keeps the policy-gradient scale independent of the reward scale.
+    """
+    mean = masked_mean(x, mask)
+    num_valid = mask.sum()
+    variance = (((x - mean) ** 2) * mask).sum() / (num_valid - 1).clamp(min=1)
+    return (x - mean) * torch.rsqrt(variance + eps) * mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantage estimators; each returns (advantages (B, T), returns (B, T)), zero on padding
+# ---------------------------------------------------------------------------------------------
+
+
+def _grouped(scores: Tensor, group_size: int) -> Tensor:
+    """(B,) -> (B / group_size, group_size), checking the batch is whole groups."""
+    if group_size < 1 or scores.numel() % group_size != 0:
+        raise ValueError(
+            f"{scores.numel()} scores cannot be split into groups of {group_size}; the batch must hold "
+            "num_samples_per_prompt samples of each prompt, ordered prompt by prompt."
+        )
+    return scores.reshape(-1, group_size)
+
+
+def outcome_to_token_rewards(scores: Tensor, mask: Tensor) -> Tensor:
+    """Place each sequence's score (B,) on its last valid token -> (B, T); the rest is 0.
+
+    The outcome is only known once the response ends, so that is where the reward arrives.
+    """
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    last = (positions * (mask > 0)).argmax(dim=-1)  # (B,)
+    rewards = torch.zeros_like(mask, dtype=scores.dtype)
+    rewards.scatter_(1, last.unsqueeze(1), scores.unsqueeze(1))
+    return rewards * mask  # a sequence with no valid token gets nothing
+
+
+@torch.no_grad()
+def grpo_advantages(
+    scores: Tensor, mask: Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """GRPO: each score minus its group's mean, divided by the group's std (Bessel-corrected).
+
+    `normalize_std=False` is Dr.GRPO, which drops the std because it up-weights prompts that are
+    nearly always solved or failed. A group of equal scores gets advantage 0.
+    """
+    grouped = _grouped(scores, group_size)  # (num_groups, group_size)
+    centred = grouped - grouped.mean(dim=-1, keepdim=True)
+    if normalize_std:
+        centred = centred / (grouped.std(dim=-1, keepdim=True) + eps)
+    advantages = centred.reshape(-1, 1) * mask  # (B, T)
+    return advantages, advantages
+
+
+@torch.no_grad()
+def rloo_advantages(scores: Tensor, mask: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """RLOO: each score minus the mean of the *other* samples of its prompt.
+
+    Leaving the sample out keeps the baseline independent of the action, so the gradient stays
+    unbiased; it equals group_size / (group_size - 1) times the group-centred score.
+    """
+    grouped = _grouped(scores, group_size)  # (num_groups, group_size)
+    if group_size < 2:
+        raise ValueError("RLOO needs at least 2 samples per prompt (rollout.num_samples_per_prompt >= 2).")
+    baseline = (grouped.sum(dim=-1, keepdim=True) - grouped) / (group_size - 1)
+    advantages = (grouped - baseline).reshape(-1, 1) * mask  # (B, T)
+    return advantages, advantages
+
+
+def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """Return-to-go G_t = r_t + gamma * G_{t+1} over valid tokens (B, T); padding -> 0."""
+    returns = torch.zeros_like(token_rewards)
+    running = token_rewards.new_zeros(token_rewards.shape[0])  # (B,)
+    for t in reversed(range(token_rewards.shape[1])):
+        valid = mask[:, t]
+        running = valid * (token_rewards[:, t] + gamma * running) + (1 - valid) * running
+        returns[:, t] = running * valid
+    return returns
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(token_rewards: Tensor, mask: Tensor, gamma: float) -> tuple[Tensor, Tensor]:
+    """REINFORCE++: discounted return-to-go, whitened over all valid tokens of the batch.
+
+    The batch-wide whitening replaces a critic's baseline; it is not per prompt, which the paper
+    argues is less prone to overfitting easy prompts than GRPO's group normalisation.
+    """
+    advantages = masked_whiten(discounted_returns(token_rewards, mask, gamma), mask)
+    return advantages, advantages
+
+
+@torch.no_grad()
+def reinforce_pp_baseline_advantages(scores: Tensor, mask: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ with a group baseline: subtract the group mean, then whiten over batch tokens.
+
+    The group mean removes per-prompt difficulty; the batch-wide (not per-group) std keeps the
+    scale stable when a group's scores are nearly equal.
+    """
+    grouped = _grouped(scores, group_size)
+    centred = (grouped - grouped.mean(dim=-1, keepdim=True)).reshape(-1, 1)  # (B, 1)
+    advantages = masked_whiten(centred * mask, mask)
+    return advantages, advantages
+
+
+@torch.no_grad()
+def gae_advantages(
+    token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """GAE(gamma, lambda) with a critic; the value after the last valid token is 0 (episode ends).
+
+    returns = raw advantages + values are the critic's targets; the advantages handed to the
+    policy are whitened over valid tokens so the update's scale does not track the reward's.
+    """
+    raw = torch.zeros_like(token_rewards)  # (B, T)
+    next_value = token_rewards.new_zeros(token_rewards.shape[0])  # (B,)
+    next_advantage = torch.zeros_like(next_value)
+    for t in reversed(range(token_rewards.shape[1])):
+        valid = mask[:, t]
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        raw[:, t] = advantage * valid
+        next_value = valid * values[:, t] + (1 - valid) * next_value
+        next_advantage = valid * advantage + (1 - valid) * next_advantage
+    returns = (raw + values) * mask
+    return masked_whiten(raw, mask), returns
+
+
+class AdvantageEstimator(Protocol):
+    """The one signature of `ADVANTAGE_ESTIMATORS`; each estimator reads the arguments it needs.
+
+    `scores (B,)` are outcome rewards; `token_rewards (B, T)` are those scores on the last token
+    minus any in-reward KL penalty; `values (B, T)` come from the critic (None without one).
+    """
+
+    def __call__(
+        self, *, scores: Tensor, token_rewards: Tensor, values: Tensor | None, mask: Tensor,
+        group_size: int, gamma: float, lam: float, normalize_std: bool,
+    ) -> tuple[Tensor, Tensor]: ...
+
+
+def _grpo(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std):
+    return grpo_advantages(scores, mask, group_size, normalize_std=normalize_std)
+
+
+def _dr_grpo(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std):
+    return grpo_advantages(scores, mask, group_size, normalize_std=False)
+
+
+def _rloo(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std):
+    return rloo_advantages(scores, mask, group_size)
+
+
+def _reinforce_pp(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std):
+    return reinforce_pp_advantages(token_rewards, mask, gamma)
+
+
+def _reinforce_pp_baseline(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std):
+    return reinforce_pp_baseline_advantages(scores, mask, group_size)
+
+
+def _ppo(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std):
+    if values is None:
+        raise ValueError("algorithm.name='ppo' needs critic values; configure a critic or pick a critic-free estimator.")
+    return gae_advantages(token_rewards, values, mask, gamma, lam)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "grpo": _grpo,
+    "dr_grpo": _dr_grpo,
+    "rloo": _rloo,
+    "reinforce_pp": _reinforce_pp,
+    "reinforce_pp_baseline": _reinforce_pp_baseline,
+    "ppo": _ppo,
+}
+"""Config name (`algorithm.name`) -> estimator; call with keywords only."""
+
+# ---------------------------------------------------------------------------------------------
+# Loss aggregation
+# ---------------------------------------------------------------------------------------------
+# Each mode divides a sum by a normaliser. By default the normaliser comes from the tensor at hand;
+# passing the normaliser of the whole mini-batch makes the sum of micro-batch losses (and of their
+# gradients) equal to the loss of the mini-batch in one piece, however unevenly it was split.
+
+Normalizer = float | Tensor | None
+
+
+def _token_mean(loss: Tensor, mask: Tensor, num_tokens: Normalizer, num_sequences: Normalizer,
+                max_length: int | None) -> Tensor:
+    return (loss * mask).sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
+
+
+def _seq_mean_token_mean(loss: Tensor, mask: Tensor, num_tokens: Normalizer, num_sequences: Normalizer,
+                         max_length: int | None) -> Tensor:
+    per_sequence = masked_mean(loss, mask, dim=-1)  # (B,)
+    return per_sequence.sum() / (loss.shape[0] if num_sequences is None else num_sequences)
+
+
+def _seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, num_tokens: Normalizer, num_sequences: Normalizer,
+                             max_length: int | None) -> Tensor:
+    per_sequence = (loss * mask).sum(dim=-1) / (loss.shape[-1] if max_length is None else max_length)  # (B,)
+    return per_sequence.sum() / (loss.shape[0] if num_sequences is None else num_sequences)
+
+
+_AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+}
+
+
+def aggregate_loss(
+    loss: Tensor, mask: Tensor, mode: str, num_tokens: Normalizer = None,
+    num_sequences: Normalizer = None, max_length: int | None = None,
+) -> Tensor:
+    """Reduce a per-token loss (B, T) to a scalar.
+
+    - "token-mean": sum over valid tokens / `num_tokens` (default: valid tokens here). Long
+      responses weigh more, per token equally (DAPO).
+    - "seq-mean-token-mean": mean over each sequence's tokens, then sum / `num_sequences`
+      (default: B here). Each response weighs the same (original GRPO).
+    - "seq-mean-token-sum-norm": sum over each sequence's tokens / `max_length` (a constant;
+      default T here), then sum / `num_sequences`. Dr.GRPO's fix of the length bias; pass the
+      rollout's max response length so the constant does not change with padding.
+
+    For gradient accumulation pass the mini-batch's totals (valid tokens, sequences) to every
+    micro-batch: the micro-batch losses then sum to the mini-batch loss.
+    """
+    if mode not in _AGGREGATIONS:
+        raise ValueError(f"Unknown loss aggregation {mode!r}; allowed: {', '.join(_AGGREGATIONS)}.")
+    return _AGGREGATIONS[mode](loss, mask, num_tokens, num_sequences, max_length)
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses, KL, entropy
+# ---------------------------------------------------------------------------------------------
+
+_KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
+    "k1": lambda log_ratio: log_ratio,
+    "k2": lambda log_ratio: 0.5 * log_ratio**2,
+    "k3": lambda log_ratio: torch.exp(-log_ratio) + log_ratio - 1,
+}
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate (B, T) of KL(policy || reference) from tokens sampled by the policy.
+
+    k1 = logp - ref (unbiased, can be negative), k2 = 0.5 * (logp - ref)^2 (biased, low variance),
+    k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, never negative; Schulman 2020).
+    """
+    if estimator not in _KL_ESTIMATORS:
+        raise ValueError(f"Unknown KL estimator {estimator!r}; allowed: {', '.join(_KL_ESTIMATORS)}.")
+    return _KL_ESTIMATORS[estimator](logp - ref_logp)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy (...) of softmax(logits (..., V)) as logsumexp(z) - sum(p * z): no log of tiny p.
+
+    Logits must be finite (raw model outputs, not top-k filtered with -inf).
+    """
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def policy_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float,
+    dual_clip: float | None = None, aggregation: str = "token-mean", num_tokens: Normalizer = None,
+    num_sequences: Normalizer = None, max_length: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate on (B, T) inputs; returns (scalar loss, detached metrics).
+
+    The ratio is clipped to [1 - clip_low, 1 + clip_high]; a larger `clip_high` is DAPO's
+    clip-higher, which leaves room to raise unlikely tokens and slows entropy collapse. With
+    `dual_clip = c > 1`, tokens with negative advantage have their loss capped at -c * A (Ye et
+    al. 2020), so a huge ratio on a bad token cannot blow up the update. Clipped tokens get no
+    gradient. Metrics: `clipfrac` (valid tokens whose loss either clip changed), `dual_clipfrac`,
+    `approx_kl` (k3 of KL(old || new)).
+    """
+    log_ratio = logp - old_logp  # (B, T)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)  # pessimistic bound
+    dual_clipped = torch.zeros_like(mask, dtype=torch.bool)
+    if dual_clip is not None:
+        cap = -dual_clip * advantages
+        dual_clipped = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual_clipped, cap, loss)
+    metrics = {
+        "clipfrac": masked_mean((loss != unclipped).to(mask.dtype), mask).detach(),
+        "dual_clipfrac": masked_mean(dual_clipped.to(mask.dtype), mask).detach(),
+        "approx_kl": masked_mean(kl_penalty(old_logp, logp, "k3"), mask).detach(),
+    }
+    return aggregate_loss(loss, mask, aggregation, num_tokens, num_sequences, max_length), metrics
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_range: float,
+    aggregation: str = "token-mean", num_tokens: Normalizer = None, num_sequences: Normalizer = None,
+    max_length: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped critic loss 0.5 * max((v - R)^2, (clip(v, old ± c) - R)^2) on (B, T) inputs.
+
+    Taking the larger error keeps the critic from moving far from its rollout-time values in one
+    update, as PPO does for the policy. Metric `value_clipfrac`: tokens where the clipped error won.
+    """
+    clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+    error = (values - returns) ** 2
+    clipped_error = (clipped_values - returns) ** 2
+    loss = 0.5 * torch.maximum(error, clipped_error)  # (B, T)
+    metrics = {"value_clipfrac": masked_mean((clipped_error > error).to(mask.dtype), mask).detach()}
+    return aggregate_loss(loss, mask, aggregation, num_tokens, num_sequences, max_length), metrics
