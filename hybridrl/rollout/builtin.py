@@ -1,0 +1,328 @@
+"""The built-in rollout engine: `BuiltinBackend`, generation from the actor's own parameter tensors.
+
+One `generate` call runs these phases:
+1. resolve references to the model's weights (no copy) and size a slot-based KV cache from the
+   memory budget;
+2. admit waiting sequences into free slots and prefill them: each distinct prompt runs once, its
+   KV goes to the slots of all its samples, and the first token of each sample is drawn;
+3. decode: a few steps of `_decode_step` (one CUDA graph per batch-size bucket on GPU, eager on
+   CPU), with no host synchronisation inside;
+4. sync: read which slots finished (stop token or length), check stop strings on the host, harvest
+   finished sequences, free their slots; go back to 2 while anything waits or runs;
+5. free the KV cache and graphs (unless `release_after_generate=False`).
+
+Host syncs happen every `sync_every` steps, or earlier when the next length limit is due (the host
+knows every sequence's length bound, so forced-length batches sync only once they are all done).
+A slot that finishes between syncs idles until the next one. Prompt-major output order, as in
+`base.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridrl.rollout.base import Generation, SamplingParams
+from hybridrl.rollout.llama_forward import decode_logits, prefill, resolve_weights, rope_table
+from hybridrl.rollout.llama_forward import supports as _supports
+from hybridrl.rollout.sampling import SamplerSettings, sample
+from hybridrl.rollout.scheduler import Scheduler, SequenceSlot, find_stop_string
+
+_GIB = 1024**3
+CPU_MEMORY_REFERENCE_GIB = 4.0
+"""On CPU a fractional `kv_cache_memory` is a fraction of this fixed size (free RAM is not a safe guide)."""
+
+
+class _DecodeState:
+    """Per-slot device tensors; a decode step reads and updates the first `batch` rows in place."""
+
+    def __init__(self, num_slots: int, max_new_tokens: int, stop_ids: list[int], device) -> None:
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.last_token = zeros(num_slots)
+        self.prompt_len = zeros(num_slots)
+        self.gen_len = torch.ones(num_slots, dtype=torch.long, device=device)  # free slots sit at position 0
+        self.done = torch.ones(num_slots, dtype=torch.bool, device=device)
+        self.out_tokens = zeros(num_slots, max_new_tokens)
+        self.out_logprobs = zeros(num_slots, max_new_tokens, dtype=torch.float32)
+        self.uniforms = zeros(num_slots, dtype=torch.float32)
+        self.stop_ids = torch.tensor(stop_ids or [-1], dtype=torch.long, device=device)
+        self.max_new_tokens = max_new_tokens
+
+    def per_slot(self) -> list[torch.Tensor]:
+        return [self.last_token, self.prompt_len, self.gen_len, self.done, self.out_tokens, self.out_logprobs]
+
+    def is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (tokens[:, None] == self.stop_ids[None, :]).any(-1)
+
+
+class BuiltinBackend:
+    """Rollout backend for Llama-family models that generates from the model's parameters in place.
+
+    kv_cache_memory: KV cache budget, a fraction of free device memory (GiB if > 1; on CPU a
+        fraction of 4 GiB). max_num_seqs: cap on concurrent sequences (KV slots). max_prefill_tokens:
+        padded prompt tokens per prefill forward. use_cuda_graphs: capture decode steps on CUDA.
+        sync_every: decode steps between host checks for finished sequences. tokenizer: needed only
+        for stop strings. release_after_generate: free the KV cache at the end of each `generate`.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        kv_cache_memory: float = 0.3,
+        max_num_seqs: int = 1024,
+        max_prefill_tokens: int = 16384,
+        use_cuda_graphs: bool = True,
+        sync_every: int = 16,
+        release_after_generate: bool = True,
+    ) -> None:
+        ok, reason = _supports(model)
+        if not ok:
+            raise ValueError(f"the built-in rollout engine cannot run this model: {reason}; use rollout.backend=hf.")
+        if kv_cache_memory <= 0 or max_num_seqs < 1 or max_prefill_tokens < 1 or sync_every < 1:
+            raise ValueError("kv_cache_memory must be > 0 and max_num_seqs, max_prefill_tokens, sync_every >= 1.")
+        self.model, self.tokenizer = model, tokenizer
+        self.kv_cache_memory, self.max_num_seqs = kv_cache_memory, max_num_seqs
+        self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
+        self.use_cuda_graphs, self.release_after_generate = use_cuda_graphs, release_after_generate
+        self.kv_cache: torch.Tensor | None = None
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None
+        self.last_stats: dict[str, float] = {}
+
+    supports = staticmethod(_supports)
+
+    # ---- public interface -------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        self._validate(prompts, params)
+        weights = resolve_weights(self.model)
+        device, dtype = weights.lm_head.device, weights.lm_head.dtype
+        max_len = -(-(max(map(len, prompts)) + params.max_new_tokens) // 16) * 16
+        if weights.sliding_window is not None and max_len > weights.sliding_window:
+            raise ValueError(f"prompt + max_new_tokens ({max_len}) exceeds the model's sliding window "
+                             f"({weights.sliding_window}); the built-in engine does not implement windowed caches.")
+        num_sequences = len(prompts) * params.n
+        num_slots = self._allocate(weights, max_len, num_sequences, device, dtype)
+        stop_ids = sorted(set(params.stop_token_ids) | set(self._eos_ids(params)))
+        state = _DecodeState(num_slots, params.max_new_tokens, stop_ids, device)
+        settings = SamplerSettings(params.temperature, params.top_k, params.top_p, params.min_p)
+        generator = torch.Generator(device=device)
+        if params.seed is not None:
+            generator.manual_seed(params.seed)
+        else:
+            generator.seed()
+        cos, sin = rope_table(self.model, max_len, device, dtype)
+        self._run = dict(weights=weights, state=state, settings=settings, generator=generator, cos=cos, sin=sin)
+        scheduler = Scheduler([i // params.n for i in range(num_sequences)], num_slots)
+        results: list[Generation | None] = [None] * num_sequences
+        stats = dict(num_slots=num_slots, decode_steps=0, prefill_waves=0, graphs_captured=0)
+        self._host_len: dict[int, int] = {}  # slot -> generated length at the last sync
+        try:
+            while scheduler.has_work:
+                admitted = scheduler.admit()
+                if admitted:
+                    self._prefill(prompts, admitted)
+                    self._host_len.update((sequence.slot, 1) for sequence in admitted)
+                    stats["prefill_waves"] += 1
+                batch = scheduler.batch_size()
+                steps = self._steps_until_sync(scheduler, state, params)
+                for _ in range(steps):
+                    self._step(batch)
+                stats["decode_steps"] += steps
+                self._sync(scheduler, params, results)
+                self._compact(scheduler)
+        finally:
+            stats["graphs_captured"] = len(self._graphs)
+            self._run = None
+            self.last_stats = stats
+            if self.release_after_generate:
+                self.release_memory()
+        return results
+
+    def release_memory(self) -> None:
+        self.kv_cache, self._run = None, None
+        self._graphs, self._graph_pool = {}, None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # ---- phases -----------------------------------------------------------------------------------
+    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt and every prompt needs at least one token.")
+        if any(t < 0 or t >= vocab for p in prompts for t in p):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}) (the model's vocab_size).")
+        if params.n < 1 or params.max_new_tokens < 1:
+            raise ValueError("SamplingParams.n and max_new_tokens must be at least 1.")
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0 or not 0 <= params.min_p < 1:
+            raise ValueError("SamplingParams: temperature >= 0, top_p in (0, 1], top_k >= 0, min_p in [0, 1).")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: BuiltinBackend(model, tokenizer=...).")
+
+    def _eos_ids(self, params: SamplingParams) -> list[int]:
+        if params.ignore_eos:
+            return []
+        generation_config = getattr(self.model, "generation_config", None)
+        eos = getattr(generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.model.config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    def _allocate(self, weights, max_len: int, num_sequences: int, device, dtype) -> int:
+        """Allocate the KV cache for as many slots as the budget allows; returns the slot count."""
+        element_size = torch.empty(0, dtype=dtype).element_size()
+        slot_bytes = len(weights.layers) * 2 * weights.num_kv_heads * max_len * weights.head_dim * element_size
+        self.release_memory()
+        if device.type == "cuda":
+            free_bytes = torch.cuda.mem_get_info(device)[0]
+            budget = self.kv_cache_memory * _GIB if self.kv_cache_memory > 1 else self.kv_cache_memory * free_bytes
+        else:
+            budget = self.kv_cache_memory * _GIB * (1 if self.kv_cache_memory > 1 else CPU_MEMORY_REFERENCE_GIB)
+        num_slots = min(num_sequences, self.max_num_seqs, int(budget // slot_bytes))
+        if num_slots < 1:
+            raise ValueError(f"rollout.kv_cache_memory={self.kv_cache_memory} leaves {budget / _GIB:.3f} GiB, less than "
+                             f"one sequence of {max_len} tokens needs ({slot_bytes / _GIB:.3f} GiB); raise it.")
+        # zeros, not empty: masked-out keys still meet a 0 weight in softmax @ V, and 0 * NaN is NaN.
+        self.kv_cache = torch.zeros(len(weights.layers), 2, num_slots, weights.num_kv_heads, max_len,
+                                    weights.head_dim, dtype=dtype, device=device)
+        return num_slots
+
+    def _prefill(self, prompts: list[list[int]], admitted: list[SequenceSlot]) -> None:
+        """Prefill each distinct admitted prompt once (chunked by token budget), then draw first tokens."""
+        run, state = self._run, self._run["state"]
+        device = state.done.device
+        by_prompt: dict[int, list[int]] = {}
+        for sequence in admitted:
+            by_prompt.setdefault(sequence.prompt_index, []).append(sequence.slot)
+        order = sorted(by_prompt, key=lambda p: len(prompts[p]))  # similar lengths share a chunk: less padding
+        chunk: list[int] = []
+        for prompt_index in order + [None]:
+            longest = max((len(prompts[p]) for p in chunk), default=0)
+            if prompt_index is not None:
+                grown = max(longest, len(prompts[prompt_index])) * (len(chunk) + 1)
+                if not chunk or grown <= self.max_prefill_tokens:
+                    chunk.append(prompt_index)
+                    continue
+            self._prefill_chunk(prompts, chunk, by_prompt, device)
+            chunk = [prompt_index]
+
+    def _prefill_chunk(self, prompts, chunk: list[int], by_prompt: dict[int, list[int]], device) -> None:
+        run, state = self._run, self._run["state"]
+        length = max(len(prompts[p]) for p in chunk)
+        input_ids = torch.zeros(len(chunk), length, dtype=torch.long)
+        for row, prompt_index in enumerate(chunk):
+            input_ids[row, : len(prompts[prompt_index])] = torch.tensor(prompts[prompt_index])
+        lengths = torch.tensor([len(prompts[p]) for p in chunk])
+        rows = [row for row, p in enumerate(chunk) for _ in by_prompt[p]]
+        slots = [slot for p in chunk for slot in by_prompt[p]]
+        rows_t, slots_t = torch.tensor(rows, device=device), torch.tensor(slots, device=device)
+        logits = prefill(run["weights"], self.kv_cache, run["cos"], run["sin"], input_ids.to(device),
+                         lengths.to(device), rows_t, slots_t)
+        uniforms = torch.rand(len(slots), generator=run["generator"], device=device)
+        tokens, logprobs = sample(logits[rows_t], run["settings"], uniforms)
+        state.last_token[slots_t] = tokens
+        state.prompt_len[slots_t] = lengths.to(device)[rows_t]
+        state.gen_len[slots_t] = 1
+        state.out_tokens[slots_t, 0] = tokens
+        state.out_logprobs[slots_t, 0] = logprobs
+        state.done[slots_t] = state.is_stop(tokens) | (state.max_new_tokens <= 1)
+
+    def _decode_step(self, batch: int) -> None:
+        """Forward + sample + bookkeeping for slots 0..batch-1, entirely on device (graph-capturable)."""
+        run, state = self._run, self._run["state"]
+        positions = state.prompt_len[:batch] + state.gen_len[:batch] - 1
+        logits = decode_logits(run["weights"], self.kv_cache, run["cos"], run["sin"],
+                               state.last_token[:batch], positions)
+        tokens, logprobs = sample(logits, run["settings"], state.uniforms[:batch])
+        live = ~state.done[:batch]
+        rows = torch.arange(batch, device=tokens.device)
+        column = state.gen_len[:batch].clamp(max=state.max_new_tokens - 1)
+        state.out_tokens[rows, column] = torch.where(live, tokens, state.out_tokens[rows, column])
+        state.out_logprobs[rows, column] = torch.where(live, logprobs, state.out_logprobs[rows, column])
+        state.last_token[:batch] = torch.where(live, tokens, state.last_token[:batch])
+        new_len = state.gen_len[:batch] + live.long()
+        state.gen_len[:batch] = new_len
+        state.done[:batch] |= live & (state.is_stop(tokens) | (new_len >= state.max_new_tokens))
+
+    def _step(self, batch: int) -> None:
+        run = self._run
+        if not run["settings"].greedy:
+            run["state"].uniforms[:batch].uniform_(generator=run["generator"])
+        if not (self.use_cuda_graphs and self.kv_cache.is_cuda):
+            self._decode_step(batch)
+            return
+        graph = self._graphs.get(batch)
+        if graph is not None:
+            graph.replay()
+            return
+        # First step at this batch size: run it for real on a side stream (the warm-up the CUDA graph
+        # docs ask for), then capture the same step for the following replays.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._decode_step(batch)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            self._decode_step(batch)
+        self._graph_pool = graph.pool()
+        self._graphs[batch] = graph
+
+    def _steps_until_sync(self, scheduler: Scheduler, state: _DecodeState, params: SamplingParams) -> int:
+        """Decode steps before the next host check: at most sync_every, and no later than a length limit."""
+        remaining = [params.max_new_tokens - self._host_len.get(slot, 1) for slot in scheduler.live]
+        return max(0, min([self.sync_every] + remaining))
+
+    def _sync(self, scheduler: Scheduler, params: SamplingParams, results: list) -> None:
+        """Harvest finished sequences (and those cut by a stop string) and free their slots."""
+        state = self._run["state"]
+        batch = max(scheduler.live) + 1 if scheduler.live else 0
+        if batch == 0:
+            return
+        done = state.done[:batch].tolist()
+        gen_len = state.gen_len[:batch].tolist()
+        self._host_len = {slot: gen_len[slot] for slot in scheduler.live}
+        check_strings = bool(params.stop_strings)
+        if not (any(done[s] for s in scheduler.live) or check_strings):
+            return
+        tokens = state.out_tokens[:batch].tolist()
+        logprobs = state.out_logprobs[:batch].tolist()
+        stop_set = set(state.stop_ids.tolist())
+        cut_slots = []
+        for slot in list(scheduler.live):
+            length = gen_len[slot]
+            response = tokens[slot][:length]
+            reason = None
+            if check_strings:
+                cut = find_stop_string(self.tokenizer, response, params.stop_strings)
+                if cut is not None:
+                    length, reason = cut, "stop"
+                    cut_slots.append(slot)
+            if reason is None and done[slot]:
+                reason = "stop" if response[-1] in stop_set else "length"
+            if reason is None:
+                continue
+            sequence = scheduler.finish(slot)
+            self._host_len.pop(slot, None)
+            results[sequence.index] = Generation(sequence.prompt_index, response[:length], logprobs[slot][:length], reason)
+        if cut_slots:
+            state.done[torch.tensor(cut_slots, device=state.done.device)] = True
+
+    def _compact(self, scheduler: Scheduler) -> None:
+        moves = scheduler.compaction_moves()
+        if not moves:
+            return
+        state = self._run["state"]
+        device = state.done.device
+        source = torch.tensor([s for s, _ in moves], device=device)
+        destination = torch.tensor([d for _, d in moves], device=device)
+        self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]
+        for tensor in state.per_slot():
+            tensor[destination] = tensor[source]
+        state.done[source] = True
+        mapping = dict(moves)
+        self._host_len = {mapping.get(slot, slot): length for slot, length in self._host_len.items()}

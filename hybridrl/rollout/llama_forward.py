@@ -1,0 +1,253 @@
+"""Forward pass of the Llama family, written over a Hugging Face model's own parameter tensors.
+
+The built-in engine never copies weights: `resolve_weights` collects references to the tensors of
+`model.model.layers[i]...` (the very tensors the optimizer updates), and `prefill` / `decode_logits`
+are plain functions of those references and a slot-based KV cache. Covered: Llama 2/3, Qwen2/2.5
+(q/k/v bias), Qwen3 (per-head q/k RMSNorm), Mistral; grouped-query attention; tied embeddings; the
+RoPE variants those configs use, taken from the model's own rotary module so they are not
+re-derived here.
+
+KV cache layout: one tensor `(num_layers, 2, num_slots, num_kv_heads, max_len, head_dim)`, so a slot's
+keys for one layer are a contiguous `(num_kv_heads, max_len, head_dim)` block and moving a sequence
+between slots is one indexing op. Decode attention folds the query heads that share a KV head into
+the query-length axis (`(B, kv_heads, group, head_dim)`), which turns GQA decode into plain attention
+with a per-slot length mask and no repeated keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# RoPE types whose frequencies do not depend on the current sequence length (dynamic NTK and
+# longrope rescale as the sequence grows, which a precomputed table cannot reproduce).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass
+class LayerWeights:
+    """References (not copies) to one decoder layer's tensors; biases and q/k norms may be None."""
+
+    input_norm: torch.Tensor
+    q_weight: torch.Tensor
+    q_bias: torch.Tensor | None
+    k_weight: torch.Tensor
+    k_bias: torch.Tensor | None
+    v_weight: torch.Tensor
+    v_bias: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_weight: torch.Tensor
+    up_weight: torch.Tensor
+    down_weight: torch.Tensor
+    act_fn: object
+
+
+@dataclass
+class ModelWeights:
+    """Everything the forward functions read, plus the static shapes they need."""
+
+    embed: torch.Tensor  # (V, hidden)
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor  # (V, hidden); the same tensor as `embed` when embeddings are tied
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    sliding_window: int | None
+
+
+def _rope_type(config) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type", "default")) or "default"
+
+
+def _sliding_window(config) -> int | None:
+    if config.model_type == "mistral":
+        return getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    if "sliding_attention" in layer_types:
+        return getattr(config, "sliding_window", None)
+    return None
+
+
+def supports(model) -> tuple[bool, str]:
+    """Whether the built-in engine can run `model`; the reason is one line for the trainer's log."""
+    if hasattr(model, "peft_config") or type(model).__name__.startswith("Peft"):
+        return False, "model is wrapped by peft (LoRA adapters); the built-in engine does not apply adapters yet"
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return False, f"model_type {model_type!r} is not in the built-in engine's family {SUPPORTED_MODEL_TYPES}"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+        return False, f"{type(model).__name__} is not a *ForCausalLM with .model.layers and .lm_head"
+    rope_type = _rope_type(config)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        return False, f"RoPE type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        return False, f"hidden_act {config.hidden_act!r} is not silu"
+    if not hasattr(inner, "rotary_emb"):
+        return False, "model has no shared rotary embedding module (model.model.rotary_emb)"
+    weight = model.lm_head.weight
+    if not weight.is_floating_point() or weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return False, f"weights of dtype {weight.dtype} (quantized?) are not supported"
+    return True, "ok"
+
+
+def _bias(linear) -> torch.Tensor | None:
+    return linear.bias if getattr(linear, "bias", None) is not None else None
+
+
+def resolve_weights(model) -> ModelWeights:
+    """Collect references to the model's tensors; call again whenever modules may have been replaced."""
+    ok, reason = supports(model)
+    if not ok:
+        raise ValueError(f"the built-in rollout engine cannot run this model: {reason}; use rollout.backend=hf.")
+    config, inner = model.config, model.model
+    layers = []
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        layers.append(LayerWeights(
+            input_norm=layer.input_layernorm.weight,
+            q_weight=attn.q_proj.weight, q_bias=_bias(attn.q_proj),
+            k_weight=attn.k_proj.weight, k_bias=_bias(attn.k_proj),
+            v_weight=attn.v_proj.weight, v_bias=_bias(attn.v_proj),
+            o_weight=attn.o_proj.weight, o_bias=_bias(attn.o_proj),
+            q_norm=q_norm.weight if q_norm is not None else None,
+            k_norm=k_norm.weight if k_norm is not None else None,
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_weight=mlp.gate_proj.weight, up_weight=mlp.up_proj.weight, down_weight=mlp.down_proj.weight,
+            act_fn=mlp.act_fn,
+        ))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return ModelWeights(
+        embed=inner.embed_tokens.weight, layers=layers, final_norm=inner.norm.weight,
+        lm_head=model.lm_head.weight, num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads, head_dim=head_dim, rms_eps=config.rms_norm_eps,
+        sliding_window=_sliding_window(config),
+    )
+
+
+def rope_table(model, max_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (max_len, head_dim) from the model's own rotary module (incl. attention scaling)."""
+    rotary = model.model.rotary_emb
+    positions = torch.arange(max_len, device=device)[None]
+    probe = torch.empty(0, device=device, dtype=dtype)
+    cos, sin = rotary(probe, positions)
+    return cos[0].contiguous(), sin[0].contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same arithmetic as HF's LlamaRMSNorm: normalize in float32, cast back, then scale."""
+    input_dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(input_dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def _qkv(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos, sin):
+    """Projections + q/k norm + RoPE. h: (..., hidden) -> q (..., H, D), k/v (..., Hkv, D)."""
+    shape = h.shape[:-1]
+    q = F.linear(h, lw.q_weight, lw.q_bias).view(*shape, w.num_heads, w.head_dim)
+    k = F.linear(h, lw.k_weight, lw.k_bias).view(*shape, w.num_kv_heads, w.head_dim)
+    v = F.linear(h, lw.v_weight, lw.v_bias).view(*shape, w.num_kv_heads, w.head_dim)
+    if lw.q_norm is not None:
+        q = rms_norm(q, lw.q_norm, w.rms_eps)
+        k = rms_norm(k, lw.k_norm, w.rms_eps)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+
+
+def _mlp(lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    return F.linear(lw.act_fn(F.linear(h, lw.gate_weight)) * F.linear(h, lw.up_weight), lw.down_weight)
+
+
+def prefill(
+    w: ModelWeights,
+    kv_cache: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    source_rows: torch.Tensor,
+    dest_slots: torch.Tensor,
+) -> torch.Tensor:
+    """Run right-padded prompts once and copy their keys/values into every slot that shares them.
+
+    input_ids (P, L) right-padded; lengths (P,); source_rows/dest_slots (Q,): slot dest_slots[j]
+    receives the KV of prompt row source_rows[j] (the n samples of a prompt share one row).
+    Returns float32 logits at each prompt's last token, (P, V).
+    """
+    num_prompts, length = input_ids.shape
+    if w.sliding_window is not None and length > w.sliding_window:
+        raise ValueError(f"prompt of {length} tokens exceeds the model's sliding window {w.sliding_window}.")
+    h = F.embedding(input_ids, w.embed)  # (P, L, hidden)
+    cos, sin = cos_table[:length], sin_table[:length]
+    group = w.num_heads // w.num_kv_heads
+    for layer_index, lw in enumerate(w.layers):
+        residual = h
+        q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (P, heads, L, D)
+        kv_cache[layer_index, 0, dest_slots, :, :length] = k[source_rows]
+        kv_cache[layer_index, 1, dest_slots, :, :length] = v[source_rows]
+        # Right padding: a real token only attends to earlier real tokens, so is_causal is enough.
+        attn = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), is_causal=True
+        )
+        attn = attn.transpose(1, 2).reshape(num_prompts, length, w.num_heads * w.head_dim)
+        h = residual + F.linear(attn, lw.o_weight, lw.o_bias)
+        h = h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
+    last = h[torch.arange(num_prompts, device=h.device), lengths - 1]  # (P, hidden)
+    return F.linear(rms_norm(last, w.final_norm, w.rms_eps), w.lm_head).float()
+
+
+def decode_logits(
+    w: ModelWeights,
+    kv_cache: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step for slots 0..B-1: feed `tokens` (B,) at `positions` (B,), write their KV, return
+    logits (B, V) in the model dtype. Shapes are static and nothing syncs with the host (graph-safe)."""
+    batch = tokens.shape[0]
+    max_len = kv_cache.shape[4]
+    group = w.num_heads // w.num_kv_heads
+    slots = torch.arange(batch, device=tokens.device)
+    key_positions = torch.arange(max_len, device=tokens.device)
+    visible = key_positions[None, :] <= positions[:, None]  # (B, max_len)
+    if w.sliding_window is not None:
+        visible &= key_positions[None, :] > positions[:, None] - w.sliding_window
+    mask = visible[:, None, None, :]  # (B, 1, 1, max_len)
+    cos, sin = cos_table[positions], sin_table[positions]  # (B, D)
+    h = F.embedding(tokens, w.embed)  # (B, hidden)
+    for layer_index, lw in enumerate(w.layers):
+        residual = h
+        q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)  # (B, heads, D)
+        keys, values = kv_cache[layer_index, 0, :batch], kv_cache[layer_index, 1, :batch]
+        keys[slots, :, positions] = k
+        values[slots, :, positions] = v
+        q = q.view(batch, w.num_kv_heads, group, w.head_dim)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, Hkv, group, D)
+        h = residual + F.linear(attn.reshape(batch, -1), lw.o_weight, lw.o_bias)
+        h = h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
+    return F.linear(rms_norm(h, w.final_norm, w.rms_eps), w.lm_head)

@@ -1,0 +1,110 @@
+"""Continuous-batching bookkeeping in pure Python: which sequence sits in which KV slot.
+
+No tensors here (the runner in `builtin.py` owns them). Sequences wait in prompt-major order; free
+slots are handed out lowest-first, so the live sequences stay packed at the front and a decode step
+only has to run over slots `0..batch-1`. When nothing is waiting and the live sequences have thinned
+out, `compaction_moves` proposes moving the ones in high slots down so that a smaller batch-size
+bucket (a smaller CUDA graph) covers them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass
+class SequenceSlot:
+    """One response being generated: output position `index` (prompt-major) of prompt `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    slot: int = -1
+
+
+def batch_buckets(num_slots: int) -> list[int]:
+    """Batch sizes a decode step may run with: powers of two below `num_slots`, then `num_slots`."""
+    buckets, size = [], 1
+    while size < num_slots:
+        buckets.append(size)
+        size *= 2
+    return buckets + [num_slots]
+
+
+class Scheduler:
+    """Admits waiting sequences into free slots and frees slots of finished ones."""
+
+    def __init__(self, prompt_indices: list[int], num_slots: int) -> None:
+        self.waiting = deque(SequenceSlot(i, p) for i, p in enumerate(prompt_indices))
+        self.num_slots = num_slots
+        self.buckets = batch_buckets(num_slots)
+        self.free_slots = list(range(num_slots))  # a min-heap
+        self.live: dict[int, SequenceSlot] = {}  # slot -> sequence
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.live)
+
+    def admit(self) -> list[SequenceSlot]:
+        """Move as many waiting sequences as there are free slots into the lowest free slots."""
+        admitted = []
+        while self.waiting and self.free_slots:
+            sequence = self.waiting.popleft()
+            sequence.slot = heapq.heappop(self.free_slots)
+            self.live[sequence.slot] = sequence
+            admitted.append(sequence)
+        return admitted
+
+    def finish(self, slot: int) -> SequenceSlot:
+        sequence = self.live.pop(slot)
+        heapq.heappush(self.free_slots, slot)
+        return sequence
+
+    def batch_size(self) -> int:
+        """The smallest bucket that covers every live slot."""
+        if not self.live:
+            return 0
+        return self.buckets[bisect.bisect_left(self.buckets, max(self.live) + 1)]
+
+    def compaction_moves(self) -> list[tuple[int, int]]:
+        """(source, destination) slot pairs that pack live sequences into a smaller bucket; may be empty."""
+        if self.waiting or not self.live:
+            return []
+        target = self.buckets[bisect.bisect_left(self.buckets, len(self.live))]
+        if target >= self.batch_size():
+            return []
+        sources = sorted(slot for slot in self.live if slot >= target)
+        destinations = sorted(slot for slot in self.free_slots if slot < target)[: len(sources)]
+        moves = list(zip(sources, destinations))
+        for source, destination in moves:
+            sequence = self.live.pop(source)
+            sequence.slot = destination
+            self.live[destination] = sequence
+            self.free_slots.remove(destination)
+            self.free_slots.append(source)
+        heapq.heapify(self.free_slots)
+        return moves
+
+
+def find_stop_string(tokenizer, tokens: list[int], stop_strings: list[str]) -> int | None:
+    """How many response tokens to keep: the shortest prefix whose text contains a stop string.
+
+    None when the decoded response contains none. The prefix ends with the token that completes the
+    stop string, so the string itself stays in the response (as the stop token does).
+    """
+    def contains(length: int) -> bool:
+        text = tokenizer.decode(tokens[:length])
+        return any(stop in text for stop in stop_strings)
+
+    if not tokens or not contains(len(tokens)):
+        return None
+    low, high = 1, len(tokens)  # contains(high) holds; find the smallest such length
+    while low < high:
+        middle = (low + high) // 2
+        if contains(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low

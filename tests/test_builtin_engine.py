@@ -1,0 +1,236 @@
+"""Built-in rollout engine vs Hugging Face on tiny random Llama / Qwen2 / Qwen3 / Mistral models (CPU, float32)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.builtin import BuiltinBackend
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, bos_token_id=None,
+            eos_token_id=None, pad_token_id=None, initializer_range=0.2)
+FAMILIES = {
+    "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
+    "llama3-rope": lambda: LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32)),
+    "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),  # q/k/v bias
+    "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),  # q/k RMSNorm
+    "mistral": lambda: MistralConfig(**TINY),
+}
+PROMPTS = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20]]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: intra-op threading only adds synchronisation overhead (10x slower on 2 cores)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def make_model(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(FAMILIES[family]()).float().eval()
+    # HF initialises biases to 0 and norms to 1; randomise them so they are actually exercised.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.3)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    output = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                            pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return output[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / T) of each response token under one HF forward pass: (len(response),)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+def next_token_logits(model, sequence: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([sequence])).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_matches_hf_generate_and_forward_logprobs(family):
+    model = make_model(family)
+    outputs = BuiltinBackend(model).generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0))
+    assert [g.prompt_index for g in outputs] == list(range(len(PROMPTS)))
+    for prompt, generation in zip(PROMPTS, outputs):
+        assert generation.token_ids == hf_greedy(model, prompt, 16)
+        assert generation.finish_reason == "length"
+        reference = hf_logprobs(model, prompt, generation.token_ids)
+        torch.testing.assert_close(torch.tensor(generation.logprobs), reference, atol=1e-4, rtol=0)
+
+
+def test_greedy_with_eos_stops_like_hf():
+    model = make_model("qwen2")
+    free_run = BuiltinBackend(model).generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0))
+    eos = free_run[0].token_ids[5]  # a token greedy decoding does produce, so some responses stop early
+    model.generation_config.eos_token_id = eos
+    outputs = BuiltinBackend(model).generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0))
+    for prompt, generation in zip(PROMPTS, outputs):
+        expected = hf_greedy(model, prompt, 16)
+        if eos in expected:  # HF pads after eos
+            expected = expected[: expected.index(eos) + 1]
+        assert generation.token_ids == expected
+        assert generation.finish_reason == ("stop" if expected[-1] == eos else "length")
+    assert outputs[0].finish_reason == "stop" and len(outputs[0].token_ids) <= 6
+    forced = BuiltinBackend(model).generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
+    assert [g.token_ids for g in forced] == [g.token_ids for g in free_run]
+
+
+def test_sampled_frequencies_match_softmax():
+    model = make_model("llama")
+    prompt, temperature, num_samples = [5, 6, 7], 0.7, 6000
+    outputs = BuiltinBackend(model).generate(
+        [prompt], SamplingParams(max_new_tokens=1, temperature=temperature, n=num_samples, seed=1))
+    counts = torch.bincount(torch.tensor([g.token_ids[0] for g in outputs]), minlength=128).double()
+    logits = next_token_logits(model, prompt).double()
+    expected = torch.softmax(logits / temperature, -1) * num_samples
+    # Pearson chi-square over tokens with enough expected mass (the rest pooled into one cell).
+    big = expected >= 5
+    observed_cells = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected_cells = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expected_cells > 0
+    chi2 = (((observed_cells - expected_cells) ** 2) / expected_cells)[keep].sum().item()
+    dof = int(keep.sum()) - 1
+    bound = dof + 5 * math.sqrt(2 * dof)  # ~5 sigma of the chi-square distribution
+    assert chi2 < bound, (chi2, dof)
+    # The test can fail: the same counts against the wrong temperature are rejected.
+    wrong = torch.softmax(logits / 1.0, -1) * num_samples
+    wrong_cells = torch.cat([wrong[big], wrong[~big].sum()[None]])
+    assert (((observed_cells - wrong_cells) ** 2) / wrong_cells)[keep].sum().item() > bound
+    # Returned log-probs are the unfiltered tempered log-softmax.
+    first = outputs[0]
+    assert abs(first.logprobs[0] - torch.log_softmax(logits / temperature, -1)[first.token_ids[0]].item()) < 1e-4
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=3), dict(top_p=0.6), dict(min_p=0.3), dict(top_k=5, top_p=0.5)])
+def test_filters_never_sample_outside_the_allowed_set(filters):
+    model = make_model("qwen3")
+    temperature, prompt = 1.3, [8, 9, 10]
+    params = SamplingParams(max_new_tokens=3, temperature=temperature, n=150, seed=3, **filters)
+    outputs = BuiltinBackend(model).generate([prompt], params)
+    allowed_cache: dict[tuple, set] = {}
+    for generation in outputs:
+        for position, token in enumerate(generation.token_ids):
+            prefix = tuple(prompt + generation.token_ids[:position])
+            if prefix not in allowed_cache:
+                probs = torch.softmax(next_token_logits(model, list(prefix)) / temperature, -1)
+                allowed_cache[prefix] = allowed_set(probs, **filters)
+            assert token in allowed_cache[prefix], (filters, position, token)
+        torch.testing.assert_close(torch.tensor(generation.logprobs),
+                                   hf_logprobs(model, prompt, generation.token_ids, temperature), atol=1e-4, rtol=0)
+    assert len({tuple(g.token_ids) for g in outputs}) > 1  # it did sample
+
+
+def allowed_set(probs: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> set[int]:
+    """Reference filter, written independently: top-k, then nucleus (renormalised), then min-p."""
+    order = torch.argsort(probs, descending=True).tolist()
+    keep = order[:top_k] if top_k else order
+    mass = sum(probs[i].item() for i in keep)
+    nucleus, total = [], 0.0
+    for i in keep:
+        nucleus.append(i)
+        total += probs[i].item() / mass
+        if total >= top_p - 1e-6:
+            break
+    largest = probs[nucleus[0]].item()
+    return {i for i in nucleus if probs[i].item() >= min_p * largest - 1e-7}
+
+
+class LetterTokenizer:
+    """Token t decodes to one letter, so a stop string of two letters spans two tokens."""
+
+    def decode(self, tokens: list[int]) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in tokens)
+
+
+def test_stop_strings_truncate_after_the_completing_token():
+    model = make_model("qwen2")
+    tokenizer = LetterTokenizer()
+    free_run = BuiltinBackend(model).generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=0))
+    stop = tokenizer.decode(free_run[1].token_ids[6:8])
+    outputs = BuiltinBackend(model, tokenizer=tokenizer, sync_every=3).generate(
+        PROMPTS, SamplingParams(max_new_tokens=20, temperature=0, stop_strings=[stop, "@@"]))
+    for full, generation in zip(free_run, outputs):
+        text = tokenizer.decode(full.token_ids)
+        if stop in text:
+            cut = text.index(stop) + len(stop)
+            assert generation.token_ids == full.token_ids[:cut]
+            assert generation.logprobs == pytest.approx(full.logprobs[:cut], abs=1e-5)
+            assert generation.finish_reason == "stop"
+        else:
+            assert generation.token_ids == full.token_ids and generation.finish_reason == "length"
+    assert outputs[1].finish_reason == "stop" and len(outputs[1].token_ids) <= 8
+    with pytest.raises(ValueError, match="tokenizer"):
+        BuiltinBackend(model).generate(PROMPTS, SamplingParams(stop_strings=["x"]))
+
+
+def test_continuous_batching_matches_one_big_batch():
+    model = make_model("llama")
+    prompts = [[i + 1, i + 2, i + 3][: 1 + i % 3] for i in range(10)]
+    free_run = BuiltinBackend(model).generate(prompts, SamplingParams(max_new_tokens=12, temperature=0))
+    model.generation_config.eos_token_id = free_run[0].token_ids[3]  # uneven lengths: slots free up mid-run
+    params = SamplingParams(max_new_tokens=12, temperature=0, n=2)
+    big = BuiltinBackend(model).generate(prompts, params)
+    small_engine = BuiltinBackend(model, max_num_seqs=3, sync_every=2)
+    small = small_engine.generate(prompts, params)
+    assert small_engine.last_stats["num_slots"] == 3 and small_engine.last_stats["prefill_waves"] >= 5
+    assert [g.token_ids for g in small] == [g.token_ids for g in big]
+    assert [g.finish_reason for g in small] == [g.finish_reason for g in big]
+    assert {g.finish_reason for g in big} == {"stop", "length"}
+    for a, b in zip(small, big):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    # A KV budget in GiB too small for even one sequence is a clear error, not a crash.
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        BuiltinBackend(model, kv_cache_memory=1e-9).generate(prompts, params)
+
+
+def test_engine_reads_parameters_in_place():
+    model = make_model("qwen3")
+    engine = BuiltinBackend(model)
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    before = [g.token_ids for g in engine.generate(PROMPTS, params)]
+    with torch.no_grad():  # what an optimizer step does: update the same tensors
+        model.model.layers[1].mlp.down_proj.weight.mul_(-3.0)
+        model.model.layers[0].self_attn.k_norm.weight.add_(0.5)
+    after = [g.token_ids for g in engine.generate(PROMPTS, params)]
+    assert after != before
+    assert after == [hf_greedy(model, p, 8) for p in PROMPTS]
+
+
+def test_seed_makes_sampling_reproducible():
+    model = make_model("qwen2")
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, n=4, seed=7)
+    first = BuiltinBackend(model).generate(PROMPTS, params)
+    second = BuiltinBackend(model).generate(PROMPTS, params)
+    assert [g.token_ids for g in first] == [g.token_ids for g in second]
+    assert len({tuple(g.token_ids) for g in first}) > 1
+
+
+def test_supports_names_the_reason():
+    ok, reason = BuiltinBackend.supports(make_model("qwen3"))
+    assert ok
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    ok, reason = BuiltinBackend.supports(gpt2)
+    assert not ok and "gpt2" in reason
+    with pytest.raises(ValueError, match="rollout.backend=hf"):
+        BuiltinBackend(gpt2)
+    dynamic = LlamaConfig(**TINY, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
+    ok, reason = BuiltinBackend.supports(AutoModelForCausalLM.from_config(dynamic))
+    assert not ok and "dynamic" in reason
