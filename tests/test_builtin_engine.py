@@ -234,3 +234,32 @@ def test_supports_names_the_reason():
     dynamic = LlamaConfig(**TINY, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
     ok, reason = BuiltinBackend.supports(AutoModelForCausalLM.from_config(dynamic))
     assert not ok and "dynamic" in reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_cuda_graphs_match_eager_and_hf(family):
+    model = make_model(family).cuda()
+    prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(9)]
+    greedy = SamplingParams(max_new_tokens=20, temperature=0, n=2)
+    graphed_engine = BuiltinBackend(model, max_num_seqs=5, sync_every=3)
+    graphed = graphed_engine.generate(prompts, greedy)
+    assert graphed_engine.last_stats["graphs_captured"] >= 1
+    eager = BuiltinBackend(model, use_cuda_graphs=False).generate(prompts, greedy)
+    assert [g.token_ids for g in graphed] == [g.token_ids for g in eager]
+    for generation in graphed[::2]:
+        prompt = prompts[generation.prompt_index]
+        output = model.generate(torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=20,
+                                pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"))
+        assert generation.token_ids == output[0, len(prompt):].tolist()
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, n=3, seed=5)
+    graphed = BuiltinBackend(model, max_num_seqs=4).generate(prompts, sampled)
+    eager = BuiltinBackend(model, max_num_seqs=4, use_cuda_graphs=False).generate(prompts, sampled)
+    assert [g.token_ids for g in graphed] == [g.token_ids for g in eager]
+    for generation in graphed[:6]:
+        prompt = prompts[generation.prompt_index]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + generation.token_ids], device="cuda")).logits[0, len(prompt) - 1 : -1]
+        reference = torch.log_softmax(logits.float() / 0.9, -1).gather(1, torch.tensor(generation.token_ids, device="cuda")[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(generation.logprobs), reference.cpu(), atol=1e-4, rtol=0)

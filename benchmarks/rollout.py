@@ -1,0 +1,216 @@
+"""Rollout throughput: the built-in engine vs Hugging Face `generate` on the grpo-0.5b shape, with the floor.
+
+    python benchmarks/rollout.py            # 64 prompts x n=8, prompt 256, response 256 forced; HF on 128 seqs
+    python benchmarks/rollout.py --quick    # a smaller run that finishes in well under a minute
+
+The model is Qwen2-0.5B-shaped (hidden 896, intermediate 4864, 24 layers, 14 heads, 2 KV heads, vocab
+151936, tied embeddings), random init, bf16. Responses are forced to full length (`ignore_eos`) and
+sampled at temperature 1 (top-p 1, top-k off), as in GRPO. HF `generate` runs on fewer sequences
+(`--hf-sequences`) because it is slow; both report generated tokens per second.
+
+The floor is computed, not measured: every decode step must read the weights once and each sequence's
+keys/values for its current context (no prefix-shared attention assumed), and must do 2 * params
+FLOPs per token; a step costs max(bytes / bandwidth, flops / peak). Prefill costs 2 * params FLOPs
+per distinct prompt token. Defaults are the H200 figures from DESIGN.md (4.2 TB/s, 785 TFLOP/s).
+Prints a short table last; writes JSON to $OUT/rollout_benchmark.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.builtin import BuiltinBackend
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=64, help="distinct prompts")
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--response-len", type=int, default=256)
+    parser.add_argument("--hf-sequences", type=int, default=128, help="sequences for HF generate (0 skips it)")
+    parser.add_argument("--agreement-sequences", type=int, default=64, help="greedy sequences compared with HF")
+    parser.add_argument("--agreement-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2, help="timed engine runs (the best is reported)")
+    parser.add_argument("--kv-cache-memory", type=float, default=0.3)
+    parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
+    parser.add_argument("--peak-tflops", type=float, default=785.0)
+    parser.add_argument("--quick", action="store_true", help="16 prompts x 8, response 64, HF on 32 sequences")
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print the top kernels of one engine run")
+    args = parser.parse_args()
+    if args.quick:
+        args.prompts, args.response_len, args.hf_sequences, args.agreement_sequences = 16, 64, 32, 16
+    return args
+
+
+def build_model(device: str):
+    config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         max_position_embeddings=32768, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_engine(engine: BuiltinBackend, prompts, params, repeats: int) -> dict:
+    engine.generate(prompts[:4], SamplingParams(max_new_tokens=8, n=2, ignore_eos=True))  # warm kernels up
+    best, outputs, peak = float("inf"), None, 0
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        sync()
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, params)
+        sync()
+        best = min(best, time.perf_counter() - start)
+        peak = max(peak, torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0)
+    tokens = sum(len(g.token_ids) for g in outputs)
+    return dict(seconds=best, tokens=tokens, tokens_per_s=tokens / best, peak_gib=peak / 2**30,
+                stats=engine.last_stats, outputs=outputs)
+
+
+def time_hf(model, prompts, num_sequences: int, response_len: int, device: str) -> dict:
+    n = max(1, num_sequences // len(prompts)) if num_sequences >= len(prompts) else 1
+    batch = [p for p in prompts for _ in range(n)][:num_sequences]
+    input_ids = torch.tensor(batch, device=device)
+    kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0)
+    model.generate(input_ids[:2], attention_mask=torch.ones_like(input_ids[:2]), max_new_tokens=4, **kwargs)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    start = time.perf_counter()
+    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=response_len,
+                            min_new_tokens=response_len, **kwargs)
+    sync()
+    seconds = time.perf_counter() - start
+    tokens = (output.shape[1] - input_ids.shape[1]) * output.shape[0]
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    return dict(sequences=len(batch), seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds, peak_gib=peak / 2**30)
+
+
+def greedy_agreement(model, engine: BuiltinBackend, prompts, num_tokens: int, device: str) -> dict:
+    ours = engine.generate(prompts, SamplingParams(max_new_tokens=num_tokens, temperature=0, ignore_eos=True))
+    input_ids = torch.tensor(prompts, device=device)
+    reference = model.generate(input_ids, do_sample=False, max_new_tokens=num_tokens, pad_token_id=0,
+                               attention_mask=torch.ones_like(input_ids))[:, input_ids.shape[1]:].tolist()
+    prefix = []
+    for mine, theirs in zip(ours, reference):
+        same = next((i for i, (a, b) in enumerate(zip(mine.token_ids, theirs)) if a != b), num_tokens)
+        prefix.append(same)
+    return dict(sequences=len(prompts), all_equal_fraction=sum(p == num_tokens for p in prefix) / len(prefix),
+                mean_matching_prefix=sum(prefix) / len(prefix), tokens=num_tokens)
+
+
+def logprob_mismatch(model, prompts, outputs, num_sequences: int, device: str) -> dict:
+    """Engine log-probs vs a bf16 HF forward pass over the same sampled tokens (what the trainer computes)."""
+    diffs = []
+    for generation in outputs[:num_sequences]:
+        prompt = prompts[generation.prompt_index]
+        ids = torch.tensor([prompt + generation.token_ids], device=device)
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        reference = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt):, None])[:, 0]
+        diffs.append(torch.tensor(generation.logprobs, device=device) - reference)
+    diff = torch.cat(diffs)  # sampler - trainer
+    kl = (torch.exp(-diff) - 1 + diff).mean()  # k3 estimate of KL(sampler || trainer)
+    return dict(sequences=len(diffs), mean_abs=diff.abs().mean().item(), max_abs=diff.abs().max().item(),
+                kl_k3=kl.item())
+
+
+def floor(model, num_prompts: int, n: int, prompt_len: int, response_len: int, bandwidth: float, peak: float) -> dict:
+    config = model.config
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_bytes_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
+    sequences = num_prompts * n
+    prefill = max(2 * params * num_prompts * prompt_len / peak, weight_bytes / bandwidth)
+    decode = 0.0
+    for step in range(response_len - 1):  # the first token comes from the prefill logits
+        context = prompt_len + 1 + step
+        step_bytes = weight_bytes + sequences * context * kv_bytes_per_token
+        decode += max(step_bytes / bandwidth, 2 * params * sequences / peak)
+    seconds = prefill + decode
+    return dict(params=params, weight_gib=weight_bytes / 2**30, prefill_s=prefill, decode_s=decode, seconds=seconds,
+                tokens_per_s=sequences * response_len / seconds, kv_bytes_per_token=kv_bytes_per_token)
+
+
+def profile(engine: BuiltinBackend, prompts, params) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, params)
+        sync()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(device)
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len), generator=generator).tolist()
+    engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs)
+    params = SamplingParams(max_new_tokens=args.response_len, temperature=1.0, n=args.n, seed=0, ignore_eos=True)
+    print(f"engine: {args.prompts} prompts x n={args.n}, prompt {args.prompt_len}, response {args.response_len}", flush=True)
+    ours = time_engine(engine, prompts, params, args.repeats)
+    print(f"engine: {ours['seconds']:.3f} s, {ours['tokens_per_s']:.0f} tok/s, stats {ours['stats']}", flush=True)
+    if args.profile:
+        profile(engine, prompts, params)
+    mismatch = logprob_mismatch(model, prompts, ours.pop("outputs"), 32, device)
+    print(f"logprob mismatch: {mismatch}", flush=True)
+    agreement = greedy_agreement(model, engine, prompts[: args.agreement_sequences], args.agreement_tokens, device)
+    print(f"greedy agreement: {agreement}", flush=True)
+    hf = time_hf(model, prompts, args.hf_sequences, args.response_len, device) if args.hf_sequences else None
+    if hf:
+        print(f"hf generate: {hf}", flush=True)
+    bound = floor(model, args.prompts, args.n, args.prompt_len, args.response_len,
+                  args.bandwidth_tbs * 1e12, args.peak_tflops * 1e12)
+    result = dict(args=vars(args), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                  torch=torch.__version__, engine=ours, hf_generate=hf, floor=bound,
+                  percent_of_floor=100 * bound["seconds"] / ours["seconds"],
+                  speedup_vs_hf=ours["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
+                  greedy_agreement=agreement, logprob_mismatch=mismatch)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "rollout_benchmark.json"), "w") as handle:
+            json.dump(result, handle, indent=2, default=str)
+    print_table(result)
+
+
+def print_table(result: dict) -> None:
+    ours, hf, bound = result["engine"], result["hf_generate"], result["floor"]
+    rows = [("engine", f"{ours['tokens']}", f"{ours['seconds']:.3f}", f"{ours['tokens_per_s']:,.0f}", f"{ours['peak_gib']:.1f}")]
+    if hf:
+        rows.append((f"hf generate ({hf['sequences']} seqs)", f"{hf['tokens']}", f"{hf['seconds']:.3f}",
+                     f"{hf['tokens_per_s']:,.0f}", f"{hf['peak_gib']:.1f}"))
+    rows.append(("floor (computed)", f"{ours['tokens']}", f"{bound['seconds']:.3f}", f"{bound['tokens_per_s']:,.0f}", "-"))
+    print(f"\n{'':28} {'tokens':>8} {'seconds':>8} {'tok/s':>10} {'peak GiB':>9}")
+    for row in rows:
+        print(f"{row[0]:28} {row[1]:>8} {row[2]:>8} {row[3]:>10} {row[4]:>9}")
+    speedup = f"{result['speedup_vs_hf']:.1f}x" if result["speedup_vs_hf"] else "n/a"
+    agreement, mismatch = result["greedy_agreement"], result["logprob_mismatch"]
+    print(f"% of floor: {result['percent_of_floor']:.1f}   speedup vs HF: {speedup}   "
+          f"greedy first {agreement['tokens']} equal: {100 * agreement['all_equal_fraction']:.0f}% "
+          f"(mean prefix {agreement['mean_matching_prefix']:.1f})   "
+          f"logprob |diff| mean {mismatch['mean_abs']:.2e} max {mismatch['max_abs']:.2e}")
+
+
+if __name__ == "__main__":
+    main()
