@@ -1,0 +1,142 @@
+"""Builds what a run needs from its config: device, models, optimizers, rollout backend, rewards, data.
+
+Kept apart from the trainer so the loop holds no construction code, and so that every user error
+(an invisible device, a missing data file, a bad reward spec) surfaces here, before training starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from hybridrl.config import Config, ConfigError
+from hybridrl.data import PromptDataset
+from hybridrl.models import HFModel, ValueModel, load_hf_model, make_reference
+from hybridrl.optim import build_optimizer, build_scheduler
+from hybridrl.rewards import RewardComposer, WeightedReward, load_reward_function
+from hybridrl.rollout.base import RolloutBackend
+from hybridrl.rollout.hf import HFBackend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    device: torch.device
+    actor: nn.Module
+    tokenizer: Any
+    pad_token_id: int
+    reference: nn.Module | None
+    critic: ValueModel | None
+    actor_optimizer: torch.optim.Optimizer
+    actor_scheduler: Any
+    critic_optimizer: torch.optim.Optimizer | None
+    critic_scheduler: Any
+    rollout: RolloutBackend
+    rewards: RewardComposer
+    dataset: PromptDataset
+    eval_dataset: PromptDataset | None
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> cuda if visible else cpu; a CUDA device that is not visible is a clear error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        env = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={env!r})" if env is not None else ""
+        if visible == 0:
+            raise ConfigError(f"trainer.device={name!r} but no CUDA device is visible{where}; "
+                              "use trainer.device=cpu or auto.")
+        if device.index is not None and device.index >= visible:
+            raise ConfigError(f"trainer.device={name!r} but only {visible} CUDA device(s) are visible{where}; "
+                              f"use an index below {visible}.")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_rewards(config: Config, reward_fn: str | Callable | list | None, device: torch.device) -> RewardComposer:
+    if reward_fn is None:
+        if not config.reward.functions and not config.reward.reward_model:
+            raise ConfigError("no reward is configured; set reward.functions (e.g. [{fn: exact_match}]) "
+                              "or reward.reward_model, or pass reward_fn= in Python.")
+        return RewardComposer.from_config(config.reward, device=device)
+    items = reward_fn if isinstance(reward_fn, list) else [reward_fn]
+    rewards = []
+    for item in items:
+        fn = load_reward_function(item) if isinstance(item, str) else item
+        rewards.append(WeightedReward(getattr(fn, "__name__", str(item)), fn, 1.0))
+    return RewardComposer(rewards)
+
+
+def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torch.device) -> RolloutBackend:
+    """`auto` takes the built-in engine where it supports the model, with one line saying why not."""
+    backend = config.rollout.backend
+    if backend in ("auto", "builtin"):
+        try:
+            from hybridrl.rollout.builtin import BuiltinBackend, supports
+        except ImportError:
+            supported, reason = False, "the built-in engine is not available in this install"
+        else:
+            supported, reason = supports(actor)
+        if supported and (backend == "builtin" or device.type == "cuda"):
+            return BuiltinBackend(actor, tokenizer=tokenizer, kv_cache_memory=config.rollout.kv_cache_memory)
+        if backend == "builtin":
+            logger.warning("rollout.backend=builtin falls back to hf: %s", reason)
+    if backend == "vllm":
+        from hybridrl.rollout.vllm import VLLMBackend
+        return VLLMBackend(actor, tokenizer=tokenizer)
+    return HFBackend(actor, tokenizer, micro_batch_size=max(256, config.rollout_batch_size))
+
+
+def build_components(config: Config, actor: HFModel | None = None, reward_fn: Any = None,
+                     dataset: PromptDataset | None = None, eval_dataset: PromptDataset | None = None) -> Components:
+    device = resolve_device(config.trainer.device)
+    seed_everything(config.trainer.seed)
+    rewards = build_rewards(config, reward_fn, device)  # before models: cheap errors first
+    m = config.model
+    if actor is None:
+        actor = load_hf_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                              trust_remote_code=m.trust_remote_code, device=device,
+                              tokenizer_path=m.tokenizer_path, seed=config.trainer.seed)
+    model, tokenizer = actor
+    model.to(device)
+    if dataset is None:
+        if not config.data.train_path:
+            raise ConfigError("data.train_path is empty; point it at a .jsonl/.csv/.parquet file of prompts.")
+        dataset = PromptDataset.from_config(config.data, tokenizer, config.data.train_path, seed=config.trainer.seed)
+    if eval_dataset is None and config.data.eval_path:
+        eval_dataset = PromptDataset.from_config(config.data, tokenizer, config.data.eval_path, seed=config.trainer.seed)
+    if m.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    reference = make_reference(model) if config.algorithm.kl_coef > 0 else None
+    a, total = config.actor, config.trainer.total_steps
+    actor_optimizer = build_optimizer(model.parameters(), a.lr, a.weight_decay)
+    critic = critic_optimizer = critic_scheduler = None
+    if config.algorithm.name == "ppo":
+        critic_base = model if not config.critic.path else load_hf_model(config.critic.path, dtype=m.dtype, device=device).model
+        critic = ValueModel(make_reference(critic_base).requires_grad_(True)).to(device)
+        critic_optimizer = build_optimizer(critic.parameters(), config.critic.lr)
+        critic_scheduler = build_scheduler(critic_optimizer, config.critic.lr_schedule, config.critic.warmup_steps, total)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return Components(
+        device=device, actor=model, tokenizer=tokenizer, pad_token_id=pad_id, reference=reference, critic=critic,
+        actor_optimizer=actor_optimizer, actor_scheduler=build_scheduler(actor_optimizer, a.lr_schedule, a.warmup_steps, total),
+        critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
+        rollout=build_rollout(config, model, tokenizer, device), rewards=rewards, dataset=dataset,
+        eval_dataset=eval_dataset)

@@ -1,0 +1,39 @@
+"""Synthetic tasks with verifiable answers, for the CPU demo and the tests.
+
+`arithmetic`: prompts like "37+58=" whose answer is the decimal result. Files are JSONL with
+`prompt`, `answer` (ground truth for the `exact_match` reward) and `response` (the SFT target).
+Train and held-out splits never share a question.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+
+def arithmetic_problems(num: int, seed: int, max_operand: int = 99, operators: str = "+-") -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    rows, seen = [], set()
+    while len(rows) < num:
+        a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(operators)
+        if (a, op, b) in seen:
+            continue
+        seen.add((a, op, b))
+        answer = str(a + b if op == "+" else a - b if op == "-" else a * b)
+        rows.append({"prompt": f"{a}{op}{b}=", "answer": answer, "response": answer})
+    return rows
+
+
+def write_arithmetic_task(out_dir: str | Path, num_train: int = 20000, num_eval: int = 500, seed: int = 1234,
+                          max_operand: int = 99, operators: str = "+-") -> dict[str, Path]:
+    """Write train.jsonl and eval.jsonl (disjoint questions) under `out_dir`; returns their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = arithmetic_problems(num_train + num_eval, seed, max_operand, operators)
+    paths = {"train": out_dir / "train.jsonl", "eval": out_dir / "eval.jsonl"}
+    for split, part in (("train", rows[:num_train]), ("eval", rows[num_train:])):
+        with paths[split].open("w") as file:
+            for row in part:
+                file.write(json.dumps(row) + "\n")
+    return paths

@@ -1,0 +1,221 @@
+"""The RL loop: one controller whose `step()` reads like the algorithm.
+
+rollout -> score -> old/reference log-probs and values -> advantages -> update -> log. Everything
+model-specific lives in `components.py` (building models, backends, optimizers), the update
+epochs in `update.py`, and the math in `algorithms.py`.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from hybridrl import algorithms
+from hybridrl.batch import RolloutBatch, build_rollout_batch
+from hybridrl.components import Components, build_components
+from hybridrl.config import Config, load_config
+from hybridrl.data import PromptDataset
+from hybridrl.logprobs import response_logprobs
+from hybridrl.metrics import MetricsLogger
+from hybridrl.models import HFModel, save_hf_model
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.update import update_actor, update_critic
+
+
+class PhaseTimer:
+    """Wall time per phase (device-synchronised), reported as `timing/<phase>_s`."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+class RLTrainer:
+    """PPO/GRPO-family trainer. Build from a `Config` (or YAML path) plus keyword overrides.
+
+    `actor`, `reward_fn`, `dataset` and `eval_dataset` may be given as objects instead of through the
+    config (the Python API); anything left out is built from the config.
+    """
+
+    def __init__(self, config: Config | str | None = None, *, actor: HFModel | None = None,
+                 reward_fn: str | Callable | list | None = None, dataset: PromptDataset | None = None,
+                 eval_dataset: PromptDataset | None = None, **overrides: Any):
+        if not isinstance(config, Config):
+            config = load_config(config, **overrides)
+        elif overrides:
+            config = load_config(None, **{**config.to_dict(), **overrides})
+        self.config = config
+        self.parts: Components = build_components(config, actor=actor, reward_fn=reward_fn, dataset=dataset,
+                                                  eval_dataset=eval_dataset)
+        self.device = self.parts.device
+        self.step_count = 0
+        self.output_dir = Path(config.trainer.output_dir)
+        self.logger = MetricsLogger(self.output_dir, config.logging.sinks, config.trainer.total_steps,
+                                    config.logging.log_every)
+        self.sampler = self.parts.dataset.sampler(config.trainer.prompts_per_step)
+
+    # ------------------------------------------------------------------------------------------
+    # The loop
+
+    def train(self) -> list[dict[str, float]]:
+        """Run until `trainer.total_steps`, evaluating every `eval_every` steps; returns the metric history."""
+        cfg = self.config.trainer
+        if cfg.eval_every and self.parts.eval_dataset is not None and self.step_count == 0:
+            self.logger.log(0, self.evaluate())
+        while self.step_count < cfg.total_steps:
+            metrics = self.step()
+            done = self.step_count == cfg.total_steps
+            if cfg.eval_every and self.parts.eval_dataset is not None and (self.step_count % cfg.eval_every == 0 or done):
+                metrics.update(self.evaluate())
+            self.logger.log(self.step_count, metrics)
+        if cfg.save_model:
+            save_hf_model(self.parts.actor, self.parts.tokenizer, self.output_dir / "model")
+        self.logger.close()
+        return self.logger.history
+
+    def step(self) -> dict[str, float]:
+        """One rollout-and-update step."""
+        timer = PhaseTimer(self.device)
+        self.step_count += 1
+        prompts = self.parts.dataset.batch(next(self.sampler))
+        with timer("rollout"):
+            batch = self.rollout(prompts)
+        with timer("reward"):
+            reward_metrics = self.score(batch, prompts)
+        with timer("logprobs"):
+            self.compute_logprobs(batch)
+        with timer("advantages"):
+            self.compute_advantages(batch)
+        with timer("update"):
+            update_metrics = self.update(batch)
+        return {**rollout_metrics(batch), **reward_metrics, **update_metrics, **perf_metrics(batch, timer, self.device)}
+
+    # ------------------------------------------------------------------------------------------
+    # Phases
+
+    def sampling_params(self, evaluation: bool = False) -> SamplingParams:
+        r = self.config.rollout
+        return SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.eval_temperature if evaluation else r.temperature,
+            top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, n=1 if evaluation else r.num_samples_per_prompt,
+            stop_strings=list(r.stop_strings), seed=self.config.trainer.seed * 100_003 + self.step_count)
+
+    @torch.no_grad()
+    def rollout(self, prompts: dict[str, Any], evaluation: bool = False) -> RolloutBatch:
+        params = self.sampling_params(evaluation)
+        generations = self.parts.rollout.generate(prompts["prompt_ids"], params)
+        self.parts.rollout.release_memory()
+        batch = build_rollout_batch(prompts["prompt_ids"], generations, self.parts.pad_token_id, params.max_new_tokens)
+        batch.texts = [self.parts.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
+        return batch.to(self.device)
+
+    def score(self, batch: RolloutBatch, prompts: dict[str, Any]) -> dict[str, float]:
+        rows = batch.prompt_index.tolist()
+        columns = {key: [values[i] for i in rows] for key, values in prompts["columns"].items()}
+        total, per_function = self.parts.rewards.score([prompts["raw_prompts"][i] for i in rows], batch.texts, columns)
+        batch.scores = total.to(self.device)
+        metrics = {"reward/mean": total.mean(), "reward/std": total.std() if len(total) > 1 else 0.0}
+        metrics.update({f"reward/{name}": sum(v) / len(v) for name, v in per_function.items()})
+        return metrics
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch) -> None:
+        """Old-policy and reference log-probs, and critic values, before any update of this step."""
+        temperature = self.config.rollout.temperature
+        micro = self.config.actor.micro_batch_size
+        old, ref, values = [], [], []
+        for index in torch.arange(len(batch)).split(micro):
+            part = batch.select(index)
+            inputs = (part.input_ids, part.attention_mask, part.position_ids)
+            old.append(response_logprobs(self.parts.actor, *inputs, part.response_length, temperature)[0])
+            if self.parts.reference is not None:
+                ref.append(response_logprobs(self.parts.reference, *inputs, part.response_length, temperature)[0])
+            if self.parts.critic is not None:
+                values.append(self.parts.critic(*inputs)[:, -part.response_length - 1:-1])
+        batch.old_logp = torch.cat(old)
+        batch.ref_logp = torch.cat(ref) if ref else None
+        batch.old_values = torch.cat(values) if values else None
+
+    def compute_advantages(self, batch: RolloutBatch) -> None:
+        a = self.config.algorithm
+        mask = batch.response_mask
+        token_rewards = algorithms.outcome_to_token_rewards(batch.scores, mask)
+        if a.kl_in_reward and batch.ref_logp is not None:
+            kl = algorithms.kl_penalty(batch.old_logp, batch.ref_logp, a.kl_estimator)
+            token_rewards = token_rewards - a.kl_coef * kl * mask
+        batch.advantages, batch.returns = algorithms.ADVANTAGE_ESTIMATORS[a.name](
+            scores=batch.scores, token_rewards=token_rewards, values=batch.old_values, mask=mask,
+            group_size=self.config.rollout.num_samples_per_prompt, gamma=a.gamma, lam=a.lam,
+            normalize_std=a.normalize_std)
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        generator = torch.Generator().manual_seed(self.config.trainer.seed * 7919 + self.step_count)
+        if self.parts.critic is not None:
+            metrics.update(update_critic(self.parts, self.config, batch, generator))
+        if self.step_count > self.config.critic.critic_warmup_steps or self.parts.critic is None:
+            metrics.update(update_actor(self.parts, self.config, batch, generator, self.step_count))
+        return metrics
+
+    # ------------------------------------------------------------------------------------------
+    # Evaluation
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Greedy (eval_temperature) responses on the held-out prompts, scored by the same rewards."""
+        dataset = self.parts.eval_dataset
+        limit = self.config.data.max_eval_samples or len(dataset)
+        indices = list(range(min(limit, len(dataset))))
+        scores, per_fn_sums = [], {}
+        for start in range(0, len(indices), 256):
+            prompts = dataset.batch(indices[start:start + 256])
+            batch = self.rollout(prompts, evaluation=True)
+            columns = prompts["columns"]
+            total, per_function = self.parts.rewards.score(prompts["raw_prompts"], batch.texts, columns)
+            scores += total.tolist()
+            for name, values in per_function.items():
+                per_fn_sums[name] = per_fn_sums.get(name, 0.0) + sum(values)
+        metrics = {"eval/reward_mean": sum(scores) / len(scores),
+                   "eval/accuracy": sum(s > 0 for s in scores) / len(scores)}
+        metrics.update({f"eval/reward/{name}": total / len(scores) for name, total in per_fn_sums.items()})
+        return metrics
+
+
+def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """Response lengths, truncation, and the sampler-vs-trainer log-prob mismatch."""
+    mask = batch.response_mask
+    lengths = mask.sum(1)
+    metrics = {"rollout/response_length_mean": lengths.mean(), "rollout/response_length_max": lengths.max(),
+               "rollout/truncation_rate": batch.truncated.float().mean()}
+    if batch.old_logp is not None:
+        diff = (batch.old_logp - batch.sampler_logp).abs() * mask
+        metrics["rollout/logprob_diff_mean"] = diff.sum() / mask.sum()
+        metrics["rollout/logprob_diff_max"] = diff.max()
+        metrics["rollout/logprob_kl"] = algorithms.masked_mean(
+            algorithms.kl_penalty(batch.sampler_logp, batch.old_logp, "k3"), mask)
+    return metrics
+
+
+def perf_metrics(batch: RolloutBatch, timer: PhaseTimer, device: torch.device) -> dict[str, float]:
+    generated = batch.response_mask.sum().item()
+    total_tokens = batch.attention_mask.sum().item()
+    step_s = sum(timer.seconds.values())
+    metrics = {f"timing/{phase}_s": seconds for phase, seconds in timer.seconds.items()}
+    metrics.update({"timing/step_s": step_s, "perf/tokens_per_s": generated / step_s,
+                    "perf/rollout_tokens_per_s": generated / max(timer.seconds["rollout"], 1e-9),
+                    "perf/update_tokens_per_s": total_tokens / max(timer.seconds["update"], 1e-9)})
+    if device.type == "cuda":
+        metrics["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return metrics

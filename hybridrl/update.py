@@ -1,0 +1,125 @@
+"""PPO-style update epochs: shuffled mini-batches (one optimizer step each), split into micro-batches.
+
+Micro-batch losses are normalised by the whole mini-batch (its token count, its number of sequences,
+the rollout's response length), so accumulating their gradients gives exactly the mini-batch's loss.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from hybridrl import algorithms
+from hybridrl.batch import RolloutBatch
+from hybridrl.config import Config
+from hybridrl.logprobs import response_logprobs
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue safely (e.g. a NaN loss); weights were left as they were."""
+
+
+def mini_batches(batch_size: int, mini_size: int, micro_size: int, epochs: int,
+                 generator: torch.Generator) -> Iterator[list[torch.Tensor]]:
+    """For each epoch, a fresh permutation cut into mini-batches, each a list of micro-batch indices."""
+    for _ in range(epochs):
+        order = torch.randperm(batch_size, generator=generator)
+        for mini in order.split(mini_size):
+            yield list(mini.split(micro_size))
+
+
+def mini_batch_normalizers(batch: RolloutBatch, mini: torch.Tensor) -> dict[str, float]:
+    """What `algorithms.aggregate_loss` divides by, taken from the whole mini-batch."""
+    return {"num_tokens": batch.response_mask[mini].sum().item(), "num_sequences": len(mini),
+            "max_length": batch.response_length}
+
+
+def check_finite(loss: torch.Tensor, what: str, step: int, hint: str) -> None:
+    if not torch.isfinite(loss):
+        raise TrainingError(f"the {what} became {loss.item()} at step {step}, so the update was skipped and the "
+                            f"weights are unchanged; {hint}")
+
+
+def clip_and_step(parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else float("inf"))
+    if torch.isfinite(norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm.item()
+
+
+def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Generator, step: int) -> dict[str, float]:
+    """Policy-gradient epochs over the rollout batch; returns averaged `actor/*` metrics."""
+    a, act = config.algorithm, config.actor
+    model, optimizer = parts.actor, parts.actor_optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    sums: dict[str, float] = {}  # averaged over micro-batches
+    per_mini: dict[str, float] = {}  # summed within a mini-batch, averaged over mini-batches
+    count = num_minis = 0
+    mini_size = act.mini_batch_size or len(batch)
+    for micros in mini_batches(len(batch), mini_size, act.micro_batch_size, act.ppo_epochs, generator):
+        mini = torch.cat(micros)
+        for micro in micros:
+            part = batch.select(micro)
+            norm = mini_batch_normalizers(batch, mini)
+            logp, entropy = response_logprobs(model, part.input_ids, part.attention_mask, part.position_ids,
+                                              part.response_length, config.rollout.temperature,
+                                              with_entropy=True)
+            mask = part.response_mask
+            loss, stats = algorithms.policy_loss(
+                logp, part.old_logp, part.advantages, mask, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
+                dual_clip=a.dual_clip, aggregation=a.loss_aggregation, **norm)
+            entropy_term = algorithms.aggregate_loss(entropy, mask, a.loss_aggregation, **norm)
+            loss = loss - a.entropy_coef * entropy_term
+            stats = {**stats, "entropy": algorithms.masked_mean(entropy, mask)}
+            if part.ref_logp is not None and not a.kl_in_reward:
+                kl = algorithms.kl_penalty(logp, part.ref_logp, a.kl_estimator)
+                kl_loss = algorithms.aggregate_loss(kl, mask, a.loss_aggregation, **norm)
+                loss = loss + a.kl_coef * kl_loss
+            if part.ref_logp is not None:
+                stats["kl"] = algorithms.masked_mean(algorithms.kl_penalty(logp, part.ref_logp, a.kl_estimator), mask)
+            check_finite(loss, "actor loss", step, "lower actor.lr, check rewards, or raise actor.max_grad_norm clipping.")
+            loss.backward()
+            per_mini["policy_loss"] = per_mini.get("policy_loss", 0.0) + float(loss)
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+            count += 1
+        per_mini["grad_norm"] = per_mini.get("grad_norm", 0.0) + clip_and_step(params, optimizer, act.max_grad_norm)
+        num_minis += 1
+    parts.actor_scheduler.step()
+    metrics = {f"actor/{key}": value / count for key, value in sums.items()}
+    metrics.update({f"actor/{key}": value / num_minis for key, value in per_mini.items()})
+    metrics["actor/lr"] = parts.actor_scheduler.get_last_lr()[0]
+    return metrics
+
+
+def update_critic(parts, config: Config, batch: RolloutBatch, generator: torch.Generator) -> dict[str, float]:
+    """Clipped value regression towards the GAE returns, with the actor's batch shapes."""
+    a, act, c = config.algorithm, config.actor, config.critic
+    critic, optimizer = parts.critic, parts.critic_optimizer
+    params = [p for p in critic.parameters() if p.requires_grad]
+    sums: dict[str, float] = {}  # averaged over micro-batches
+    per_mini: dict[str, float] = {}  # summed within a mini-batch, averaged over mini-batches
+    count = num_minis = 0
+    mini_size = act.mini_batch_size or len(batch)
+    for micros in mini_batches(len(batch), mini_size, act.micro_batch_size, act.ppo_epochs, generator):
+        mini = torch.cat(micros)
+        for micro in micros:
+            part = batch.select(micro)
+            norm = mini_batch_normalizers(batch, mini)
+            values = critic(part.input_ids, part.attention_mask, part.position_ids)[:, -part.response_length - 1:-1]
+            loss, stats = algorithms.value_loss(values, part.old_values, part.returns, part.response_mask,
+                                                clip_range=a.value_clip, aggregation=a.loss_aggregation, **norm)
+            check_finite(loss, "critic loss", 0, "lower critic.lr or check rewards.")
+            loss.backward()
+            per_mini["value_loss"] = per_mini.get("value_loss", 0.0) + float(loss)
+            stats = {**stats, "values_mean": algorithms.masked_mean(values.detach(), part.response_mask)}
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+            count += 1
+        per_mini["grad_norm"] = per_mini.get("grad_norm", 0.0) + clip_and_step(params, optimizer, c.max_grad_norm)
+        num_minis += 1
+    parts.critic_scheduler.step()
+    metrics = {f"critic/{key}": value / count for key, value in sums.items()}
+    return {**metrics, **{f"critic/{key}": value / num_minis for key, value in per_mini.items()}}
