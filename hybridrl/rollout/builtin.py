@@ -28,6 +28,8 @@ from hybridrl.rollout.sampling import SamplerSettings, sample
 from hybridrl.rollout.scheduler import Scheduler, SequenceSlot, find_stop_string
 
 _GIB = 1024**3
+KV_LEN_BUCKET = 128
+"""Decode attention reads keys up to the next multiple of this past the furthest live position."""
 CPU_MEMORY_REFERENCE_GIB = 4.0
 """On CPU a fractional `kv_cache_memory` is a fraction of this fixed size (free RAM is not a safe guide)."""
 
@@ -115,21 +117,24 @@ class BuiltinBackend:
             generator.seed()
         cos, sin = rope_table(self.model, max_len, device, dtype)
         self._run = dict(weights=weights, state=state, settings=settings, generator=generator, cos=cos, sin=sin)
-        scheduler = Scheduler([i // params.n for i in range(num_sequences)], num_slots)
+        scheduler = Scheduler([i // params.n for i in range(num_sequences)], [len(p) for p in prompts], num_slots)
         results: list[Generation | None] = [None] * num_sequences
         stats = dict(num_slots=num_slots, decode_steps=0, prefill_waves=0, graphs_captured=0)
-        self._host_len: dict[int, int] = {}  # slot -> generated length at the last sync
         try:
             while scheduler.has_work:
                 admitted = scheduler.admit()
                 if admitted:
                     self._prefill(prompts, admitted)
-                    self._host_len.update((sequence.slot, 1) for sequence in admitted)
+                    for sequence in admitted:
+                        sequence.generated = 1
                     stats["prefill_waves"] += 1
                 batch = scheduler.batch_size()
-                steps = self._steps_until_sync(scheduler, state, params)
+                steps = min([self.sync_every] + [params.max_new_tokens - s.generated for s in scheduler.live.values()])
+                # Keys beyond the furthest position these steps reach are never read (bucketed: few graphs).
+                furthest = max(s.prompt_len + s.generated for s in scheduler.live.values()) + steps
+                kv_len = min(max_len, -(-furthest // KV_LEN_BUCKET) * KV_LEN_BUCKET)
                 for _ in range(steps):
-                    self._step(batch)
+                    self._step(batch, kv_len)
                 stats["decode_steps"] += steps
                 self._sync(scheduler, params, results)
                 self._compact(scheduler)
@@ -231,12 +236,12 @@ class BuiltinBackend:
         state.out_logprobs[slots_t, 0] = logprobs
         state.done[slots_t] = state.is_stop(tokens) | (state.max_new_tokens <= 1)
 
-    def _decode_step(self, batch: int) -> None:
+    def _decode_step(self, batch: int, kv_len: int) -> None:
         """Forward + sample + bookkeeping for slots 0..batch-1, entirely on device (graph-capturable)."""
         run, state = self._run, self._run["state"]
         positions = state.prompt_len[:batch] + state.gen_len[:batch] - 1
         logits = decode_logits(run["weights"], self.kv_cache, run["cos"], run["sin"],
-                               state.last_token[:batch], positions)
+                               state.last_token[:batch], positions, kv_len)
         tokens, logprobs = sample(logits, run["settings"], state.uniforms[:batch])
         live = ~state.done[:batch]
         rows = torch.arange(batch, device=tokens.device)
@@ -248,14 +253,14 @@ class BuiltinBackend:
         state.gen_len[:batch] = new_len
         state.done[:batch] |= live & (state.is_stop(tokens) | (new_len >= state.max_new_tokens))
 
-    def _step(self, batch: int) -> None:
+    def _step(self, batch: int, kv_len: int) -> None:
         run = self._run
         if not run["settings"].greedy:
             run["state"].uniforms[:batch].uniform_(generator=run["generator"])
         if not (self.use_cuda_graphs and self.kv_cache.is_cuda):
-            self._decode_step(batch)
+            self._decode_step(batch, kv_len)
             return
-        graph = self._graphs.get(batch)
+        graph = self._graphs.get((batch, kv_len))
         if graph is not None:
             graph.replay()
             return
@@ -264,18 +269,13 @@ class BuiltinBackend:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._decode_step(batch)
+            self._decode_step(batch, kv_len)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            self._decode_step(batch)
+            self._decode_step(batch, kv_len)
         self._graph_pool = graph.pool()
-        self._graphs[batch] = graph
-
-    def _steps_until_sync(self, scheduler: Scheduler, state: _DecodeState, params: SamplingParams) -> int:
-        """Decode steps before the next host check: at most sync_every, and no later than a length limit."""
-        remaining = [params.max_new_tokens - self._host_len.get(slot, 1) for slot in scheduler.live]
-        return max(0, min([self.sync_every] + remaining))
+        self._graphs[(batch, kv_len)] = graph
 
     def _sync(self, scheduler: Scheduler, params: SamplingParams, results: list) -> None:
         """Harvest finished sequences (and those cut by a stop string) and free their slots."""
@@ -285,7 +285,8 @@ class BuiltinBackend:
             return
         done = state.done[:batch].tolist()
         gen_len = state.gen_len[:batch].tolist()
-        self._host_len = {slot: gen_len[slot] for slot in scheduler.live}
+        for slot, sequence in scheduler.live.items():
+            sequence.generated = gen_len[slot]
         check_strings = bool(params.stop_strings)
         if not (any(done[s] for s in scheduler.live) or check_strings):
             return
@@ -307,7 +308,6 @@ class BuiltinBackend:
             if reason is None:
                 continue
             sequence = scheduler.finish(slot)
-            self._host_len.pop(slot, None)
             results[sequence.index] = Generation(sequence.prompt_index, response[:length], logprobs[slot][:length], reason)
         if cut_slots:
             state.done[torch.tensor(cut_slots, device=state.done.device)] = True
@@ -324,5 +324,3 @@ class BuiltinBackend:
         for tensor in state.per_slot():
             tensor[destination] = tensor[source]
         state.done[source] = True
-        mapping = dict(moves)
-        self._host_len = {mapping.get(slot, slot): length for slot, length in self._host_len.items()}

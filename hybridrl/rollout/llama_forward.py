@@ -138,29 +138,29 @@ def resolve_weights(model) -> ModelWeights:
 
 
 def rope_table(model, max_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (max_len, head_dim) from the model's own rotary module (incl. attention scaling)."""
+    """cos and signed sin (see `signed_sin`), each (max_len, head_dim), from the model's own rotary
+    module (so every RoPE variant and its attention scaling come from transformers itself)."""
     rotary = model.model.rotary_emb
     positions = torch.arange(max_len, device=device)[None]
     probe = torch.empty(0, device=device, dtype=dtype)
     cos, sin = rotary(probe, positions)
-    return cos[0].contiguous(), sin[0].contiguous()
+    return cos[0].contiguous(), signed_sin(sin[0]).contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Same arithmetic as HF's LlamaRMSNorm: normalize in float32, cast back, then scale."""
-    input_dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(input_dtype)
+    """Same arithmetic as HF's LlamaRMSNorm (normalize in float32, cast back, then scale), fewer kernels."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated, so that rotate_half(x) * sin == x.roll(half) * signed_sin."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    # HF: x * cos + cat(-x2, x1) * sin; the roll form is the same products in two kernels fewer.
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def _qkv(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos, sin):
@@ -226,24 +226,27 @@ def decode_logits(
     sin_table: torch.Tensor,
     tokens: torch.Tensor,
     positions: torch.Tensor,
+    kv_len: int,
 ) -> torch.Tensor:
     """One decode step for slots 0..B-1: feed `tokens` (B,) at `positions` (B,), write their KV, return
-    logits (B, V) in the model dtype. Shapes are static and nothing syncs with the host (graph-safe)."""
+    logits (B, V) in the model dtype. Attention reads keys [0, kv_len) only, so every position must be
+    < kv_len. Shapes are static and nothing syncs with the host (graph-safe)."""
     batch = tokens.shape[0]
-    max_len = kv_cache.shape[4]
     group = w.num_heads // w.num_kv_heads
     slots = torch.arange(batch, device=tokens.device)
-    key_positions = torch.arange(max_len, device=tokens.device)
-    visible = key_positions[None, :] <= positions[:, None]  # (B, max_len)
+    key_positions = torch.arange(kv_len, device=tokens.device)
+    visible = key_positions[None, :] <= positions[:, None]  # (B, kv_len)
     if w.sliding_window is not None:
         visible &= key_positions[None, :] > positions[:, None] - w.sliding_window
-    mask = visible[:, None, None, :]  # (B, 1, 1, max_len)
+    # One additive mask for all layers (a bool mask would be converted again inside every SDPA call).
+    mask = torch.zeros(batch, 1, 1, kv_len, dtype=w.embed.dtype, device=tokens.device)
+    mask.masked_fill_(~visible[:, None, None, :], float("-inf"))
     cos, sin = cos_table[positions], sin_table[positions]  # (B, D)
     h = F.embedding(tokens, w.embed)  # (B, hidden)
     for layer_index, lw in enumerate(w.layers):
         residual = h
         q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)  # (B, heads, D)
-        keys, values = kv_cache[layer_index, 0, :batch], kv_cache[layer_index, 1, :batch]
+        keys, values = kv_cache[layer_index, 0, :batch, :, :kv_len], kv_cache[layer_index, 1, :batch, :, :kv_len]
         keys[slots, :, positions] = k
         values[slots, :, positions] = v
         q = q.view(batch, w.num_kv_heads, group, w.head_dim)

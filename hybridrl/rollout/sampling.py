@@ -4,6 +4,9 @@ Choices:
 - Randomness comes in as one uniform number per row (`uniforms`, drawn by the caller from a seeded
   `torch.Generator`), and a token is drawn by inverting the CDF of the filtered distribution. The
   graph then holds no RNG state of its own, and the only per-step random draw is B floats.
+- At large batch every pass over the (B, V) logits costs about as much as a layer's matmuls, so the
+  common case (no top-k/top-p) works in place on unnormalised weights and inverts the CDF in two
+  steps (blocks of ~sqrt(V), then inside one block) instead of a full-vocabulary cumsum.
 - The returned log-prob is `log_softmax(logits / T)` of the chosen token *before* top-k/top-p/min-p
   filtering (T = 1 when greedy), as `base.Generation.logprobs` defines it.
 - Filters follow the order of Hugging Face's logits processors: top-k, then top-p, then min-p, all
@@ -33,27 +36,65 @@ class SamplerSettings:
 
 def sample(logits: torch.Tensor, settings: SamplerSettings, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (B, V) -> tokens (B,) int64, logprobs (B,) float32. `uniforms` (B,) in [0, 1), unused if greedy."""
-    logits = logits.float()
+    logits = logits.to(torch.float32, copy=True)  # a private copy: the ops below work in place
     if settings.greedy:
         tokens = logits.argmax(dim=-1)
         logprobs = logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
         return tokens, logprobs
     if settings.temperature != 1.0:
-        logits = logits / settings.temperature
-    log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)  # (B, 1)
-    probs = torch.exp(logits - log_normalizer)  # (B, V)
-    tokens = _draw(probs, settings, uniforms)
-    logprobs = logits.gather(1, tokens[:, None])[:, 0] - log_normalizer[:, 0]
+        logits.div_(settings.temperature)
+    # Unnormalised probabilities, in place (each pass over (B, V) costs as much as a layer's matmuls
+    # at large batch): weights = exp(x - max); log p(token) = log(weight) - log(sum of weights).
+    weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # (B, V)
+    if settings.top_k <= 0 and settings.top_p >= 1.0:
+        block_sums = _block_sums(weights)  # (B, num_blocks)
+        log_total = torch.log(block_sums.sum(-1))
+        sampled = weights if settings.min_p <= 0 else _min_p_filter(weights, settings.min_p)
+        if sampled is not weights:
+            block_sums = _block_sums(sampled)
+        tokens = _invert_cdf_blocked(sampled, block_sums, uniforms)
+    else:
+        log_total = torch.log(weights.sum(-1))
+        tokens = _draw_sorted(weights, settings, uniforms)
+    logprobs = torch.log(weights.gather(1, tokens[:, None])[:, 0]) - log_total
     return tokens, logprobs
 
 
-def _draw(probs: torch.Tensor, settings: SamplerSettings, uniforms: torch.Tensor) -> torch.Tensor:
-    """Filter, then invert the CDF with one uniform per row."""
-    if settings.top_k <= 0 and settings.top_p >= 1.0:
-        if settings.min_p > 0:
-            probs = _min_p_filter(probs, settings.min_p)
-        return _invert_cdf(probs, uniforms)
-    # Work on the candidates sorted by probability: top-k via topk, otherwise a full sort.
+def _block_size(vocab: int) -> int:
+    """A divisor of the vocabulary near sqrt(V), so the CDF is inverted in two small steps."""
+    target = int(vocab**0.5)
+    for size in range(target, 0, -1):
+        if vocab % size == 0 and size >= target // 4:
+            return size
+    return vocab  # no useful divisor: a single block, i.e. a plain cumsum
+
+
+def _block_sums(weights: torch.Tensor) -> torch.Tensor:
+    size = _block_size(weights.shape[-1])
+    return weights.view(weights.shape[0], -1, size).sum(-1)
+
+
+def _invert_cdf_blocked(weights: torch.Tensor, block_sums: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Pick a block by its mass, then a token inside it: the full-vocabulary cumsum is never formed."""
+    batch, vocab = weights.shape
+    size = _block_size(vocab)
+    block_cdf = torch.cumsum(block_sums, dim=-1)  # (B, num_blocks)
+    target = uniforms[:, None] * block_cdf[:, -1:]
+    block = (block_cdf <= target).sum(-1).clamp_(max=block_cdf.shape[-1] - 1)  # (B,)
+    mass_before = block_cdf.gather(1, block[:, None]) - block_sums.gather(1, block[:, None])  # (B, 1)
+    inside = weights.view(batch, -1, size).gather(1, block[:, None, None].expand(batch, 1, size))[:, 0]
+    inside_cdf = torch.cumsum(inside, dim=-1)  # (B, size)
+    offset = (inside_cdf <= (target - mass_before)).sum(-1)
+    # Rounding can put the target past the block's own total; fall back to its last positive entry.
+    positive = (inside > 0).int()
+    first_positive = torch.argmax(positive, dim=-1)
+    last_positive = size - 1 - torch.argmax(positive.flip(-1), dim=-1)
+    offset = torch.minimum(torch.maximum(offset, first_positive), last_positive)
+    return block * size + offset
+
+
+def _draw_sorted(probs: torch.Tensor, settings: SamplerSettings, uniforms: torch.Tensor) -> torch.Tensor:
+    """top-k and/or top-p (then min-p) on candidates sorted by probability; invert their CDF."""
     if settings.top_k > 0:
         candidate_probs, candidate_ids = torch.topk(probs, min(settings.top_k, probs.shape[-1]), dim=-1)
     else:

@@ -21,7 +21,10 @@ class SequenceSlot:
 
     index: int
     prompt_index: int
+    prompt_len: int
     slot: int = -1
+    generated: int = 0
+    """Response tokens as of the last host sync."""
 
 
 def batch_buckets(num_slots: int) -> list[int]:
@@ -36,8 +39,8 @@ def batch_buckets(num_slots: int) -> list[int]:
 class Scheduler:
     """Admits waiting sequences into free slots and frees slots of finished ones."""
 
-    def __init__(self, prompt_indices: list[int], num_slots: int) -> None:
-        self.waiting = deque(SequenceSlot(i, p) for i, p in enumerate(prompt_indices))
+    def __init__(self, prompt_indices: list[int], prompt_lens: list[int], num_slots: int) -> None:
+        self.waiting = deque(SequenceSlot(i, p, prompt_lens[p]) for i, p in enumerate(prompt_indices))
         self.num_slots = num_slots
         self.buckets = batch_buckets(num_slots)
         self.free_slots = list(range(num_slots))  # a min-heap
