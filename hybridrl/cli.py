@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(fn=cmd_config_show)
     data = commands.add_parser("make-data", help="write the synthetic arithmetic task (train/eval JSONL)")
     data.add_argument("out_dir")
-    data.add_argument("--num-train", type=int, default=20000)
+    data.add_argument("--num-train", type=int, default=10000)
     data.add_argument("--num-eval", type=int, default=500)
     data.add_argument("--seed", type=int, default=1234)
     data.set_defaults(fn=cmd_make_data)

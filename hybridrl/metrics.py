@@ -17,7 +17,7 @@ import torch
 CONSOLE_KEYS = [
     ("reward/mean", "reward"), ("eval/accuracy", "eval_acc"), ("actor/kl", "kl"), ("actor/entropy", "entropy"),
     ("actor/clipfrac", "clip"), ("critic/value_loss", "vloss"), ("rollout/response_length_mean", "len"),
-    ("perf/tokens_per_s", "tok/s"), ("timing/step_s", "step_s"),
+    ("perf/tokens_per_s", "tok/s"), ("timing/step_s", "step_s"), ("sft/loss", "loss"),
 ]
 
 

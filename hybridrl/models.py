@@ -46,7 +46,7 @@ def build_char_tokenizer(extra_chars: str = "") -> Any:
     for char in [chr(i) for i in range(32, 127)] + ["\n"] + list(extra_chars):
         vocab.setdefault(char, len(vocab))
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("(?s)."), behavior="isolated")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
 

@@ -13,6 +13,10 @@ from pathlib import Path
 
 
 def arithmetic_problems(num: int, seed: int, max_operand: int = 99, operators: str = "+-") -> list[dict[str, str]]:
+    capacity = (max_operand + 1) ** 2 * len(operators)
+    if num > capacity:
+        raise ValueError(f"asked for {num} distinct problems but operands 0..{max_operand} with "
+                         f"{operators!r} give only {capacity}; ask for fewer or raise max_operand.")
     rng = random.Random(seed)
     rows, seen = [], set()
     while len(rows) < num:
@@ -25,7 +29,7 @@ def arithmetic_problems(num: int, seed: int, max_operand: int = 99, operators: s
     return rows
 
 
-def write_arithmetic_task(out_dir: str | Path, num_train: int = 20000, num_eval: int = 500, seed: int = 1234,
+def write_arithmetic_task(out_dir: str | Path, num_train: int = 10000, num_eval: int = 500, seed: int = 1234,
                           max_operand: int = 99, operators: str = "+-") -> dict[str, Path]:
     """Write train.jsonl and eval.jsonl (disjoint questions) under `out_dir`; returns their paths."""
     out_dir = Path(out_dir)

@@ -72,16 +72,16 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
                 dual_clip=a.dual_clip, aggregation=a.loss_aggregation, **norm)
             entropy_term = algorithms.aggregate_loss(entropy, mask, a.loss_aggregation, **norm)
             loss = loss - a.entropy_coef * entropy_term
-            stats = {**stats, "entropy": algorithms.masked_mean(entropy, mask)}
+            stats = {**stats, "entropy": algorithms.masked_mean(entropy.detach(), mask)}
             if part.ref_logp is not None and not a.kl_in_reward:
                 kl = algorithms.kl_penalty(logp, part.ref_logp, a.kl_estimator)
                 kl_loss = algorithms.aggregate_loss(kl, mask, a.loss_aggregation, **norm)
                 loss = loss + a.kl_coef * kl_loss
             if part.ref_logp is not None:
-                stats["kl"] = algorithms.masked_mean(algorithms.kl_penalty(logp, part.ref_logp, a.kl_estimator), mask)
+                stats["kl"] = algorithms.masked_mean(algorithms.kl_penalty(logp.detach(), part.ref_logp, a.kl_estimator), mask)
             check_finite(loss, "actor loss", step, "lower actor.lr, check rewards, or raise actor.max_grad_norm clipping.")
             loss.backward()
-            per_mini["policy_loss"] = per_mini.get("policy_loss", 0.0) + float(loss)
+            per_mini["policy_loss"] = per_mini.get("policy_loss", 0.0) + loss.item()
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             count += 1
@@ -113,7 +113,7 @@ def update_critic(parts, config: Config, batch: RolloutBatch, generator: torch.G
                                                 clip_range=a.value_clip, aggregation=a.loss_aggregation, **norm)
             check_finite(loss, "critic loss", 0, "lower critic.lr or check rewards.")
             loss.backward()
-            per_mini["value_loss"] = per_mini.get("value_loss", 0.0) + float(loss)
+            per_mini["value_loss"] = per_mini.get("value_loss", 0.0) + loss.item()
             stats = {**stats, "values_mean": algorithms.masked_mean(values.detach(), part.response_mask)}
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)

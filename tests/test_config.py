@@ -1,0 +1,68 @@
+import pytest
+
+from hybridrl.cli import main
+from hybridrl.config import Config, ConfigError, load_config, parse_override
+
+
+def test_defaults_and_overrides_and_kwargs(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  temperature: 0.7\ntrainer:\n  total_steps: 5\n")
+    config = load_config(path, ["rollout.temperature=0.9", "reward.functions=[{fn: exact_match, weight: 2}]"],
+                         algorithm="rloo", trainer__seed=3)
+    assert isinstance(config, Config)
+    assert config.rollout.temperature == 0.9  # CLI beats YAML
+    assert config.trainer.total_steps == 5
+    assert config.trainer.seed == 3
+    assert config.algorithm.name == "rloo"
+    assert config.reward.functions[0].fn == "exact_match" and config.reward.functions[0].weight == 2.0
+
+
+def test_int_is_accepted_for_float():
+    assert load_config(None, ["actor.lr=1"]).actor.lr == 1.0
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("rollout.temprature=1", "Did you mean 'rollout.temperature'"),
+    ("rolout.temperature=1", "Did you mean 'rollout'"),
+    ("rollout.top_k=1.5", "rollout.top_k must be an integer"),
+    ("trainer.total_steps=abc", "trainer.total_steps must be an integer"),
+    ("algorithm.name=ppo2", "algorithm.name must be one of"),
+    ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
+    ("rollout.temperature=-1", "rollout.temperature must be >= 0"),
+    ("actor.mini_batch_size=7", "actor.mini_batch_size=7 must divide the rollout batch of 256"),
+    ("algorithm.dual_clip=0.5", "algorithm.dual_clip must be > 1"),
+    ("trainer.device=tpu", "trainer.device must be auto, cpu, cuda"),
+    ("model.gradient_checkpointing=maybe", "model.gradient_checkpointing must be true or false"),
+    ("logging.sinks=[console, mlflow]", "unknown sink 'mlflow'"),
+])
+def test_bad_values_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert expected in str(info.value)
+
+
+def test_group_algorithms_need_several_samples():
+    with pytest.raises(ConfigError, match="num_samples_per_prompt must be at least 2"):
+        load_config(None, ["rollout.num_samples_per_prompt=1", "algorithm.name=grpo"])
+    assert load_config(None, ["rollout.num_samples_per_prompt=1", "algorithm.name=ppo"]).rollout_batch_size == 32
+
+
+def test_override_syntax_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not of the form section.key=value"):
+        parse_override("trainer.total_steps")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_cli_config_show_and_error_exit(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  total_steps: 7\n")
+    assert main(["config", "show", str(path), "rollout.n_samples=3"]) == 2
+    assert "unknown config key 'rollout.n_samples'" in capsys.readouterr().err
+    assert main(["config", "show", str(path), "actor.lr=0.5"]) == 0
+    shown = capsys.readouterr().out
+    assert "total_steps: 7" in shown and "lr: 0.5" in shown

@@ -1,0 +1,124 @@
+"""End-to-end trainer behaviour on tiny CPU models: it learns, it is deterministic, it fails clearly."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import contains_seven, tiny_actor, toy_prompts
+from hybridrl import algorithms
+from hybridrl.config import ConfigError
+from hybridrl.data import PromptDataset
+from hybridrl.rewards import RewardError
+from hybridrl.trainer import RLTrainer
+from hybridrl.update import TrainingError
+
+FAST = dict(rollout__max_new_tokens=4, rollout__num_samples_per_prompt=4, trainer__prompts_per_step=8,
+            actor__micro_batch_size=16, trainer__device="cpu", logging__sinks=["jsonl"], trainer__save_model=False)
+
+
+def make_trainer(tmp_path, reward=contains_seven, **overrides):
+    actor = tiny_actor()
+    dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
+    settings = {**FAST, "trainer__output_dir": str(tmp_path), **overrides}
+    return RLTrainer(actor=actor, reward_fn=reward, dataset=dataset, **settings)
+
+
+def test_two_steps_change_parameters(tmp_path):
+    trainer = make_trainer(tmp_path, trainer__total_steps=2, actor__lr=1e-3)
+    before = [p.detach().clone() for p in trainer.parts.actor.parameters()]
+    history = trainer.train()
+    assert len(history) == 2
+    changed = [not torch.equal(b, p) for b, p in zip(before, trainer.parts.actor.parameters())]
+    assert all(changed), "every trainable tensor should move after two updates"
+    for key in ("reward/mean", "actor/policy_loss", "actor/grad_norm", "actor/entropy", "actor/clipfrac",
+                "rollout/response_length_mean", "rollout/truncation_rate", "rollout/logprob_diff_max",
+                "perf/tokens_per_s", "timing/step_s", "reward/contains_seven"):
+        assert key in history[-1] and math.isfinite(history[-1][key]), key
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
+
+
+def mean_reward(history, steps):
+    return sum(row["reward/mean"] for row in steps(history)) / len(steps(history))
+
+
+@pytest.mark.parametrize("algorithm, extra", [
+    ("grpo", {}),
+    ("rloo", {}),
+    ("ppo", {"critic__lr": 1e-2, "actor__ppo_epochs": 2, "actor__mini_batch_size": 16}),
+])
+def test_reward_rises(tmp_path, algorithm, extra):
+    trainer = make_trainer(tmp_path, algorithm=algorithm, trainer__total_steps=16, actor__lr=1e-2, **extra)
+    history = trainer.train()
+    first = mean_reward(history, lambda h: h[:4])
+    last = mean_reward(history, lambda h: h[-4:])
+    assert last > first + 0.2, f"{algorithm}: reward {first:.2f} -> {last:.2f} did not rise"
+
+
+def test_same_seed_same_numbers(tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        history = make_trainer(tmp_path / name, trainer__total_steps=3, actor__lr=1e-3,
+                               algorithm__kl_coef=0.1).train()
+        runs.append([{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in history])
+    assert runs[0] == runs[1]
+    assert "actor/kl" in runs[0][-1]
+
+
+def test_micro_batches_match_one_batch(tmp_path):
+    """Gradient accumulation over micro-batches gives the same update as one big batch."""
+    params = []
+    for micro in (32, 4):
+        trainer = make_trainer(tmp_path / str(micro), trainer__total_steps=1, actor__lr=1e-3,
+                               actor__micro_batch_size=micro, actor__max_grad_norm=0.0)
+        trainer.train()
+        params.append(torch.cat([p.detach().flatten() for p in trainer.parts.actor.parameters()]))
+    assert torch.allclose(params[0], params[1], atol=1e-6)
+
+
+def test_eval_runs_before_and_after(tmp_path):
+    actor = tiny_actor()
+    data = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
+    trainer = RLTrainer(actor=actor, reward_fn="exact_match", dataset=data, eval_dataset=data,
+                        trainer__total_steps=2, trainer__eval_every=1, trainer__output_dir=str(tmp_path),
+                        **{k: v for k, v in FAST.items() if k != "trainer__output_dir"})
+    history = trainer.train()
+    assert [row["step"] for row in history if "eval/accuracy" in row] == [0, 1, 2]
+
+
+def test_reward_that_raises_names_function_and_sample(tmp_path):
+    def picky(prompts, completions, **columns):
+        if any(p.startswith("3+") for p in prompts):
+            raise ValueError("cannot score threes")
+        return [0.0] * len(completions)
+
+    trainer = make_trainer(tmp_path, reward=picky, trainer__total_steps=1)
+    with pytest.raises(RewardError, match=r"'picky' raised ValueError: cannot score threes on sample \d+") as info:
+        trainer.train()
+    index = int(str(info.value).split("on sample ")[1].split()[0])
+    assert index < 32
+
+
+def test_nan_loss_stops_with_weights_intact(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path, trainer__total_steps=2)
+    before = [p.detach().clone() for p in trainer.parts.actor.parameters()]
+    real = algorithms.policy_loss
+    monkeypatch.setattr(algorithms, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
+    with pytest.raises(TrainingError, match="actor loss became nan at step 1.*weights are unchanged"):
+        trainer.train()
+    assert all(torch.equal(b, p) for b, p in zip(before, trainer.parts.actor.parameters()))
+
+
+def test_invisible_device_is_refused_before_loading(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    with pytest.raises(ConfigError, match="no CUDA device is visible"):
+        make_trainer(tmp_path, trainer__device="cuda:0")
+
+
+def test_missing_reward_and_data_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="no reward is configured"):
+        RLTrainer(trainer__device="cpu", data__train_path=str(tmp_path / "x.jsonl"))
+    with pytest.raises(Exception, match="does not exist|not found|no such"):
+        RLTrainer(trainer__device="cpu", data__train_path=str(tmp_path / "x.jsonl"),
+                  reward__functions=[{"fn": "exact_match"}], model__path="tiny:llama")
