@@ -109,12 +109,18 @@ def greedy_agreement(model, engine: BuiltinBackend, prompts, num_tokens: int, de
     input_ids = torch.tensor(prompts, device=device)
     reference = model.generate(input_ids, do_sample=False, max_new_tokens=num_tokens, pad_token_id=0,
                                attention_mask=torch.ones_like(input_ids))[:, input_ids.shape[1]:].tolist()
-    prefix = []
-    for mine, theirs in zip(ours, reference):
+    prefix, gaps = [], []
+    for prompt, mine, theirs in zip(prompts, ours, reference):
         same = next((i for i, (a, b) in enumerate(zip(mine.token_ids, theirs)) if a != b), num_tokens)
         prefix.append(same)
+        if same < num_tokens:  # how close to a tie was the first divergence, in HF's own logits?
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + theirs[:same]], device=device)).logits[0, -1].float()
+            gaps.append((logits[theirs[same]] - logits[mine.token_ids[same]]).item())
+    gaps_t = torch.tensor(gaps or [0.0])
     return dict(sequences=len(prompts), all_equal_fraction=sum(p == num_tokens for p in prefix) / len(prefix),
-                mean_matching_prefix=sum(prefix) / len(prefix), tokens=num_tokens)
+                mean_matching_prefix=sum(prefix) / len(prefix), tokens=num_tokens,
+                divergence_logit_gap_median=gaps_t.median().item(), divergence_logit_gap_max=gaps_t.abs().max().item())
 
 
 def logprob_mismatch(model, prompts, outputs, num_sequences: int, device: str) -> dict:
