@@ -17,8 +17,9 @@ def test_defaults_and_overrides_and_kwargs(tmp_path):
     assert config.reward.functions[0].fn == "exact_match" and config.reward.functions[0].weight == 2.0
 
 
-def test_int_is_accepted_for_float():
+def test_int_and_yaml11_exponent_are_accepted_for_float():
     assert load_config(None, ["actor.lr=1"]).actor.lr == 1.0
+    assert load_config(None, ["actor.lr=2e-4"]).actor.lr == 2e-4
 
 
 @pytest.mark.parametrize("override, expected", [
