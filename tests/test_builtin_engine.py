@@ -265,3 +265,17 @@ def test_cuda_graphs_match_eager_and_hf(family):
             logits = model(torch.tensor([prompt + generation.token_ids], device="cuda")).logits[0, len(prompt) - 1 : -1]
         reference = torch.log_softmax(logits.float() / 0.9, -1).gather(1, torch.tensor(generation.token_ids, device="cuda")[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(generation.logprobs), reference.cpu(), atol=1e-4, rtol=0)
+
+
+def test_freed_slot_of_a_long_prompt_does_not_break_shorter_key_buckets(monkeypatch):
+    model = make_model("qwen2")
+    long_prompt, short_prompts = list(range(1, 41)), [[5], [6, 7], [8]]  # 4 slots: no compaction
+    eos = BuiltinBackend(model).generate([long_prompt], SamplingParams(max_new_tokens=4, temperature=0))[0].token_ids[1]
+    model.generation_config.eos_token_id = eos
+    monkeypatch.setattr(builtin, "KV_LEN_BUCKET", 4)
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    outputs = BuiltinBackend(model, sync_every=1).generate([long_prompt] + short_prompts, params)
+    assert outputs[0].finish_reason == "stop" and len(outputs[0].token_ids) == 2
+    for prompt, generation in zip(short_prompts, outputs[1:]):
+        expected = hf_greedy(model, prompt, 12)
+        assert generation.token_ids == (expected[: expected.index(eos) + 1] if eos in expected else expected)

@@ -54,6 +54,13 @@ class _DecodeState:
     def per_slot(self) -> list[torch.Tensor]:
         return [self.last_token, self.prompt_len, self.gen_len, self.done, self.out_tokens, self.out_logprobs]
 
+    def free(self, slots: list[int]) -> None:
+        """Park freed slots at position 0: a stale position could lie past a later, shorter key bucket."""
+        index = torch.tensor(slots, device=self.done.device)
+        self.done[index] = True
+        self.prompt_len[index] = 0
+        self.gen_len[index] = 1
+
     def is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens[:, None] == self.stop_ids[None, :]).any(-1)
 
@@ -293,7 +300,7 @@ class BuiltinBackend:
         tokens = state.out_tokens[:batch].tolist()
         logprobs = state.out_logprobs[:batch].tolist()
         stop_set = set(state.stop_ids.tolist())
-        cut_slots = []
+        freed = []
         for slot in list(scheduler.live):
             length = gen_len[slot]
             response = tokens[slot][:length]
@@ -302,15 +309,15 @@ class BuiltinBackend:
                 cut = find_stop_string(self.tokenizer, response, params.stop_strings)
                 if cut is not None:
                     length, reason = cut, "stop"
-                    cut_slots.append(slot)
             if reason is None and done[slot]:
                 reason = "stop" if response[-1] in stop_set else "length"
             if reason is None:
                 continue
             sequence = scheduler.finish(slot)
+            freed.append(slot)
             results[sequence.index] = Generation(sequence.prompt_index, response[:length], logprobs[slot][:length], reason)
-        if cut_slots:
-            state.done[torch.tensor(cut_slots, device=state.done.device)] = True
+        if freed:
+            state.free(freed)
 
     def _compact(self, scheduler: Scheduler) -> None:
         moves = scheduler.compaction_moves()
@@ -323,4 +330,4 @@ class BuiltinBackend:
         self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]
         for tensor in state.per_slot():
             tensor[destination] = tensor[source]
-        state.done[source] = True
+        state.free([s for s, _ in moves])
