@@ -18,6 +18,7 @@ from torch import nn
 
 from hybridrl.config import Config, ConfigError
 from hybridrl.data import PromptDataset
+from hybridrl.lora import AdapterDisabled, apply_lora
 from hybridrl.models import HFModel, ValueModel, load_hf_model, make_reference
 from hybridrl.optim import build_optimizer, build_scheduler
 from hybridrl.rewards import RewardComposer, WeightedReward, load_reward_function
@@ -121,12 +122,17 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
         dataset = PromptDataset.from_config(config.data, tokenizer, config.data.train_path, seed=config.trainer.seed)
     if eval_dataset is None and config.data.eval_path:
         eval_dataset = PromptDataset.from_config(config.data, tokenizer, config.data.eval_path, seed=config.trainer.seed)
+    if m.lora_rank:
+        model = apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules)
     if m.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable()  # non-reentrant in transformers 5: LoRA needs no input grads
     model.config.use_cache = False
-    reference = make_reference(model) if config.algorithm.kl_coef > 0 else None
+    reference = None
+    if config.algorithm.kl_coef > 0:  # LoRA: the base is the adapter-disabled actor, no second copy
+        reference = AdapterDisabled(model) if m.lora_rank else make_reference(model)
     a, total = config.actor, config.trainer.total_steps
-    actor_optimizer = build_optimizer(model.parameters(), a.lr, a.weight_decay)
+    actor_optimizer = build_optimizer(model.parameters(), a.lr, a.weight_decay, state_dtype=a.optimizer_state_dtype,
+                                      offload=a.optimizer_offload, eight_bit=a.optimizer_8bit)
     critic = critic_optimizer = critic_scheduler = None
     if config.algorithm.name == "ppo":
         critic_base = model if not config.critic.path else load_hf_model(config.critic.path, dtype=m.dtype, device=device).model

@@ -38,6 +38,15 @@ class ModelConfig:
     """Recompute activations in the backward pass: less memory, about a third more compute."""
     tokenizer_path: str | None = None
     """Tokenizer location when it differs from `path`."""
+    lora_rank: int = 0
+    """LoRA rank through peft (`pip install 'hybridrl[peft]'`); 0 trains all parameters. With LoRA the
+    reference model is the actor with its adapter disabled, so no second copy of the weights exists."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator: the adapter's update is multiplied by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA branch; keep 0 in RL so old and new log-probs come from the same function."""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names that get adapters (e.g. [q_proj, v_proj]); `all-linear` is every linear layer but the LM head."""
 
 
 @dataclass
@@ -154,6 +163,18 @@ class ActorConfig:
     """Sequences per optimizer step; 0 means the whole rollout batch (one step per rollout)."""
     micro_batch_size: int = 8
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget per forward/backward: each mini-batch is regrouped into micro-batches of at most this many
+    real (unpadded) tokens and packed without padding; 0 uses micro_batch_size sequences instead."""
+    optimizer_state_dtype: Literal["float32", "param"] = "float32"
+    """AdamW moments for bf16/fp16 parameters: float32 (no float32 copy of the weights; the update is applied
+    with stochastic rounding so small steps are not rounded away) or `param` (torch AdamW, state in the
+    parameters' dtype). float32 parameters always get float32 state."""
+    optimizer_offload: bool = False
+    """Keep AdamW state in CPU memory and stream it to the device one parameter at a time in each step:
+    8 bytes per parameter off the GPU for a host-device round trip per step."""
+    optimizer_8bit: bool = False
+    """8-bit AdamW state through bitsandbytes (`pip install bitsandbytes`, CUDA only)."""
 
 
 @dataclass
@@ -418,6 +439,11 @@ def validate(config: Config) -> None:
         _require(opt.max_grad_norm >= 0, f"{section}.max_grad_norm must be >= 0 (0 disables clipping).")
     _require(act.ppo_epochs >= 1, "actor.ppo_epochs must be at least 1.")
     _require(act.micro_batch_size >= 1, "actor.micro_batch_size must be at least 1.")
+    _require(act.max_tokens_per_micro_batch >= 0, "actor.max_tokens_per_micro_batch must be >= 0 (0 disables).")
+    _require(not (act.optimizer_8bit and act.optimizer_offload),
+             "actor.optimizer_8bit and actor.optimizer_offload cannot both be true; choose one way to save memory.")
+    _require(config.model.lora_rank >= 0, "model.lora_rank must be >= 0 (0 trains all parameters).")
+    _require(config.model.lora_rank == 0 or config.model.lora_alpha > 0, "model.lora_alpha must be > 0.")
     _require(t.total_steps >= 1, "trainer.total_steps must be at least 1.")
     _require(t.prompts_per_step >= 1, "trainer.prompts_per_step must be at least 1.")
     _require(t.eval_every >= 0, "trainer.eval_every must be >= 0.")

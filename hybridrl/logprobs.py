@@ -1,34 +1,180 @@
-"""Per-token log-probabilities (and entropy) of response tokens under a causal LM.
+"""Per-token log-probabilities (and entropy) of response tokens under a causal LM, without full logits.
 
-Batches are laid out with prompts left-padded to a common length P and responses right-padded to R
-(see `batch.py`), so every response starts at column P and only the last R+1 positions need logits
-(`logits_to_keep`). The log-softmax is taken in float32 over chunks of positions so the full
-(B, R, vocab) float32 tensor never exists at once.
+One function, `response_logprobs`, serves the actor's update, the old-policy and reference passes and
+the rollout mismatch check, so all of them see exactly the same numbers.
+
+Choices:
+- The backbone runs once and returns hidden states; the LM head is applied here, only at the positions
+  that predict a response token (`logits_to_keep` in spirit), and only `chunk_tokens` positions at a
+  time. Each chunk's logits are made in the head's dtype, scaled by 1/temperature in float32, reduced
+  to (log-prob, entropy) and dropped, so (tokens, vocab) logits never exist, in float32 or bf16.
+- Backward does not keep the chunks either: `_ChunkedHeadLogprobs` recomputes each chunk's logits from
+  the saved hidden states and head weight and forms d(logits) in closed form (softmax minus one-hot,
+  and -p (log p + H) for entropy). The head's weight gradient is accumulated in float32.
+- Padding is removed before the forward pass when it is worth it (`pack`): the real tokens of all rows
+  are packed into rows with position ids restarting at 0 for each sequence (see `packing.py`), and
+  transformers turns those resets into block-diagonal attention (sdpa) or varlen kernels (flash).
+- Models whose logits are not a plain linear head of the last hidden state (soft-capping, logit scale,
+  an adapter on the head) fall back to the model's own forward with the same chunked reduction.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
+
+from hybridrl.packing import pack_rows, row_capacity_for
+
+CHUNK_ELEMENTS = 32 * 2**20
+"""Logit elements per chunk: 32 Mi float32 values (128 MiB); ~220 positions for a 152k vocabulary."""
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    return max(16, CHUNK_ELEMENTS // max(1, vocab_size))
+
+
+def _entropy_and_logp(logits: torch.Tensor, targets: torch.Tensor, scale: float,
+                      with_entropy: bool = True) -> tuple[torch.Tensor, ...]:
+    """Logits (C, V) -> float32 (scaled logits z, log-normaliser, log p(target), entropy or zeros)."""
+    z = logits.float() * scale
+    log_norm = torch.logsumexp(z, dim=-1)  # (C,)
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - log_norm
+    entropy = log_norm - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else torch.zeros_like(logp)
+    return z, log_norm, logp, entropy
+
+
+class _ChunkedHeadLogprobs(torch.autograd.Function):
+    """(hidden (N, H), head weight (V, H), bias (V,) | None, targets (N,)) -> log p (N,), entropy (N,)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, scale, chunk_tokens, with_entropy):
+        logps, entropies = [], []
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+            logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+            _, _, logp, entropy = _entropy_and_logp(logits, t, scale, with_entropy)
+            logps.append(logp)
+            entropies.append(entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.scale, ctx.chunk_tokens, ctx.with_entropy = scale, chunk_tokens, with_entropy
+        return torch.cat(logps), torch.cat(entropies)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
+            stop = start + ctx.chunk_tokens
+            h, t = hidden[start:stop], targets[start:stop]
+            logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+            log_probs = torch.log_softmax(logits.float() * ctx.scale, dim=-1)  # (C, V)
+            del logits
+            probs = log_probs.exp()
+            g_logp, g_entropy = grad_logp[start:stop, None], grad_entropy[start:stop, None]
+            # d log p_y / dz = onehot(y) - p ;  d H / dz = -p (log p + H)
+            if ctx.with_entropy:
+                entropy = -(probs * log_probs).sum(-1, keepdim=True)
+                grad_z = probs.mul_(-g_logp - g_entropy * (log_probs + entropy))
+            else:
+                grad_z = probs.mul_(-g_logp)
+            del log_probs
+            grad_z.scatter_add_(-1, t[:, None], g_logp.float())
+            grad_logits = (grad_z * ctx.scale).to(weight.dtype)  # (C, V)
+            if need_hidden:
+                grad_hidden[start:stop] = grad_logits @ weight
+            if need_weight:
+                grad_weight.add_((grad_logits.t() @ h).float())  # bf16 product per chunk, float32 sum
+            if need_bias:
+                grad_bias.add_(grad_logits.float().sum(0))
+        grad_weight = grad_weight.to(weight.dtype) if need_weight else None
+        grad_bias = grad_bias.to(bias.dtype) if need_bias else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def token_logprobs(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, temperature: float = 1.0,
+                   chunk_tokens: int | None = None, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(targets) and entropy (zeros unless `with_entropy`) from hidden states (N, H) through `head`: (N,), (N,)."""
+    scale = 1.0 / temperature if temperature > 0 else 1.0
+    chunk_tokens = chunk_tokens or default_chunk_tokens(head.weight.shape[0])
+    hidden = hidden.to(head.weight.dtype)
+    return _ChunkedHeadLogprobs.apply(hidden, head.weight, head.bias, targets, scale, chunk_tokens, with_entropy)
+
+
+def plain_head(model: nn.Module) -> nn.Linear | None:
+    """The LM head when logits are exactly `head(last hidden state)`, else None (use the model's forward)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    if type(head) is not nn.Linear or not hasattr(model, "get_decoder"):
+        return None  # missing, or wrapped (e.g. a LoRA layer on the head)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    return head
+
+
+def _hidden_states(model: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    return model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
+
+
+def _fallback_logprobs(model, input_ids, attention_mask, position_ids, positions, targets, scale):
+    """Models with a non-plain head: their own forward, then the same float32 reduction (logits do exist)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits
+    picked = logits.flatten(0, 1)[positions]  # (N, V)
+    _, _, logp, entropy = _entropy_and_logp(picked, targets, scale)
+    return logp, entropy
+
+
+def _model_and_context(model: nn.Module):
+    """A LoRA reference (`lora.AdapterDisabled`) runs the actor's modules with the adapter switched off."""
+    inner = getattr(model, "adapter_disabled_model", None)
+    if inner is not None:
+        return inner, inner.disable_adapter()
+    return model, nullcontext()
 
 
 def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       position_ids: torch.Tensor, response_length: int, temperature: float = 1.0,
-                      with_entropy: bool = False, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(response token t | prefix) for the last `response_length` columns: (B, R) float32, and entropy."""
-    outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    logits_to_keep=response_length + 1, use_cache=False)
-    logits = outputs.logits[:, :-1]  # (B, R, V): position t predicts response token t
-    targets = input_ids[:, -response_length:]  # (B, R)
+                      with_entropy: bool = False, chunk_tokens: int | None = None,
+                      pack: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(response token t | prefix) for the last `response_length` columns: (B, R) float32, and entropy.
+
+    `pack`: remove padding by packing sequences into rows (None: when at least 1/8 of the tokens are padding).
+    Values at padded response positions are 0.
+    """
+    model, context = _model_and_context(model)
+    num_rows, width = input_ids.shape
+    prompt_width = width - response_length
+    if pack is None:
+        pack = attention_mask.sum().item() < 0.875 * attention_mask.numel()
+    if pack:
+        capacity = row_capacity_for(model, attention_mask)
+        packed = pack_rows(input_ids, attention_mask, prompt_width, capacity)
+        inputs = (packed.input_ids, None, packed.position_ids)
+        positions, targets = packed.logit_positions, packed.targets
+    else:
+        inputs = (input_ids, attention_mask, position_ids)
+        columns = torch.arange(prompt_width - 1, width - 1, device=input_ids.device)
+        positions = (torch.arange(num_rows, device=input_ids.device)[:, None] * width + columns).flatten()
+        targets = input_ids[:, prompt_width:].flatten()
     scale = 1.0 / temperature if temperature > 0 else 1.0
-    logps, entropies = [], []
-    for start in range(0, response_length, chunk_size):
-        chunk = logits[:, start:start + chunk_size].float() * scale  # (B, C, V)
-        log_norm = torch.logsumexp(chunk, dim=-1)  # (B, C)
-        picked = chunk.gather(-1, targets[:, start:start + chunk_size, None]).squeeze(-1)
-        logps.append(picked - log_norm)
-        if with_entropy:
-            probs = torch.softmax(chunk, dim=-1)
-            entropies.append(log_norm - (probs * chunk).sum(-1))
-    logp = torch.cat(logps, dim=1)
-    return logp, (torch.cat(entropies, dim=1) if with_entropy else None)
+    with context:
+        head = plain_head(model)
+        if head is None:
+            logp, entropy = _fallback_logprobs(model, *inputs, positions, targets, scale)
+        else:
+            hidden = _hidden_states(model, *inputs)
+            logp, entropy = token_logprobs(hidden.flatten(0, 1)[positions], head, targets, temperature, chunk_tokens,
+                                           with_entropy)
+    if pack:
+        logp, entropy = packed.unpack(logp, (num_rows, response_length)), packed.unpack(entropy, (num_rows, response_length))
+    else:
+        logp, entropy = logp.view(num_rows, response_length), entropy.view(num_rows, response_length)
+        real = attention_mask[:, prompt_width:].bool()
+        logp, entropy = logp.masked_fill(~real, 0.0), entropy.masked_fill(~real, 0.0)
+    return logp, (entropy if with_entropy else None)

@@ -1,4 +1,11 @@
-"""Optimizer and learning-rate schedule for actor, critic and SFT: AdamW with warm-up then decay."""
+"""Optimizer and learning-rate schedule for actor, critic and SFT: AdamW with warm-up then decay.
+
+`LeanAdamW` is AdamW for bf16 training without a float32 master copy: float32 moments (8 bytes per
+parameter, optionally in CPU memory), and the update written back to the bf16 weight with stochastic
+rounding. Trade-off against float32 master weights (12 bytes more per parameter for bf16+fp32 copies,
+4 more than here): rounding is unbiased but adds noise of half a bf16 ulp per step; nearest rounding
+without a master copy would instead drop every update below half an ulp (most of them at lr 1e-6).
+"""
 
 from __future__ import annotations
 
@@ -15,8 +22,21 @@ SCHEDULES = {
 
 
 def build_optimizer(parameters: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
-                    betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+                    betas: tuple[float, float] = (0.9, 0.999), state_dtype: str = "float32", offload: bool = False,
+                    eight_bit: bool = False) -> torch.optim.Optimizer:
+    """AdamW: torch's fused one for float32 parameters; `LeanAdamW` for bf16 parameters (float32 state,
+    no float32 weight copy) or CPU-offloaded state; bitsandbytes' 8-bit AdamW when `eight_bit`."""
     params = [p for p in parameters if p.requires_grad]
+    if eight_bit:
+        try:
+            import bitsandbytes
+        except ImportError:
+            raise ImportError("actor.optimizer_8bit needs bitsandbytes, which is not installed: pip install "
+                              "bitsandbytes (CUDA only), or set actor.optimizer_8bit=false.") from None
+        return bitsandbytes.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
+    if offload or (low_precision and state_dtype == "float32"):
+        return LeanAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, offload=offload)
     fused = bool(params) and params[0].is_cuda  # one kernel for the whole update on GPU
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)
 
@@ -32,3 +52,66 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_step
         return max(0.0, decay(min(1.0, progress)))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def stochastic_round_to_bf16(values: torch.Tensor) -> torch.Tensor:
+    """float32 -> bfloat16, rounding up with probability equal to the dropped fraction (unbiased)."""
+    bits = values.view(torch.int32)
+    noise = torch.randint_like(bits, 0, 1 << 16)
+    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: low 16 bits are zero
+
+
+class LeanAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias-corrected) with float32 moments for parameters of any dtype.
+
+    bf16 parameters are updated in float32 chunk by chunk and stored back with stochastic rounding
+    (fp16 with nearest rounding); float32 parameters match `torch.optim.AdamW`. `offload=True` keeps
+    the moments in pinned CPU memory and copies each chunk in and out around its update.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, offload: bool = False, chunk_elements: int = 2**24):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.offload, self.chunk_elements = offload, chunk_elements
+
+    def _moments(self, param: torch.Tensor) -> dict:
+        state = self.state[param]
+        if not state:
+            device = "cpu" if self.offload else param.device
+            pin = self.offload and param.is_cuda
+            state["step"] = 0
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros(param.numel(), dtype=torch.float32, device=device, pin_memory=pin)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self._moments(param)
+                state["step"] += 1
+                correction1, correction2 = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
+                weights, grads = param.data.view(-1), param.grad.view(-1)
+                for start in range(0, weights.numel(), self.chunk_elements):
+                    chunk = slice(start, start + self.chunk_elements)
+                    m_home, v_home = state["exp_avg"][chunk], state["exp_avg_sq"][chunk]
+                    m, v = m_home.to(param.device, non_blocking=True), v_home.to(param.device, non_blocking=True)
+                    grad = grads[chunk].float()
+                    m.lerp_(grad, 1 - beta1)
+                    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                    updated = weights[chunk].float().mul_(1 - lr * decay)
+                    denom = (v.sqrt() / correction2 ** 0.5).add_(eps)
+                    updated.addcdiv_(m, denom, value=-lr / correction1)
+                    if param.dtype == torch.bfloat16:
+                        updated = stochastic_round_to_bf16(updated)
+                    weights[chunk].copy_(updated)
+                    if self.offload:
+                        m_home.copy_(m, non_blocking=True)
+                        v_home.copy_(v, non_blocking=True)
+        if self.offload and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the moments are complete on the host before anyone reads them
+        return loss

@@ -1,7 +1,10 @@
 """PPO-style update epochs: shuffled mini-batches (one optimizer step each), split into micro-batches.
 
 Micro-batch losses are normalised by the whole mini-batch (its token count, its number of sequences,
-the rollout's response length), so accumulating their gradients gives exactly the mini-batch's loss.
+the rollout's response length), so accumulating their gradients gives exactly the mini-batch's loss,
+however the mini-batch is split. That is what lets `actor.max_tokens_per_micro_batch` regroup a
+mini-batch by real (unpadded) tokens, first-fit decreasing, instead of a fixed sequence count; the
+log-prob pass then packs each micro-batch's sequences into rows (`packing.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from hybridrl import algorithms
 from hybridrl.batch import RolloutBatch
 from hybridrl.config import Config
 from hybridrl.logprobs import response_logprobs
+from hybridrl.packing import group_by_tokens
 
 
 class TrainingError(RuntimeError):
@@ -27,6 +31,15 @@ def mini_batches(batch_size: int, mini_size: int, micro_size: int, epochs: int,
         order = torch.randperm(batch_size, generator=generator)
         for mini in order.split(mini_size):
             yield list(mini.split(micro_size))
+
+
+def regroup_by_tokens(batch: RolloutBatch, micros: list[torch.Tensor], max_tokens: int) -> list[torch.Tensor]:
+    """The mini-batch's micro-batches as given, or (max_tokens > 0) regrouped to at most max_tokens real tokens."""
+    if max_tokens <= 0:
+        return micros
+    mini = torch.cat(micros)
+    lengths = batch.attention_mask[mini.to(batch.attention_mask.device)].sum(1).tolist()
+    return [mini[group] for group in group_by_tokens(lengths, max_tokens)]
 
 
 def mini_batch_normalizers(batch: RolloutBatch, mini: torch.Tensor) -> dict[str, float]:
@@ -60,7 +73,7 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
     mini_size = act.mini_batch_size or len(batch)
     for micros in mini_batches(len(batch), mini_size, act.micro_batch_size, act.ppo_epochs, generator):
         mini = torch.cat(micros)
-        for micro in micros:
+        for micro in regroup_by_tokens(batch, micros, act.max_tokens_per_micro_batch):
             part = batch.select(micro)
             norm = mini_batch_normalizers(batch, mini)
             logp, entropy = response_logprobs(model, part.input_ids, part.attention_mask, part.position_ids,
@@ -105,7 +118,7 @@ def update_critic(parts, config: Config, batch: RolloutBatch, generator: torch.G
     mini_size = act.mini_batch_size or len(batch)
     for micros in mini_batches(len(batch), mini_size, act.micro_batch_size, act.ppo_epochs, generator):
         mini = torch.cat(micros)
-        for micro in micros:
+        for micro in regroup_by_tokens(batch, micros, act.max_tokens_per_micro_batch):
             part = batch.select(micro)
             norm = mini_batch_normalizers(batch, mini)
             values = critic(part.input_ids, part.attention_mask, part.position_ids)[:, -part.response_length - 1:-1]

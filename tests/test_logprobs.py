@@ -1,0 +1,78 @@
+"""Chunked log-probs/entropy equal the plain full-logits computation (values and gradients, float32)."""
+
+import pytest
+import torch
+
+from conftest import tiny_actor
+from hybridrl.logprobs import response_logprobs, token_logprobs
+
+TOL = dict(atol=2e-5, rtol=1e-5)  # float32: the only differences are summation order
+
+
+def padded_batch(seed=0, rows=4, prompt=5, response=6, vocab=90):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, prompt + response), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left-padded prompt
+    mask[1, -3:] = 0  # short response
+    mask[2, :1] = 0
+    mask[2, -1:] = 0
+    ids[mask == 0] = 0
+    return ids, mask, (mask.cumsum(1) - 1).clamp(min=0), response
+
+
+def plain(model, ids, mask, positions, response, temperature):
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -response - 1:-1]
+    logp_all = torch.log_softmax(logits.float() / temperature, -1)
+    real = mask[:, -response:].float()
+    logp = logp_all.gather(-1, ids[:, -response:, None]).squeeze(-1) * real
+    entropy = -(logp_all.exp() * logp_all).sum(-1) * real
+    return logp, entropy
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_chunked_equals_full_logits_values_and_gradients(pack):
+    model, _ = tiny_actor()
+    ids, mask, positions, response = padded_batch()
+    weights = torch.randn(ids.shape[0], response, generator=torch.Generator().manual_seed(1))
+
+    def grads_of(fn):
+        model.zero_grad()
+        logp, entropy = fn()
+        ((logp * weights).sum() + 0.3 * (entropy * weights).sum()).backward()
+        return logp.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]
+
+    got = grads_of(lambda: response_logprobs(model, ids, mask, positions, response, temperature=0.7,
+                                             with_entropy=True, chunk_tokens=5, pack=pack))
+    want = grads_of(lambda: plain(model, ids, mask, positions, response, 0.7))
+    assert torch.allclose(got[0], want[0], **TOL)
+    assert torch.allclose(got[1], want[1], **TOL)
+    assert got[1].abs().sum() > 0
+    for mine, reference in zip(got[2], want[2]):
+        assert torch.allclose(mine, reference, atol=1e-5, rtol=1e-4)
+
+
+def test_head_gradients_with_bias_and_no_entropy():
+    generator = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=True)
+    hidden = torch.randn(13, 16, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 50, (13,), generator=generator)
+    logp, entropy = token_logprobs(hidden, head, targets, temperature=2.0, chunk_tokens=4, with_entropy=False)
+    assert torch.equal(entropy, torch.zeros(13))
+    logp.sum().backward()
+    got = [hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
+    hidden.grad = head.weight.grad = head.bias.grad = None
+    want_logp = torch.log_softmax(head(hidden) / 2.0, -1).gather(-1, targets[:, None]).squeeze(-1)
+    want_logp.sum().backward()
+    assert torch.allclose(logp, want_logp, **TOL)
+    for mine, reference in zip(got, [hidden.grad, head.weight.grad, head.bias.grad]):
+        assert torch.allclose(mine, reference, **TOL)
+
+
+def test_greedy_temperature_zero_uses_unscaled_logits():
+    model, _ = tiny_actor()
+    ids, mask, positions, response = padded_batch(seed=3)
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, ids, mask, positions, response, temperature=0.0)
+        want, _ = plain(model, ids, mask, positions, response, 1.0)
+    assert torch.allclose(logp, want, **TOL)
