@@ -209,12 +209,21 @@ class TrainerConfig:
     """Evaluate on the held-out set every N steps (and before the first and after the last); 0 disables."""
     save_model: bool = True
     """Save the final actor as a Hugging Face directory in `output_dir/model`."""
+    save_every: int = 0
+    """Save a resumable checkpoint in `output_dir/checkpoints` every N steps and after the last; 0 saves only
+    when the run is stopped by SIGINT/SIGTERM."""
+    keep_last_n: int = 3
+    """Checkpoints kept; older ones are deleted after a new one is complete. 0 keeps all."""
+    resume: str = "auto"
+    """`auto` continues from the newest intact checkpoint in `output_dir/checkpoints` if there is one;
+    `off` starts fresh; a path names a checkpoint (or a run directory) to continue from."""
 
 
 @dataclass
 class LoggingConfig:
     sinks: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    """Metric sinks: console, jsonl."""
+    """Metric sinks: console, jsonl, tensorboard (`pip install 'hybridrl[tensorboard]'`), wandb
+    (`pip install 'hybridrl[wandb]'`; WANDB_MODE=offline writes locally with no network)."""
     log_every: int = 1
     """Print a console line every N steps."""
     num_samples_to_print: int = 2
@@ -447,6 +456,9 @@ def validate(config: Config) -> None:
     _require(t.total_steps >= 1, "trainer.total_steps must be at least 1.")
     _require(t.prompts_per_step >= 1, "trainer.prompts_per_step must be at least 1.")
     _require(t.eval_every >= 0, "trainer.eval_every must be >= 0.")
+    _require(t.save_every >= 0, "trainer.save_every must be >= 0 (0 saves only on SIGINT/SIGTERM).")
+    _require(t.keep_last_n >= 0, "trainer.keep_last_n must be >= 0 (0 keeps every checkpoint).")
+    _require(bool(t.resume), "trainer.resume must be auto, off, or the path of a checkpoint.")
     _require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
              f"trainer.device must be auto, cpu, cuda or cuda:N; got {t.device!r}.")
     batch = config.rollout_batch_size

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hybridrl import algorithms
+from hybridrl import algorithms, checkpoint
 from hybridrl.batch import RolloutBatch, build_rollout_batch
 from hybridrl.components import Components, build_components
 from hybridrl.config import Config, load_config
@@ -63,7 +63,7 @@ class RLTrainer:
         self.step_count = 0
         self.output_dir = Path(config.trainer.output_dir)
         self.logger = MetricsLogger(self.output_dir, config.logging.sinks, config.trainer.total_steps,
-                                    config.logging.log_every)
+                                    config.logging.log_every, config.logging.num_samples_to_print, config.to_dict())
         self.sampler = self.parts.dataset.sampler(config.trainer.prompts_per_step)
 
     # ------------------------------------------------------------------------------------------
@@ -72,15 +72,22 @@ class RLTrainer:
     def train(self) -> list[dict[str, float]]:
         """Run until `trainer.total_steps`, evaluating every `eval_every` steps; returns the metric history."""
         cfg = self.config.trainer
-        if cfg.eval_every and self.parts.eval_dataset is not None and self.step_count == 0:
-            self.logger.log(0, self.evaluate())
-        while self.step_count < cfg.total_steps:
-            metrics = self.step()
-            done = self.step_count == cfg.total_steps
-            if cfg.eval_every and self.parts.eval_dataset is not None and (self.step_count % cfg.eval_every == 0 or done):
-                metrics.update(self.evaluate())
-            self.logger.log(self.step_count, metrics)
-        if cfg.save_model:
+        checkpoint.resume_from_config(self)
+        with checkpoint.stop_on_signals() as stop:
+            if cfg.eval_every and self.parts.eval_dataset is not None and self.step_count == 0:
+                self.logger.log(0, self.evaluate())
+            while self.step_count < cfg.total_steps and not stop:
+                metrics = self.step()
+                done = self.step_count == cfg.total_steps
+                if cfg.eval_every and self.parts.eval_dataset is not None and (self.step_count % cfg.eval_every == 0 or done):
+                    metrics.update(self.evaluate())
+                self.logger.log(self.step_count, metrics)
+                if stop or (cfg.save_every and (self.step_count % cfg.save_every == 0 or done)):
+                    checkpoint.save_checkpoint(self, self.output_dir / "checkpoints", cfg.keep_last_n)
+        if stop:
+            print(f"stopped by {stop.signal_name} after step {self.step_count}; checkpoint saved in "
+                  f"{self.output_dir / 'checkpoints'}; rerun with trainer.resume=auto to continue", flush=True)
+        elif cfg.save_model:
             save_hf_model(self.parts.actor, self.parts.tokenizer, self.output_dir / "model")
         self.logger.close()
         return self.logger.history
@@ -94,6 +101,8 @@ class RLTrainer:
             batch = self.rollout(prompts)
         with timer("reward"):
             reward_metrics = self.score(batch, prompts)
+        self.logger.add_samples([prompts["raw_prompts"][i] for i in batch.prompt_index.tolist()], batch.texts,
+                                batch.scores.tolist())
         with timer("logprobs"):
             self.compute_logprobs(batch)
         with timer("advantages"):
