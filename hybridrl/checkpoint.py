@@ -303,7 +303,7 @@ def find_checkpoint(root: str | Path, log: Any = print) -> Path | None:
     return None
 
 
-def resolve_resume(setting: str, root: Path, log: Any = print) -> Path | None:
+def resolve_resume(setting: str, root: Path, log: Any = print, key: str = "trainer.resume") -> Path | None:
     """`off` -> None; `auto` -> newest intact checkpoint under root, if any; a path -> that checkpoint
     (a directory of checkpoints means its newest intact one)."""
     if setting == "off":
@@ -314,16 +314,16 @@ def resolve_resume(setting: str, root: Path, log: Any = print) -> Path | None:
     if (path / MARKER).exists() or path.name.startswith(STEP_PREFIX):
         problem = check_checkpoint(path) if path.is_dir() else "it does not exist"
         if problem is not None:
-            raise CheckpointError(f"trainer.resume={setting!r} cannot be used: {problem}. "
+            raise CheckpointError(f"{key}={setting!r} cannot be used: {problem}. "
                                   "Point it at another checkpoint or use trainer.resume=auto.")
         return path
     for candidate in (path, path / "checkpoints"):
         if step_directories(candidate):
             found = find_checkpoint(candidate, log)
             if found is None:
-                raise CheckpointError(f"trainer.resume={setting!r}: no intact checkpoint under {candidate}.")
+                raise CheckpointError(f"{key}={setting!r}: no intact checkpoint under {candidate}.")
             return found
-    raise CheckpointError(f"trainer.resume={setting!r} is not a checkpoint (no {MARKER} marker) nor a directory "
+    raise CheckpointError(f"{key}={setting!r} is not a checkpoint (no {MARKER} marker) nor a directory "
                           "of checkpoints; give a step_* directory, a run's output_dir, auto or off.")
 
 

@@ -1,4 +1,4 @@
-"""Command line: `hybridrl train|sft|demo|make-data|config show`.
+"""Command line: `hybridrl train|sft|demo|make-data|export|plot|config show`.
 
 Every user mistake the library reports as a typed error (config, data, model, reward, training)
 is printed as one line and exit code 2; anything else is a bug and keeps its traceback.
@@ -12,13 +12,14 @@ import sys
 import time
 from pathlib import Path
 
+from hybridrl.checkpoint import CheckpointError
 from hybridrl.config import ConfigError, load_config
 from hybridrl.data import DataError
 from hybridrl.models import ModelError
 from hybridrl.rewards import RewardError, RewardSpecError
 from hybridrl.update import TrainingError
 
-USER_ERRORS = (ConfigError, DataError, ModelError, RewardError, RewardSpecError, TrainingError)
+USER_ERRORS = (ConfigError, DataError, ModelError, RewardError, RewardSpecError, TrainingError, CheckpointError)
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -72,6 +73,19 @@ def cmd_demo(args: argparse.Namespace) -> None:
           f"metrics in {out / args.algorithm / 'metrics.jsonl'}")
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    from hybridrl.export import export_checkpoint
+
+    path = export_checkpoint(args.checkpoint, args.out_dir, merge_lora=not args.adapter)
+    print(f"wrote a Hugging Face model to {path} (load it with AutoModelForCausalLM.from_pretrained)")
+
+
+def cmd_plot(args: argparse.Namespace) -> None:
+    from hybridrl.plot import plot_run
+
+    print(f"wrote {plot_run(args.run_dir, args.out)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridrl", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out-dir", default="runs/demo")
     demo.add_argument("overrides", nargs="*", help="dotted overrides applied to both stages")
     demo.set_defaults(fn=cmd_demo)
+    export = commands.add_parser("export", help="write a checkpoint's actor as a Hugging Face model directory")
+    export.add_argument("checkpoint", help="a checkpoints/step_* directory, or a run's output_dir (newest checkpoint)")
+    export.add_argument("out_dir")
+    lora = export.add_mutually_exclusive_group()
+    lora.add_argument("--merge-lora", dest="adapter", action="store_false", help="LoRA: merge into the weights (default)")
+    lora.add_argument("--adapter", dest="adapter", action="store_true", help="LoRA: write a peft adapter directory")
+    export.set_defaults(fn=cmd_export, adapter=False)
+    plot = commands.add_parser("plot", help="PNG curves (reward, KL, entropy, length, tokens/s) from metrics.jsonl")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
+    plot.set_defaults(fn=cmd_plot)
     return parser
 
 

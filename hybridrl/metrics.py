@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -127,7 +128,7 @@ class WandbSink:
             raise ImportError("logging.sinks has 'wandb' but the wandb package is not installed; "
                               "run `pip install 'hybridrl[wandb]'` or drop the sink.") from None
         id_file = output_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         output_dir.mkdir(parents=True, exist_ok=True)
         id_file.write_text(run_id)
         self.wandb = wandb
