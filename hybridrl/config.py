@@ -175,6 +175,9 @@ class ActorConfig:
     8 bytes per parameter off the GPU for a host-device round trip per step."""
     optimizer_8bit: bool = False
     """8-bit AdamW state through bitsandbytes (`pip install bitsandbytes`, CUDA only)."""
+    offload_during_rollout: bool = False
+    """Hybrid engine: move optimizer state to CPU memory while generating (room for a larger KV cache),
+    and back before the update; the switch time is logged as `perf/weight_sync_s`."""
 
 
 @dataclass

@@ -7,6 +7,7 @@ epochs in `update.py`, and the math in `algorithms.py`.
 
 from __future__ import annotations
 
+import resource
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ from hybridrl.batch import RolloutBatch, build_rollout_batch
 from hybridrl.components import Components, build_components
 from hybridrl.config import Config, load_config
 from hybridrl.data import PromptDataset
+from hybridrl.hybrid import rollout_phase
 from hybridrl.logprobs import response_logprobs
 from hybridrl.metrics import MetricsLogger
 from hybridrl.models import HFModel, save_hf_model
@@ -61,6 +63,7 @@ class RLTrainer:
                                                   eval_dataset=eval_dataset)
         self.device = self.parts.device
         self.step_count = 0
+        self.switch_seconds: dict[str, float] = {}  # train <-> generate switch time of the current step
         self.output_dir = Path(config.trainer.output_dir)
         self.logger = MetricsLogger(self.output_dir, config.logging.sinks, config.trainer.total_steps,
                                     config.logging.log_every, config.logging.num_samples_to_print, config.to_dict())
@@ -95,6 +98,7 @@ class RLTrainer:
     def step(self) -> dict[str, float]:
         """One rollout-and-update step."""
         timer = PhaseTimer(self.device)
+        self.switch_seconds = {}
         self.step_count += 1
         prompts = self.parts.dataset.batch(next(self.sampler))
         with timer("rollout"):
@@ -109,7 +113,8 @@ class RLTrainer:
             self.compute_advantages(batch)
         with timer("update"):
             update_metrics = self.update(batch)
-        return {**rollout_metrics(batch), **reward_metrics, **update_metrics, **perf_metrics(batch, timer, self.device)}
+        return {**rollout_metrics(batch), **reward_metrics, **update_metrics, **perf_metrics(batch, timer, self.device),
+                "perf/weight_sync_s": self.switch_seconds["weight_sync"]}
 
     # ------------------------------------------------------------------------------------------
     # Phases
@@ -124,8 +129,10 @@ class RLTrainer:
     @torch.no_grad()
     def rollout(self, prompts: dict[str, Any], evaluation: bool = False) -> RolloutBatch:
         params = self.sampling_params(evaluation)
-        generations = self.parts.rollout.generate(prompts["prompt_ids"], params)
-        self.parts.rollout.release_memory()
+        with rollout_phase(self.parts.actor, self.parts.actor_optimizer, self.device,
+                           self.config.actor.offload_during_rollout, self.switch_seconds):
+            generations = self.parts.rollout.generate(prompts["prompt_ids"], params)
+            self.parts.rollout.release_memory()
         batch = build_rollout_batch(prompts["prompt_ids"], generations, self.parts.pad_token_id, params.max_new_tokens)
         batch.texts = [self.parts.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
         return batch.to(self.device)
@@ -227,4 +234,6 @@ def perf_metrics(batch: RolloutBatch, timer: PhaseTimer, device: torch.device) -
                     "perf/update_tokens_per_s": total_tokens / max(timer.seconds["update"], 1e-9)})
     if device.type == "cuda":
         metrics["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    else:  # peak resident memory of the process (Linux reports KiB)
+        metrics["perf/peak_memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return metrics
