@@ -1,0 +1,332 @@
+"""Data parallelism applied from outside the model: process group, FSDP2 sharding, batch splitting.
+
+One process is the special case: `init_from_env()` without `WORLD_SIZE` (or with 1) returns a setup of
+world size 1 and starts nothing, and every helper here is then the identity (it returns its input,
+often the very same object), so the trainer calls the same functions on a laptop and on a node.
+
+Choices:
+- FSDP2 (`fully_shard`) per decoder layer, then the root (embeddings, final norm, LM head, tied or
+  not). Works for NCCL on GPU and for gloo on CPU (the CPU tests run it with two gloo processes).
+- Gradients are *summed* across ranks, not averaged: every rank keeps the whole (small) rollout batch,
+  so the loss normalisers (`num_tokens` of the mini-batch and the like) are already global, and each
+  rank's loss over its rows is its exact share of the one-process loss. With gloo and NCCL alike this
+  is a plain SUM reduce-scatter (no PreMulSum).
+- Rollout (hybrid engine): `gather_for_rollout` all-gathers each layer once, keeps the full weights
+  while the rank generates for its share of prompts (no collective inside a forward, so ranks may
+  decode different numbers of steps), and frees them afterwards. One full copy plus the shard, never two.
+- Work is split by rows balanced on token counts, with the same number of rows on every rank, so every
+  rank runs the same number of forward/backward passes (FSDP collectives must line up).
+- `heartbeat()` counts progress; `launch.Watchdog` turns a rank whose count stops into an error that
+  names the rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import heapq
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class DistributedSetup:
+    """Who this process is in the run; `mesh` is None with one process."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    mesh: Any = None
+    """A 1-D `DeviceMesh` over all ranks (data parallel / FSDP) when world_size > 1."""
+    watchdog: Any = None
+    """The `launch.Watchdog` thread supervising the other ranks, if one was started."""
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes logs, metrics and checkpoints."""
+        return self.rank == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Process group
+
+
+def init_from_env(device: torch.device | str = "auto", device_indices: Sequence[int] | None = None,
+                  timeout_s: float = 600.0, hang_timeout_s: float | None = 900.0) -> DistributedSetup:
+    """Join the process group that torchrun or the Ray launcher described in the environment.
+
+    `device_indices` are the CUDA devices of the actor's group (see `placement.py`); local rank i
+    uses `device_indices[i]` (default: device i). `timeout_s` bounds the rendezvous and every
+    collective; `hang_timeout_s` is how long any rank may go without a `heartbeat()` before the run
+    is stopped with a message naming it (None disables the watchdog).
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = _resolve_device(device)
+    if world_size <= 1:
+        return DistributedSetup(device=device)
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if device.type == "cuda":
+        index = device_indices[local_rank] if device_indices else local_rank
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("data",))
+    setup = DistributedSetup(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh)
+    if hang_timeout_s and os.environ.get("HYBRIDRL_WATCHDOG", "1") != "0":
+        from hybridrl.launch import Watchdog
+
+        setup.watchdog = Watchdog.from_env(rank, world_size, hang_timeout_s)
+        setup.watchdog.start()
+    return setup
+
+
+def shutdown(setup: DistributedSetup) -> None:
+    """Stop the watchdog and leave the process group (a no-op with one process)."""
+    if setup.watchdog is not None:
+        setup.watchdog.stop()
+    if setup.is_distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _resolve_device(device: torch.device | str) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+_progress = 0
+
+
+def heartbeat() -> None:
+    """Mark progress (the trainer calls it at every phase); the watchdog stops runs whose ranks stop beating."""
+    global _progress
+    _progress += 1
+
+
+def progress() -> int:
+    return _progress
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharding models
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a Hugging Face model: modules whose class is named in `_no_split_modules`."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def parallelize(model: nn.Module, setup: DistributedSetup, param_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype | None = torch.float32) -> nn.Module:
+    """Shard `model` with FSDP2 across all ranks: each decoder layer, then the root. Returns `model`.
+
+    `param_dtype` (e.g. bfloat16 with float32 parameters) casts weights after the all-gather for
+    compute; gradients are reduced in `reduce_dtype`. Build critics and reference copies *before*
+    calling this (a deep copy of a sharded model is sharded too).
+    """
+    if not setup.is_distributed:
+        return model
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"cannot shard {type(model).__name__}: no decoder layers found (no module class is "
+                         "listed in a `_no_split_modules` attribute); FSDP needs a Hugging Face-style model.")
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype if param_dtype else None)
+    for layer in layers:
+        fully_shard(layer, mesh=setup.mesh, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model, mesh=setup.mesh, mp_policy=policy)
+    if hasattr(model, "get_decoder"):
+        # logprobs.py runs `model.get_decoder()` and applies the LM head itself (chunked), bypassing the
+        # root's forward; registering the call as a forward gathers the root's parameters (embeddings,
+        # final norm, head) there, and the root's gradients are reduced after backward as usual.
+        register_fsdp_forward_method(model, "get_decoder")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # sum: losses are normalised by global counts
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM, which gloo supports too
+    return model
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    if not dist.is_initialized():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+@dataclass
+class WeightSync:
+    seconds: float = 0.0
+    """Wall time of the all-gather before the rollout (`perf/weight_sync_s`)."""
+
+
+@contextmanager
+def gather_for_rollout(model: nn.Module) -> Iterator[WeightSync]:
+    """Full weights for generation inside the block, sharded again (and freed) after it.
+
+    Inside, `model`'s parameters are plain tensors, so the built-in engine can read them and HF
+    `generate` runs its forwards without collectives. A model that is not sharded passes through.
+    """
+    sync = WeightSync()
+    modules = _fsdp_modules(model)
+    if not modules:
+        yield sync
+        return
+    start = time.perf_counter()
+    for module in modules[1:]:  # modules[0] is the root, which never reshards after forward
+        module.set_reshard_after_forward(False, recurse=False)
+    handles = [module.unshard(async_op=True) for module in modules]
+    for handle in handles:
+        handle.wait()
+    if next(model.parameters()).is_cuda:
+        torch.cuda.synchronize()
+    sync.seconds = time.perf_counter() - start
+    # HF `generate` sees this flag and syncs every decode step across ranks (`synced_gpus`), which
+    # hangs when ranks generate different lengths; with the weights gathered no sync is needed.
+    managed = model.__dict__.get("_is_fsdp_managed_module")
+    model._is_fsdp_managed_module = False
+    try:
+        yield sync
+    finally:
+        model._is_fsdp_managed_module = managed
+        for module in modules:
+            module.reshard()
+        for module in modules[1:]:
+            module.set_reshard_after_forward(True, recurse=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Splitting work across ranks
+
+
+def balanced_partition(costs: Sequence[int | float], num_parts: int) -> list[list[int]]:
+    """Positions 0..len(costs)-1 in `num_parts` groups whose sizes differ by at most one and whose cost
+    sums are balanced (longest first, each to the cheapest group that still has room); each group sorted."""
+    count = len(costs)
+    capacity = [count // num_parts + (part < count % num_parts) for part in range(num_parts)]
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    heap = [(0.0, part) for part in range(num_parts)]  # (cost so far, part) of parts with room
+    order = sorted(range(count), key=lambda i: (-costs[i], i))
+    for position in order:
+        total, part = heapq.heappop(heap)
+        parts[part].append(position)
+        if len(parts[part]) < capacity[part]:
+            heapq.heappush(heap, (total + float(costs[position]), part))
+    return [sorted(part) for part in parts]
+
+
+def shard_rows(rows: torch.Tensor, num_tokens: torch.Tensor, setup: DistributedSetup) -> torch.Tensor:
+    """This rank's share of `rows` (indices into a batch), balanced by `num_tokens[rows]`.
+
+    Every rank gets len(rows) / world_size rows (required to divide: FSDP needs the same number of
+    forward passes on every rank). With one process, `rows` itself is returned.
+    """
+    if not setup.is_distributed:
+        return rows
+    if len(rows) % setup.world_size:
+        raise ValueError(f"{len(rows)} sequences cannot be split evenly over {setup.world_size} ranks; make the "
+                         "rollout batch and actor.mini_batch_size multiples of trainer.num_gpus.")
+    costs = num_tokens[rows.to(num_tokens.device)].tolist()
+    mine = balanced_partition(costs, setup.world_size)[setup.rank]
+    return rows[torch.tensor(mine, dtype=torch.long, device=rows.device)]
+
+
+def shard_batch(batch: Any, setup: DistributedSetup) -> Any:
+    """This rank's rows of a `RolloutBatch`, balanced by tokens (prompt + response) per row."""
+    if not setup.is_distributed:
+        return batch
+    return batch.select(shard_rows(torch.arange(len(batch)), batch.attention_mask.sum(1), setup))
+
+
+def gather_rows(values: torch.Tensor, rows: torch.Tensor, num_rows: int, setup: DistributedSetup) -> torch.Tensor:
+    """Reassemble a (num_rows, ...) tensor from every rank's `values` for its `rows` (from `shard_rows`)."""
+    if not setup.is_distributed:
+        return values
+    rows = rows.to(values.device)
+    all_values = [torch.empty_like(values) for _ in range(setup.world_size)]
+    all_rows = [torch.empty_like(rows) for _ in range(setup.world_size)]
+    dist.all_gather(all_values, values.contiguous())
+    dist.all_gather(all_rows, rows.contiguous())
+    full = values.new_empty((num_rows, *values.shape[1:]))
+    full[torch.cat(all_rows)] = torch.cat(all_values)
+    return full
+
+
+def generate_sharded(backend: Any, prompts: list[list[int]], params: Any, setup: DistributedSetup) -> list[Any]:
+    """Each rank samples for a contiguous share of `prompts`; every rank returns all generations,
+    prompt-major with global `prompt_index`, as `backend.generate(prompts, params)` would.
+
+    Ranks draw from different seeds (seed + rank), so a multi-rank rollout is a different sample
+    from a one-process rollout with the same seed, not the same one.
+    """
+    if not setup.is_distributed:
+        return backend.generate(prompts, params)
+    bounds = [len(prompts) * r // setup.world_size for r in range(setup.world_size + 1)]
+    start, stop = bounds[setup.rank], bounds[setup.rank + 1]
+    seed = None if params.seed is None else params.seed + 1_000_003 * setup.rank
+    local = backend.generate(prompts[start:stop], dataclasses.replace(params, seed=seed)) if stop > start else []
+    for generation in local:
+        generation.prompt_index += start
+    gathered: list[Any] = [None] * setup.world_size
+    dist.all_gather_object(gathered, local)
+    return [generation for part in gathered for generation in part]
+
+
+# ----------------------------------------------------------------------------------------------
+# Reductions
+
+
+def all_reduce(tensor: torch.Tensor, setup: DistributedSetup, op: str = "sum") -> torch.Tensor:
+    """Sum (or mean, max) of `tensor` over ranks, in place; the identity with one process."""
+    if not setup.is_distributed:
+        return tensor
+    reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    dist.all_reduce(tensor, op=reduce_op)
+    if op == "mean":
+        tensor /= setup.world_size
+    return tensor
+
+
+def reduce_metrics(metrics: dict[str, Any], setup: DistributedSetup, sum_keys: Sequence[str] = ()) -> dict[str, float]:
+    """Average each metric over ranks in one collective; keys in `sum_keys` are summed instead (a loss
+    whose per-rank parts are already normalised by global counts). Every rank must pass the same keys."""
+    if not setup.is_distributed:
+        return metrics
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[key]) for key in keys], dtype=torch.float64, device=setup.device)
+    all_reduce(values, setup)
+    return {key: value if key in sum_keys else value / setup.world_size for key, value in zip(keys, values.tolist())}
+
+
+def broadcast_object(value: Any, setup: DistributedSetup, source: int = 0) -> Any:
+    """`value` from rank `source` on every rank (e.g. a decision only rank 0 can make)."""
+    if not setup.is_distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=source)
+    return box[0]

@@ -1,0 +1,186 @@
+"""Data parallelism: FSDP2 over two gloo processes matches one process; world size 1 is the identity.
+
+The two-process test spawns both ranks once and checks, in order: rollout from gathered weights
+(HF generate and the built-in engine, ranks decoding different numbers of steps) equals one process;
+PPO mini-batch updates with token-balanced row splits give the same losses and parameters as one
+process on the same global batch (tolerance: atol 2e-5 on parameters, rel 1e-5 on losses, float32);
+metric reduction and row gathering.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import tiny_actor
+from hybridrl import algorithms, distributed
+from hybridrl.distributed import DistributedSetup
+from hybridrl.logprobs import response_logprobs
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.builtin import BuiltinBackend
+from hybridrl.rollout.hf import HFBackend
+from hybridrl.update import mini_batches
+
+PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [19, 20, 21]]
+GREEDY = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+PARAM_ATOL, LOSS_RTOL = 2e-5, 1e-5
+
+
+def make_batch(num: int = 8, prompt_len: int = 6, response_len: int = 5) -> dict[str, torch.Tensor]:
+    """A rollout-shaped batch with ragged prompts and responses (so token balancing has work to do)."""
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(3, 90, (num, prompt_len + response_len), generator=gen)
+    attention_mask = torch.ones_like(input_ids)
+    for row in range(num):
+        attention_mask[row, :row % prompt_len] = 0  # left padding of the prompt
+        attention_mask[row, prompt_len + 1 + row % response_len:] = 0  # right padding of the response
+    input_ids[attention_mask == 0] = 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+            "response_mask": attention_mask[:, prompt_len:].float(),
+            "old_logp": -torch.rand(num, response_len, generator=gen) - 4.0,
+            "advantages": torch.randn(num, response_len, generator=gen)}
+
+
+def train(model: torch.nn.Module, batch: dict, setup: DistributedSetup, steps_mini: int = 4,
+          micro: int = 2, epochs: int = 2) -> list[float]:
+    """`update.update_actor`'s loop with the one line data parallelism adds (`shard_rows`); returns the
+    loss of every mini-batch (summed over ranks, so it is the global loss)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    num_tokens = batch["attention_mask"].sum(1)
+    losses = []
+    for micros in mini_batches(len(num_tokens), steps_mini, micro, epochs, torch.Generator().manual_seed(0)):
+        mini = torch.cat(micros)
+        norm = {"num_tokens": batch["response_mask"][mini].sum().item(), "num_sequences": len(mini),
+                "max_length": batch["response_mask"].shape[1]}
+        total = 0.0
+        for rows in distributed.shard_rows(mini, num_tokens, setup).split(micro):
+            part = {key: value[rows] for key, value in batch.items()}
+            logp, _ = response_logprobs(model, part["input_ids"], part["attention_mask"], part["position_ids"],
+                                        part["response_mask"].shape[1])
+            loss, _ = algorithms.policy_loss(logp, part["old_logp"], part["advantages"], part["response_mask"],
+                                             clip_low=0.2, clip_high=0.2, **norm)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(distributed.reduce_metrics({"loss": total}, setup, sum_keys=["loss"])["loss"])
+    return losses
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def rollouts(model, tokenizer, setup: DistributedSetup) -> list[list[list[int]]]:
+    results = []
+    for backend in (HFBackend(model, tokenizer), BuiltinBackend(model, tokenizer=tokenizer, kv_cache_memory=0.01)):
+        with distributed.gather_for_rollout(model):
+            # ranks decode different lengths: forwards inside the block must not need the other rank
+            distributed.generate_sharded(backend, PROMPTS[:1], SamplingParams(max_new_tokens=2 + 5 * setup.rank,
+                                         temperature=0.0, ignore_eos=True), setup)
+            generations = distributed.generate_sharded(backend, PROMPTS, GREEDY, setup)
+        backend.release_memory()
+        results.append([[g.prompt_index, *g.token_ids] for g in generations])
+    return results
+
+
+def _rank_main(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    setup = distributed.init_from_env("cpu", timeout_s=60, hang_timeout_s=60)
+    model, tokenizer = tiny_actor()
+    distributed.parallelize(model, setup)
+    generated = rollouts(model, tokenizer, setup)
+    sharded_after = all(type(p).__name__ == "DTensor" for p in model.parameters())
+    losses = train(model, make_batch(), setup)
+    rows = distributed.shard_rows(torch.arange(8), make_batch()["attention_mask"].sum(1), setup)
+    gathered = distributed.gather_rows(rows.float()[:, None] * 10, rows, 8, setup)
+    metrics = distributed.reduce_metrics({"a": float(rank), "b": 1.0}, setup, sum_keys=["b"])
+    torch.save({"generated": generated, "sharded_after": sharded_after, "losses": losses,
+                "params": full_parameters(model), "rows": rows, "gathered": gathered, "metrics": metrics},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    distributed.shutdown(setup)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_fsdp_two_ranks_match_one_process(tmp_path):
+    single = DistributedSetup()
+    model, tokenizer = tiny_actor()
+    expected_generated = rollouts(model, tokenizer, single)
+    expected_losses = train(model, make_batch(), single)
+    expected_params = full_parameters(model)
+
+    # fork, not spawn: the children inherit the imported modules (a cold transformers import is ~12 s);
+    # they use one thread each, so no OpenMP pool crosses the fork.
+    mp.start_processes(_rank_main, args=(free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    for result in ranks:
+        assert result["generated"] == expected_generated  # HF and built-in engine, greedy, all 4 prompts
+        assert result["sharded_after"], "weights must be resharded after the rollout"
+        assert result["losses"] == pytest.approx(expected_losses, rel=LOSS_RTOL)
+        for name, value in expected_params.items():
+            torch.testing.assert_close(result["params"][name], value, atol=PARAM_ATOL, rtol=0, msg=name)
+        assert result["metrics"] == {"a": 0.5, "b": 2.0}
+        assert torch.equal(result["gathered"], torch.arange(8).float()[:, None] * 10)
+    assert sorted(torch.cat([r["rows"] for r in ranks]).tolist()) == list(range(8))
+    changed = max((expected_params[n] - v).abs().max().item() for n, v in full_parameters(tiny_actor().model).items())
+    assert changed > 1e-3, "the updates must move the parameters, or the comparison says nothing"
+
+
+# ----------------------------------------------------------------------------------------------
+# One process: every helper is the identity
+
+
+def test_world_size_one_is_the_identity():
+    setup = distributed.init_from_env("cpu")
+    assert not setup.is_distributed and setup.is_main
+    model = tiny_actor().model
+    assert distributed.parallelize(model, setup) is model
+    rows = torch.tensor([3, 1, 2, 0])
+    assert distributed.shard_rows(rows, torch.ones(4), setup) is rows
+    values = torch.randn(4, 2)
+    assert distributed.gather_rows(values, rows, 4, setup) is values
+    metrics = {"actor/loss": 1.5}
+    assert distributed.reduce_metrics(metrics, setup) is metrics
+    assert distributed.broadcast_object("x", setup) == "x"
+    with distributed.gather_for_rollout(model) as sync:
+        assert sync.seconds == 0.0
+    distributed.shutdown(setup)
+
+
+def test_balanced_partition_equal_counts_and_balanced_tokens():
+    costs = [100, 1, 1, 1, 90, 5, 5, 2]
+    parts = distributed.balanced_partition(costs, 2)
+    assert [len(p) for p in parts] == [4, 4]
+    assert sorted(parts[0] + parts[1]) == list(range(8))
+    sums = [sum(costs[i] for i in p) for p in parts]
+    assert abs(sums[0] - sums[1]) <= 10, sums  # 100 and 90 land on different ranks
+    assert [len(p) for p in distributed.balanced_partition(list(range(7)), 3)] == [3, 2, 2]
+
+
+def test_uneven_split_is_refused_with_the_fix():
+    setup = DistributedSetup(rank=0, world_size=2)
+    with pytest.raises(ValueError, match="multiples of trainer.num_gpus"):
+        distributed.shard_rows(torch.arange(5), torch.ones(5), setup)
+
+
+def test_decoder_layers_found_for_causal_lm_and_critic():
+    from hybridrl.models import ValueModel
+
+    model = tiny_actor().model
+    assert len(distributed.decoder_layers(model)) == 2
+    assert len(distributed.decoder_layers(ValueModel(model))) == 2
