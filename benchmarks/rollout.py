@@ -8,6 +8,12 @@ The model is Qwen2-0.5B-shaped (hidden 896, intermediate 4864, 24 layers, 14 hea
 sampled at temperature 1 (top-p 1, top-k off), as in GRPO. HF `generate` runs on fewer sequences
 (`--hf-sequences`) because it is slow; both report generated tokens per second.
 
+The engine is timed compiled (`torch.compile`, the GPU default) and, for comparison, uncompiled
+(`--no-eager-baseline` skips that). The first `generate` of a fresh engine compiles; it is timed
+on its own ("compile + first call") and not in the engine's tokens/s, because the trainer reuses the
+compiled code every step. Each timed run still includes KV allocation and CUDA-graph capture
+(`warmup_s` in its stats).
+
 The floor is computed, not measured: every decode step must read the weights once and each sequence's
 keys/values for its current context (no prefix-shared attention assumed), and must do 2 * params
 FLOPs per token; a step costs max(bytes / bandwidth, flops / peak). Prefill costs 2 * params FLOPs
@@ -45,6 +51,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=785.0)
     parser.add_argument("--quick", action="store_true", help="16 prompts x 8, response 64, HF on 32 sequences")
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--no-compile", action="store_true", help="time the engine without torch.compile")
+    parser.add_argument("--no-eager-baseline", action="store_true", help="skip timing the uncompiled engine too")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one engine run")
     if "--quick" in sys.argv:  # new defaults; flags given explicitly still win
         parser.set_defaults(prompts=16, response_len=64, hf_sequences=32, agreement_sequences=16)
@@ -69,7 +77,12 @@ def sync() -> None:
 
 
 def time_engine(engine: BuiltinBackend, prompts, params, repeats: int) -> dict:
-    engine.generate(prompts[:4], SamplingParams(max_new_tokens=8, n=2, ignore_eos=True))  # warm kernels up
+    sync()
+    start = time.perf_counter()
+    # A small call with the same sampler settings: compiles (when on) and warms kernels up.
+    engine.generate(prompts[:4], SamplingParams(max_new_tokens=8, n=2, ignore_eos=True, temperature=params.temperature))
+    sync()
+    first_call_s = time.perf_counter() - start
     best, outputs, peak = float("inf"), None, 0
     for _ in range(repeats):
         if torch.cuda.is_available():
@@ -82,7 +95,7 @@ def time_engine(engine: BuiltinBackend, prompts, params, repeats: int) -> dict:
         peak = max(peak, torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0)
     tokens = sum(len(g.token_ids) for g in outputs)
     return dict(seconds=best, tokens=tokens, tokens_per_s=tokens / best, peak_gib=peak / 2**30,
-                stats=engine.last_stats, outputs=outputs)
+                first_call_s=first_call_s, stats=engine.last_stats, outputs=outputs)
 
 
 def time_hf(model, prompts, num_sequences: int, response_len: int, device: str) -> dict:
@@ -173,11 +186,22 @@ def main() -> None:
     model = build_model(device)
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len), generator=generator).tolist()
-    engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs)
     params = SamplingParams(max_new_tokens=args.response_len, temperature=1.0, n=args.n, seed=0, ignore_eos=True)
     print(f"engine: {args.prompts} prompts x n={args.n}, prompt {args.prompt_len}, response {args.response_len}", flush=True)
+    eager = None
+    if not args.no_compile and not args.no_eager_baseline:
+        eager_engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory,
+                                      use_cuda_graphs=not args.no_cuda_graphs, compile=False)
+        eager = time_engine(eager_engine, prompts, params, args.repeats)
+        eager.pop("outputs")
+        print(f"engine (not compiled): {eager['seconds']:.3f} s, {eager['tokens_per_s']:.0f} tok/s, "
+              f"stats {eager['stats']}", flush=True)
+        del eager_engine
+    engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
+                            compile=False if args.no_compile else None)
     ours = time_engine(engine, prompts, params, args.repeats)
-    print(f"engine: {ours['seconds']:.3f} s, {ours['tokens_per_s']:.0f} tok/s, stats {ours['stats']}", flush=True)
+    print(f"engine: {ours['seconds']:.3f} s, {ours['tokens_per_s']:.0f} tok/s, compile + first call "
+          f"{ours['first_call_s']:.1f} s, stats {ours['stats']}", flush=True)
     if args.profile:
         profile(engine, prompts, params)
     mismatch = logprob_mismatch(model, prompts, ours.pop("outputs"), 32, device)
@@ -190,7 +214,7 @@ def main() -> None:
     bound = floor(model, args.prompts, args.n, args.prompt_len, args.response_len,
                   args.bandwidth_tbs * 1e12, args.peak_tflops * 1e12)
     result = dict(args=vars(args), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                  torch=torch.__version__, engine=ours, hf_generate=hf, floor=bound,
+                  torch=torch.__version__, engine=ours, engine_not_compiled=eager, hf_generate=hf, floor=bound,
                   percent_of_floor=100 * bound["seconds"] / ours["seconds"],
                   speedup_vs_hf=ours["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
                   greedy_agreement=agreement, logprob_mismatch=mismatch)
@@ -202,7 +226,12 @@ def main() -> None:
 
 def print_table(result: dict) -> None:
     ours, hf, bound = result["engine"], result["hf_generate"], result["floor"]
-    rows = [("engine", f"{ours['tokens']}", f"{ours['seconds']:.3f}", f"{ours['tokens_per_s']:,.0f}", f"{ours['peak_gib']:.1f}")]
+    eager = result["engine_not_compiled"]
+    label = "engine (compiled)" if ours["stats"].get("compiled") else "engine"
+    rows = [(label, f"{ours['tokens']}", f"{ours['seconds']:.3f}", f"{ours['tokens_per_s']:,.0f}", f"{ours['peak_gib']:.1f}")]
+    if eager:
+        rows.append(("engine (not compiled)", f"{eager['tokens']}", f"{eager['seconds']:.3f}",
+                     f"{eager['tokens_per_s']:,.0f}", f"{eager['peak_gib']:.1f}"))
     if hf:
         rows.append((f"hf generate ({hf['sequences']} seqs)", f"{hf['tokens']}", f"{hf['seconds']:.3f}",
                      f"{hf['tokens_per_s']:,.0f}", f"{hf['peak_gib']:.1f}"))
@@ -216,6 +245,8 @@ def print_table(result: dict) -> None:
           f"greedy first {agreement['tokens']} equal: {100 * agreement['all_equal_fraction']:.0f}% "
           f"(mean prefix {agreement['mean_matching_prefix']:.1f})   "
           f"logprob |diff| mean {mismatch['mean_abs']:.2e} max {mismatch['max_abs']:.2e}")
+    print(f"compile + first call: {ours['first_call_s']:.1f} s (once per engine; not in tok/s); "
+          f"graph warm-up + capture inside the timed run: {ours['stats'].get('warmup_s', 0):.3f} s")
 
 
 if __name__ == "__main__":

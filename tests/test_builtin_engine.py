@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -245,10 +246,11 @@ def test_cuda_graphs_match_eager_and_hf(family):
     model = make_model(family).cuda()
     prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(9)]
     greedy = SamplingParams(max_new_tokens=20, temperature=0, n=2)
-    graphed_engine = BuiltinBackend(model, max_num_seqs=5, sync_every=3)
+    graphed_engine = BuiltinBackend(model, max_num_seqs=5, sync_every=3)  # compiled by default on CUDA
     graphed = graphed_engine.generate(prompts, greedy)
-    assert graphed_engine.last_stats["graphs_captured"] >= 1
-    eager = BuiltinBackend(model, use_cuda_graphs=False).generate(prompts, greedy)
+    assert graphed_engine.last_stats["graphs_captured"] >= 1 and graphed_engine.last_stats["compiled"]
+    assert [g.token_ids for g in graphed_engine.generate(prompts, greedy)] == [g.token_ids for g in graphed]  # reuse
+    eager = BuiltinBackend(model, use_cuda_graphs=False, compile=False).generate(prompts, greedy)
     assert [g.token_ids for g in graphed] == [g.token_ids for g in eager]
     for generation in graphed[::2]:
         prompt = prompts[generation.prompt_index]
@@ -257,8 +259,14 @@ def test_cuda_graphs_match_eager_and_hf(family):
         assert generation.token_ids == output[0, len(prompt):].tolist()
     sampled = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, n=3, seed=5)
     graphed = BuiltinBackend(model, max_num_seqs=4).generate(prompts, sampled)
-    eager = BuiltinBackend(model, max_num_seqs=4, use_cuda_graphs=False).generate(prompts, sampled)
+    eager = BuiltinBackend(model, max_num_seqs=4, use_cuda_graphs=False, compile=False).generate(prompts, sampled)
     assert [g.token_ids for g in graphed] == [g.token_ids for g in eager]
+    plain = SamplingParams(max_new_tokens=12, temperature=0.7, n=3, seed=5)  # the one-pass blocked sampler
+    graphed = BuiltinBackend(model, max_num_seqs=4).generate(prompts, plain)
+    eager = BuiltinBackend(model, max_num_seqs=4, use_cuda_graphs=False, compile=False).generate(prompts, plain)
+    assert [g.token_ids for g in graphed] == [g.token_ids for g in eager]
+    for a, b in zip(graphed, eager):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     for generation in graphed[:6]:
         prompt = prompts[generation.prompt_index]
         with torch.no_grad():
@@ -279,3 +287,26 @@ def test_freed_slot_of_a_long_prompt_does_not_break_shorter_key_buckets(monkeypa
     for prompt, generation in zip(short_prompts, outputs[1:]):
         expected = hf_greedy(model, prompt, 12)
         assert generation.token_ids == (expected[: expected.index(eos) + 1] if eos in expected else expected)
+
+
+def test_compile_defaults_to_eager_on_cpu():
+    engine = BuiltinBackend(make_model("qwen2"))
+    engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, temperature=0))
+    assert engine.last_stats["compiled"] is False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~2 min of C++ compilation)")
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_compiled_decode_equals_eager_on_cpu(family):
+    model = make_model(family)
+    for params in (SamplingParams(max_new_tokens=12, temperature=0, n=2),
+                   SamplingParams(max_new_tokens=12, temperature=0.8, n=3, seed=3)):
+        eager = BuiltinBackend(model, compile=False).generate(PROMPTS, params)
+        engine = BuiltinBackend(model, compile=True)
+        for _ in range(2):  # the second call reuses the compiled code
+            compiled = engine.generate(PROMPTS, params)
+            assert engine.last_stats["compiled"]
+            assert [g.token_ids for g in compiled] == [g.token_ids for g in eager]
+            for a, b in zip(compiled, eager):
+                assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

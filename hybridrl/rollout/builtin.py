@@ -6,7 +6,10 @@ One `generate` call runs these phases:
 2. admit waiting sequences into free slots and prefill them: each distinct prompt runs once, its
    KV goes to the slots of all its samples, and the first token of each sample is drawn;
 3. decode: a few steps of `_decode_step` (one CUDA graph per batch-size bucket on GPU, eager on
-   CPU), with no host synchronisation inside;
+   CPU), with no host synchronisation inside; on GPU its per-layer pieces and the sampler are
+   `torch.compile`d (once per backend object: the trainer calls `generate` every step with the same
+   shapes, so later calls reuse the compiled code and only re-capture the graphs, which point at the
+   freshly allocated KV cache);
 4. sync: read which slots finished (stop token or length), check stop strings on the host, harvest
    finished sequences, free their slots; go back to 2 while anything waits or runs;
 5. free the KV cache and graphs (unless `release_after_generate=False`).
@@ -19,12 +22,22 @@ A slot that finishes between syncs idles until the next one. Prompt-major output
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hybridrl.rollout.base import Generation, SamplingParams
-from hybridrl.rollout.llama_forward import decode_logits, prefill, resolve_weights, rope_table
+from hybridrl.rollout.llama_forward import (
+    EAGER_DECODE,
+    DecodeFunctions,
+    compiled_decode_functions,
+    decode_logits,
+    prefill,
+    resolve_weights,
+    rope_table,
+)
 from hybridrl.rollout.llama_forward import supports as _supports
-from hybridrl.rollout.sampling import SamplerSettings, sample
+from hybridrl.rollout.sampling import SamplerSettings, compiled_sample, sample
 from hybridrl.rollout.scheduler import Scheduler, SequenceSlot, find_stop_string
 
 _GIB = 1024**3
@@ -73,6 +86,9 @@ class BuiltinBackend:
         padded prompt tokens per prefill forward. use_cuda_graphs: capture decode steps on CUDA.
         sync_every: decode steps between host checks for finished sequences. tokenizer: needed only
         for stop strings. release_after_generate: free the KV cache at the end of each `generate`.
+        compile: `torch.compile` the decode step's per-layer pieces and the sampler (None: on CUDA
+        only). The first step of each new shape compiles (seconds); `last_stats["warmup_s"]` reports
+        the time of such first steps (compilation and CUDA-graph capture) apart from the rest.
     """
 
     def __init__(
@@ -85,6 +101,7 @@ class BuiltinBackend:
         use_cuda_graphs: bool = True,
         sync_every: int = 16,
         release_after_generate: bool = True,
+        compile: bool | None = None,
     ) -> None:
         ok, reason = _supports(model)
         if not ok:
@@ -95,6 +112,8 @@ class BuiltinBackend:
         self.kv_cache_memory, self.max_num_seqs = kv_cache_memory, max_num_seqs
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
         self.use_cuda_graphs, self.release_after_generate = use_cuda_graphs, release_after_generate
+        self.compile = compile
+        self._compiled: tuple[DecodeFunctions, object] | None = None  # kept across generate calls
         self.kv_cache: torch.Tensor | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
@@ -123,10 +142,14 @@ class BuiltinBackend:
         else:
             generator.seed()
         cos, sin = rope_table(self.model, max_len, device, dtype)
-        self._run = dict(weights=weights, state=state, settings=settings, generator=generator, cos=cos, sin=sin)
+        functions, sampler = self._decode_functions(device)
+        self._run = dict(weights=weights, state=state, settings=settings, generator=generator, cos=cos, sin=sin,
+                         functions=functions, sampler=sampler)
         scheduler = Scheduler([i // params.n for i in range(num_sequences)], [len(p) for p in prompts], num_slots)
         results: list[Generation | None] = [None] * num_sequences
-        stats = dict(num_slots=num_slots, decode_steps=0, prefill_waves=0, graphs_captured=0)
+        stats = dict(num_slots=num_slots, decode_steps=0, prefill_waves=0, graphs_captured=0, warmup_s=0.0,
+                     compiled=functions is not EAGER_DECODE)
+        self._stats = stats
         try:
             while scheduler.has_work:
                 admitted = scheduler.admit()
@@ -160,6 +183,13 @@ class BuiltinBackend:
             torch.cuda.empty_cache()
 
     # ---- phases -----------------------------------------------------------------------------------
+    def _decode_functions(self, device) -> tuple[DecodeFunctions, object]:
+        if not (self.compile if self.compile is not None else device.type == "cuda"):
+            return EAGER_DECODE, sample
+        if self._compiled is None:
+            self._compiled = (compiled_decode_functions(), compiled_sample())
+        return self._compiled
+
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         vocab = self.model.config.vocab_size
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -248,8 +278,8 @@ class BuiltinBackend:
         run, state = self._run, self._run["state"]
         positions = state.prompt_len[:batch] + state.gen_len[:batch] - 1
         logits = decode_logits(run["weights"], self.kv_cache, run["cos"], run["sin"],
-                               state.last_token[:batch], positions, kv_len)
-        tokens, logprobs = sample(logits, run["settings"], state.uniforms[:batch])
+                               state.last_token[:batch], positions, kv_len, run["functions"])
+        tokens, logprobs = run["sampler"](logits, run["settings"], state.uniforms[:batch])
         live = ~state.done[:batch]
         rows = torch.arange(batch, device=tokens.device)
         column = state.gen_len[:batch].clamp(max=state.max_new_tokens - 1)
@@ -272,7 +302,9 @@ class BuiltinBackend:
             graph.replay()
             return
         # First step at this batch size: run it for real on a side stream (the warm-up the CUDA graph
-        # docs ask for), then capture the same step for the following replays.
+        # docs ask for; it also compiles), then capture the same step for the following replays.
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -283,6 +315,8 @@ class BuiltinBackend:
             self._decode_step(batch, kv_len)
         self._graph_pool = graph.pool()
         self._graphs[(batch, kv_len)] = graph
+        torch.cuda.synchronize()
+        self._stats["warmup_s"] += time.perf_counter() - start
 
     def _sync(self, scheduler: Scheduler, params: SamplingParams, results: list) -> None:
         """Harvest finished sequences (and those cut by a stop string) and free their slots."""

@@ -12,11 +12,20 @@ keys for one layer are a contiguous `(num_kv_heads, max_len, head_dim)` block an
 between slots is one indexing op. Decode attention folds the query heads that share a KV head into
 the query-length axis (`(B, kv_heads, group, head_dim)`), which turns GQA decode into plain attention
 with a per-slot length mask and no repeated keys.
+
+Decode is split into per-layer pure functions (`DecodeFunctions`: attention inputs, attention output
++ MLP, final logits) so that `compiled_decode_functions()` can hand them to `torch.compile` one layer
+at a time: every layer has the same shapes, so one compilation serves all of them (seconds, not the
+minutes a whole unrolled model takes) and the RMSNorm / RoPE / q-k-norm / SiLU-mul / residual chains
+become a few fused kernels. The KV write and SDPA stay outside the compiled region (in-place writes
+into a graph input are where compilers are least predictable), and the caller's CUDA graph takes the
+whole step, compiled kernels included.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +55,6 @@ class LayerWeights:
     gate_weight: torch.Tensor
     up_weight: torch.Tensor
     down_weight: torch.Tensor
-    act_fn: object
 
 
 @dataclass
@@ -126,7 +134,6 @@ def resolve_weights(model) -> ModelWeights:
             k_norm=k_norm.weight if k_norm is not None else None,
             post_norm=layer.post_attention_layernorm.weight,
             gate_weight=mlp.gate_proj.weight, up_weight=mlp.up_proj.weight, down_weight=mlp.down_proj.weight,
-            act_fn=mlp.act_fn,
         ))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return ModelWeights(
@@ -177,7 +184,8 @@ def _qkv(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos, sin):
 
 
 def _mlp(lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-    return F.linear(lw.act_fn(F.linear(h, lw.gate_weight)) * F.linear(h, lw.up_weight), lw.down_weight)
+    # supports() admits only silu MLPs, so F.silu is the model's own act_fn (and compiles without a guard on it).
+    return F.linear(F.silu(F.linear(h, lw.gate_weight)) * F.linear(h, lw.up_weight), lw.down_weight)
 
 
 def prefill(
@@ -219,6 +227,53 @@ def prefill(
     return F.linear(rms_norm(last, w.final_norm, w.rms_eps), w.lm_head).float()
 
 
+def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Decode: input RMSNorm, q/k/v projections, q/k norm, RoPE. h (B, hidden), cos/sin (B, D) ->
+    q (B, Hkv, group, D) with the query heads of one KV head folded together; k, v (B, Hkv, D)."""
+    q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)
+    return q.view(h.shape[0], w.num_kv_heads, -1, w.head_dim), k, v
+
+
+def attention_output_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Decode: o projection + residual, post-attention RMSNorm, MLP + residual. attn (B, Hkv, group, D)."""
+    h = h + F.linear(attn.reshape(h.shape[0], -1), lw.o_weight, lw.o_bias)
+    return h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
+
+
+def final_logits(w: ModelWeights, h: torch.Tensor) -> torch.Tensor:
+    return F.linear(rms_norm(h, w.final_norm, w.rms_eps), w.lm_head)
+
+
+@dataclass(frozen=True)
+class DecodeFunctions:
+    """The per-layer pieces of a decode step; eager (`EAGER_DECODE`) or compiled (`compiled_decode_functions`)."""
+
+    attention_inputs: Callable
+    attention_output_and_mlp: Callable
+    final_logits: Callable
+
+
+EAGER_DECODE = DecodeFunctions(attention_inputs, attention_output_and_mlp, final_logits)
+
+
+def compiled_decode_functions() -> DecodeFunctions:
+    """`torch.compile`d decode pieces. The batch dimension is marked dynamic on the first call, so one
+    compilation covers every batch bucket; weights are arguments, never constants, so in-place
+    updates are seen. Compilation happens on the first call of each piece (the caller's warm-up)."""
+    compiled = [torch.compile(fn, fullgraph=True) for fn in (attention_inputs, attention_output_and_mlp, final_logits)]
+
+    def dynamic_batch(fn, activation_arg: int):
+        def call(*args):
+            torch._dynamo.maybe_mark_dynamic(args[activation_arg], 0)
+            for extra in args[activation_arg + 1:]:
+                if isinstance(extra, torch.Tensor):
+                    torch._dynamo.maybe_mark_dynamic(extra, 0)
+            return fn(*args)
+        return call
+
+    return DecodeFunctions(dynamic_batch(compiled[0], 2), dynamic_batch(compiled[1], 2), dynamic_batch(compiled[2], 1))
+
+
 def decode_logits(
     w: ModelWeights,
     kv_cache: torch.Tensor,
@@ -227,12 +282,12 @@ def decode_logits(
     tokens: torch.Tensor,
     positions: torch.Tensor,
     kv_len: int,
+    functions: DecodeFunctions = EAGER_DECODE,
 ) -> torch.Tensor:
     """One decode step for slots 0..B-1: feed `tokens` (B,) at `positions` (B,), write their KV, return
     logits (B, V) in the model dtype. Attention reads keys [0, kv_len) only, so every position must be
     < kv_len. Shapes are static and nothing syncs with the host (graph-safe)."""
     batch = tokens.shape[0]
-    group = w.num_heads // w.num_kv_heads
     slots = torch.arange(batch, device=tokens.device)
     key_positions = torch.arange(kv_len, device=tokens.device)
     visible = key_positions[None, :] <= positions[:, None]  # (B, kv_len)
@@ -244,13 +299,10 @@ def decode_logits(
     cos, sin = cos_table[positions], sin_table[positions]  # (B, D)
     h = F.embedding(tokens, w.embed)  # (B, hidden)
     for layer_index, lw in enumerate(w.layers):
-        residual = h
-        q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)  # (B, heads, D)
+        q, k, v = functions.attention_inputs(w, lw, h, cos, sin)  # q (B, Hkv, group, D), k/v (B, Hkv, D)
         keys, values = kv_cache[layer_index, 0, :batch, :, :kv_len], kv_cache[layer_index, 1, :batch, :, :kv_len]
         keys[slots, :, positions] = k
         values[slots, :, positions] = v
-        q = q.view(batch, w.num_kv_heads, group, w.head_dim)
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, Hkv, group, D)
-        h = residual + F.linear(attn.reshape(batch, -1), lw.o_weight, lw.o_bias)
-        h = h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
-    return F.linear(rms_norm(h, w.final_norm, w.rms_eps), w.lm_head)
+        h = functions.attention_output_and_mlp(w, lw, h, attn)
+    return functions.final_logits(w, h)

@@ -5,8 +5,10 @@ Choices:
   `torch.Generator`), and a token is drawn by inverting the CDF of the filtered distribution. The
   graph then holds no RNG state of its own, and the only per-step random draw is B floats.
 - At large batch every pass over the (B, V) logits costs about as much as a layer's matmuls, so the
-  common case (no top-k/top-p) works in place on unnormalised weights and inverts the CDF in two
-  steps (blocks of ~sqrt(V), then inside one block) instead of a full-vocabulary cumsum.
+  common case (no top-k/top-p/min-p) inverts the CDF in two steps (blocks of ~sqrt(V), then inside
+  one block) from per-block maxima and sums, with no full-vocabulary cumsum and, once compiled
+  (`compiled_sample`), a single read of the logits. Filtered sampling keeps an eager path over
+  unnormalised weights (sorts are needed for top-k/top-p anyway).
 - The returned log-prob is `log_softmax(logits / T)` of the chosen token *before* top-k/top-p/min-p
   filtering (T = 1 when greedy), as `base.Generation.logprobs` defines it.
 - Filters follow the order of Hugging Face's logits processors: top-k, then top-p, then min-p, all
@@ -36,27 +38,50 @@ class SamplerSettings:
 
 def sample(logits: torch.Tensor, settings: SamplerSettings, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (B, V) -> tokens (B,) int64, logprobs (B,) float32. `uniforms` (B,) in [0, 1), unused if greedy."""
-    logits = logits.to(torch.float32, copy=True)  # a private copy: the ops below work in place
     if settings.greedy:
+        logits = logits.float()
         tokens = logits.argmax(dim=-1)
         logprobs = logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
         return tokens, logprobs
+    if settings.top_k <= 0 and settings.top_p >= 1.0 and settings.min_p <= 0:
+        return _sample_blocked(logits, settings.temperature, uniforms)
+    logits = logits.to(torch.float32, copy=True)  # a private copy: the ops below work in place
     if settings.temperature != 1.0:
         logits.div_(settings.temperature)
     # Unnormalised probabilities, in place (each pass over (B, V) costs as much as a layer's matmuls
     # at large batch): weights = exp(x - max); log p(token) = log(weight) - log(sum of weights).
     weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # (B, V)
+    log_total = torch.log(weights.sum(-1))
     if settings.top_k <= 0 and settings.top_p >= 1.0:
-        block_sums = _block_sums(weights)  # (B, num_blocks)
-        log_total = torch.log(block_sums.sum(-1))
-        sampled = weights if settings.min_p <= 0 else _min_p_filter(weights, settings.min_p)
-        if sampled is not weights:
-            block_sums = _block_sums(sampled)
-        tokens = _invert_cdf_blocked(sampled, block_sums, uniforms)
+        sampled = _min_p_filter(weights, settings.min_p)
+        tokens = _invert_cdf_blocked(sampled, _block_sums(sampled), uniforms)
     else:
-        log_total = torch.log(weights.sum(-1))
         tokens = _draw_sorted(weights, settings, uniforms)
     logprobs = torch.log(weights.gather(1, tokens[:, None])[:, 0]) - log_total
+    return tokens, logprobs
+
+
+def _sample_blocked(logits: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The common case (no top-k/top-p/min-p) in one pass over the logits: each block of ~sqrt(V)
+    entries gets its own max and its sum of exp(x - block max); rescaled to the global max these are
+    the block masses, whose CDF picks a block; only that block's exponentials are formed again to
+    pick the token. Compiled, the (B, V) pass is one kernel that reads the bf16 logits once."""
+    batch, vocab = logits.shape
+    size = _block_size(vocab)
+    scaled = logits.float().view(batch, -1, size) / temperature  # (B, num_blocks, size)
+    block_max = scaled.amax(-1)  # (B, num_blocks)
+    block_sums = torch.exp(scaled - block_max[..., None]).sum(-1)
+    row_max = block_max.amax(-1, keepdim=True)  # (B, 1)
+    block_sums = block_sums * torch.exp(block_max - row_max)  # masses relative to exp(row_max)
+    log_total = torch.log(block_sums.sum(-1))
+    block_cdf = torch.cumsum(block_sums, dim=-1)
+    target = uniforms[:, None] * block_cdf[:, -1:]
+    block = (block_cdf <= target).sum(-1).clamp_(max=block_cdf.shape[-1] - 1)  # (B,)
+    mass_before = block_cdf.gather(1, block[:, None]) - block_sums.gather(1, block[:, None])  # (B, 1)
+    inside = torch.exp(scaled.gather(1, block[:, None, None].expand(batch, 1, size))[:, 0] - row_max)  # (B, size)
+    offset = _offset_inside_block(inside, target - mass_before)
+    tokens = block * size + offset
+    logprobs = scaled.view(batch, vocab).gather(1, tokens[:, None])[:, 0] - row_max[:, 0] - log_total
     return tokens, logprobs
 
 
@@ -83,14 +108,19 @@ def _invert_cdf_blocked(weights: torch.Tensor, block_sums: torch.Tensor, uniform
     block = (block_cdf <= target).sum(-1).clamp_(max=block_cdf.shape[-1] - 1)  # (B,)
     mass_before = block_cdf.gather(1, block[:, None]) - block_sums.gather(1, block[:, None])  # (B, 1)
     inside = weights.view(batch, -1, size).gather(1, block[:, None, None].expand(batch, 1, size))[:, 0]
+    return block * size + _offset_inside_block(inside, target - mass_before)
+
+
+def _offset_inside_block(inside: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """inside (B, size) weights of the chosen block, target (B, 1) mass into it -> offset (B,)."""
+    size = inside.shape[-1]
     inside_cdf = torch.cumsum(inside, dim=-1)  # (B, size)
-    offset = (inside_cdf <= (target - mass_before)).sum(-1)
+    offset = (inside_cdf <= target).sum(-1)
     # Rounding can put the target past the block's own total; fall back to its last positive entry.
     positive = (inside > 0).int()
     first_positive = torch.argmax(positive, dim=-1)
     last_positive = size - 1 - torch.argmax(positive.flip(-1), dim=-1)
-    offset = torch.minimum(torch.maximum(offset, first_positive), last_positive)
-    return block * size + offset
+    return torch.minimum(torch.maximum(offset, first_positive), last_positive)
 
 
 def _draw_sorted(probs: torch.Tensor, settings: SamplerSettings, uniforms: torch.Tensor) -> torch.Tensor:
@@ -121,3 +151,16 @@ def _invert_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     target = uniforms[:, None] * cdf[:, -1:]
     index = (cdf <= target).sum(dim=-1)
     return index.clamp_(max=weights.shape[-1] - 1)
+
+
+def compiled_sample():
+    """`sample` under `torch.compile` (batch dimension dynamic, so one compilation per setting)."""
+    compiled = torch.compile(sample, fullgraph=True)
+
+    def call(logits: torch.Tensor, settings: SamplerSettings, uniforms: torch.Tensor | None):
+        torch._dynamo.maybe_mark_dynamic(logits, 0)
+        if uniforms is not None:
+            torch._dynamo.maybe_mark_dynamic(uniforms, 0)
+        return compiled(logits, settings, uniforms)
+
+    return call
