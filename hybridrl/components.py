@@ -89,11 +89,11 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
     backend = config.rollout.backend
     if backend in ("auto", "builtin"):
         try:
-            from hybridrl.rollout.builtin import BuiltinBackend, supports
+            from hybridrl.rollout.builtin import BuiltinBackend
         except ImportError:
             supported, reason = False, "the built-in engine is not available in this install"
-        else:
-            supported, reason = supports(actor)
+        else:  # `supports` is a static method: builtin.py exports no module-level `supports`
+            supported, reason = BuiltinBackend.supports(actor)
         if supported and (backend == "builtin" or device.type == "cuda"):
             return BuiltinBackend(actor, tokenizer=tokenizer, kv_cache_memory=config.rollout.kv_cache_memory)
         if backend == "builtin":

@@ -1,0 +1,225 @@
+"""GRPO step benchmark: hybridrl's full step (phases, peak memory, update MFU) next to TRL's GRPOTrainer.
+
+    python benchmarks/grpo_step.py                     # all modes below, TRL included, table last
+    python benchmarks/grpo_step.py --modes grpo-0.5b   # one mode
+    python benchmarks/grpo_step.py --quick             # tiny shapes on CPU: checks the script, measures nothing
+
+Modes (random init, bf16 parameters, no KL, one optimizer step per rollout, responses forced to full
+length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
+- `grpo-0.5b`: the reference shape of DESIGN.md (Qwen2-0.5B, 64 prompts x 8, prompt 256, response 256),
+  built-in rollout engine with a 3.2 GiB KV cache (all 512 sequences at once), 16k-token micro-batches.
+- `grpo-0.5b-offload`: the same with the AdamW state in CPU memory.
+- `1.5b-full`: Qwen2.5-1.5B shape, full-parameter, optimizer state offloaded, 3 GiB KV cache.
+- `7b-lora`: Qwen2.5-7B shape (untied head), LoRA rank 16 on all linear layers, HF generate (the engine
+  does not apply adapters yet), 16 prompts x 4 to keep the run short.
+- `trl`: `shared/peers/trl_grpo_gpu.py` (TRL 1.16, HF generate, fp32 master weights + bf16 autocast) on the
+  grpo-0.5b shape, as a subprocess; its script must be at `--trl-script` with trl/datasets importable.
+
+Each mode runs in its own process so peak memory (`torch.cuda.max_memory_allocated`) is its own. The
+floor is computed: training 6 * params * tokens at `--peak` FLOP/s; rollout as in `rollout.py` (weights
+and KV read once per decode step at `--bandwidth`, prefill FLOPs). MFU of the update phase counts
+6 * params * tokens (the recompute of gradient checkpointing is not counted as useful work).
+JSON goes to $OUT/grpo_step.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PEAK_FLOPS, BANDWIDTH = 785e12, 4.2e12
+SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True),
+}
+MODES = {
+    "grpo-0.5b": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=16384),
+    "grpo-0.5b-offload": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=16384, offload=True),
+    "1.5b-full": dict(shape="1.5b", prompts=64, n=8, steps=2, kv_gib=3.0, max_tokens=16384, offload=True),
+    "7b-lora": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16, backend="hf"),
+}
+
+
+def build_tokenizer(vocab_size: int):
+    """Word-level tokenizer over `t<i>` words: any id decodes and re-encodes to itself (as in the TRL script)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(3, vocab_size)}
+    vocab.update({"<eos>": 0, "<pad>": 1, "<unk>": 2})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+def even_fraction(prompts, completions, **columns):
+    """Cheap, varied reward: the fraction of even token ids in the response."""
+    words = [[w for w in c.split() if w[1:].isdigit()] for c in completions]
+    return [sum(int(w[1:]) % 2 == 0 for w in ws) / max(1, len(ws)) for ws in words]
+
+
+def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: str) -> dict:
+    """One mode in this process: build, train `steps` steps, return timings and memory."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from hybridrl import PromptDataset
+    from hybridrl.models import HFModel
+    from hybridrl.trainer import RLTrainer
+
+    shape = SHAPES[spec["shape"]]
+    config = Qwen2Config(**shape, max_position_embeddings=4096, eos_token_id=0, pad_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+                                                 attn_implementation="sdpa")
+    params = sum(p.numel() for p in model.parameters())
+    tokenizer = build_tokenizer(shape["vocab_size"])
+    rng = random.Random(0)
+    records = [{"prompt": " ".join(f"t{rng.randrange(100, shape['vocab_size'])}" for _ in range(prompt_len))}
+               for _ in range(spec["prompts"] * spec["steps"])]
+    dataset = PromptDataset(records, tokenizer, max_length=prompt_len, use_chat_template=False)
+    settings = dict(
+        model__gradient_checkpointing=True, model__lora_rank=spec.get("lora_rank", 0),
+        rollout__backend=spec.get("backend", "builtin"), rollout__max_new_tokens=response_len,
+        rollout__num_samples_per_prompt=spec["n"], rollout__temperature=1.0, rollout__kv_cache_memory=spec["kv_gib"],
+        trainer__prompts_per_step=spec["prompts"], trainer__total_steps=spec["steps"], trainer__device=device,
+        trainer__save_model=False, trainer__output_dir=tempfile.mkdtemp(), logging__sinks=["jsonl"],
+        actor__lr=1e-6, actor__micro_batch_size=min(32, spec["prompts"] * spec["n"]),
+        actor__max_tokens_per_micro_batch=spec["max_tokens"], actor__optimizer_offload=spec.get("offload", False),
+        algorithm__name="grpo", algorithm__kl_coef=0.0)
+    trainer = RLTrainer(actor=HFModel(model, tokenizer), reward_fn=even_fraction, dataset=dataset, **settings)
+    forced = trainer.sampling_params  # responses at full length: the trainer has no rollout.ignore_eos key yet
+    trainer.sampling_params = lambda evaluation=False: dataclasses.replace(forced(evaluation), ignore_eos=True)
+    trainable = sum(p.numel() for p in trainer.parts.actor.parameters() if p.requires_grad)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    steps = []
+    for _ in range(spec["steps"]):
+        start = time.perf_counter()
+        metrics = trainer.step()
+        steps.append({**{k: float(v) for k, v in metrics.items() if k.startswith(("timing/", "perf/"))},
+                      "wall_s": time.perf_counter() - start})
+        print(name, "step", len(steps), json.dumps({k: round(v, 3) for k, v in steps[-1].items()}), flush=True)
+    steady = steps[1:] or steps
+    mean = {key: sum(s[key] for s in steady) / len(steady) for key in steady[0]}
+    tokens = spec["prompts"] * spec["n"] * (prompt_len + response_len)
+    train_flops = 6 * params * tokens
+    result = dict(mode=name, params=params, trainable_params=trainable, tokens_per_step=tokens,
+                  generated_per_step=spec["prompts"] * spec["n"] * response_len, steps=steps, mean=mean,
+                  step_s=mean["timing/step_s"],
+                  peak_alloc_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+                  peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else None)
+    if trainable == params:
+        result["update_mfu"] = train_flops / mean["timing/update_s"] / PEAK_FLOPS
+    result["floor"] = floor(model, config, spec, prompt_len, response_len, train_flops if trainable == params
+                            else 2 * params * tokens * 2)  # LoRA: forward + input-gradient backward
+    return result
+
+
+def floor(model, config, spec, prompt_len: int, response_len: int, train_flops: float) -> dict:
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = params * 2
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
+    sequences = spec["prompts"] * spec["n"]
+    prefill = max(2 * params * spec["prompts"] * prompt_len / PEAK_FLOPS, weight_bytes / BANDWIDTH)
+    decode = sum(max((weight_bytes + sequences * (prompt_len + 1 + step) * kv_per_token) / BANDWIDTH,
+                     2 * params * sequences / PEAK_FLOPS) for step in range(response_len - 1))
+    training = train_flops / PEAK_FLOPS
+    return dict(prefill_s=prefill, decode_s=decode, training_s=training, step_s=prefill + decode + training)
+
+
+def run_trl(script: str, timeout: int) -> dict:
+    env = {**os.environ, "P": "64", "G": "8", "R": "256", "STEPS": os.environ.get("TRL_STEPS", "2"), "MB": "16"}
+    try:
+        done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"mode": "trl", "error": f"timed out after {timeout} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        return {"mode": "trl", "error": (done.stderr or done.stdout)[-2000:]}
+    out = json.loads(lines[-1])
+    return {"mode": "trl", "step_s": out["steady_step_s"], "peak_alloc_gib": out["peak_alloc_GiB"], "raw": out}
+
+
+def child(mode: str, timeout: int, quick: bool) -> dict:
+    """Run one mode in a fresh process (its own peak memory); a failure becomes an `error` entry."""
+    command = [sys.executable, __file__, "--child", mode] + (["--quick"] if quick else [])
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as error:
+        return {"mode": mode, "error": f"timed out after {timeout} s", "log": str(error.stdout)[-1500:]}
+    print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("RESULT ")), flush=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        return {"mode": mode, "error": done.stderr[-3000:]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def print_table(results: list[dict]) -> None:
+    ours = next((r for r in results if r["mode"] == "grpo-0.5b" and "error" not in r), None)
+    trl = next((r for r in results if r["mode"] == "trl" and "error" not in r), None)
+    print(f"\n{'mode':<19} {'step s':>7} {'rollout':>8} {'logp':>6} {'update':>7} {'peak GiB':>9} {'MFU upd':>8} {'floor s':>8}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['mode']:<19} failed: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}")
+            continue
+        m = r.get("mean", {})
+        get = lambda key: f"{m[key]:.2f}" if key in m else "-"
+        mfu = f"{100 * r['update_mfu']:.0f}%" if "update_mfu" in r else "-"
+        fl = f"{r['floor']['step_s']:.2f}" if "floor" in r else "-"
+        peak = f"{r['peak_alloc_gib']:.2f}" if r.get("peak_alloc_gib") else "-"
+        print(f"{r['mode']:<19} {r['step_s']:>7.2f} {get('timing/rollout_s'):>8} {get('timing/logprobs_s'):>6} "
+              f"{get('timing/update_s'):>7} {peak:>9} {mfu:>8} {fl:>8}")
+    if ours and trl:
+        print(f"grpo-0.5b vs TRL: {trl['step_s'] / ours['step_s']:.1f}x faster per step, "
+              f"{ours['peak_alloc_gib'] / trl['peak_alloc_gib']:.2f}x TRL's peak memory")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default="grpo-0.5b,trl,1.5b-full,7b-lora,grpo-0.5b-offload")
+    parser.add_argument("--trl-script", default=str(Path(__file__).resolve().parents[2] / "shared/peers/trl_grpo_gpu.py"))
+    parser.add_argument("--timeout", type=int, default=150, help="seconds per mode")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU, no TRL")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    prompt_len, response_len, device = (16, 8, "cpu") if args.quick else (256, 256, "cuda")
+    if args.child:
+        spec = MODES[args.child]
+        if args.quick:
+            spec = {**spec, "shape": "tiny", "prompts": 4, "n": 2, "max_tokens": 48}
+        print("RESULT " + json.dumps(run_mode(args.child, spec, prompt_len, response_len, device)), flush=True)
+        return
+    results = []
+    for mode in args.modes.split(","):
+        if mode == "trl":
+            if not args.quick:
+                results.append(run_trl(args.trl_script, args.timeout))
+            continue
+        results.append(child(mode, args.timeout, args.quick))
+    report = dict(date=time.strftime("%Y-%m-%d"), modes=results, peak_flops=PEAK_FLOPS, bandwidth=BANDWIDTH)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "grpo_step.json").write_text(json.dumps(report, indent=1))
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()
