@@ -26,6 +26,8 @@ import dataclasses
 import datetime
 import heapq
 import os
+import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -115,16 +117,32 @@ def _resolve_device(device: torch.device | str) -> torch.device:
 
 
 _progress = 0
+_training_thread: int | None = None
 
 
 def heartbeat() -> None:
     """Mark progress (the trainer calls it at every phase); the watchdog stops runs whose ranks stop beating."""
-    global _progress
+    global _progress, _training_thread
     _progress += 1
+    _training_thread = threading.get_ident()
 
 
 def progress() -> int:
     return _progress
+
+
+def waiting_in_collective() -> bool:
+    """Whether the thread that last called `heartbeat()` is inside torch.distributed code right now (waiting
+    for other ranks), as opposed to computing: how the watchdog tells the rank that hangs from those it holds up."""
+    frame = sys._current_frames().get(_training_thread) if _training_thread is not None else None
+    while frame is not None:
+        if _DISTRIBUTED_CODE in frame.f_code.co_filename.replace(os.sep, "/"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_DISTRIBUTED_CODE = "/torch/distributed/"
 
 
 # ----------------------------------------------------------------------------------------------

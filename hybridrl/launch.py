@@ -85,23 +85,27 @@ def run_torchrun(argv: Sequence[str], num_processes: int) -> int:
 # Hang detection shared by both launchers
 
 
-def find_stalled(counts: dict[int, int], changed_at: dict[int, float], now: float, timeout_s: float) -> str | None:
-    """Which rank holds the run up, if any: among the ranks with the lowest heartbeat count, those whose
-    count has not changed for `timeout_s`. Ranks ahead of them that wait (in a collective) are not blamed."""
-    if not counts:
-        return None
-    lowest = min(counts.values())
-    stuck = sorted(r for r, count in counts.items() if count == lowest and now - changed_at[r] > timeout_s)
-    if not stuck:
-        return None
-    idle = max(now - changed_at[r] for r in stuck)
-    if len(stuck) == len(counts):
-        return (f"every rank ({len(counts)}) has been stuck at heartbeat {lowest} for {idle:.0f} s "
-                "(a collective that never completes, or all ranks blocked)")
-    ahead = max(counts.values())
-    names = ", ".join(str(r) for r in stuck)
-    return (f"rank {names} made no progress for {idle:.0f} s (stuck at heartbeat {lowest} while other ranks "
-            f"reached {ahead}); it hangs or died")
+def find_stalled(counts: dict[int, int], changed_at: dict[int, float], now: float, timeout_s: float,
+                 waiting: dict[int, bool] | None = None) -> str | None:
+    """Which rank holds the run up, if any. A rank is stalled when its heartbeat count has not changed
+    for `timeout_s`; a stalled rank that is computing (not waiting inside a torch.distributed call) is
+    the one to blame, while stalled ranks waiting in a collective are only held up by it."""
+    waiting = waiting or {}
+    stalled = [r for r in sorted(counts) if now - changed_at[r] > timeout_s]
+    culprits = [r for r in stalled if not waiting.get(r, False)]
+    if culprits:
+        idle = max(now - changed_at[r] for r in culprits)
+        names = ", ".join(str(r) for r in culprits)
+        held = [r for r in stalled if r not in culprits]
+        also = f"; rank {', '.join(map(str, held))} wait(s) for it in a collective" if held else ""
+        return (f"rank {names} made no progress for {idle:.0f} s (stuck after heartbeat "
+                f"{min(counts[r] for r in culprits)}, outside any collective){also}")
+    if stalled and len(stalled) == len(counts):
+        idle = min(now - changed_at[r] for r in stalled)
+        where = ", ".join(f"rank {r} at heartbeat {counts[r]}" for r in stalled)
+        return (f"every rank has waited in a collective for {idle:.0f} s ({where}): a rank died inside it, or "
+                "the ranks called different collectives")
+    return None
 
 
 class Watchdog(threading.Thread):
@@ -109,9 +113,11 @@ class Watchdog(threading.Thread):
     `find_stalled` names a rank, calls `on_stall(message)` (default: print it and exit the process)."""
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float, interval_s: float | None = None,
-                 on_stall: Callable[[str], None] | None = None):
+                 on_stall: Callable[[str], None] | None = None, startup_grace_s: float = 600.0):
         super().__init__(name="hybridrl-watchdog", daemon=True)
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.startup_grace_s = startup_grace_s
+        """Extra time before a rank's first heartbeat (model loading); after it, the clock starts."""
         self.interval_s = interval_s or min(10.0, max(0.5, timeout_s / 5))
         self.on_stall = on_stall or _exit_with_message
         self._stop_event = threading.Event()
@@ -128,16 +134,18 @@ class Watchdog(threading.Thread):
         self._stop_event.set()
 
     def run(self) -> None:
-        from hybridrl.distributed import progress
+        from hybridrl.distributed import progress, waiting_in_collective
 
         counts: dict[int, int] = {}
+        waiting: dict[int, bool] = {}
         changed_at: dict[int, float] = {}
         started = time.monotonic()
         while not self._stop_event.wait(self.interval_s):
             try:
-                self.store.set(str(self.rank), str(progress()))
+                self.store.set(str(self.rank), f"{progress()} {int(waiting_in_collective())}")
                 for rank in range(self.world_size):
-                    count = int(self.store.get(str(rank))) if self.store.check([str(rank)]) else 0
+                    text = self.store.get(str(rank)).decode() if self.store.check([str(rank)]) else "0 0"
+                    count, waiting[rank] = int(text.split()[0]), text.split()[1] == "1"
                     if counts.get(rank) != count:
                         counts[rank], changed_at[rank] = count, time.monotonic()
             except Exception as error:  # the store lives in rank 0's process (or torchrun's agent)
@@ -147,8 +155,9 @@ class Watchdog(threading.Thread):
                               "rank 0 or the launcher probably died")
                 return
             for rank in range(self.world_size):
-                changed_at.setdefault(rank, started)
-            message = find_stalled(counts, changed_at, time.monotonic(), self.timeout_s)
+                if counts.get(rank, 0) == 0:
+                    changed_at[rank] = started + self.startup_grace_s
+            message = find_stalled(counts, changed_at, time.monotonic(), self.timeout_s, waiting)
             if message:
                 self.on_stall(message)
                 return
@@ -180,10 +189,10 @@ class _RayWorker:
         os.environ.update(env)
         return fn(*args)
 
-    def progress(self) -> int:
-        from hybridrl.distributed import progress
+    def progress(self) -> tuple[int, bool]:
+        from hybridrl.distributed import progress, waiting_in_collective
 
-        return progress()
+        return progress(), waiting_in_collective()
 
 
 def rank_environments(nodes: list[tuple[str, list[str]]], master_port: int) -> list[dict[str, str]]:
@@ -208,10 +217,12 @@ def rank_environments(nodes: list[tuple[str, list[str]]], master_port: int) -> l
 
 
 def run_ray(fn: Callable[..., Any], args: tuple, num_workers: int, use_gpu: bool = True,
-            hang_timeout_s: float = 900.0, start_timeout_s: float = 300.0, poll_s: float | None = None) -> list[Any]:
+            hang_timeout_s: float = 900.0, start_timeout_s: float = 300.0, startup_grace_s: float = 600.0,
+            poll_s: float | None = None) -> list[Any]:
     """Run `fn(*args)` in `num_workers` Ray actors that form one torch.distributed job; returns each
     rank's result. A worker that raises, dies, or stops calling `distributed.heartbeat()` for
-    `hang_timeout_s` ends the run with a `LaunchError` naming its rank."""
+    `hang_timeout_s` ends the run with a `LaunchError` naming its rank. `start_timeout_s` bounds getting
+    the workers placed; a rank has `startup_grace_s` more before its first heartbeat (model loading)."""
     try:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -237,7 +248,8 @@ def run_ray(fn: Callable[..., Any], args: tuple, num_workers: int, use_gpu: bool
         port = ray.get(workers[0].free_port.remote(), timeout=start_timeout_s)
         envs = rank_environments(nodes, port)
         runs = [worker.run.remote(env, fn, args) for worker, env in zip(workers, envs)]
-        return _supervise(ray, workers, runs, hang_timeout_s, poll_s or min(5.0, max(0.2, hang_timeout_s / 10)))
+        return _supervise(ray, workers, runs, hang_timeout_s, startup_grace_s,
+                          poll_s or min(5.0, max(0.2, hang_timeout_s / 10)))
     finally:
         for worker in workers:
             ray.kill(worker)
@@ -246,11 +258,13 @@ def run_ray(fn: Callable[..., Any], args: tuple, num_workers: int, use_gpu: bool
             ray.shutdown()
 
 
-def _supervise(ray: Any, workers: list[Any], runs: list[Any], hang_timeout_s: float, poll_s: float) -> list[Any]:
+def _supervise(ray: Any, workers: list[Any], runs: list[Any], hang_timeout_s: float, startup_grace_s: float,
+               poll_s: float) -> list[Any]:
     rank_of = {run: rank for rank, run in enumerate(runs)}
     results: dict[int, Any] = {}
     counts: dict[int, int] = {}
-    changed_at = {rank: time.monotonic() for rank in range(len(runs))}
+    waiting: dict[int, bool] = {}
+    changed_at = {rank: time.monotonic() + startup_grace_s for rank in range(len(runs))}
     pending = list(runs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=poll_s)
@@ -267,13 +281,13 @@ def _supervise(ray: Any, workers: list[Any], runs: list[Any], hang_timeout_s: fl
         for probe in answered:
             rank = probes[probe]
             try:
-                count = ray.get(probe)
+                count, waiting[rank] = ray.get(probe)
             except Exception:
                 continue  # the rank is dying; its run ref reports why on the next pass
             if counts.get(rank) != count:
                 counts[rank], changed_at[rank] = count, now
         live = {rank: counts.get(rank, 0) for rank in running}
-        message = find_stalled(live, changed_at, now, hang_timeout_s)
+        message = find_stalled(live, changed_at, now, hang_timeout_s, waiting)
         if message:
             raise LaunchError(message + "; the run was stopped (trainer.hang_timeout_s).")
     return [results[rank] for rank in range(len(runs))]
@@ -286,4 +300,5 @@ def _first_line(error: BaseException) -> str:
         return f"{type(cause).__name__}: {cause}"
     text = str(error).strip()
     lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
+    line = lines[-1] if lines else type(error).__name__
+    return line if len(line) <= 300 else line[:300] + " ... (the worker's log above has the rest)"

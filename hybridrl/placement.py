@@ -52,7 +52,8 @@ class Placement:
 
 def visible_devices_text(count: int) -> str:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    listed = f"{count} CUDA device(s) visible ({', '.join(map(str, range(count)))})" if count else "no CUDA device visible"
+    listed = (f"only {count} CUDA device(s) are visible ({', '.join(map(str, range(count)))})" if count
+              else "no CUDA device is visible")
     where = (f"CUDA_VISIBLE_DEVICES={env!r}, so index i is the i-th GPU listed there" if env is not None
              else "CUDA_VISIBLE_DEVICES is not set, so every GPU of the machine is visible")
     return f"{listed}; {where}"
@@ -94,7 +95,7 @@ def resolve_placement(device_mesh: Mapping[str, Any] | None, num_gpus: int = 1, 
         if bad:
             key = f"trainer.device_mesh.{role}" if role in device_mesh else (
                 "trainer.num_gpus" if role == "actor" else f"trainer.device_mesh.{role} (defaults to the actor's)")
-            raise ConfigError(f"{key} uses CUDA device {bad[0]}, but there are {visible_devices_text(visible)}; "
+            raise ConfigError(f"{key} uses CUDA device {bad[0]}, but {visible_devices_text(visible)}; "
                               f"use indices below {visible} or change CUDA_VISIBLE_DEVICES.")
     if "actor" in device_mesh and len(actor) != num_gpus:
         raise ConfigError(f"trainer.device_mesh.actor lists {len(actor)} device(s) {list(actor)} but trainer.num_gpus="

@@ -3,7 +3,7 @@
 The two-process test spawns both ranks once and checks, in order: rollout from gathered weights
 (HF generate and the built-in engine, ranks decoding different numbers of steps) equals one process;
 PPO mini-batch updates with token-balanced row splits give the same losses and parameters as one
-process on the same global batch (tolerance: atol 2e-5 on parameters, rel 1e-5 on losses, float32);
+process on the same global batch (tolerance: atol 2e-6 on parameters, rel 1e-5 on losses, float32);
 metric reduction and row gathering.
 """
 
@@ -27,7 +27,7 @@ from hybridrl.update import mini_batches
 
 PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [19, 20, 21]]
 GREEDY = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
-PARAM_ATOL, LOSS_RTOL = 2e-5, 1e-5
+PARAM_ATOL, LOSS_RTOL = 2e-6, 1e-5  # measured: 2.8e-7 and 2e-7 after 4 AdamW steps
 
 
 def make_batch(num: int = 8, prompt_len: int = 6, response_len: int = 5) -> dict[str, torch.Tensor]:

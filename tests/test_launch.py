@@ -1,0 +1,117 @@
+"""Launching and supervising workers: torchrun relaunch, hang detection naming the rank, the Ray launcher.
+
+The Ray tests start a local Ray cluster on the CPU (two workers, gloo) and are skipped when Ray is not
+installed (`pip install 'hybridrl[ray]'`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hybridrl import distributed, launch
+from hybridrl.launch import LaunchError, find_stalled, rank_environments
+
+HANG_SCRIPT = """
+import os, sys, time, torch
+from hybridrl import distributed
+setup = distributed.init_from_env("cpu", timeout_s=60, hang_timeout_s=2.0)
+for step in range(200):
+    distributed.heartbeat()
+    if setup.rank == 1 and step == 3:
+        time.sleep(120)  # a reward function that never returns
+    distributed.all_reduce(torch.ones(1), setup)
+    time.sleep(0.05)
+"""
+
+
+def test_find_stalled_blames_the_rank_outside_the_collective():
+    counts, changed = {0: 5, 1: 5, 2: 4}, {0: 0.0, 1: 0.0, 2: 0.0}
+    assert find_stalled(counts, changed, now=5.0, timeout_s=10.0) is None
+    message = find_stalled(counts, changed, now=11.0, timeout_s=10.0, waiting={0: True, 1: True, 2: False})
+    assert message.startswith("rank 2 made no progress for 11 s") and "rank 0, 1 wait(s) for it" in message
+    everyone = find_stalled(counts, changed, now=11.0, timeout_s=10.0, waiting={0: True, 1: True, 2: True})
+    assert everyone.startswith("every rank has waited in a collective")
+    assert find_stalled({0: 5, 1: 9}, {0: 0.0, 1: 10.5}, now=11.0, timeout_s=10.0, waiting={0: True}) is None
+
+
+def test_rank_environments_two_nodes_with_gpus():
+    envs = rank_environments([("10.0.0.1", ["3"]), ("10.0.0.1", ["1"]), ("10.0.0.2", ["0"])], master_port=29500)
+    assert [env["RANK"] for env in envs] == ["0", "1", "2"]
+    assert all(env["MASTER_ADDR"] == "10.0.0.1" and env["WORLD_SIZE"] == "3" for env in envs)
+    assert envs[0]["CUDA_VISIBLE_DEVICES"] == "3,1" and envs[0]["LOCAL_RANK"] == "0"
+    assert envs[1]["LOCAL_RANK"] == "1" and envs[2]["LOCAL_RANK"] == "0" and envs[2]["LOCAL_WORLD_SIZE"] == "1"
+
+
+def test_relaunch_only_from_the_launching_process(monkeypatch):
+    assert launch.maybe_relaunch(["train", "x.yaml"], num_processes=1) is None
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert launch.maybe_relaunch(["train", "x.yaml"], num_processes=2) is None  # already a worker
+    command = launch.torchrun_command(["train", "x.yaml", "trainer.num_gpus=2"], 2)
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    assert command[-5:] == ["-m", "hybridrl.cli", "train", "x.yaml", "trainer.num_gpus=2"]
+    with pytest.raises(ValueError, match="torchrun or ray"):
+        monkeypatch.delenv("WORLD_SIZE")
+        launch.maybe_relaunch(["train"], num_processes=2, launcher="slurm")
+
+
+def test_torchrun_hang_ends_the_run_naming_the_rank(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(HANG_SCRIPT)
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(script)], capture_output=True, text=True, timeout=90,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert "hybridrl: rank 1 made no progress" in result.stderr, result.stderr[-3000:]
+    assert "rank 0 wait(s) for it in a collective" in result.stderr
+    assert time.monotonic() - start < 60
+
+
+# ----------------------------------------------------------------------------------------------
+# Ray (local cluster on the CPU)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'hybridrl[ray]')")
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def ray_job(mode: str) -> tuple[int, int, float]:
+    setup = distributed.init_from_env("cpu", timeout_s=60)
+    total = torch.zeros(1)
+    for _ in range(5):
+        distributed.heartbeat()
+        if setup.rank == 1 and mode == "die":
+            os._exit(3)
+        if setup.rank == 1 and mode == "hang":
+            time.sleep(120)
+        total = distributed.all_reduce(torch.tensor([setup.rank + 1.0]), setup)
+    distributed.shutdown(setup)
+    return setup.rank, setup.world_size, total.item()
+
+
+def test_ray_two_workers_form_one_job(ray_cluster):
+    results = launch.run_ray(ray_job, ("ok",), 2, use_gpu=False, hang_timeout_s=20, startup_grace_s=30)
+    assert results == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_ray_dead_worker_is_named(ray_cluster):
+    with pytest.raises(LaunchError, match=r"rank 1 of 2 failed: .*died"):
+        launch.run_ray(ray_job, ("die",), 2, use_gpu=False, hang_timeout_s=20, startup_grace_s=30)
+
+
+def test_ray_hung_worker_is_named_within_the_timeout(ray_cluster):
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 made no progress for [0-9]+ s .*rank 0 wait\(s\) for it"):
+        launch.run_ray(ray_job, ("hang",), 2, use_gpu=False, hang_timeout_s=3, startup_grace_s=30)
+    assert time.monotonic() - start < 25
