@@ -101,7 +101,7 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
     if backend == "vllm":
         from hybridrl.rollout.vllm import VLLMBackend
         return VLLMBackend(actor, tokenizer=tokenizer)
-    return HFBackend(actor, tokenizer, micro_batch_size=max(256, config.rollout_batch_size))
+    return HFBackend(actor, tokenizer)
 
 
 def build_components(config: Config, actor: HFModel | None = None, reward_fn: Any = None,

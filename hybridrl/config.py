@@ -89,6 +89,8 @@ class RolloutConfig:
     """Drop tokens whose probability is below min_p times the most likely one."""
     stop_strings: list[str] = field(default_factory=list)
     """Generation stops after any of these strings (the end-of-sequence token always stops)."""
+    ignore_eos: bool = False
+    """Generate exactly max_new_tokens for every response (benchmarks); explicit stop strings still stop."""
     eval_temperature: float = 0.0
     """Sampling temperature for evaluation; 0 is greedy."""
     kv_cache_memory: float = 0.3

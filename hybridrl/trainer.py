@@ -124,7 +124,8 @@ class RLTrainer:
         return SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.eval_temperature if evaluation else r.temperature,
             top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, n=1 if evaluation else r.num_samples_per_prompt,
-            stop_strings=list(r.stop_strings), seed=self.config.trainer.seed * 100_003 + self.step_count)
+            stop_strings=list(r.stop_strings), ignore_eos=r.ignore_eos and not evaluation,
+            seed=self.config.trainer.seed * 100_003 + self.step_count)
 
     @torch.no_grad()
     def rollout(self, prompts: dict[str, Any], evaluation: bool = False) -> RolloutBatch:

@@ -16,10 +16,11 @@ from hybridrl.rollout.base import Generation, SamplingParams
 
 
 class HFBackend:
-    def __init__(self, model: nn.Module, tokenizer: Any, micro_batch_size: int = 256):
+    def __init__(self, model: nn.Module, tokenizer: Any, logits_memory_gib: float = 4.0):
         self.model = model
         self.tokenizer = tokenizer
-        self.micro_batch_size = micro_batch_size
+        self.logits_memory_gib = logits_memory_gib
+        """`generate` keeps every step's logits until it returns; sequences per call are capped to fit this."""
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
@@ -29,7 +30,9 @@ class HFBackend:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        per_call = max(1, self.micro_batch_size // params.n)
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        logits_bytes = vocab * params.max_new_tokens * 2  # per sequence, bf16/fp16 or half of fp32
+        per_call = max(1, min(1024, int(self.logits_memory_gib * 2**30 / logits_bytes)) // params.n)
         outputs: list[Generation] = []
         for start in range(0, len(prompts), per_call):
             outputs += self._generate_chunk(prompts[start:start + per_call], params, offset=start)
@@ -58,10 +61,11 @@ class HFBackend:
             return_dict_in_generate=True, output_logits=True, use_cache=True)
         self.model.train(was_training)
         sequences = out.sequences[:, width:].cpu()  # (B*n, R)
-        logits = torch.stack(out.logits, dim=1).float()  # (B*n, R, V)
         scale = 1.0 if greedy else 1.0 / params.temperature
-        logp = torch.log_softmax(logits * scale, dim=-1).gather(-1, sequences[..., None].to(logits.device))
-        logp = logp.squeeze(-1).cpu()
+        tokens = out.sequences[:, width:]
+        logp = torch.stack([  # one step at a time: never a (B*n, R, V) float32 tensor
+            torch.log_softmax(step_logits.float() * scale, dim=-1).gather(-1, tokens[:, t, None]).squeeze(-1)
+            for t, step_logits in enumerate(out.logits)], dim=1).cpu()  # (B*n, R)
         return [self._finish(row, sequences[row].tolist(), logp[row].tolist(), offset + row // params.n, params, stop_ids)
                 for row in range(sequences.shape[0])]
 
