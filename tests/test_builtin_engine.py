@@ -261,18 +261,18 @@ def test_cuda_graphs_match_eager_and_hf(family):
     graphed = BuiltinBackend(model, max_num_seqs=4).generate(prompts, sampled)
     eager = BuiltinBackend(model, max_num_seqs=4, use_cuda_graphs=False, compile=False).generate(prompts, sampled)
     assert [g.token_ids for g in graphed] == [g.token_ids for g in eager]
-    plain = SamplingParams(max_new_tokens=12, temperature=0.7, n=3, seed=5)  # the one-pass blocked sampler
-    graphed = BuiltinBackend(model, max_num_seqs=4).generate(prompts, plain)
-    eager = BuiltinBackend(model, max_num_seqs=4, use_cuda_graphs=False, compile=False).generate(prompts, plain)
-    assert [g.token_ids for g in graphed] == [g.token_ids for g in eager]
-    for a, b in zip(graphed, eager):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     for generation in graphed[:6]:
         prompt = prompts[generation.prompt_index]
         with torch.no_grad():
             logits = model(torch.tensor([prompt + generation.token_ids], device="cuda")).logits[0, len(prompt) - 1 : -1]
         reference = torch.log_softmax(logits.float() / 0.9, -1).gather(1, torch.tensor(generation.token_ids, device="cuda")[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(generation.logprobs), reference.cpu(), atol=1e-4, rtol=0)
+    plain = SamplingParams(max_new_tokens=12, temperature=0.7, n=3, seed=5)  # the one-pass blocked sampler
+    plain_graphed = BuiltinBackend(model, max_num_seqs=4).generate(prompts, plain)
+    plain_eager = BuiltinBackend(model, max_num_seqs=4, use_cuda_graphs=False, compile=False).generate(prompts, plain)
+    assert [g.token_ids for g in plain_graphed] == [g.token_ids for g in plain_eager]
+    for a, b in zip(plain_graphed, plain_eager):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
 def test_freed_slot_of_a_long_prompt_does_not_break_shorter_key_buckets(monkeypatch):

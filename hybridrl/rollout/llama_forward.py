@@ -229,9 +229,10 @@ def prefill(
 
 def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Decode: input RMSNorm, q/k/v projections, q/k norm, RoPE. h (B, hidden), cos/sin (B, D) ->
-    q (B, Hkv, group, D) with the query heads of one KV head folded together; k, v (B, Hkv, D)."""
+    q (B, Hkv, group, D) with the query heads of one KV head folded together; kv (B, 2, Hkv, D), keys
+    and values stacked so the cache write is one kernel (compiled, the stack fuses into RoPE)."""
     q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)
-    return q.view(h.shape[0], w.num_kv_heads, -1, w.head_dim), k, v
+    return q.view(h.shape[0], w.num_kv_heads, -1, w.head_dim), torch.stack((k, v), dim=1)
 
 
 def attention_output_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -299,10 +300,10 @@ def decode_logits(
     cos, sin = cos_table[positions], sin_table[positions]  # (B, D)
     h = F.embedding(tokens, w.embed)  # (B, hidden)
     for layer_index, lw in enumerate(w.layers):
-        q, k, v = functions.attention_inputs(w, lw, h, cos, sin)  # q (B, Hkv, group, D), k/v (B, Hkv, D)
+        q, kv = functions.attention_inputs(w, lw, h, cos, sin)  # q (B, Hkv, group, D), kv (B, 2, Hkv, D)
+        # Advanced indices on dims 1 and 3 of (2, slots, Hkv, max_len, D) put the batch first: (B, 2, Hkv, D).
+        kv_cache[layer_index][:, slots, :, positions] = kv
         keys, values = kv_cache[layer_index, 0, :batch, :, :kv_len], kv_cache[layer_index, 1, :batch, :, :kv_len]
-        keys[slots, :, positions] = k
-        values[slots, :, positions] = v
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, Hkv, group, D)
         h = functions.attention_output_and_mlp(w, lw, h, attn)
     return functions.final_logits(w, h)
