@@ -281,6 +281,24 @@ def shard_batch(batch: Any, setup: DistributedSetup) -> Any:
     return batch.select(shard_rows(torch.arange(len(batch)), batch.attention_mask.sum(1), setup))
 
 
+def match_micro_batch_count(micro_batches: list[torch.Tensor], setup: DistributedSetup) -> list[torch.Tensor]:
+    """Split this rank's largest micro-batches until every rank has as many as the rank with the most
+    (token-budget grouping may give ranks different counts; FSDP needs equal forward/backward counts).
+    Splitting only shrinks micro-batches, so a token budget still holds."""
+    if not setup.is_distributed:
+        return micro_batches
+    count = torch.tensor([len(micro_batches)], device=setup.device)
+    target = int(all_reduce(count, setup, op="max").item())
+    micro_batches = list(micro_batches)
+    while len(micro_batches) < target:
+        largest = max(range(len(micro_batches)), key=lambda i: len(micro_batches[i]))
+        if len(micro_batches[largest]) < 2:
+            raise AssertionError("ranks hold equal row counts, so a split is always possible")
+        half = len(micro_batches[largest]) // 2
+        micro_batches[largest:largest + 1] = [micro_batches[largest][:half], micro_batches[largest][half:]]
+    return micro_batches
+
+
 def gather_rows(values: torch.Tensor, rows: torch.Tensor, num_rows: int, setup: DistributedSetup) -> torch.Tensor:
     """Reassemble a (num_rows, ...) tensor from every rank's `values` for its `rows` (from `shard_rows`)."""
     if not setup.is_distributed:
@@ -313,6 +331,17 @@ def generate_sharded(backend: Any, prompts: list[list[int]], params: Any, setup:
     gathered: list[Any] = [None] * setup.world_size
     dist.all_gather_object(gathered, local)
     return [generation for part in gathered for generation in part]
+
+
+def full_state_dict(model: nn.Module, setup: DistributedSetup) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights on the CPU on rank 0 (None elsewhere), for `save_pretrained(state_dict=...)`.
+    Every rank must call it (the shards are gathered)."""
+    if not _fsdp_modules(model):
+        return model.state_dict() if setup.is_main else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if setup.is_main else None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -104,8 +104,11 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     rows = distributed.shard_rows(torch.arange(8), make_batch()["attention_mask"].sum(1), setup)
     gathered = distributed.gather_rows(rows.float()[:, None] * 10, rows, 8, setup)
     metrics = distributed.reduce_metrics({"a": float(rank), "b": 1.0}, setup, sum_keys=["b"])
+    micros = distributed.match_micro_batch_count([torch.arange(4)] if rank == 0 else [torch.arange(2), torch.arange(2, 4)], setup)
+    state = distributed.full_state_dict(model, setup)
     torch.save({"generated": generated, "sharded_after": sharded_after, "losses": losses,
-                "params": full_parameters(model), "rows": rows, "gathered": gathered, "metrics": metrics},
+                "params": full_parameters(model), "rows": rows, "gathered": gathered, "metrics": metrics,
+                "micro_sizes": [len(m) for m in micros], "state": state},
                os.path.join(out_dir, f"rank{rank}.pt"))
     distributed.shutdown(setup)
 
@@ -136,6 +139,10 @@ def test_fsdp_two_ranks_match_one_process(tmp_path):
             torch.testing.assert_close(result["params"][name], value, atol=PARAM_ATOL, rtol=0, msg=name)
         assert result["metrics"] == {"a": 0.5, "b": 2.0}
         assert torch.equal(result["gathered"], torch.arange(8).float()[:, None] * 10)
+        assert result["micro_sizes"] == [2, 2]
+    torch.testing.assert_close(ranks[0]["state"]["model.embed_tokens.weight"],
+                               expected_params["model.embed_tokens.weight"], atol=PARAM_ATOL, rtol=0)
+    assert ranks[1]["state"] is None
     assert sorted(torch.cat([r["rows"] for r in ranks]).tolist()) == list(range(8))
     changed = max((expected_params[n] - v).abs().max().item() for n, v in full_parameters(tiny_actor().model).items())
     assert changed > 1e-3, "the updates must move the parameters, or the comparison says nothing"
