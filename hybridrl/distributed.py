@@ -281,6 +281,15 @@ def shard_batch(batch: Any, setup: DistributedSetup) -> Any:
     return batch.select(shard_rows(torch.arange(len(batch)), batch.attention_mask.sum(1), setup))
 
 
+def shard_micro_batches(micro_batches: list[torch.Tensor], num_tokens: torch.Tensor,
+                        setup: DistributedSetup) -> list[torch.Tensor]:
+    """This rank's micro-batches of one mini-batch (given as the one-process micro-batches): the
+    mini-batch's rows balanced by `num_tokens` across ranks, cut to the same micro-batch size."""
+    if not setup.is_distributed:
+        return micro_batches
+    return list(shard_rows(torch.cat(micro_batches), num_tokens, setup).split(len(micro_batches[0])))
+
+
 def match_micro_batch_count(micro_batches: list[torch.Tensor], setup: DistributedSetup) -> list[torch.Tensor]:
     """Split this rank's largest micro-batches until every rank has as many as the rank with the most
     (token-budget grouping may give ranks different counts; FSDP needs equal forward/backward counts).

@@ -48,7 +48,7 @@ def make_batch(num: int = 8, prompt_len: int = 6, response_len: int = 5) -> dict
 
 def train(model: torch.nn.Module, batch: dict, setup: DistributedSetup, steps_mini: int = 4,
           micro: int = 2, epochs: int = 2) -> list[float]:
-    """`update.update_actor`'s loop with the one line data parallelism adds (`shard_rows`); returns the
+    """`update.update_actor`'s loop with the one line data parallelism adds (`shard_micro_batches`); returns the
     loss of every mini-batch (summed over ranks, so it is the global loss)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     num_tokens = batch["attention_mask"].sum(1)
@@ -58,7 +58,7 @@ def train(model: torch.nn.Module, batch: dict, setup: DistributedSetup, steps_mi
         norm = {"num_tokens": batch["response_mask"][mini].sum().item(), "num_sequences": len(mini),
                 "max_length": batch["response_mask"].shape[1]}
         total = 0.0
-        for rows in distributed.shard_rows(mini, num_tokens, setup).split(micro):
+        for rows in distributed.shard_micro_batches(micros, num_tokens, setup):
             part = {key: value[rows] for key, value in batch.items()}
             logp, _ = response_logprobs(model, part["input_ids"], part["attention_mask"], part["position_ids"],
                                         part["response_mask"].shape[1])
@@ -159,6 +159,9 @@ def test_world_size_one_is_the_identity():
     assert distributed.parallelize(model, setup) is model
     rows = torch.tensor([3, 1, 2, 0])
     assert distributed.shard_rows(rows, torch.ones(4), setup) is rows
+    micros = [rows[:2], rows[2:]]
+    assert distributed.shard_micro_batches(micros, torch.ones(4), setup) is micros
+    assert distributed.match_micro_batch_count(micros, setup) is micros
     values = torch.randn(4, 2)
     assert distributed.gather_rows(values, rows, 4, setup) is values
     metrics = {"actor/loss": 1.5}
