@@ -11,8 +11,10 @@ hybridrl adds no cluster manager: Ray or torchrun own the processes.
 A run never hangs silently:
 - `distributed.init_from_env` bounds the rendezvous and every collective by a timeout;
 - under torchrun, every rank runs a `Watchdog` thread that publishes its `distributed.heartbeat()`
-  count to the rendezvous store and stops the run when some rank's count stops for `hang_timeout_s`,
-  naming that rank; torchrun itself ends the run when a worker process dies, naming its rank;
+  count, and whether it is waiting inside a torch.distributed call, to the rendezvous store; when a
+  count stops for `hang_timeout_s`, the stalled rank that is *not* waiting for the others is named
+  (`find_stalled`) and the run stops; torchrun itself ends the run when a worker process dies, naming
+  its rank;
 - under Ray, the driver does both: it watches the actors (a dead one ends the run at once) and polls
   their heartbeat counts.
 """
