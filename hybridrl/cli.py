@@ -19,7 +19,9 @@ from hybridrl.models import ModelError
 from hybridrl.rewards import RewardError, RewardSpecError
 from hybridrl.update import TrainingError
 
-USER_ERRORS = (ConfigError, DataError, ModelError, RewardError, RewardSpecError, TrainingError, CheckpointError)
+from hybridrl.launch import LaunchError
+
+USER_ERRORS = (LaunchError, ConfigError, DataError, ModelError, RewardError, RewardSpecError, TrainingError, CheckpointError)
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 DEMO_TEACHER_ERROR_RATE = 0.5  # see tasks.py: the SFT teacher forgets carries, RL must fix that
 
@@ -27,7 +29,16 @@ DEMO_TEACHER_ERROR_RATE = 0.5  # see tasks.py: the SFT teacher forgets carries, 
 def cmd_train(args: argparse.Namespace) -> None:
     from hybridrl.trainer import RLTrainer
 
-    RLTrainer(load_config(args.config, args.overrides)).train()
+    from hybridrl import launch
+
+    config = load_config(args.config, args.overrides)
+    t = config.trainer
+    code = launch.maybe_relaunch(["train", args.config, *args.overrides], t.num_gpus, t.launcher, t.hang_timeout_s)
+    if code is None:
+        RLTrainer(config).train()
+    elif code:
+        raise launch.LaunchError(f"the {t.num_gpus}-process run failed (exit status {code}); the failing rank "
+                                 "and its error are printed above.")
 
 
 def cmd_sft(args: argparse.Namespace) -> None:

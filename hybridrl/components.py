@@ -16,7 +16,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from hybridrl import distributed
 from hybridrl.config import Config, ConfigError
+from hybridrl.placement import resolve_placement
 from hybridrl.data import PromptDataset
 from hybridrl.lora import AdapterDisabled, apply_lora
 from hybridrl.models import HFModel, ValueModel, load_hf_model, make_reference
@@ -41,6 +43,7 @@ class Components:
     critic_optimizer: torch.optim.Optimizer | None
     critic_scheduler: Any
     rollout: RolloutBackend
+    setup: distributed.DistributedSetup
     rewards: RewardComposer
     dataset: PromptDataset
     eval_dataset: PromptDataset | None
@@ -107,8 +110,11 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
 def build_components(config: Config, actor: HFModel | None = None, reward_fn: Any = None,
                      dataset: PromptDataset | None = None, eval_dataset: PromptDataset | None = None) -> Components:
     device = resolve_device(config.trainer.device)
+    placement = resolve_placement(config.trainer.device_mesh, config.trainer.num_gpus, device.type)
+    setup = distributed.init_from_env(device, placement.actor, hang_timeout_s=config.trainer.hang_timeout_s)
+    device = setup.device
     seed_everything(config.trainer.seed)
-    rewards = build_rewards(config, reward_fn, device)  # before models: cheap errors first
+    rewards = build_rewards(config, reward_fn, placement.device("reward", setup.local_rank))  # cheap errors first
     m = config.model
     if actor is None:
         actor = load_hf_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
@@ -131,12 +137,17 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
     if config.algorithm.kl_coef > 0:  # LoRA: the base is the adapter-disabled actor, no second copy
         reference = AdapterDisabled(model) if m.lora_rank else make_reference(model)
     a, total = config.actor, config.trainer.total_steps
+    critic = None
+    if config.algorithm.name == "ppo":  # copies are made before sharding
+        critic_base = model if not config.critic.path else load_hf_model(config.critic.path, dtype=m.dtype, device=device).model
+        critic = distributed.parallelize(ValueModel(make_reference(critic_base).requires_grad_(True)).to(device), setup)
+    if reference is not None and not m.lora_rank:
+        reference = distributed.parallelize(reference, setup)
+    model = distributed.parallelize(model, setup)
     actor_optimizer = build_optimizer(model.parameters(), a.lr, a.weight_decay, state_dtype=a.optimizer_state_dtype,
                                       offload=a.optimizer_offload, eight_bit=a.optimizer_8bit)
-    critic = critic_optimizer = critic_scheduler = None
-    if config.algorithm.name == "ppo":
-        critic_base = model if not config.critic.path else load_hf_model(config.critic.path, dtype=m.dtype, device=device).model
-        critic = ValueModel(make_reference(critic_base).requires_grad_(True)).to(device)
+    critic_optimizer = critic_scheduler = None
+    if critic is not None:
         critic_optimizer = build_optimizer(critic.parameters(), config.critic.lr)
         critic_scheduler = build_scheduler(critic_optimizer, config.critic.lr_schedule, config.critic.warmup_steps, total)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -144,5 +155,5 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
         device=device, actor=model, tokenizer=tokenizer, pad_token_id=pad_id, reference=reference, critic=critic,
         actor_optimizer=actor_optimizer, actor_scheduler=build_scheduler(actor_optimizer, a.lr_schedule, a.warmup_steps, total),
         critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
-        rollout=build_rollout(config, model, tokenizer, device), rewards=rewards, dataset=dataset,
+        rollout=build_rollout(config, model, tokenizer, device), setup=setup, rewards=rewards, dataset=dataset,
         eval_dataset=eval_dataset)

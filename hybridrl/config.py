@@ -222,6 +222,17 @@ class TrainerConfig:
     resume: str = "auto"
     """`auto` continues from the newest intact checkpoint in `output_dir/checkpoints` if there is one;
     `off` starts fresh; a path names a checkpoint (or a run directory) to continue from."""
+    num_gpus: int = 1
+    """Training processes, one per GPU (data parallel, FSDP2). Above 1, `hybridrl train` starts them itself
+    (see `launcher`); with trainer.device=cpu it starts that many CPU processes (gloo), for testing."""
+    launcher: Literal["torchrun", "ray"] = "torchrun"
+    """How `hybridrl train` starts the processes: torchrun on this node, or one Ray actor per GPU on the
+    Ray cluster that RAY_ADDRESS names (`pip install 'hybridrl[ray]'`)."""
+    device_mesh: dict[str, Any] = field(default_factory=dict)
+    """CUDA devices per role, e.g. {actor: [0], reward: [1]}; roles not listed share the actor's devices, and
+    the actor defaults to devices 0..num_gpus-1. Checked by `placement.resolve_placement`."""
+    hang_timeout_s: float = 900.0
+    """A multi-process run stops, naming the rank, when one rank completes no trainer phase for this long."""
 
 
 @dataclass
@@ -334,6 +345,8 @@ def build_config(raw: dict[str, Any]) -> Config:
     # Shorthand from the Python API: algorithm="grpo" means algorithm.name="grpo".
     if isinstance(raw.get("algorithm"), str):
         raw["algorithm"] = {"name": raw["algorithm"]}
+    if "device_mesh" in raw:  # Python API: device_mesh={...} means trainer.device_mesh
+        raw["trainer"] = {**raw.get("trainer", {}), "device_mesh": raw.pop("device_mesh")}
     config = _build_dataclass(Config, raw, prefix="")
     validate(config)
     return config
@@ -468,6 +481,11 @@ def validate(config: Config) -> None:
              f"trainer.device must be auto, cpu, cuda or cuda:N; got {t.device!r}.")
     batch = config.rollout_batch_size
     mini = act.mini_batch_size or batch
+    _require(t.num_gpus >= 1, "trainer.num_gpus must be at least 1.")
+    _require(t.hang_timeout_s > 0, "trainer.hang_timeout_s must be > 0.")
+    _require(mini % t.num_gpus == 0,
+             f"trainer.num_gpus={t.num_gpus} must divide actor.mini_batch_size={mini} (each process takes an equal "
+             "share of every mini-batch); change actor.mini_batch_size or trainer.prompts_per_step.")
     _require(batch % mini == 0,
              f"actor.mini_batch_size={mini} must divide the rollout batch of {batch} sequences "
              f"(trainer.prompts_per_step={t.prompts_per_step} x rollout.num_samples_per_prompt="

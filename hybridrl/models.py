@@ -123,11 +123,11 @@ def load_hf_model(path_or_name: str, dtype: str | torch.dtype = "auto", attn_imp
     return HFModel(model.to(device), tokenizer)
 
 
-def save_hf_model(model: nn.Module, tokenizer: Any, path: str | Path) -> None:
+def save_hf_model(model: nn.Module, tokenizer: Any, path: str | Path, state_dict: dict | None = None) -> None:
     """Write a Hugging Face directory (safetensors, config, tokenizer) that `from_pretrained` loads."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    model.save_pretrained(path, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(path)
 
 

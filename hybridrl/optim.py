@@ -74,14 +74,14 @@ class LeanAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.offload, self.chunk_elements = offload, chunk_elements
 
-    def _moments(self, param: torch.Tensor) -> dict:
+    def _moments(self, param: torch.Tensor, local: torch.Tensor) -> dict:
         state = self.state[param]
         if not state:
-            device = "cpu" if self.offload else param.device
-            pin = self.offload and param.is_cuda
+            device = "cpu" if self.offload else local.device
+            pin = self.offload and local.is_cuda
             state["step"] = 0
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = torch.zeros(param.numel(), dtype=torch.float32, device=device, pin_memory=pin)
+            for key in ("exp_avg", "exp_avg_sq"):  # of this rank's shard when FSDP shards the parameter
+                state[key] = torch.zeros(local.numel(), dtype=torch.float32, device=device, pin_memory=pin)
         return state
 
     @torch.no_grad()
@@ -92,14 +92,17 @@ class LeanAdamW(torch.optim.Optimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                state = self._moments(param)
+                data, grad_full = param.data, param.grad
+                if hasattr(data, "to_local"):  # an FSDP2 DTensor: the update is elementwise, so each rank does its shard
+                    data, grad_full = data.to_local(), grad_full.to_local()
+                state = self._moments(param, data)
                 state["step"] += 1
                 correction1, correction2 = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
-                weights, grads = param.data.view(-1), param.grad.view(-1)
+                weights, grads = data.view(-1), grad_full.view(-1)
                 for start in range(0, weights.numel(), self.chunk_elements):
                     chunk = slice(start, start + self.chunk_elements)
                     m_home, v_home = state["exp_avg"][chunk], state["exp_avg_sq"][chunk]
-                    m, v = m_home.to(param.device, non_blocking=True), v_home.to(param.device, non_blocking=True)
+                    m, v = m_home.to(data.device, non_blocking=True), v_home.to(data.device, non_blocking=True)
                     grad = grads[chunk].float()
                     m.lerp_(grad, 1 - beta1)
                     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)

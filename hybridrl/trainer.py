@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hybridrl import algorithms, checkpoint
+from hybridrl import algorithms, checkpoint, distributed
 from hybridrl.batch import RolloutBatch, build_rollout_batch
 from hybridrl.components import Components, build_components
 from hybridrl.config import Config, load_config
@@ -38,6 +38,7 @@ class PhaseTimer:
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
+        distributed.heartbeat()
         yield
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -65,7 +66,8 @@ class RLTrainer:
         self.step_count = 0
         self.switch_seconds: dict[str, float] = {}  # train <-> generate switch time of the current step
         self.output_dir = Path(config.trainer.output_dir)
-        self.logger = MetricsLogger(self.output_dir, config.logging.sinks, config.trainer.total_steps,
+        sinks = config.logging.sinks if self.parts.setup.is_main else []  # rank 0 logs
+        self.logger = MetricsLogger(self.output_dir, sinks, config.trainer.total_steps,
                                     config.logging.log_every, config.logging.num_samples_to_print, config.to_dict())
         self.sampler = self.parts.dataset.sampler(config.trainer.prompts_per_step)
 
@@ -91,8 +93,11 @@ class RLTrainer:
             print(f"stopped by {stop.signal_name} after step {self.step_count}; checkpoint saved in "
                   f"{self.output_dir / 'checkpoints'}; rerun with trainer.resume=auto to continue", flush=True)
         elif cfg.save_model:
-            save_hf_model(self.parts.actor, self.parts.tokenizer, self.output_dir / "model")
+            state = distributed.full_state_dict(self.parts.actor, self.parts.setup)
+            if self.parts.setup.is_main:
+                save_hf_model(self.parts.actor, self.parts.tokenizer, self.output_dir / "model", state_dict=state)
         self.logger.close()
+        distributed.shutdown(self.parts.setup)
         return self.logger.history
 
     def step(self) -> dict[str, float]:
@@ -131,9 +136,11 @@ class RLTrainer:
     def rollout(self, prompts: dict[str, Any], evaluation: bool = False) -> RolloutBatch:
         params = self.sampling_params(evaluation)
         with rollout_phase(self.parts.actor, self.parts.actor_optimizer, self.device,
-                           self.config.actor.offload_during_rollout, self.switch_seconds):
-            generations = self.parts.rollout.generate(prompts["prompt_ids"], params)
+                           self.config.actor.offload_during_rollout, self.switch_seconds), \
+                distributed.gather_for_rollout(self.parts.actor) as sync:
+            generations = distributed.generate_sharded(self.parts.rollout, prompts["prompt_ids"], params, self.parts.setup)
             self.parts.rollout.release_memory()
+        self.switch_seconds["weight_sync"] += sync.seconds
         batch = build_rollout_batch(prompts["prompt_ids"], generations, self.parts.pad_token_id, params.max_new_tokens)
         batch.texts = [self.parts.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
         return batch.to(self.device)
@@ -153,7 +160,8 @@ class RLTrainer:
         temperature = self.config.rollout.temperature
         micro = self.config.actor.micro_batch_size
         old, ref, values = [], [], []
-        for index in torch.arange(len(batch)).split(micro):
+        rows = distributed.shard_rows(torch.arange(len(batch)), batch.attention_mask.sum(1), self.parts.setup)
+        for index in rows.split(micro):
             part = batch.select(index)
             inputs = (part.input_ids, part.attention_mask, part.position_ids)
             old.append(response_logprobs(self.parts.actor, *inputs, part.response_length, temperature)[0])
@@ -161,9 +169,10 @@ class RLTrainer:
                 ref.append(response_logprobs(self.parts.reference, *inputs, part.response_length, temperature)[0])
             if self.parts.critic is not None:
                 values.append(self.parts.critic(*inputs)[:, -part.response_length - 1:-1])
-        batch.old_logp = torch.cat(old)
-        batch.ref_logp = torch.cat(ref) if ref else None
-        batch.old_values = torch.cat(values) if values else None
+        setup = self.parts.setup
+        batch.old_logp = distributed.gather_rows(torch.cat(old), rows, len(batch), setup)
+        batch.ref_logp = distributed.gather_rows(torch.cat(ref), rows, len(batch), setup) if ref else None
+        batch.old_values = distributed.gather_rows(torch.cat(values), rows, len(batch), setup) if values else None
 
     def compute_advantages(self, batch: RolloutBatch) -> None:
         a = self.config.algorithm

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from hybridrl import algorithms
+from hybridrl import algorithms, distributed
 from hybridrl.batch import RolloutBatch
 from hybridrl.config import Config
 from hybridrl.logprobs import response_logprobs
@@ -73,7 +73,9 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
     mini_size = act.mini_batch_size or len(batch)
     for micros in mini_batches(len(batch), mini_size, act.micro_batch_size, act.ppo_epochs, generator):
         mini = torch.cat(micros)
-        for micro in regroup_by_tokens(batch, micros, act.max_tokens_per_micro_batch):
+        micros = distributed.shard_micro_batches(micros, batch.attention_mask.sum(1), parts.setup)
+        micros = regroup_by_tokens(batch, micros, act.max_tokens_per_micro_batch)
+        for micro in distributed.match_micro_batch_count(micros, parts.setup):
             part = batch.select(micro)
             norm = mini_batch_normalizers(batch, mini)
             logp, entropy = response_logprobs(model, part.input_ids, part.attention_mask, part.position_ids,
@@ -104,7 +106,7 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
     metrics = {f"actor/{key}": value / count for key, value in sums.items()}
     metrics.update({f"actor/{key}": value / num_minis for key, value in per_mini.items()})
     metrics["actor/lr"] = parts.actor_scheduler.get_last_lr()[0]
-    return metrics
+    return distributed.reduce_metrics(metrics, parts.setup, sum_keys=["actor/policy_loss"])
 
 
 def update_critic(parts, config: Config, batch: RolloutBatch, generator: torch.Generator) -> dict[str, float]:
@@ -118,7 +120,9 @@ def update_critic(parts, config: Config, batch: RolloutBatch, generator: torch.G
     mini_size = act.mini_batch_size or len(batch)
     for micros in mini_batches(len(batch), mini_size, act.micro_batch_size, act.ppo_epochs, generator):
         mini = torch.cat(micros)
-        for micro in regroup_by_tokens(batch, micros, act.max_tokens_per_micro_batch):
+        micros = distributed.shard_micro_batches(micros, batch.attention_mask.sum(1), parts.setup)
+        micros = regroup_by_tokens(batch, micros, act.max_tokens_per_micro_batch)
+        for micro in distributed.match_micro_batch_count(micros, parts.setup):
             part = batch.select(micro)
             norm = mini_batch_normalizers(batch, mini)
             values = critic(part.input_ids, part.attention_mask, part.position_ids)[:, -part.response_length - 1:-1]
@@ -135,4 +139,5 @@ def update_critic(parts, config: Config, batch: RolloutBatch, generator: torch.G
         num_minis += 1
     parts.critic_scheduler.step()
     metrics = {f"critic/{key}": value / count for key, value in sums.items()}
-    return {**metrics, **{f"critic/{key}": value / num_minis for key, value in per_mini.items()}}
+    metrics.update({f"critic/{key}": value / num_minis for key, value in per_mini.items()})
+    return distributed.reduce_metrics(metrics, parts.setup, sum_keys=["critic/value_loss"])
