@@ -423,6 +423,8 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be a number; got {value!r}.")
         return float(value)
     if hint is str:
+        if isinstance(value, bool):  # YAML 1.1 reads off/on/no/yes as booleans (trainer.resume=off)
+            value = "on" if value else "off"
         if not isinstance(value, str):
             raise ConfigError(f"{key} must be a string; got {value!r}.")
         return value

@@ -20,6 +20,7 @@ def test_defaults_and_overrides_and_kwargs(tmp_path):
 def test_int_and_yaml11_exponent_are_accepted_for_float():
     assert load_config(None, ["actor.lr=1"]).actor.lr == 1.0
     assert load_config(None, ["actor.lr=2e-4"]).actor.lr == 2e-4
+    assert load_config(None, ["trainer.resume=off"]).trainer.resume == "off"  # not the YAML boolean
 
 
 @pytest.mark.parametrize("override, expected", [
