@@ -117,7 +117,8 @@ def plain_head(model: nn.Module) -> nn.Linear | None:
 
 
 def _hidden_states(model: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
-    return model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+    # input_ids positional: FSDP2's root pre-forward in torch 2.11 indexes args[0] (kwargs-only calls fail there)
+    return model.get_decoder()(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state
 
 
