@@ -23,7 +23,7 @@ from hybridrl.launch import LaunchError
 
 USER_ERRORS = (LaunchError, ConfigError, DataError, ModelError, RewardError, RewardSpecError, TrainingError, CheckpointError)
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-DEMO_TEACHER_ERROR_RATE = 0.5  # see tasks.py: the SFT teacher forgets carries, RL must fix that
+DEMO_PERIOD_RATE = 0.5  # see tasks.py: half the SFT answers end with a period the verifier rejects
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -56,7 +56,7 @@ def cmd_make_data(args: argparse.Namespace) -> None:
     from hybridrl.tasks import write_arithmetic_task
 
     paths = write_arithmetic_task(args.out_dir, num_train=args.num_train, num_eval=args.num_eval, seed=args.seed,
-                                  teacher_error_rate=args.teacher_error_rate)
+                                  period_rate=args.period_rate)
     print(" ".join(f"{split}={path}" for split, path in paths.items()))
 
 
@@ -70,7 +70,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         raise ConfigError(f"the demo configs are not at {EXAMPLES}; run `hybridrl demo` from a source checkout.")
     out = Path(args.out_dir)
     start = time.time()
-    data = write_arithmetic_task(out / "data", teacher_error_rate=DEMO_TEACHER_ERROR_RATE)
+    data = write_arithmetic_task(out / "data", period_rate=DEMO_PERIOD_RATE)
     data_overrides = [f"data.train_path={data['train']}", f"data.eval_path={data['eval']}"]
     print("== 1/2 SFT: tiny random Llama -> arithmetic answers", flush=True)
     sft_model = run_sft(load_config(EXAMPLES / "arithmetic_sft.yaml",
@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     data = commands.add_parser("make-data", help="write the synthetic arithmetic task (train/eval JSONL)")
     data.add_argument("out_dir")
     data.add_argument("--num-train", type=int, default=9500)
-    data.add_argument("--teacher-error-rate", type=float, default=0.5,
-                      help="fraction of SFT targets where the teacher forgets to carry/borrow")
+    data.add_argument("--period-rate", type=float, default=0.5,
+                      help="fraction of SFT targets the teacher ends with a period, which exact match rejects")
     data.add_argument("--num-eval", type=int, default=500)
     data.add_argument("--seed", type=int, default=1234)
     data.set_defaults(fn=cmd_make_data)
