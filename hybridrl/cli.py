@@ -72,9 +72,13 @@ def cmd_demo(args: argparse.Namespace) -> None:
     start = time.time()
     data = write_arithmetic_task(out / "data", period_rate=DEMO_PERIOD_RATE)
     data_overrides = [f"data.train_path={data['train']}", f"data.eval_path={data['eval']}"]
-    print("== 1/2 SFT: tiny random Llama -> arithmetic answers", flush=True)
-    sft_model = run_sft(load_config(EXAMPLES / "arithmetic_sft.yaml",
-                                    data_overrides + [f"trainer.output_dir={out / 'sft'}"] + args.overrides))
+    sft_model = out / "sft" / "model"
+    if (sft_model / "config.json").is_file():
+        print(f"== 1/2 SFT: reusing {sft_model} (delete it to train it again)", flush=True)
+    else:
+        print("== 1/2 SFT: tiny random Llama -> arithmetic answers", flush=True)
+        sft_model = run_sft(load_config(EXAMPLES / "arithmetic_sft.yaml",
+                                        data_overrides + [f"trainer.output_dir={out / 'sft'}"] + args.overrides))
     rl_config = EXAMPLES / f"arithmetic_{args.algorithm}.yaml"
     print(f"== 2/2 RL ({args.algorithm}) from the SFT model, exact-match reward", flush=True)
     history = RLTrainer(load_config(rl_config, data_overrides + [
