@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import heapq
 import os
 import sys
@@ -178,10 +179,15 @@ def parallelize(model: nn.Module, setup: DistributedSetup, param_dtype: torch.dt
         fully_shard(layer, mesh=setup.mesh, mp_policy=policy, reshard_after_forward=True)
     fully_shard(model, mesh=setup.mesh, mp_policy=policy)
     if hasattr(model, "get_decoder"):
-        # logprobs.py runs `model.get_decoder()` and applies the LM head itself (chunked), bypassing the
-        # root's forward; registering the call as a forward gathers the root's parameters (embeddings,
-        # final norm, head) there, and the root's gradients are reduced after backward as usual.
-        register_fsdp_forward_method(model, "get_decoder")
+        # logprobs.py runs the decoder and applies the LM head itself (chunked), bypassing the root's
+        # forward; registering that call as a forward gathers the root's parameters (embeddings, final
+        # norm, head) for it, and the root's gradients are reduced after backward as usual. The method
+        # takes the input tensors: FSDP2's root pre-forward on CUDA (torch 2.11) indexes its positional
+        # arguments, so registering the argument-less `get_decoder` failed there (seen on 2 x H200).
+        from hybridrl.logprobs import decoder_hidden_states
+
+        model.fsdp_hidden_states = functools.partial(decoder_hidden_states, model)
+        register_fsdp_forward_method(model, "fsdp_hidden_states")
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum: losses are normalised by global counts

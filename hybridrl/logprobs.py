@@ -117,7 +117,16 @@ def plain_head(model: nn.Module) -> nn.Linear | None:
 
 
 def _hidden_states(model: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
-    # input_ids positional: FSDP2's root pre-forward in torch 2.11 indexes args[0] (kwargs-only calls fail there)
+    # Under FSDP2, `distributed.parallelize` registers this call as a forward of the root module, so the
+    # embeddings, final norm and head are gathered for it (they live in the root, not in a layer).
+    sharded_forward = getattr(model, "fsdp_hidden_states", None)
+    if sharded_forward is not None:
+        return sharded_forward(input_ids, attention_mask, position_ids)
+    return decoder_hidden_states(model, input_ids, attention_mask, position_ids)
+
+
+def decoder_hidden_states(model: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    """Last hidden states of a causal LM's decoder: (B, L, H)."""
     return model.get_decoder()(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state
 
