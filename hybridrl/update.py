@@ -62,82 +62,80 @@ def clip_and_step(parameters: list[torch.nn.Parameter], optimizer: torch.optim.O
     return norm.item()
 
 
-def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Generator, step: int) -> dict[str, float]:
-    """Policy-gradient epochs over the rollout batch; returns averaged `actor/*` metrics."""
-    a, act = config.algorithm, config.actor
-    model, optimizer = parts.actor, parts.actor_optimizer
-    params = [p for p in model.parameters() if p.requires_grad]
-    sums: dict[str, float] = {}  # averaged over micro-batches
-    per_mini: dict[str, float] = {}  # summed within a mini-batch, averaged over mini-batches
+def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Generator, micro_loss,
+               params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, max_grad_norm: float,
+               loss_name: str) -> dict[str, float]:
+    """Shuffled mini-batches (one optimizer step each) over `ppo_epochs`, gradients accumulated over
+    micro-batches. `micro_loss(part, norm) -> (loss, stats)`; returns stats averaged over micro-batches,
+    and the loss and gradient norm summed within a mini-batch and averaged over mini-batches."""
+    act = config.actor
+    sums: dict[str, float] = {}
+    per_mini: dict[str, float] = {}
     count = num_minis = 0
-    mini_size = act.mini_batch_size or len(batch)
-    for micros in mini_batches(len(batch), mini_size, act.micro_batch_size, act.ppo_epochs, generator):
+    for micros in mini_batches(len(batch), act.mini_batch_size or len(batch), act.micro_batch_size,
+                               act.ppo_epochs, generator):
         mini = torch.cat(micros)
+        norm = mini_batch_normalizers(batch, mini)
         micros = distributed.shard_micro_batches(micros, batch.attention_mask.sum(1), parts.setup)
         micros = regroup_by_tokens(batch, micros, act.max_tokens_per_micro_batch)
         for micro in distributed.match_micro_batch_count(micros, parts.setup):
-            part = batch.select(micro)
-            norm = mini_batch_normalizers(batch, mini)
-            logp, entropy = response_logprobs(model, part.input_ids, part.attention_mask, part.position_ids,
-                                              part.response_length, config.rollout.temperature,
-                                              with_entropy=True)
-            mask = part.response_mask
-            loss, stats = algorithms.policy_loss(
-                logp, part.old_logp, part.advantages, mask, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
-                dual_clip=a.dual_clip, aggregation=a.loss_aggregation, **norm)
-            entropy_term = algorithms.aggregate_loss(entropy, mask, a.loss_aggregation, **norm)
-            loss = loss - a.entropy_coef * entropy_term
-            stats = {**stats, "entropy": algorithms.masked_mean(entropy.detach(), mask)}
-            if part.ref_logp is not None and not a.kl_in_reward:
-                kl = algorithms.kl_penalty(logp, part.ref_logp, a.kl_estimator)
-                kl_loss = algorithms.aggregate_loss(kl, mask, a.loss_aggregation, **norm)
-                loss = loss + a.kl_coef * kl_loss
-            if part.ref_logp is not None:
-                stats["kl"] = algorithms.masked_mean(algorithms.kl_penalty(logp.detach(), part.ref_logp, a.kl_estimator), mask)
-            check_finite(loss, "actor loss", step, "lower actor.lr, check rewards, or raise actor.max_grad_norm clipping.")
+            loss, stats = micro_loss(batch.select(micro), norm)
             loss.backward()
-            per_mini["policy_loss"] = per_mini.get("policy_loss", 0.0) + loss.item()
+            per_mini[loss_name] = per_mini.get(loss_name, 0.0) + loss.item()
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             count += 1
-        per_mini["grad_norm"] = per_mini.get("grad_norm", 0.0) + clip_and_step(params, optimizer, act.max_grad_norm)
+        per_mini["grad_norm"] = per_mini.get("grad_norm", 0.0) + clip_and_step(params, optimizer, max_grad_norm)
         num_minis += 1
+    return {**{key: value / count for key, value in sums.items()},
+            **{key: value / num_minis for key, value in per_mini.items()}}
+
+
+def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Generator, step: int) -> dict[str, float]:
+    """Policy-gradient epochs over the rollout batch; returns averaged `actor/*` metrics."""
+    a = config.algorithm
+
+    def micro_loss(part: RolloutBatch, norm: dict[str, float]) -> tuple[torch.Tensor, dict]:
+        logp, entropy = response_logprobs(parts.actor, part.input_ids, part.attention_mask, part.position_ids,
+                                          part.response_length, config.rollout.temperature, with_entropy=True)
+        mask = part.response_mask
+        loss, stats = algorithms.policy_loss(
+            logp, part.old_logp, part.advantages, mask, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
+            dual_clip=a.dual_clip, aggregation=a.loss_aggregation, **norm)
+        entropy_term = algorithms.aggregate_loss(entropy, mask, a.loss_aggregation, **norm)
+        loss = loss - a.entropy_coef * entropy_term
+        stats = {**stats, "entropy": algorithms.masked_mean(entropy.detach(), mask)}
+        if part.ref_logp is not None and not a.kl_in_reward:
+            kl = algorithms.kl_penalty(logp, part.ref_logp, a.kl_estimator)
+            loss = loss + a.kl_coef * algorithms.aggregate_loss(kl, mask, a.loss_aggregation, **norm)
+        if part.ref_logp is not None:
+            stats["kl"] = algorithms.masked_mean(algorithms.kl_penalty(logp.detach(), part.ref_logp, a.kl_estimator), mask)
+        check_finite(loss, "actor loss", step, "lower actor.lr, check rewards, or raise actor.max_grad_norm clipping.")
+        return loss, stats
+
+    params = [p for p in parts.actor.parameters() if p.requires_grad]
+    metrics = run_epochs(parts, config, batch, generator, micro_loss, params, parts.actor_optimizer,
+                         config.actor.max_grad_norm, "policy_loss")
     parts.actor_scheduler.step()
-    metrics = {f"actor/{key}": value / count for key, value in sums.items()}
-    metrics.update({f"actor/{key}": value / num_minis for key, value in per_mini.items()})
+    metrics = {f"actor/{key}": value for key, value in metrics.items()}
     metrics["actor/lr"] = parts.actor_scheduler.get_last_lr()[0]
     return distributed.reduce_metrics(metrics, parts.setup, sum_keys=["actor/policy_loss"])
 
 
 def update_critic(parts, config: Config, batch: RolloutBatch, generator: torch.Generator) -> dict[str, float]:
     """Clipped value regression towards the GAE returns, with the actor's batch shapes."""
-    a, act, c = config.algorithm, config.actor, config.critic
-    critic, optimizer = parts.critic, parts.critic_optimizer
-    params = [p for p in critic.parameters() if p.requires_grad]
-    sums: dict[str, float] = {}  # averaged over micro-batches
-    per_mini: dict[str, float] = {}  # summed within a mini-batch, averaged over mini-batches
-    count = num_minis = 0
-    mini_size = act.mini_batch_size or len(batch)
-    for micros in mini_batches(len(batch), mini_size, act.micro_batch_size, act.ppo_epochs, generator):
-        mini = torch.cat(micros)
-        micros = distributed.shard_micro_batches(micros, batch.attention_mask.sum(1), parts.setup)
-        micros = regroup_by_tokens(batch, micros, act.max_tokens_per_micro_batch)
-        for micro in distributed.match_micro_batch_count(micros, parts.setup):
-            part = batch.select(micro)
-            norm = mini_batch_normalizers(batch, mini)
-            values = critic(part.input_ids, part.attention_mask, part.position_ids)[:, -part.response_length - 1:-1]
-            loss, stats = algorithms.value_loss(values, part.old_values, part.returns, part.response_mask,
-                                                clip_range=a.value_clip, aggregation=a.loss_aggregation, **norm)
-            check_finite(loss, "critic loss", 0, "lower critic.lr or check rewards.")
-            loss.backward()
-            per_mini["value_loss"] = per_mini.get("value_loss", 0.0) + loss.item()
-            stats = {**stats, "values_mean": algorithms.masked_mean(values.detach(), part.response_mask)}
-            for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
-            count += 1
-        per_mini["grad_norm"] = per_mini.get("grad_norm", 0.0) + clip_and_step(params, optimizer, c.max_grad_norm)
-        num_minis += 1
+    a = config.algorithm
+
+    def micro_loss(part: RolloutBatch, norm: dict[str, float]) -> tuple[torch.Tensor, dict]:
+        values = parts.critic(part.input_ids, part.attention_mask, part.position_ids)[:, -part.response_length - 1:-1]
+        loss, stats = algorithms.value_loss(values, part.old_values, part.returns, part.response_mask,
+                                            clip_range=a.value_clip, aggregation=a.loss_aggregation, **norm)
+        check_finite(loss, "critic loss", 0, "lower critic.lr or check rewards.")
+        return loss, {**stats, "values_mean": algorithms.masked_mean(values.detach(), part.response_mask)}
+
+    params = [p for p in parts.critic.parameters() if p.requires_grad]
+    metrics = run_epochs(parts, config, batch, generator, micro_loss, params, parts.critic_optimizer,
+                         config.critic.max_grad_norm, "value_loss")
     parts.critic_scheduler.step()
-    metrics = {f"critic/{key}": value / count for key, value in sums.items()}
-    metrics.update({f"critic/{key}": value / num_minis for key, value in per_mini.items()})
+    metrics = {f"critic/{key}": value for key, value in metrics.items()}
     return distributed.reduce_metrics(metrics, parts.setup, sum_keys=["critic/value_loss"])
