@@ -41,12 +41,14 @@ class HFBackend:
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, offset: int) -> list[Generation]:
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        greedy = params.temperature == 0
+        # `generate` refuses num_return_sequences > 1 when greedy: repeat the prompts instead (same order)
+        rows = [prompt for prompt in prompts for _ in range(params.n if greedy else 1)]
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
-        for row, prompt in enumerate(prompts):
+        for row, prompt in enumerate(rows):
             input_ids[row, width - len(prompt):] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt):] = 1
-        greedy = params.temperature == 0
         stop_ids = sorted(self.eos_ids | set(params.stop_token_ids))
         was_training = self.model.training
         self.model.eval()
@@ -56,7 +58,7 @@ class HFBackend:
             top_p=None if greedy else params.top_p, top_k=None if greedy else (params.top_k or None),
             min_p=None if greedy or not params.min_p else params.min_p,
             max_new_tokens=params.max_new_tokens, min_new_tokens=params.max_new_tokens if params.ignore_eos else None,
-            num_return_sequences=params.n, eos_token_id=stop_ids, pad_token_id=self.pad_id,
+            num_return_sequences=1 if greedy else params.n, eos_token_id=stop_ids, pad_token_id=self.pad_id,
             stop_strings=params.stop_strings or None, tokenizer=self.tokenizer if params.stop_strings else None,
             return_dict_in_generate=True, output_logits=True, use_cache=True)
         self.model.train(was_training)
