@@ -110,8 +110,6 @@ class RLTrainer:
             batch = self.rollout(prompts)
         with timer("reward"):
             reward_metrics = self.score(batch, prompts)
-        self.logger.add_samples([prompts["raw_prompts"][i] for i in batch.prompt_index.tolist()], batch.texts,
-                                batch.scores.tolist())
         with timer("logprobs"):
             self.compute_logprobs(batch)
         with timer("advantages"):
@@ -148,8 +146,10 @@ class RLTrainer:
     def score(self, batch: RolloutBatch, prompts: dict[str, Any]) -> dict[str, float]:
         rows = batch.prompt_index.tolist()
         columns = {key: [values[i] for i in rows] for key, values in prompts["columns"].items()}
-        total, per_function = self.parts.rewards.score([prompts["raw_prompts"][i] for i in rows], batch.texts, columns)
+        prompt_texts = [prompts["raw_prompts"][i] for i in rows]
+        total, per_function = self.parts.rewards.score(prompt_texts, batch.texts, columns)
         batch.scores = total.to(self.device)
+        self.logger.add_samples(prompt_texts, batch.texts, total.tolist())
         metrics = {"reward/mean": total.mean(), "reward/std": total.std() if len(total) > 1 else 0.0}
         metrics.update({f"reward/{name}": sum(v) / len(v) for name, v in per_function.items()})
         return metrics
