@@ -211,7 +211,8 @@ class TrainerConfig:
     output_dir: str = "runs/default"
     """Where metrics, samples and models are written."""
     eval_every: int = 0
-    """Evaluate on the held-out set every N steps (and before the first and after the last); 0 disables."""
+    """Evaluate on the held-out set every N steps (and before the first and after the last); 0 disables.
+    Logs `eval/reward_mean`, `eval/reward/<fn>` and `eval/accuracy` (fraction of prompts whose total reward is > 0)."""
     save_model: bool = True
     """Save the final actor as a Hugging Face directory in `output_dir/model`."""
     save_every: int = 0
