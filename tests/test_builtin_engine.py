@@ -241,9 +241,9 @@ def test_supports_names_the_reason():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen2-lora"])
 def test_cuda_graphs_match_eager_and_hf(family):
-    model = make_model(family).cuda()
+    model = (make_lora_model("qwen2") if family == "qwen2-lora" else make_model(family)).cuda()
     prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(9)]
     greedy = SamplingParams(max_new_tokens=20, temperature=0, n=2)
     graphed_engine = BuiltinBackend(model, max_num_seqs=5, sync_every=3)  # compiled by default on CUDA
@@ -297,9 +297,9 @@ def test_compile_defaults_to_eager_on_cpu():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~2 min of C++ compilation)")
-@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2-lora"])
 def test_compiled_decode_equals_eager_on_cpu(family):
-    model = make_model(family)
+    model = make_lora_model("qwen2") if family == "qwen2-lora" else make_model(family)
     for params in (SamplingParams(max_new_tokens=12, temperature=0, n=2),
                    SamplingParams(max_new_tokens=12, temperature=0.8, n=3, seed=3)):
         eager = BuiltinBackend(model, compile=False).generate(PROMPTS, params)
@@ -310,3 +310,66 @@ def test_compiled_decode_equals_eager_on_cpu(family):
             assert [g.token_ids for g in compiled] == [g.token_ids for g in eager]
             for a, b in zip(compiled, eager):
                 assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def make_lora_model(family: str, target_modules="all-linear", **lora_kwargs):
+    """A tiny model with rank-4 LoRA on its linear layers and non-zero B, so the adapter matters."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(make_model(family), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=target_modules, task_type="CAUSAL_LM", **lora_kwargs))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_lora_greedy_matches_peft_generate_and_forward_logprobs(family):
+    model = make_lora_model(family)
+    assert BuiltinBackend.supports(model) == (True, "ok")
+    engine = BuiltinBackend(model)
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0))
+    for prompt, generation in zip(PROMPTS, outputs):
+        assert generation.token_ids == hf_greedy(model, prompt, 16)
+        reference = hf_logprobs(model, prompt, generation.token_ids)
+        torch.testing.assert_close(torch.tensor(generation.logprobs), reference, atol=1e-4, rtol=0)
+    with model.disable_adapter():  # the adapter really changes the policy, and switching it off is followed
+        base = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0))
+        assert [g.token_ids for g in base] == [hf_greedy(model, p, 16) for p in PROMPTS]
+    assert [g.token_ids for g in base] != [g.token_ids for g in outputs]
+
+
+def test_lora_engine_reads_adapter_in_place_and_handles_merged_and_subset_targets():
+    model = make_lora_model("qwen2", target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True)
+    engine = BuiltinBackend(model)
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    before = [g.token_ids for g in engine.generate(PROMPTS, params)]
+    assert before == [hf_greedy(model, p, 8) for p in PROMPTS]
+    with torch.no_grad():  # an optimizer step on the adapter only
+        for name, param in model.named_parameters():
+            if "lora_A" in name:
+                param.mul_(-2.0)
+    after = engine.generate(PROMPTS, params)
+    assert [g.token_ids for g in after] != before
+    assert [g.token_ids for g in after] == [hf_greedy(model, p, 8) for p in PROMPTS]
+    model.merge_adapter()  # merged: the base weights carry the adapter, which must not be added twice
+    merged = engine.generate(PROMPTS, params)
+    assert [g.token_ids for g in merged] == [g.token_ids for g in after]
+    for a, b in zip(merged, after):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_lora_supports_refuses_what_it_cannot_apply():
+    ok, reason = BuiltinBackend.supports(make_lora_model("llama", use_dora=True))
+    assert not ok and "DoRA" in reason
+    ok, reason = BuiltinBackend.supports(make_lora_model("llama", target_modules=["q_proj", "lm_head"]))
+    assert not ok and "lm_head" in reason
+    model = make_lora_model("llama")
+    model.add_adapter("second", type(model.peft_config["default"])(r=2, target_modules="all-linear"))
+    model.base_model.set_adapter(["default", "second"])
+    ok, reason = BuiltinBackend.supports(model)
+    assert not ok and "several" in reason
+    with pytest.raises(ValueError, match="rollout.backend=hf"):
+        BuiltinBackend(model)

@@ -47,6 +47,16 @@ CPU_MEMORY_REFERENCE_GIB = 4.0
 """On CPU a fractional `kv_cache_memory` is a fraction of this fixed size (free RAM is not a safe guide)."""
 
 
+def _weights_key(weights) -> tuple:
+    """Addresses of every referenced tensor and the LoRA scalings: equal keys mean a captured graph still applies."""
+    key = []
+    for layer in weights.layers:
+        for value in vars(layer).values():
+            for item in value if isinstance(value, tuple) else (value,):
+                key.append(item.data_ptr() if isinstance(item, torch.Tensor) else item)
+    return tuple(key) + (weights.embed.data_ptr(), weights.final_norm.data_ptr(), weights.lm_head.data_ptr())
+
+
 class _DecodeState:
     """Per-slot device tensors; a decode step reads and updates the first `batch` rows in place."""
 
@@ -117,6 +127,7 @@ class BuiltinBackend:
         self.kv_cache: torch.Tensor | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
+        self._weights_key: tuple = ()
         self.last_stats: dict[str, float] = {}
 
     supports = staticmethod(_supports)
@@ -126,6 +137,9 @@ class BuiltinBackend:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         self._validate(prompts, params)
         weights = resolve_weights(self.model)
+        key = _weights_key(weights)
+        if key != self._weights_key:  # modules replaced or LoRA switched on/off: kept graphs point at old tensors
+            self._graphs, self._graph_pool, self._weights_key = {}, None, key
         device, dtype = weights.lm_head.device, weights.lm_head.dtype
         max_len = -(-(max(map(len, prompts)) + params.max_new_tokens) // 16) * 16
         if weights.sliding_window is not None and max_len > weights.sliding_window:

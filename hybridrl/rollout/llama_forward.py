@@ -7,6 +7,15 @@ are plain functions of those references and a slot-based KV cache. Covered: Llam
 RoPE variants those configs use, taken from the model's own rotary module so they are not
 re-derived here.
 
+LoRA (peft): a projection wrapped by a peft `LoraLayer` is read as its base weight plus a reference
+`(A, B, scaling)` to the default adapter, and `_linear` computes `x W^T + scaling * (x A^T) B^T` the way
+peft's forward does (adapter dtype, then cast back), so the engine follows the trainer's adapter
+updates in place and never merges or copies. Dropout is the identity here (inference); a merged
+adapter is already in the base weight and a disabled one is skipped. One active adapter, plain LoRA
+(rslora's scaling is just a number) on the q/k/v/o/gate/up/down projections is supported; anything
+else (several adapters, DoRA and other variants, LoRA bias, adapters on embeddings / lm_head,
+modules_to_save) makes `supports` say no.
+
 KV cache layout: one tensor `(num_layers, 2, num_slots, num_kv_heads, max_len, head_dim)`, so a slot's
 keys for one layer are a contiguous `(num_kv_heads, max_len, head_dim)` block and moving a sequence
 between slots is one indexing op. Decode attention folds the query heads that share a KV head into
@@ -34,6 +43,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE types whose frequencies do not depend on the current sequence length (dynamic NTK and
 # longrope rescale as the sequence grows, which a precomputed table cannot reproduce).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+Lora = tuple[torch.Tensor, torch.Tensor, float]
 
 
 @dataclass
@@ -55,6 +67,14 @@ class LayerWeights:
     gate_weight: torch.Tensor
     up_weight: torch.Tensor
     down_weight: torch.Tensor
+    # LoRA adapter of each projection, (A (r, in), B (out, r), scaling), or None without an active adapter.
+    q_lora: Lora | None = None
+    k_lora: Lora | None = None
+    v_lora: Lora | None = None
+    o_lora: Lora | None = None
+    gate_lora: Lora | None = None
+    up_lora: Lora | None = None
+    down_lora: Lora | None = None
 
 
 @dataclass
@@ -86,10 +106,56 @@ def _sliding_window(config) -> int | None:
     return None
 
 
+def unwrap(model):
+    """The *ForCausalLM inside a peft model (whose own `.model` is the tuner, not the decoder stack)."""
+    return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+
+
+def _lora(module) -> Lora | None:
+    """The active default adapter of a peft LoRA layer as (A, B, scaling); None for a plain Linear or
+    when the adapter is disabled or merged into the base weight (then the base weight alone is right)."""
+    if not hasattr(module, "base_layer") or module.disable_adapters or module.merged:
+        return None
+    active = [n for n in module.active_adapters if n in module.lora_A]  # supports() checked: at most one
+    if not active:
+        return None
+    return module.lora_A[active[0]].weight, module.lora_B[active[0]].weight, float(module.scaling[active[0]])
+
+
+def _peft_problem(model, inner) -> str | None:
+    """Why the peft adapters of `model` (unwrapped) cannot be applied by the engine, or None."""
+    projections = {layer.get_submodule(path) for layer in inner.layers for path in PROJECTIONS.values()}
+    for name, module in model.named_modules():
+        tuner = hasattr(module, "base_layer") or hasattr(module, "modules_to_save")
+        if not tuner or (module in projections and hasattr(module, "lora_A")):
+            continue
+        if module not in projections or hasattr(module, "modules_to_save"):
+            return (f"peft wraps {name} ({type(module).__name__}); "
+                    "only LoRA on the q/k/v/o/gate/up/down projections is applied")
+        return f"peft layer {name} is {type(module).__name__}, not LoRA"
+    for module in projections:
+        if not hasattr(module, "lora_A") or (module.disable_adapters and not module.merged):
+            continue
+        if module.disable_adapters:
+            return "a LoRA adapter is merged into the weights while adapters are disabled"
+        active = [n for n in module.active_adapters if n in module.lora_A]
+        if len(active) > 1:
+            return f"several LoRA adapters are active ({active}); the engine applies one"
+        if active and active[0] in getattr(module, "lora_variant", {}):
+            return f"LoRA variant {type(module.lora_variant[active[0]]).__name__} (e.g. DoRA) is not supported"
+        if active and module.lora_B[active[0]].bias is not None:
+            return "LoRA with lora_bias is not supported"
+    return None
+
+
 def supports(model) -> tuple[bool, str]:
     """Whether the built-in engine can run `model`; the reason is one line for the trainer's log."""
-    if hasattr(model, "peft_config") or type(model).__name__.startswith("Peft"):
-        return False, "model is wrapped by peft (LoRA adapters); the built-in engine does not apply adapters yet"
+    peft_wrapped = hasattr(model, "peft_config")
+    if peft_wrapped:
+        types = {str(getattr(c, "peft_type", "")) for c in model.peft_config.values()}
+        if not all("LORA" in t for t in types):
+            return False, f"peft adapters of type {sorted(types)} are not LoRA; the engine applies LoRA only"
+        model = unwrap(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -104,6 +170,9 @@ def supports(model) -> tuple[bool, str]:
         return False, f"hidden_act {config.hidden_act!r} is not silu"
     if not hasattr(inner, "rotary_emb"):
         return False, "model has no shared rotary embedding module (model.model.rotary_emb)"
+    problem = _peft_problem(model, inner) if peft_wrapped else None
+    if problem is not None:
+        return False, problem
     weight = model.lm_head.weight
     if not weight.is_floating_point() or weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return False, f"weights of dtype {weight.dtype} (quantized?) are not supported"
@@ -119,6 +188,7 @@ def resolve_weights(model) -> ModelWeights:
     ok, reason = supports(model)
     if not ok:
         raise ValueError(f"the built-in rollout engine cannot run this model: {reason}; use rollout.backend=hf.")
+    model = unwrap(model)
     config, inner = model.config, model.model
     layers = []
     for layer in inner.layers:
@@ -134,6 +204,7 @@ def resolve_weights(model) -> ModelWeights:
             k_norm=k_norm.weight if k_norm is not None else None,
             post_norm=layer.post_attention_layernorm.weight,
             gate_weight=mlp.gate_proj.weight, up_weight=mlp.up_proj.weight, down_weight=mlp.down_proj.weight,
+            **{f"{short}_lora": _lora(layer.get_submodule(path)) for short, path in PROJECTIONS.items()},
         ))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return ModelWeights(
@@ -147,7 +218,7 @@ def resolve_weights(model) -> ModelWeights:
 def rope_table(model, max_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin (see `signed_sin`), each (max_len, head_dim), from the model's own rotary
     module (so every RoPE variant and its attention scaling come from transformers itself)."""
-    rotary = model.model.rotary_emb
+    rotary = unwrap(model).model.rotary_emb
     positions = torch.arange(max_len, device=device)[None]
     probe = torch.empty(0, device=device, dtype=dtype)
     cos, sin = rotary(probe, positions)
@@ -170,12 +241,22 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) ->
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+            lora: Lora | None = None) -> torch.Tensor:
+    """F.linear, plus the LoRA update in peft's order and dtypes when the projection has an adapter."""
+    out = F.linear(x, weight, bias)
+    if lora is None:
+        return out
+    a, b, scale = lora
+    return (out + F.linear(F.linear(x.to(a.dtype), a), b) * scale).to(out.dtype)
+
+
 def _qkv(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos, sin):
     """Projections + q/k norm + RoPE. h: (..., hidden) -> q (..., H, D), k/v (..., Hkv, D)."""
     shape = h.shape[:-1]
-    q = F.linear(h, lw.q_weight, lw.q_bias).view(*shape, w.num_heads, w.head_dim)
-    k = F.linear(h, lw.k_weight, lw.k_bias).view(*shape, w.num_kv_heads, w.head_dim)
-    v = F.linear(h, lw.v_weight, lw.v_bias).view(*shape, w.num_kv_heads, w.head_dim)
+    q = _linear(h, lw.q_weight, lw.q_bias, lw.q_lora).view(*shape, w.num_heads, w.head_dim)
+    k = _linear(h, lw.k_weight, lw.k_bias, lw.k_lora).view(*shape, w.num_kv_heads, w.head_dim)
+    v = _linear(h, lw.v_weight, lw.v_bias, lw.v_lora).view(*shape, w.num_kv_heads, w.head_dim)
     if lw.q_norm is not None:
         q = rms_norm(q, lw.q_norm, w.rms_eps)
         k = rms_norm(k, lw.k_norm, w.rms_eps)
@@ -185,7 +266,8 @@ def _qkv(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos, sin):
 
 def _mlp(lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
     # supports() admits only silu MLPs, so F.silu is the model's own act_fn (and compiles without a guard on it).
-    return F.linear(F.silu(F.linear(h, lw.gate_weight)) * F.linear(h, lw.up_weight), lw.down_weight)
+    gate, up = _linear(h, lw.gate_weight, lora=lw.gate_lora), _linear(h, lw.up_weight, lora=lw.up_lora)
+    return _linear(F.silu(gate) * up, lw.down_weight, lora=lw.down_lora)
 
 
 def prefill(
@@ -221,7 +303,7 @@ def prefill(
             q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), is_causal=True
         )
         attn = attn.transpose(1, 2).reshape(num_prompts, length, w.num_heads * w.head_dim)
-        h = residual + F.linear(attn, lw.o_weight, lw.o_bias)
+        h = residual + _linear(attn, lw.o_weight, lw.o_bias, lw.o_lora)
         h = h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
     last = h[torch.arange(num_prompts, device=h.device), lengths - 1]  # (P, hidden)
     return F.linear(rms_norm(last, w.final_norm, w.rms_eps), w.lm_head).float()
@@ -237,7 +319,7 @@ def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos: to
 
 def attention_output_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Decode: o projection + residual, post-attention RMSNorm, MLP + residual. attn (B, Hkv, group, D)."""
-    h = h + F.linear(attn.reshape(h.shape[0], -1), lw.o_weight, lw.o_bias)
+    h = h + _linear(attn.reshape(h.shape[0], -1), lw.o_weight, lw.o_bias, lw.o_lora)
     return h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
 
 
