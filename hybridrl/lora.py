@@ -6,10 +6,10 @@ Choices:
   `disable_adapter()`, which is exactly the frozen base, at the cost of no memory.
 - LoRA dropout defaults to 0: PPO's ratio compares two evaluations of one function, and dropout would
   make them differ even before any update.
-- Rollout: the `hf` backend runs a peft model as it is. The built-in engine reads plain weight tensors
-  and refuses peft models for now (`rollout/llama_forward.supports`), so `auto` falls back to `hf`;
-  the engine should apply the adapters (x W^T + s x A^T B^T) or merge them into a bf16 copy of the
-  touched weights for the rollout phase (merging in place and unmerging would round the base weights).
+- Rollout: the `hf` backend runs a peft model as it is. The built-in engine applies the default
+  adapter in place (x W^T + s (x A^T) B^T, no merge, so the base weights are never rounded); it is
+  tested against peft on CPU but not yet on a GPU, so `rollout.backend=auto` keeps LoRA runs on `hf`
+  and `rollout.backend=builtin` opts in.
 """
 
 from __future__ import annotations
