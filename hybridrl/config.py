@@ -348,6 +348,8 @@ def build_config(raw: dict[str, Any]) -> Config:
         raw["algorithm"] = {"name": raw["algorithm"]}
     if "device_mesh" in raw:  # Python API: device_mesh={...} means trainer.device_mesh
         raw["trainer"] = {**raw.get("trainer", {}), "device_mesh": raw.pop("device_mesh")}
+    if "use_gradient_checkpointing" in raw:  # Python API spelling of model.gradient_checkpointing
+        raw["model"] = {**raw.get("model", {}), "gradient_checkpointing": raw.pop("use_gradient_checkpointing")}
     config = _build_dataclass(Config, raw, prefix="")
     validate(config)
     return config

@@ -17,6 +17,12 @@ def test_defaults_and_overrides_and_kwargs(tmp_path):
     assert config.reward.functions[0].fn == "exact_match" and config.reward.functions[0].weight == 2.0
 
 
+def test_python_api_shorthands():
+    config = load_config(None, algorithm="rloo", use_gradient_checkpointing=True, device_mesh={"actor": [0]})
+    assert config.algorithm.name == "rloo" and config.model.gradient_checkpointing
+    assert config.trainer.device_mesh == {"actor": [0]}
+
+
 def test_int_and_yaml11_exponent_are_accepted_for_float():
     assert load_config(None, ["actor.lr=1"]).actor.lr == 1.0
     assert load_config(None, ["actor.lr=2e-4"]).actor.lr == 2e-4
