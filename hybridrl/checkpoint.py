@@ -19,9 +19,13 @@ Choices:
 - Nothing is unpickled: tensors are read with safetensors, everything else is JSON. RNG states and
   optimizer states are stored as tensors plus plain numbers.
 - DCP (`torch.distributed.checkpoint`) writes and reads the model and optimizer tensors, so the
-  same code path serves sharded (DTensor/FSDP) state; with one process it runs without a process
-  group. Multi-rank saving (rank-0 metadata, barriers, `save_distributed`) is left to the
-  multi-GPU work; everything here is written by the single process.
+  same code path serves every setup; with one process it runs without a process group.
+- Several processes (FSDP2): the shards are gathered into full tensors on rank 0's CPU
+  (`StateDictOptions(full_state_dict=True, cpu_offload=True)`), rank 0 writes them as one process
+  would, and on resume rank 0 reads them and `set_state_dict` broadcasts them back into shards. So a
+  checkpoint does not depend on the number of processes (saved on 2 GPUs, resumed on 1 or 4). Each
+  rank writes its own RNG state (`rng_rank<r>.safetensors`). The cost: rank 0's CPU must hold the
+  whole model and optimizer state while saving (about 16 bytes per parameter with AdamW).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 STEP_PREFIX = "step_"
@@ -67,62 +72,115 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{second name: first name} of parameters registered twice (tied embeddings)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            aliases[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
+    return aliases
+
+
+def _state_options(parts: Any, **extra: Any):
+    """Full tensors on rank 0's CPU when the models are sharded over processes, else the live tensors."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if parts.setup.is_distributed:
+        return StateDictOptions(full_state_dict=True, cpu_offload=True, **extra)
+    return None
+
+
+def _roles(parts: Any):
+    return [(role, model, optimizer) for role, model, optimizer in (
+        ("actor", parts.actor, parts.actor_optimizer), ("critic", parts.critic, parts.critic_optimizer))
+        if model is not None]
+
+
 def tensor_state(parts: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(flat tensors for DCP, plain optimizer hyper-parameters) of actor, critic and their optimizers.
 
-    The tensors are the live ones (or, for a fresh optimizer, its just-initialised state), so
-    `dcp.load` into them restores in place.
+    With one process the tensors are the live ones (or, for a fresh optimizer, its just-initialised
+    state), so `dcp.load` into them restores in place. With several, every rank must call this (the
+    shards are gathered); rank 0 gets full CPU copies and the other ranks get nothing.
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     tensors, plain = {}, {}
-    for role, model, optimizer in (("actor", parts.actor, parts.actor_optimizer),
-                                   ("critic", parts.critic, parts.critic_optimizer)):
-        if model is None:
-            continue
-        _, optim_state = get_state_dict(model, optimizer)
-        tensors.update({f"{role}.{name}": tensor for name, tensor in model_state(model).items()})
-        for name, slots in optim_state["state"].items():
+    for role, model, optimizer in _roles(parts):
+        options = _state_options(parts)
+        model_sd, optim_state = get_state_dict(model, optimizer, options=options)
+        if options is None:
+            model_sd = model_state(model)
+        aliases = tied_aliases(model)
+        tensors.update({f"{role}.{name}": tensor for name, tensor in model_sd.items() if name not in aliases})
+        for name, slots in optim_state.get("state", {}).items():
             tensors.update({f"{role}_optim.{name}.{slot}": value for slot, value in slots.items()})
-        plain[role] = optim_state["param_groups"]
+        plain[role] = optim_state.get("param_groups", [])
     return tensors, plain
 
 
 def load_tensor_state(parts: Any, tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
+    """One process: `tensors` are the live ones, filled by `dcp_load`; put the optimizer slots back."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    for role, model, optimizer in (("actor", parts.actor, parts.actor_optimizer),
-                                   ("critic", parts.critic, parts.critic_optimizer)):
-        if model is None:
-            continue
+    for role, model, optimizer in _roles(parts):
         model_full, optim_state = get_state_dict(model, optimizer)
         for name, slots in optim_state["state"].items():
             for slot in slots:
                 slots[slot] = tensors[f"{role}_optim.{name}.{slot}"]
-        groups = [{**group, **({"betas": tuple(group["betas"])} if "betas" in group else {})} for group in plain[role]]
-        optim_state["param_groups"] = groups
+        optim_state["param_groups"] = _param_groups(plain[role])
         set_state_dict(model, optimizer, model_state_dict=model_full, optim_state_dict=optim_state)
 
 
+def load_full_state(parts: Any, directory: Path, plain: dict[str, Any]) -> None:
+    """Several processes: every rank reads the full tensors from the files and keeps its own shard.
+
+    Every rank holds the same full dicts, so the collectives inside `set_state_dict` match on every
+    rank (rank 0 reading and broadcasting hung with torch 2.13 when the other ranks passed empty dicts)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    full: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        full.update(load_file(path))
+    for role, model, optimizer in _roles(parts):
+        aliases = tied_aliases(model)
+        model_sd = {name: full[f"{role}.{aliases.get(name, name)}"] for name in model.state_dict()}
+        slots: dict[str, dict[str, torch.Tensor]] = {}
+        for name, _ in model.named_parameters():
+            prefix = f"{role}_optim.{name}."
+            found = {key[len(prefix):]: value for key, value in full.items()
+                     if key.startswith(prefix) and "." not in key[len(prefix):]}
+            if found:
+                slots[name] = found
+        optim_sd = {"state": slots, "param_groups": _param_groups(plain[role])}
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=StateDictOptions(full_state_dict=True))
+
+
+def _param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """JSON turned the betas tuple into a list; the optimizers want it back."""
+    return [{**group, **({"betas": tuple(group["betas"])} if "betas" in group else {})} for group in groups]
+
+
 def dcp_save(tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    import torch.distributed as dist
+    """Write `tensors` (full tensors, from this process alone) as safetensors under `directory`."""
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(directory)),
-                 no_dist=not (dist.is_available() and dist.is_initialized()))
+        dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(directory)), no_dist=True)
 
 
 def dcp_load(tensors: dict[str, torch.Tensor], directory: Path) -> None:
     """Fill `tensors` in place from `directory` (keys absent from `tensors` are not read)."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(directory)),
-                 no_dist=not (dist.is_available() and dist.is_initialized()))
+        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(directory)), no_dist=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,18 +213,41 @@ def set_rng_state(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> No
 
 
 def save_checkpoint(trainer: Any, root: str | Path, keep_last_n: int = 0) -> Path:
-    """Write the trainer's complete state for its current step under `root`; returns the checkpoint dir."""
+    """Write the trainer's complete state for its current step under `root`; returns the checkpoint dir.
+    With several processes every rank must call it: rank 0 writes, the others add their RNG state."""
+    from hybridrl import distributed
+
+    setup = trainer.parts.setup
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     name = f"{STEP_PREFIX}{trainer.step_count:06d}"
-    temporary = root / f".tmp-{name}-{os.getpid()}"
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir()
-    parts = trainer.parts
-    tensors, optimizer_groups = tensor_state(parts)
-    dcp_save(tensors, temporary / "state")
+    temporary = root / f".tmp-{name}-{distributed.broadcast_object(os.getpid(), setup)}"
+    if setup.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir()
+    tensors, optimizer_groups = tensor_state(trainer.parts)  # collective when sharded
+    distributed.barrier(setup)  # the directory exists for every rank
     rng_tensors, rng_plain = rng_state()
-    save_file({k: v.contiguous() for k, v in rng_tensors.items()}, temporary / "rng.safetensors")
+    save_file({k: v.contiguous() for k, v in rng_tensors.items()}, temporary / rng_file(setup.rank),
+              metadata={"plain": json.dumps(rng_plain)})
+    if setup.is_main:
+        dcp_save(tensors, temporary / "state")
+        _write_trainer_files(trainer, temporary, optimizer_groups, rng_plain)
+    distributed.barrier(setup)  # every rank's RNG file is written before the marker lists them
+    if setup.is_main:
+        write_marker(temporary, trainer.step_count)
+        _publish(root, temporary, name, keep_last_n)
+    distributed.barrier(setup)  # nobody moves on (or resumes) before the checkpoint is in place
+    return root / name
+
+
+def rng_file(rank: int) -> str:
+    return "rng.safetensors" if rank == 0 else f"rng_rank{rank}.safetensors"
+
+
+def _write_trainer_files(trainer: Any, directory: Path, optimizer_groups: dict[str, Any],
+                         rng_plain: dict[str, Any]) -> None:
+    parts = trainer.parts
     actor = parts.actor
     state = {
         "format_version": FORMAT_VERSION, "step": trainer.step_count, "sampler": trainer.sampler.state_dict(),
@@ -174,11 +255,14 @@ def save_checkpoint(trainer: Any, root: str | Path, keep_last_n: int = 0) -> Pat
                                                              ("critic", parts.critic_scheduler)) if s is not None},
         "optimizer_groups": optimizer_groups, "rng": rng_plain, "history": trainer.logger.history,
         "actor_dtype": str(next(actor.parameters()).dtype).removeprefix("torch."),
-        "peft": peft_info(actor), "config": trainer.config.to_dict(),
+        "peft": peft_info(actor), "config": trainer.config.to_dict(), "world_size": parts.setup.world_size,
     }
-    (temporary / "trainer.json").write_text(json.dumps(state, indent=1))
-    save_hf_metadata(actor, parts.tokenizer, temporary / "hf")
-    write_marker(temporary, trainer.step_count)
+    (directory / "trainer.json").write_text(json.dumps(state, indent=1))
+    save_hf_metadata(actor, parts.tokenizer, directory / "hf")
+
+
+def _publish(root: Path, temporary: Path, name: str, keep_last_n: int) -> None:
+    """Rename the finished `temporary` into place, point `latest` at it and prune old checkpoints."""
     final = root / name
     if final.exists():  # re-saving a step after resuming from an earlier one: replace only now
         trash = root / f".old-{name}-{os.getpid()}"
@@ -190,7 +274,6 @@ def save_checkpoint(trainer: Any, root: str | Path, keep_last_n: int = 0) -> Pat
     fsync_directory(root)
     write_latest(root, name)
     prune(root, keep_last_n)
-    return final
 
 
 def peft_info(model: torch.nn.Module) -> dict[str, Any] | None:
@@ -349,16 +432,23 @@ def load_checkpoint(trainer: Any, directory: str | Path) -> float:
             raise CheckpointError(f"checkpoint {directory} was saved {'with' if not present else 'without'} a "
                                   f"{role} but this run has {'one' if present else 'none'}; resume with the same "
                                   "algorithm.name.")
-    tensors, _ = tensor_state(parts)
-    dcp_load(tensors, directory / "state")
-    load_tensor_state(parts, tensors, state["optimizer_groups"])
+    if parts.setup.is_distributed:
+        load_full_state(parts, directory / "state", state["optimizer_groups"])
+    else:
+        tensors, _ = tensor_state(parts)
+        dcp_load(tensors, directory / "state")
+        load_tensor_state(parts, tensors, state["optimizer_groups"])
     for role, scheduler in (("actor", parts.actor_scheduler), ("critic", parts.critic_scheduler)):
         if scheduler is not None and role in state["schedulers"]:
             scheduler.load_state_dict(state["schedulers"][role])
     trainer.sampler.load_state_dict(state["sampler"])
     trainer.step_count = state["step"]
     trainer.logger.rewind(state["step"], state["history"])
-    set_rng_state(load_file(directory / "rng.safetensors"), state["rng"])
+    rng_path = directory / rng_file(parts.setup.rank)
+    if rng_path.is_file():  # a rank the saving run did not have keeps its fresh seed
+        with safe_open(rng_path, "pt") as file:
+            plain = json.loads((file.metadata() or {}).get("plain", "null")) or state["rng"]
+        set_rng_state(load_file(rng_path), plain)
     return time.perf_counter() - start
 
 
@@ -404,14 +494,27 @@ def stop_on_signals(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) 
 
 def resume_from_config(trainer: Any) -> Path | None:
     """Apply `trainer.resume` (auto|off|PATH): restore the newest usable checkpoint, report the time."""
+    from hybridrl import distributed
+
     setting = trainer.config.trainer.resume
     root = Path(trainer.config.trainer.output_dir) / "checkpoints"
-    directory = resolve_resume(setting, root)
+    setup = trainer.parts.setup
+    choice: Any = None
+    if setup.is_main:  # rank 0 decides, so every rank loads the same checkpoint (or fails the same way)
+        try:
+            choice = resolve_resume(setting, root)
+        except CheckpointError as error:
+            choice = error
+    choice = distributed.broadcast_object(choice, setup)
+    if isinstance(choice, CheckpointError):
+        raise choice
+    directory = choice
     if directory is None:
         if trainer.step_count == 0:
             trainer.logger.rewind(0, [])  # a fresh run: metrics files describe this run only
         return None
     seconds = load_checkpoint(trainer, directory)
-    print(f"resumed from {directory} at step {trainer.step_count} in {seconds:.2f} s", flush=True)
+    if setup.is_main:
+        print(f"resumed from {directory} at step {trainer.step_count} in {seconds:.2f} s", flush=True)
     trainer.logger.add_once({"perf/resume_s": seconds})
     return directory

@@ -385,6 +385,12 @@ def reduce_metrics(metrics: dict[str, Any], setup: DistributedSetup, sum_keys: S
     return {key: value if key in sum_keys else value / setup.world_size for key, value in zip(keys, values.tolist())}
 
 
+def barrier(setup: DistributedSetup) -> None:
+    """Wait for every rank; nothing with one process."""
+    if setup.is_distributed:
+        dist.barrier()
+
+
 def broadcast_object(value: Any, setup: DistributedSetup, source: int = 0) -> Any:
     """`value` from rank `source` on every rank (e.g. a decision only rank 0 can make)."""
     if not setup.is_distributed:

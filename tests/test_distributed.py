@@ -239,3 +239,58 @@ def test_cli_trains_with_two_processes(tmp_path):
     assert [row["step"] for row in rows] == [1, 2]  # rank 0 alone writes metrics
     assert all(row["actor/grad_norm"] > 0 and "perf/weight_sync_s" in row for row in rows)
     assert (out / "model" / "model.safetensors").is_file()
+
+
+def _cli_overrides(tmp_path, out, steps: int, num_gpus: int) -> list[str]:
+    import json
+
+    from conftest import toy_prompts
+
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in toy_prompts()))
+    (tmp_path / "rewards.py").write_text(REWARD_FILE)
+    return [f"data.train_path={tmp_path / 'prompts.jsonl'}", "data.max_prompt_length=16",
+            f"reward.functions=[{{fn: '{tmp_path / 'rewards.py'}:contains_seven'}}]", "model.path=tiny:llama",
+            "rollout.max_new_tokens=4", "rollout.num_samples_per_prompt=4", "trainer.prompts_per_step=8",
+            "actor.micro_batch_size=8", "actor.lr=1e-3", f"trainer.total_steps={steps}", "trainer.device=cpu",
+            f"trainer.num_gpus={num_gpus}", f"trainer.output_dir={out}", "logging.sinks=[jsonl]",
+            "trainer.save_every=1", "trainer.save_model=false"]
+
+
+def _train(tmp_path, overrides: list[str]) -> None:
+    import subprocess
+    import sys
+
+    config = tmp_path / "config.yaml"
+    config.write_text("{}\n")
+    result = subprocess.run([sys.executable, "-m", "hybridrl.cli", "train", str(config), *overrides],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.skipif(not _wired(), reason="trainer.num_gpus is not wired into config/components/trainer yet")
+def test_two_process_checkpoint_resumes_exactly_and_on_one_process(tmp_path):
+    """Saved by 2 ranks (rank 0 gathers the FSDP shards), resumed by 2 ranks: the same step-3 metrics as
+    a run that never stopped; resumed by 1 process: it loads and trains on (the checkpoint is unsharded)."""
+    import json
+    import shutil
+
+    from hybridrl.checkpoint import check_checkpoint
+
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    _train(tmp_path, _cli_overrides(tmp_path, straight, 3, 2))
+    _train(tmp_path, _cli_overrides(tmp_path, stopped, 2, 2))
+    step2 = stopped / "checkpoints" / "step_000002"
+    assert check_checkpoint(step2) is None
+    assert (step2 / "rng.safetensors").is_file() and (step2 / "rng_rank1.safetensors").is_file()
+    shutil.copytree(stopped, tmp_path / "one")  # the same checkpoint, to resume on one process below
+    _train(tmp_path, _cli_overrides(tmp_path, stopped, 3, 2))
+
+    def rows(out):
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    resumed, reference = rows(stopped), rows(straight)
+    assert [row["step"] for row in resumed] == [1, 2, 3]
+    for key in ("actor/policy_loss", "actor/grad_norm", "actor/entropy", "reward/mean"):
+        assert resumed[2][key] == reference[2][key], key
+    _train(tmp_path, _cli_overrides(tmp_path, tmp_path / "one", 3, 1))
+    assert [row["step"] for row in rows(tmp_path / "one")] == [1, 2, 3]
