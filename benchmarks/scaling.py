@@ -228,7 +228,10 @@ def compare(args) -> None:
                 command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
                            __file__, *passthrough, "--shape", shape, "--out", out.name]
                 print(f"== {shape} on {gpus} process(es): {' '.join(command)}", flush=True)
-                subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                finished = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                if finished.returncode != 0:  # keep going: the other configurations still get measured
+                    print(f"== {shape} on {gpus} process(es) FAILED (exit {finished.returncode})", flush=True)
+                    continue
                 results.append(json.load(open(out.name)))
     print()
     print_table(results)

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The 2-GPU checks of issue 5 in one go (nvidia-h200-x2): the trainer itself on 2 GPUs with sharded
+# checkpoints (save on 2, resume on 2, resume on 1), a split placement (actor on GPU 0, a reward model
+# on GPU 1) with per-GPU memory/utilisation sampled by nvidia-smi, then benchmarks/scaling.py --compare.
+#   OUT=/tmp/out bash benchmarks/two_gpu_runs.sh [shapes]
+set -u -o pipefail
+OUT=${OUT:-/tmp/hybridrl-two-gpu}; mkdir -p "$OUT"
+SHAPES=${1:-grpo-0.5b,qwen2.5-1.5b}
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+WORK=$(mktemp -d)
+run() { echo "== $*"; "$@"; echo "== exit $?"; }
+
+python3 -m hybridrl.cli make-data "$WORK/data" >/dev/null
+python3 - "$WORK" <<'PY'
+import sys
+from transformers import AutoModelForSequenceClassification, Qwen2Config
+from hybridrl.models import build_tiny_model
+work = sys.argv[1]
+tiny = build_tiny_model("qwen2", seed=0)
+config = Qwen2Config(vocab_size=tiny.model.config.vocab_size, hidden_size=128, intermediate_size=256,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_labels=1,
+                     pad_token_id=tiny.tokenizer.pad_token_id)
+AutoModelForSequenceClassification.from_config(config).save_pretrained(f"{work}/reward_model")
+tiny.tokenizer.save_pretrained(f"{work}/reward_model")
+print("tiny reward model written")
+PY
+DEVICE=${DEVICE:-cuda}
+COMMON=(model.path=tiny:qwen2 trainer.device=$DEVICE "data.train_path=$WORK/data/train.jsonl"
+        "data.eval_path=$WORK/data/eval.jsonl" trainer.eval_every=0 logging.sinks=[jsonl] trainer.save_model=false)
+nvidia-smi --query-gpu=timestamp,index,memory.used,utilization.gpu --format=csv -lms 250 > "$OUT/nvidia_smi.csv" &
+SMI=$!
+T=$WORK/run2
+run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=2 \
+    trainer.total_steps=4 trainer.save_every=2 "trainer.output_dir=$T"
+ls "$T/checkpoints" "$T/checkpoints/step_000004"
+cp -r "$T" "$WORK/run1"
+run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=2 \
+    trainer.total_steps=6 trainer.save_every=2 "trainer.output_dir=$T"
+run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=1 \
+    trainer.total_steps=6 trainer.save_every=2 "trainer.output_dir=$WORK/run1"
+python3 -c "import json,sys; [print(r['step'], round(r['timing/step_s'],3), r.get('perf/weight_sync_s')) for r in map(json.loads, open(sys.argv[1]))]" "$T/metrics.jsonl"
+echo "split-start $(date +%T.%N)"
+run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=1 \
+    "trainer.device_mesh={actor: [0], reward: [1]}" "reward.reward_model=$WORK/reward_model" \
+    trainer.total_steps=5 "trainer.output_dir=$WORK/split"
+echo "split-end $(date +%T.%N)"
+tail -1 "$WORK/split/metrics.jsonl" | tr ',' '\n' | grep -E "reward|step_s|peak"
+kill $SMI
+run timeout 420 python3 benchmarks/scaling.py --compare --shapes "$SHAPES" --steps 2
