@@ -54,6 +54,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward per rank")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--no-grad-ckpt", action="store_true")
+    parser.add_argument("--reshard-every-micro-batch", action="store_true",
+                        help="FSDP2's default: gather weights and reduce-scatter gradients in every micro-batch")
     parser.add_argument("--kv-cache-memory", type=float, default=0.3)
     parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
     parser.add_argument("--peak-tflops", type=float, default=785.0)
@@ -119,7 +121,8 @@ def grpo_step(model, optimizer, prompts, args, setup, timings: dict[str, float])
     start = time.perf_counter()
     num_tokens = batch.attention_mask.sum(1)
     rows = distributed.shard_rows(torch.arange(len(batch), device=device), num_tokens, setup)
-    with torch.no_grad():
+    gather_once = not args.reshard_every_micro_batch
+    with torch.no_grad(), distributed.gathered_for_micro_batches(model, gather_once):
         old = [response_logprobs(model, *_inputs(batch, part), batch.response_length)[0]
                for part in rows.split(args.micro_batch)]
     batch.old_logp = distributed.gather_rows(torch.cat(old), rows, len(batch), setup)
@@ -131,11 +134,14 @@ def grpo_step(model, optimizer, prompts, args, setup, timings: dict[str, float])
     batch.advantages, _ = algorithms.grpo_advantages(scores, batch.response_mask, args.n)
     norm = {"num_tokens": batch.response_mask.sum().item(), "num_sequences": len(batch),
             "max_length": batch.response_length}
-    for part in rows.split(args.micro_batch):
-        logp, _ = response_logprobs(model, *_inputs(batch, part), batch.response_length)
-        loss, _ = algorithms.policy_loss(logp, batch.old_logp[part], batch.advantages[part], batch.response_mask[part],
-                                         clip_low=0.2, clip_high=0.2, **norm)
-        loss.backward()
+    parts = rows.split(args.micro_batch)
+    with distributed.gathered_for_micro_batches(model, gather_once):
+        for index, part in enumerate(parts):
+            distributed.sync_gradients(model, index == len(parts) - 1, gather_once)
+            logp, _ = response_logprobs(model, *_inputs(batch, part), batch.response_length)
+            loss, _ = algorithms.policy_loss(logp, batch.old_logp[part], batch.advantages[part],
+                                             batch.response_mask[part], clip_low=0.2, clip_high=0.2, **norm)
+            loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -190,7 +196,8 @@ def run_one(args) -> dict | None:
     peak = torch.cuda.max_memory_allocated(setup.device) / 2**30 if setup.device.type == "cuda" else 0.0
     slowest = distributed.reduce_metrics({**mean, "peak_gib": peak}, setup)  # mean over ranks
     peak_max = distributed.all_reduce(torch.tensor([peak], device=setup.device), setup, op="max").item()
-    result = {"shape": args.shape, "gpus": setup.world_size, **slowest, "peak_gib_max": peak_max,
+    result = {"shape": args.shape + ("/reshard" if args.reshard_every_micro_batch else ""), "gpus": setup.world_size,
+              **slowest, "peak_gib_max": peak_max,
               "params": num_params, "generated_tokens": args.prompts * args.n * args.response_len,
               "floor_s": floor(num_params, kv_bytes, args, setup.world_size), "torch": torch.__version__,
               "device": torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else "cpu"}
@@ -207,9 +214,9 @@ def print_table(results: list[dict]) -> None:
     header = ("shape", "GPUs", "step s", "rollout", "logprobs", "update", "w-sync", "gen tok/s", "peak GiB/GPU",
               "floor s", "% floor", "speed-up")
     rows = []
-    base = {r["shape"]: r["step_s"] for r in results if r["gpus"] == 1}
+    base = {r["shape"].split("/")[0]: r["step_s"] for r in results if r["gpus"] == 1}
     for r in results:
-        speedup = f"{base[r['shape']] / r['step_s']:.2f}x" if r["shape"] in base else "-"
+        speedup = f"{base[r['shape'].split('/')[0]] / r['step_s']:.2f}x" if r["shape"].split("/")[0] in base else "-"
         rows.append((r["shape"], str(r["gpus"]), f"{r['step_s']:.2f}", f"{r['rollout_s']:.2f}", f"{r['logprobs_s']:.2f}",
                      f"{r['update_s']:.2f}", f"{r['weight_sync_s']:.3f}", f"{r['generated_tokens'] / r['step_s']:,.0f}",
                      f"{r['peak_gib_max']:.1f}", f"{r['floor_s']:.2f}", f"{100 * r['floor_s'] / r['step_s']:.0f}%", speedup))

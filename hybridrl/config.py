@@ -165,6 +165,11 @@ class ActorConfig:
     """Sequences per optimizer step; 0 means the whole rollout batch (one step per rollout)."""
     micro_batch_size: int = 8
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    reuse_logprobs_on_policy: bool = True
+    """With one optimizer step per rollout (ppo_epochs=1 and one mini-batch) the old policy is the current
+    one, so the old log-probs are the update's own log-probs, detached, and the separate no-grad forward
+    pass over the batch is skipped (the ratio is exactly 1, as in verl's on-policy mode). Not applied when
+    algorithm.kl_in_reward needs them before the update. False always runs the extra pass."""
     max_tokens_per_micro_batch: int = 0
     """Token budget per forward/backward: each mini-batch is regrouped into micro-batches of at most this many
     real (unpadded) tokens and packed without padding; 0 uses micro_batch_size sequences instead."""
@@ -232,6 +237,11 @@ class TrainerConfig:
     device_mesh: dict[str, Any] = field(default_factory=dict)
     """CUDA devices per role, e.g. {actor: [0], reward: [1]}; roles not listed share the actor's devices, and
     the actor defaults to devices 0..num_gpus-1. Checked by `placement.resolve_placement`."""
+    fsdp_reshard_every_micro_batch: bool = False
+    """With several GPUs (FSDP2): false keeps each phase's full weights gathered across its micro-batches and
+    reduce-scatters gradients once per mini-batch (fast; one extra full copy of weights and gradients per GPU
+    during the update); true gathers and reduce-scatters in every micro-batch (least memory, for models whose
+    full weights do not fit twice on one GPU)."""
     hang_timeout_s: float = 900.0
     """A multi-process run stops, naming the rank, when one rank completes no trainer phase for this long."""
 

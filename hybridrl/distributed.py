@@ -244,6 +244,41 @@ def gather_for_rollout(model: nn.Module) -> Iterator[WeightSync]:
             module.set_reshard_after_forward(True, recurse=False)
 
 
+@contextmanager
+def gathered_for_micro_batches(model: nn.Module | None, enabled: bool = True) -> Iterator[None]:
+    """Inside the block, an FSDP2 model's weights are all-gathered at the first forward and kept for
+    every later micro-batch (forward, recompute and backward), then freed at the end.
+
+    FSDP2's default gathers every layer's weights again in each micro-batch's forward, in the
+    recompute of gradient checkpointing and in backward: three all-gathers of the whole model per
+    micro-batch. Keeping them costs one full copy of the weights per GPU for the phase (2 bytes per
+    parameter in bf16), which a colocated rollout needs anyway. No-op without FSDP or when disabled
+    (`trainer.fsdp_reshard_every_micro_batch=true`)."""
+    modules = _fsdp_modules(model) if model is not None and enabled else []
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.set_reshard_after_backward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+            module.set_reshard_after_backward(True, recurse=False)
+            if module is not modules[0]:  # the root never reshards after forward (its default)
+                module.set_reshard_after_forward(True, recurse=False)
+
+
+def sync_gradients(model: nn.Module, last_micro_batch: bool, enabled: bool = True) -> None:
+    """FSDP2 gradient accumulation: reduce-scatter once, in the backward of a mini-batch's last micro-batch.
+
+    The micro-batches before it accumulate full (unsharded) gradients locally, which costs one full
+    gradient copy per GPU instead of one reduce-scatter of the whole model per micro-batch."""
+    if not enabled:
+        return
+    for module in _fsdp_modules(model)[:1]:  # the root; recurse sets every sharded submodule
+        module.set_requires_gradient_sync(last_micro_batch)
+
+
 # ----------------------------------------------------------------------------------------------
 # Splitting work across ranks
 

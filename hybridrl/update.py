@@ -63,12 +63,14 @@ def clip_and_step(parameters: list[torch.nn.Parameter], optimizer: torch.optim.O
 
 
 def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Generator, micro_loss,
-               params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, max_grad_norm: float,
+               model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float,
                loss_name: str) -> dict[str, float]:
     """Shuffled mini-batches (one optimizer step each) over `ppo_epochs`, gradients accumulated over
-    micro-batches. `micro_loss(part, norm) -> (loss, stats)`; returns stats averaged over micro-batches,
+    micro-batches. `micro_loss(part, norm, rows) -> (loss, stats)`; returns stats averaged over micro-batches,
     and the loss and gradient norm summed within a mini-batch and averaged over mini-batches."""
     act = config.actor
+    params = [p for p in model.parameters() if p.requires_grad]
+    gather_once = not config.trainer.fsdp_reshard_every_micro_batch
     sums: dict[str, float] = {}
     per_mini: dict[str, float] = {}
     count = num_minis = 0
@@ -78,13 +80,16 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
         norm = mini_batch_normalizers(batch, mini)
         micros = distributed.shard_micro_batches(micros, batch.attention_mask.sum(1), parts.setup)
         micros = regroup_by_tokens(batch, micros, act.max_tokens_per_micro_batch)
-        for micro in distributed.match_micro_batch_count(micros, parts.setup):
-            loss, stats = micro_loss(batch.select(micro), norm)
-            loss.backward()
-            per_mini[loss_name] = per_mini.get(loss_name, 0.0) + loss.item()
-            for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
-            count += 1
+        micros = distributed.match_micro_batch_count(micros, parts.setup)
+        with distributed.gathered_for_micro_batches(model, gather_once):
+            for index, micro in enumerate(micros):
+                distributed.sync_gradients(model, index == len(micros) - 1, gather_once)
+                loss, stats = micro_loss(batch.select(micro), norm, micro)
+                loss.backward()
+                per_mini[loss_name] = per_mini.get(loss_name, 0.0) + loss.item()
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+                count += 1
         per_mini["grad_norm"] = per_mini.get("grad_norm", 0.0) + clip_and_step(params, optimizer, max_grad_norm)
         num_minis += 1
     return {**{key: value / count for key, value in sums.items()},
@@ -94,13 +99,20 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
 def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Generator, step: int) -> dict[str, float]:
     """Policy-gradient epochs over the rollout batch; returns averaged `actor/*` metrics."""
     a = config.algorithm
+    # On-policy (compute_logprobs skipped the old-policy pass): each row's old log-probs are its own
+    # detached log-probs in the one update pass; kept to fill batch.old_logp for the rollout metrics.
+    reused = torch.zeros_like(batch.response_mask, dtype=torch.float32) if batch.old_logp is None else None
 
-    def micro_loss(part: RolloutBatch, norm: dict[str, float]) -> tuple[torch.Tensor, dict]:
+    def micro_loss(part: RolloutBatch, norm: dict[str, float], rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         logp, entropy = response_logprobs(parts.actor, part.input_ids, part.attention_mask, part.position_ids,
                                           part.response_length, config.rollout.temperature, with_entropy=True)
         mask = part.response_mask
+        old_logp = part.old_logp
+        if reused is not None:
+            old_logp = logp.detach()
+            reused[rows.to(reused.device)] = old_logp.float()
         loss, stats = algorithms.policy_loss(
-            logp, part.old_logp, part.advantages, mask, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
+            logp, old_logp, part.advantages, mask, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
             dual_clip=a.dual_clip, aggregation=a.loss_aggregation, **norm)
         entropy_term = algorithms.aggregate_loss(entropy, mask, a.loss_aggregation, **norm)
         loss = loss - a.entropy_coef * entropy_term
@@ -113,9 +125,10 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
         check_finite(loss, "actor loss", step, "lower actor.lr, check rewards, or raise actor.max_grad_norm clipping.")
         return loss, stats
 
-    params = [p for p in parts.actor.parameters() if p.requires_grad]
-    metrics = run_epochs(parts, config, batch, generator, micro_loss, params, parts.actor_optimizer,
+    metrics = run_epochs(parts, config, batch, generator, micro_loss, parts.actor, parts.actor_optimizer,
                          config.actor.max_grad_norm, "policy_loss")
+    if reused is not None:
+        batch.old_logp = distributed.all_reduce(reused, parts.setup)  # ranks hold disjoint rows
     parts.actor_scheduler.step()
     metrics = {f"actor/{key}": value for key, value in metrics.items()}
     metrics["actor/lr"] = parts.actor_scheduler.get_last_lr()[0]
@@ -126,15 +139,14 @@ def update_critic(parts, config: Config, batch: RolloutBatch, generator: torch.G
     """Clipped value regression towards the GAE returns, with the actor's batch shapes."""
     a = config.algorithm
 
-    def micro_loss(part: RolloutBatch, norm: dict[str, float]) -> tuple[torch.Tensor, dict]:
+    def micro_loss(part: RolloutBatch, norm: dict[str, float], rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         values = parts.critic(part.input_ids, part.attention_mask, part.position_ids)[:, -part.response_length - 1:-1]
         loss, stats = algorithms.value_loss(values, part.old_values, part.returns, part.response_mask,
                                             clip_range=a.value_clip, aggregation=a.loss_aggregation, **norm)
         check_finite(loss, "critic loss", 0, "lower critic.lr or check rewards.")
         return loss, {**stats, "values_mean": algorithms.masked_mean(values.detach(), part.response_mask)}
 
-    params = [p for p in parts.critic.parameters() if p.requires_grad]
-    metrics = run_epochs(parts, config, batch, generator, micro_loss, params, parts.critic_optimizer,
+    metrics = run_epochs(parts, config, batch, generator, micro_loss, parts.critic, parts.critic_optimizer,
                          config.critic.max_grad_norm, "value_loss")
     parts.critic_scheduler.step()
     metrics = {f"critic/{key}": value for key, value in metrics.items()}
