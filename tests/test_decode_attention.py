@@ -1,0 +1,240 @@
+"""Prefix-shared decode attention: the Triton kernel (interpret mode on CPU) vs the PyTorch reference vs
+SDPA, and the built-in engine on the prefix-shared layout vs HF and vs the per-slot SDPA layout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridrl.rollout import decode_attention
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.builtin import BuiltinBackend
+from hybridrl.rollout.kv_cache import CacheGeometry, PrefixSharedKVCache, SlotKVCache, max_slots
+from hybridrl.rollout.scheduler import PromptEntries
+from hybridrl.rollout.decode_attention import reference_decode_attention, triton_decode_attention
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_builtin_engine import PROMPTS, hf_greedy, hf_logprobs, make_model  # noqa: E402
+
+HAS_TRITON = decode_attention.triton is not None
+# (batch, kv_heads, group, head_dim, entries, prompt_max, response_max): group 7 is Qwen2-0.5B's;
+# lengths above BLOCK_N (64) run several loop iterations with a partial last block.
+CASES = [(6, 2, 7, 64, 3, 150, 130), (5, 3, 4, 32, 2, 40, 20), (4, 1, 16, 64, 4, 17, 70), (3, 2, 1, 32, 1, 9, 5)]
+FLOAT32_TOLERANCE = dict(atol=1e-5, rtol=1e-5)
+BF16_TOLERANCE = dict(atol=2e-2, rtol=2e-2)
+"""bf16 outputs: a few bf16 roundings (eps 7.8e-3) of values of order 1; the kernel also rounds P to bf16."""
+FP16_TOLERANCE = dict(atol=2e-3, rtol=2e-3)
+TOLERANCE = {torch.float32: FLOAT32_TOLERANCE, torch.bfloat16: BF16_TOLERANCE, torch.float16: FP16_TOLERANCE}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def make_case(seed: int, batch: int, kv_heads: int, group: int, head_dim: int, entries: int, prompt_max: int,
+              response_max: int, dtype=torch.float32, device: str = "cpu") -> dict:
+    """Random inputs shaped as the engine passes them: per-layer views of 6-D caches (so strides are the
+    engine's), more response slots than the batch, adjacent slots sharing prompt entries, and lengths
+    that include 1, the maximum, and a free slot (prompt_len 0, response_len 1)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype=dtype, device=device)
+
+    prompt_cache = randn(2, 2, entries, kv_heads, prompt_max, head_dim)  # (layers, 2, entries, Hkv, Lp, D)
+    response_cache = randn(2, 2, batch + 2, kv_heads, response_max, head_dim)
+    prompt_index = torch.sort(torch.randint(0, entries, (batch,), generator=generator)).values
+    prompt_len = torch.randint(1, prompt_max + 1, (batch,), generator=generator)
+    response_len = torch.randint(1, response_max + 1, (batch,), generator=generator)
+    prompt_len[0], response_len[0], prompt_len[-1], response_len[-1] = 1, response_max, prompt_max, 1
+    if batch > 2:
+        prompt_len[1], response_len[1] = 0, 1  # a free slot: it sees only the key it just wrote
+    to = dict(device=device)
+    return dict(q=randn(batch, kv_heads, group, head_dim), prompt_k=prompt_cache[1, 0], prompt_v=prompt_cache[1, 1],
+                response_k=response_cache[1, 0], response_v=response_cache[1, 1],
+                prompt_index=prompt_index.to(**to), prompt_len=prompt_len.to(**to), response_len=response_len.to(**to),
+                scale=head_dim ** -0.5)
+
+
+def sdpa_on_concatenated_kv(case: dict) -> torch.Tensor:
+    """Per slot: SDPA (float32) of its folded query rows over cat(prompt keys, response keys), the keys the
+    per-slot layout would hold; independent of the reference's masking arithmetic."""
+    outputs = []
+    for b in range(case["q"].shape[0]):
+        entry, prompt_len, response_len = (int(case[k][b]) for k in ("prompt_index", "prompt_len", "response_len"))
+        keys = torch.cat((case["prompt_k"][entry, :, :prompt_len], case["response_k"][b, :, :response_len]), dim=1)
+        values = torch.cat((case["prompt_v"][entry, :, :prompt_len], case["response_v"][b, :, :response_len]), dim=1)
+        outputs.append(F.scaled_dot_product_attention(case["q"][b].float(), keys.float(), values.float(),
+                                                      scale=case["scale"]))
+    return torch.stack(outputs).to(case["q"].dtype)
+
+
+@pytest.mark.parametrize("shape", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_reference_equals_sdpa_on_concatenated_kv(shape, dtype):
+    case = make_case(0, *shape, dtype=dtype)
+    torch.testing.assert_close(reference_decode_attention(**case), sdpa_on_concatenated_kv(case), **TOLERANCE[dtype])
+
+
+def test_reference_gives_zeros_when_a_slot_sees_no_key():
+    case = make_case(1, 3, 2, 4, 32, 2, 8, 8)
+    case["prompt_len"][1], case["response_len"][1] = 0, 0
+    out = reference_decode_attention(**case)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and out.isfinite().all()
+
+
+def check_kernel_cases() -> None:
+    """Run in a subprocess with TRITON_INTERPRET=1 (the kernel is built when decode_attention is imported).
+
+    float32 and float16 only: the interpreter's `tl.dot` returns garbage for bf16 inputs (numpy has no
+    bf16; a plain bf16 load/store is fine), so the bf16 kernel is checked by the GPU test alone. float16
+    runs the same low-precision branch (P cast to the value dtype)."""
+    for seed, shape in enumerate(CASES):
+        for dtype in (torch.float32, torch.float16):
+            case = make_case(seed, *shape, dtype=dtype)
+            torch.testing.assert_close(triton_decode_attention(**case), reference_decode_attention(**case),
+                                       **TOLERANCE[dtype])
+    case = make_case(9, 3, 2, 4, 32, 2, 8, 8)
+    case["prompt_len"][1], case["response_len"][1] = 0, 0
+    assert torch.equal(triton_decode_attention(**case)[1], torch.zeros(2, 4, 32))
+    print("kernel cases passed")
+
+
+INTERPRETER_SHIM = """
+# triton 3.6's interpreter turns a scalar into int() of a 1-element numpy array, which numpy >= 2.3
+# refuses, so a loop bounded by a loaded length fails in interpret mode only. Test-only patch.
+from triton.runtime import interpreter
+_original = interpreter._patch_lang_tensor
+def _patched(tensor, scope):
+    _original(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interpreter._patch_lang_tensor = _patched
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
+def test_triton_kernel_matches_reference_in_interpret_mode():
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {tests_dir!r})\n{INTERPRETER_SHIM}\n" \
+           "import test_decode_attention as t; t.check_kernel_cases()"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(tests_dir), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "kernel cases passed" in result.stdout
+
+
+def test_prompt_entries_are_refcounted_and_reused():
+    entries = PromptEntries(2)
+    assert entries.acquire(5) == (0, True) and entries.acquire(5) == (0, False) and entries.acquire(7) == (1, True)
+    entries.release(5)
+    assert entries.entry_of == {5: 0, 7: 1} and entries.free == []  # prompt 5 still has a live sample
+    entries.release(5)
+    assert entries.acquire(8) == (0, True)  # the freed entry is reused
+    with pytest.raises(AssertionError, match="prompt entries"):
+        entries.acquire(9)
+
+
+def test_prefix_shared_layout_stores_prompts_once_so_more_slots_fit():
+    geometry = CacheGeometry(num_layers=24, num_kv_heads=2, head_dim=64, element_size=2, longest_prompt=256,
+                             max_new_tokens=256, num_prompts=64)
+    assert PrefixSharedKVCache.bytes_for(geometry, 512) < 0.6 * SlotKVCache.bytes_for(geometry, 512)
+    budget = SlotKVCache.bytes_for(geometry, 300)
+    assert max_slots(lambda s: SlotKVCache.bytes_for(geometry, s), budget, 512) == 300
+    assert max_slots(lambda s: PrefixSharedKVCache.bytes_for(geometry, s), budget, 512) == 512
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_prefix_shared_engine_matches_hf(family):
+    model = make_model(family)
+    engine = BuiltinBackend(model, attention="triton")  # on CPU: prefix-shared layout, reference attention
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0, n=3))
+    assert engine.last_stats["attention"] == "reference"
+    for generation in outputs:
+        prompt = PROMPTS[generation.prompt_index]
+        assert generation.token_ids == hf_greedy(model, prompt, 16)
+        torch.testing.assert_close(torch.tensor(generation.logprobs), hf_logprobs(model, prompt, generation.token_ids),
+                                   atol=1e-4, rtol=0)
+    sampled = SamplingParams(max_new_tokens=10, temperature=0.9, n=3, seed=4)
+    shared = BuiltinBackend(model, attention="triton").generate(PROMPTS, sampled)
+    per_slot = BuiltinBackend(model, attention="sdpa").generate(PROMPTS, sampled)
+    assert [g.token_ids for g in shared] == [g.token_ids for g in per_slot]
+    for a, b in zip(shared, per_slot):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_prefix_shared_continuous_batching_reuses_entries_and_compacts(family, monkeypatch):
+    model = make_model(family)
+    prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(10)]
+    free_run = BuiltinBackend(model, attention="sdpa").generate(prompts, SamplingParams(max_new_tokens=12, temperature=0))
+    # Uneven lengths: slots free up mid-run. (This eos and 5 slots make both families compact at the end.)
+    model.generation_config.eos_token_id = free_run[0].token_ids[1]
+    params = SamplingParams(max_new_tokens=12, temperature=0, n=3)
+    reference = BuiltinBackend(model, attention="sdpa").generate(prompts, params)
+    moves = []
+    original_move = PrefixSharedKVCache.move
+    monkeypatch.setattr(PrefixSharedKVCache, "move", lambda self, s, d: (moves.append(len(s)), original_move(self, s, d)))
+    resident = []  # prompts prefilled only for their logits: an earlier sample already filled their entry
+    original_writes = PrefixSharedKVCache.prefill_writes
+
+    def prefill_writes(self, rows, sequences):
+        written_rows, entries = original_writes(self, rows, sequences)
+        resident.extend(set(rows) - set(written_rows))
+        return written_rows, entries
+
+    monkeypatch.setattr(PrefixSharedKVCache, "prefill_writes", prefill_writes)
+    engine = BuiltinBackend(model, attention="triton", max_num_seqs=5, sync_every=2, release_after_generate=False)
+    outputs = engine.generate(prompts, params)
+    assert engine.last_stats["num_slots"] == 5 and engine.last_stats["prefill_waves"] >= 5
+    assert engine.cache.prompt_kv.shape[2] == 5  # 10 prompts through 5 entries: entries were reused
+    assert moves, "no compaction happened"
+    assert resident, "no prompt was admitted while its entry was live"
+    assert [g.token_ids for g in outputs] == [g.token_ids for g in reference]
+    assert [g.finish_reason for g in outputs] == [g.finish_reason for g in reference]
+    assert {g.finish_reason for g in reference} == {"stop", "length"}
+    for a, b in zip(outputs, reference):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_attention_option_is_validated():
+    with pytest.raises(ValueError, match="attention must be one of"):
+        BuiltinBackend(make_model("qwen2"), attention="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_kernel_and_engine_on_cuda():
+    for seed, shape in enumerate(CASES + [(512, 2, 7, 64, 64, 256, 256)]):  # the last one: the benchmark's shape
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            case = make_case(seed, *shape, dtype=dtype, device="cuda")
+            torch.testing.assert_close(triton_decode_attention(**case), reference_decode_attention(**case),
+                                       **TOLERANCE[dtype])
+    model = make_model("qwen2").cuda()
+    prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(9)]
+    for params in (SamplingParams(max_new_tokens=20, temperature=0, n=2),
+                   SamplingParams(max_new_tokens=12, temperature=0.9, n=3, seed=5)):
+        triton_engine = BuiltinBackend(model, attention="triton", max_num_seqs=5, sync_every=3)  # compiled + graphs
+        shared = triton_engine.generate(prompts, params)
+        assert triton_engine.last_stats["attention"] == "triton" and triton_engine.last_stats["graphs_captured"] >= 1
+        assert [g.token_ids for g in triton_engine.generate(prompts, params)] == [g.token_ids for g in shared]
+        per_slot = BuiltinBackend(model, attention="sdpa", max_num_seqs=5, sync_every=3).generate(prompts, params)
+        assert [g.token_ids for g in shared] == [g.token_ids for g in per_slot]
+        for a, b in zip(shared, per_slot):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    for generation in shared[::3]:  # sampled at T=0.9: log-probs against the HF forward pass
+        ids = torch.tensor([prompts[generation.prompt_index] + generation.token_ids], device="cuda")
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompts[generation.prompt_index]) - 1 : -1].float()
+        reference = torch.log_softmax(logits / 0.9, -1).gather(1, ids[0, -len(generation.token_ids):, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(generation.logprobs), reference.cpu(), atol=1e-4, rtol=0)
