@@ -206,9 +206,18 @@ def test_prefix_shared_continuous_batching_reuses_entries_and_compacts(family, m
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
-def test_attention_option_is_validated():
+def test_attention_option_is_validated_and_plumbed_from_the_config():
+    from hybridrl.components import build_rollout
+    from hybridrl.config import ConfigError, load_config
+
     with pytest.raises(ValueError, match="attention must be one of"):
         BuiltinBackend(make_model("qwen2"), attention="flash")
+    with pytest.raises(ConfigError, match="rollout.attention must be one of"):
+        load_config(None, ["rollout.attention=flash"])
+    config = load_config(None, ["rollout.attention=triton", "rollout.backend=builtin"])
+    backend = build_rollout(config, make_model("qwen2"), None, torch.device("cpu"))
+    assert isinstance(backend, BuiltinBackend) and backend.attention == "triton"
+    assert load_config(None, []).rollout.attention == "auto"
 
 
 @pytest.mark.gpu
