@@ -53,7 +53,8 @@ except ImportError:  # CPU-only installs: the reference below is all there is
     triton = None
 
 BLOCK_N = 64
-"""Keys per loop iteration; fixed (no autotune) so every launch is the same graph-safe kernel."""
+"""Keys per loop iteration for 2-byte dtypes; fixed (no autotune) so every launch is the same graph-safe
+kernel. Float32 uses half of it, so pipelined K/V tiles of head_dim 128 stay well inside shared memory."""
 MIN_DOT_ROWS = 16
 """`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
 
@@ -117,7 +118,7 @@ def triton_decode_attention(
         GROUP=group, HEAD_DIM=head_dim,
         GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)),
         BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),
-        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
+        BLOCK_N=BLOCK_N if q.element_size() <= 2 else BLOCK_N // 2, IEEE=q.dtype == torch.float32,
         num_warps=4,
     )
     return out
