@@ -72,6 +72,35 @@ def test_triton_kernel_matches_reference_in_interpret_mode():
     assert "kernel cases passed" in result.stdout
 
 
+def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int):
+    """Compile the kernel ahead of time for sm_90 (Triton's own ptxas; no GPU or driver needed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = decode_attention._decode_attention_kernel
+    signature = {name: "constexpr" for name in kernel.arg_names}
+    signature.update({name: "*" + dtype for name in ("Q", "PK", "PV", "RK", "RV", "OUT")})
+    signature.update({name: "*i64" for name in ("PROMPT_INDEX", "PROMPT_LEN", "RESPONSE_LEN")})
+    signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride")}, qk_scale="fp32")
+    pad = lambda value: max(decode_attention.MIN_DOT_ROWS, 1 << (value - 1).bit_length())  # noqa: E731
+    constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=pad(group), BLOCK_D=pad(head_dim),
+                     BLOCK_N=decode_attention.BLOCK_N // (2 if dtype == "fp32" else 1), IEEE=dtype == "fp32")
+    return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
+                                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
+@pytest.mark.parametrize("dtype, group, head_dim", [("bf16", 7, 64), ("fp32", 2, 16), ("fp32", 4, 128)])
+def test_triton_kernel_compiles_for_hopper(dtype, group, head_dim):
+    """The interpreter does not lower the kernel; this does (to a cubin), so type errors in the compiled
+    path and shared-memory overuse show up on CPU. Cases: the benchmark's (bf16, group 7, head_dim 64),
+    the GPU test's tiny float32 model, and the largest float32 tiles (head_dim 128)."""
+    if not isinstance(decode_attention._decode_attention_kernel, decode_attention.triton.runtime.JITFunction):
+        pytest.skip("the kernel was built in interpret mode (TRITON_INTERPRET is set)")
+    compiled = compile_kernel_for_hopper(dtype, group, head_dim)
+    assert "cubin" in compiled.asm and compiled.metadata.shared < 160 * 1024  # H200: 227 KiB per block
+
+
 def test_prompt_entries_are_refcounted_and_reused():
     entries = PromptEntries(2)
     assert entries.acquire(5) == (0, True) and entries.acquire(5) == (0, False) and entries.acquire(7) == (1, True)
