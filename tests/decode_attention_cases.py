@@ -1,5 +1,5 @@
-"""Random prefix-shared attention inputs and tolerances shared by test_decode_attention.py and the
-TRITON_INTERPRET subprocess it starts (kept apart so that subprocess imports no transformers)."""
+"""Random prefix-shared attention inputs, tolerances and the checks that test_decode_attention.py runs
+in a TRITON_INTERPRET=1 subprocess (kept apart so that the kernel check imports no transformers)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,28 @@ def check_kernel_cases() -> None:
     case["prompt_len"][1], case["response_len"][1] = 0, 0
     assert torch.equal(triton_decode_attention(**case)[1], torch.zeros(2, 4, 32))
     print("kernel cases passed")
+
+
+def check_engine_with_kernel() -> None:
+    """The engine with the Triton kernel itself (interpret mode) in place of the CPU reference: greedy
+    tokens equal to the sdpa engine's, log-probs within 1e-5, with continuous batching (5 slots)."""
+    import sys
+
+    from hybridrl.rollout import builtin
+    from hybridrl.rollout.base import SamplingParams
+    from test_builtin_engine import PROMPTS, make_model
+
+    torch.set_num_threads(1)
+    builtin._decode_attention_function = lambda device: ("triton-interpret", triton_decode_attention)
+    model, params = make_model("qwen2"), SamplingParams(max_new_tokens=8, temperature=0, n=2)
+    engine = builtin.BuiltinBackend(model, attention="triton", max_num_seqs=5, sync_every=2)
+    shared = engine.generate(PROMPTS, params)
+    assert engine.last_stats["attention"] == "triton-interpret" and engine.last_stats["prefill_waves"] >= 2
+    per_slot = builtin.BuiltinBackend(model, attention="sdpa").generate(PROMPTS, params)
+    assert [g.token_ids for g in shared] == [g.token_ids for g in per_slot]
+    for a, b in zip(shared, per_slot):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    print("engine with kernel passed", file=sys.stdout)
 
 
 INTERPRETER_SHIM = """

@@ -60,16 +60,30 @@ def test_reference_gives_zeros_when_a_slot_sees_no_key():
     assert torch.equal(out[1], torch.zeros_like(out[1])) and out.isfinite().all()
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
-def test_triton_kernel_matches_reference_in_interpret_mode():
+def run_in_interpreter(check: str) -> str:
+    """Run `decode_attention_cases.<check>()` in a subprocess with TRITON_INTERPRET=1 (the kernel is built
+    in interpret mode only if the variable is set before decode_attention is first imported)."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     code = f"import sys; sys.path.insert(0, {tests_dir!r})\n{INTERPRETER_SHIM}\n" \
-           "import decode_attention_cases as cases; cases.check_kernel_cases()"
+           f"import decode_attention_cases as cases; cases.{check}()"
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(tests_dir), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "kernel cases passed" in result.stdout
+    return result.stdout
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
+def test_triton_kernel_matches_reference_in_interpret_mode():
+    assert "kernel cases passed" in run_in_interpreter("check_kernel_cases")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
+@pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~10 s: the engine "
+                    "runs the kernel in Triton's interpreter)")
+def test_engine_with_triton_kernel_in_interpret_mode_matches_sdpa():
+    assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel")
 
 
 def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int):
