@@ -27,8 +27,10 @@ integer device tensors; `scale` the softmax scale. They return (B, Hkv, group, D
   tests on GPU); bf16/fp16 inputs multiply P (cast to the value dtype) by V as flash attention does.
 
 Why this grid: slots of one prompt are adjacent (admission is prompt-major, lowest free slot first)
-and programs are launched slot-major, so the n programs that read one prompt entry run close together
-and the repeated reads of it should mostly hit L2 instead of HBM. A grid over (prompt entry, KV head)
+and the slot is the fastest-varying grid axis, so the n programs that read one prompt entry (for one
+KV head) are launched back to back and the repeated reads of it should mostly hit L2 instead of HBM
+(not measured yet). After continuous batching has refilled freed slots, samples of one prompt can be
+scattered; the result is still right, only the L2 reuse is lost. A grid over (prompt entry, KV head)
 that stacks the n samples' queries would read the prompt from HBM once by construction, but needs a
 log-sum-exp merge with the response part and slots grouped by prompt at all times; not done.
 
