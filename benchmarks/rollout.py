@@ -9,13 +9,17 @@ sampled at temperature 1 (top-p 1, top-k off), as in GRPO. HF `generate` runs on
 (`--hf-sequences`) because it is slow; both report generated tokens per second.
 
 The engine is timed compiled (`torch.compile`, the GPU default) and, for comparison, uncompiled
-(`--no-eager-baseline` skips that). The first `generate` of a fresh engine compiles; it is timed
+(`--no-eager-baseline` skips that); both with `attention="sdpa"` (per-slot KV cache, SDPA decode
+attention). When triton is installed, the compiled engine is also timed with `attention="triton"`
+(prefix-shared KV: each prompt's KV stored once, Triton decode kernel; `--no-triton` skips it), in
+the same run and the same table, with its own log-prob mismatch and greedy agreement. The first `generate` of a fresh engine compiles; it is timed
 on its own ("compile + first call") and not in the engine's tokens/s, because the trainer reuses the
 compiled code every step. Each timed run still includes KV allocation and CUDA-graph capture
 (`warmup_s` in its stats).
 
 The floor is computed, not measured: every decode step must read the weights once and each sequence's
-keys/values for its current context (no prefix-shared attention assumed), and must do 2 * params
+keys/values for its current context (no prefix-shared attention assumed, so the triton engine is not
+bound by it: it reads a prompt's KV once per step for all n samples if L2 serves the repeats), and must do 2 * params
 FLOPs per token; a step costs max(bytes / bandwidth, flops / peak). Prefill costs 2 * params FLOPs
 per distinct prompt token. Defaults are the H200 figures from DESIGN.md (4.2 TB/s, 785 TFLOP/s).
 Prints a short table last; writes JSON to $OUT/rollout_benchmark.json when $OUT is set.
@@ -33,7 +37,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.builtin import BuiltinBackend
+from hybridrl.rollout.builtin import BuiltinBackend, triton_available
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,7 +59,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-eager-baseline", action="store_true", help="skip timing the uncompiled engine too")
     parser.add_argument("--try-efficient-attention", action="store_true",
                         help="also time the compiled engine with SDPA restricted to the mem-efficient backend")
-    parser.add_argument("--profile", action="store_true", help="print the top kernels of one engine run")
+    parser.add_argument("--no-triton", action="store_true", help="skip the attention='triton' engine")
+    parser.add_argument("--profile", action="store_true", help="print the top kernels of one engine run (each engine)")
     if "--quick" in sys.argv:  # new defaults; flags given explicitly still win
         parser.set_defaults(prompts=16, response_len=64, hf_sequences=32, agreement_sequences=16)
     return parser.parse_args()
@@ -172,6 +177,24 @@ def floor(model, num_prompts: int, n: int, prompt_len: int, response_len: int, b
                 tokens_per_s=sequences * response_len / seconds, kv_bytes_per_token=kv_bytes_per_token)
 
 
+def time_triton(model, prompts, params, args, device: str) -> dict:
+    """The compiled engine with attention="triton" (prefix-shared KV), timed and checked like the sdpa one."""
+    engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
+                            compile=False if args.no_compile else None, attention="triton")
+    result = time_engine(engine, prompts, params, args.repeats)
+    print(f"engine (attention={result['stats'].get('attention')}): {result['seconds']:.3f} s, "
+          f"{result['tokens_per_s']:.0f} tok/s, compile + first call {result['first_call_s']:.1f} s, "
+          f"stats {result['stats']}", flush=True)
+    if args.profile:
+        profile(engine, prompts, params)
+    result["logprob_mismatch"] = logprob_mismatch(model, prompts, result.pop("outputs"), 32, device)
+    print(f"logprob mismatch (triton): {result['logprob_mismatch']}", flush=True)
+    result["greedy_agreement"] = greedy_agreement(model, engine, prompts[: args.agreement_sequences],
+                                                  args.agreement_tokens, device)
+    print(f"greedy agreement (triton): {result['greedy_agreement']}", flush=True)
+    return result
+
+
 def profile(engine: BuiltinBackend, prompts, params) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -193,14 +216,14 @@ def main() -> None:
     eager = None
     if not args.no_compile and not args.no_eager_baseline:
         eager_engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory,
-                                      use_cuda_graphs=not args.no_cuda_graphs, compile=False)
+                                      use_cuda_graphs=not args.no_cuda_graphs, compile=False, attention="sdpa")
         eager = time_engine(eager_engine, prompts, params, args.repeats)
         eager.pop("outputs")
         print(f"engine (not compiled): {eager['seconds']:.3f} s, {eager['tokens_per_s']:.0f} tok/s, "
               f"stats {eager['stats']}", flush=True)
         del eager_engine
     engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
-                            compile=False if args.no_compile else None)
+                            compile=False if args.no_compile else None, attention="sdpa")
     ours = time_engine(engine, prompts, params, args.repeats)
     print(f"engine: {ours['seconds']:.3f} s, {ours['tokens_per_s']:.0f} tok/s, compile + first call "
           f"{ours['first_call_s']:.1f} s, stats {ours['stats']}", flush=True)
@@ -219,6 +242,8 @@ def main() -> None:
     print(f"logprob mismatch: {mismatch}", flush=True)
     agreement = greedy_agreement(model, engine, prompts[: args.agreement_sequences], args.agreement_tokens, device)
     print(f"greedy agreement: {agreement}", flush=True)
+    del engine
+    triton_result = None if args.no_triton or not triton_available() else time_triton(model, prompts, params, args, device)
     hf = time_hf(model, prompts, args.hf_sequences, args.response_len, device) if args.hf_sequences else None
     if hf:
         print(f"hf generate: {hf}", flush=True)
@@ -226,7 +251,7 @@ def main() -> None:
                   args.bandwidth_tbs * 1e12, args.peak_tflops * 1e12)
     result = dict(args=vars(args), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   torch=torch.__version__, engine=ours, engine_not_compiled=eager,
-                  engine_sdpa_efficient=efficient, hf_generate=hf, floor=bound,
+                  engine_sdpa_efficient=efficient, engine_triton=triton_result, hf_generate=hf, floor=bound,
                   percent_of_floor=100 * bound["seconds"] / ours["seconds"],
                   speedup_vs_hf=ours["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
                   greedy_agreement=agreement, logprob_mismatch=mismatch)
@@ -239,8 +264,14 @@ def main() -> None:
 def print_table(result: dict) -> None:
     ours, hf, bound = result["engine"], result["hf_generate"], result["floor"]
     eager = result["engine_not_compiled"]
-    label = "engine (compiled)" if ours["stats"].get("compiled") else "engine"
+    label = "engine (compiled, sdpa)" if ours["stats"].get("compiled") else "engine (sdpa)"
     rows = [(label, f"{ours['tokens']}", f"{ours['seconds']:.3f}", f"{ours['tokens_per_s']:,.0f}", f"{ours['peak_gib']:.1f}")]
+    shared = result["engine_triton"]
+    if shared:
+        name = shared["stats"].get("attention")
+        rows.append((f"engine (compiled, {name})" if shared["stats"].get("compiled") else f"engine ({name})",
+                     f"{shared['tokens']}", f"{shared['seconds']:.3f}", f"{shared['tokens_per_s']:,.0f}",
+                     f"{shared['peak_gib']:.1f}"))
     if result["engine_sdpa_efficient"]:
         other = result["engine_sdpa_efficient"]
         rows.append(("engine (SDPA mem-efficient)", f"{other['tokens']}", f"{other['seconds']:.3f}",
@@ -261,6 +292,13 @@ def print_table(result: dict) -> None:
           f"greedy first {agreement['tokens']} equal: {100 * agreement['all_equal_fraction']:.0f}% "
           f"(mean prefix {agreement['mean_matching_prefix']:.1f})   "
           f"logprob |diff| mean {mismatch['mean_abs']:.2e} max {mismatch['max_abs']:.2e}")
+    if shared:
+        agreement, mismatch = shared["greedy_agreement"], shared["logprob_mismatch"]
+        print(f"{shared['stats'].get('attention')}: % of floor {100 * bound['seconds'] / shared['seconds']:.1f}   "
+              f"vs sdpa: {shared['tokens_per_s'] / ours['tokens_per_s']:.2f}x   "
+              f"greedy first {agreement['tokens']} equal: {100 * agreement['all_equal_fraction']:.0f}% "
+              f"(mean prefix {agreement['mean_matching_prefix']:.1f})   "
+              f"logprob |diff| mean {mismatch['mean_abs']:.2e} max {mismatch['max_abs']:.2e}")
     print(f"compile + first call: {ours['first_call_s']:.1f} s (once per engine; not in tok/s); "
           f"graph warm-up + capture inside the timed run: {ours['stats'].get('warmup_s', 0):.3f} s")
 

@@ -101,7 +101,8 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
             # LoRA in the engine is tested against peft on CPU only; its CUDA-graph path has not run on a GPU
             supported, reason = False, "LoRA in the built-in engine is opt-in (rollout.backend=builtin) until tested on GPU"
         if supported and (backend == "builtin" or device.type == "cuda"):
-            return BuiltinBackend(actor, tokenizer=tokenizer, kv_cache_memory=config.rollout.kv_cache_memory)
+            return BuiltinBackend(actor, tokenizer=tokenizer, kv_cache_memory=config.rollout.kv_cache_memory,
+                                  attention=config.rollout.attention)
         if backend == "builtin":
             logger.warning("rollout.backend=builtin falls back to hf: %s", reason)
     if backend == "vllm":

@@ -1,10 +1,12 @@
 """The built-in rollout engine: `BuiltinBackend`, generation from the actor's own parameter tensors.
 
 One `generate` call runs these phases:
-1. resolve references to the model's weights (no copy) and size a slot-based KV cache from the
-   memory budget;
+1. resolve references to the model's weights (no copy) and size the KV cache from the memory budget,
+   in one of two layouts (`kv_cache.py`, chosen by `attention`): per-slot (SDPA) or prefix-shared
+   (each prompt's KV once, read by the Triton decode kernel; on CPU by its PyTorch reference);
 2. admit waiting sequences into free slots and prefill them: each distinct prompt runs once, its
-   KV goes to the slots of all its samples, and the first token of each sample is drawn;
+   KV goes to the slots of all its samples (per-slot) or to one prompt entry that its samples share
+   (prefix-shared), and the first token of each sample is drawn;
 3. decode: a few steps of `_decode_step` (one CUDA graph per batch-size bucket on GPU, eager on
    CPU), with no host synchronisation inside; on GPU its per-layer pieces and the sampler are
    `torch.compile`d (once per backend object: the trainer calls `generate` every step with the same
@@ -23,15 +25,16 @@ A slot that finishes between syncs idles until the next one. Prompt-major output
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
 from hybridrl.rollout.base import Generation, SamplingParams
+from hybridrl.rollout.kv_cache import CacheGeometry, PrefixSharedKVCache, SlotKVCache, max_slots
 from hybridrl.rollout.llama_forward import (
     EAGER_DECODE,
     DecodeFunctions,
     compiled_decode_functions,
-    decode_logits,
     prefill,
     resolve_weights,
     rope_table,
@@ -45,6 +48,37 @@ KV_LEN_BUCKET = 128
 """Decode attention reads keys up to the next multiple of this past the furthest live position."""
 CPU_MEMORY_REFERENCE_GIB = 4.0
 """On CPU a fractional `kv_cache_memory` is a fraction of this fixed size (free RAM is not a safe guide)."""
+ATTENTION_OPTIONS = ("auto", "triton", "sdpa")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_attention(option: str, device: torch.device) -> str:
+    """`auto` -> "triton" on CUDA when triton imports, else "sdpa". On CPU `auto` keeps the per-slot SDPA
+    layout (the prefix-shared one would run the slow PyTorch reference); "triton" on CPU means the
+    prefix-shared layout with that reference standing in for the kernel (how its logic is tested)."""
+    if option == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "sdpa"
+    if option == "triton" and device.type == "cuda" and not triton_available():
+        raise ValueError("attention='triton' needs the triton package on CUDA (pip install triton); "
+                         "use attention='sdpa' (rollout.attention=sdpa) or 'auto'.")
+    return option
+
+
+def _decode_attention_function(device: torch.device) -> tuple[str, Callable]:
+    """The prefix-shared attention for this device, and its name for `last_stats`. Imported here so that
+    the per-slot path never imports triton."""
+    from hybridrl.rollout import decode_attention
+
+    if device.type == "cuda":
+        return "triton", decode_attention.triton_decode_attention
+    return "reference", decode_attention.reference_decode_attention
 
 
 def _weights_key(weights) -> tuple:
@@ -66,6 +100,7 @@ class _DecodeState:
 
         self.last_token = zeros(num_slots)
         self.prompt_len = zeros(num_slots)
+        self.prompt_entry = zeros(num_slots)  # prefix-shared layout: the slot's prompt-cache entry
         self.gen_len = torch.ones(num_slots, dtype=torch.long, device=device)  # free slots sit at position 0
         self.done = torch.ones(num_slots, dtype=torch.bool, device=device)
         self.out_tokens = zeros(num_slots, max_new_tokens)
@@ -75,10 +110,12 @@ class _DecodeState:
         self.max_new_tokens = max_new_tokens
 
     def per_slot(self) -> list[torch.Tensor]:
-        return [self.last_token, self.prompt_len, self.gen_len, self.done, self.out_tokens, self.out_logprobs]
+        return [self.last_token, self.prompt_len, self.prompt_entry, self.gen_len, self.done, self.out_tokens,
+                self.out_logprobs]
 
     def free(self, slots: list[int]) -> None:
-        """Park freed slots at position 0: a stale position could lie past a later, shorter key bucket."""
+        """Park freed slots at position 0: a stale position could lie past a later, shorter key bucket.
+        (prompt_len 0 also makes a freed slot read no prompt keys, so its stale entry index is harmless.)"""
         index = torch.tensor(slots, device=self.done.device)
         self.done[index] = True
         self.prompt_len[index] = 0
@@ -99,6 +136,9 @@ class BuiltinBackend:
         compile: `torch.compile` the decode step's per-layer pieces and the sampler (None: on CUDA
         only). The first step of each new shape compiles (seconds); `last_stats["warmup_s"]` reports
         the time of such first steps (compilation and CUDA-graph capture) apart from the rest.
+        attention: "sdpa" (per-slot KV, SDPA decode attention), "triton" (prefix-shared KV: each prompt's
+        KV stored once; the Triton decode kernel on CUDA, its PyTorch reference on CPU) or "auto"
+        (triton on CUDA when triton imports, else sdpa). `last_stats["attention"]` says which ran.
     """
 
     def __init__(
@@ -112,19 +152,23 @@ class BuiltinBackend:
         sync_every: int = 16,
         release_after_generate: bool = True,
         compile: bool | None = None,
+        attention: str = "auto",
     ) -> None:
         ok, reason = _supports(model)
         if not ok:
             raise ValueError(f"the built-in rollout engine cannot run this model: {reason}; use rollout.backend=hf.")
         if kv_cache_memory <= 0 or max_num_seqs < 1 or max_prefill_tokens < 1 or sync_every < 1:
             raise ValueError("kv_cache_memory must be > 0 and max_num_seqs, max_prefill_tokens, sync_every >= 1.")
+        if attention not in ATTENTION_OPTIONS:
+            raise ValueError(f"attention must be one of {ATTENTION_OPTIONS}; got {attention!r}.")
         self.model, self.tokenizer = model, tokenizer
         self.kv_cache_memory, self.max_num_seqs = kv_cache_memory, max_num_seqs
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
         self.use_cuda_graphs, self.release_after_generate = use_cuda_graphs, release_after_generate
-        self.compile = compile
+        self.compile, self.attention = compile, attention
         self._compiled: tuple[DecodeFunctions, object] | None = None  # kept across generate calls
-        self.kv_cache: torch.Tensor | None = None
+        self.cache: SlotKVCache | PrefixSharedKVCache | None = None
+        self._attention_name = ""  # which decode attention the current cache uses, for last_stats
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         self._weights_key: tuple = ()
@@ -141,12 +185,17 @@ class BuiltinBackend:
         if key != self._weights_key:  # modules replaced or LoRA switched on/off: kept graphs point at old tensors
             self._graphs, self._graph_pool, self._weights_key = {}, None, key
         device, dtype = weights.lm_head.device, weights.lm_head.dtype
-        max_len = -(-(max(map(len, prompts)) + params.max_new_tokens) // 16) * 16
+        geometry = CacheGeometry(len(weights.layers), weights.num_kv_heads, weights.head_dim,
+                                 torch.empty(0, dtype=dtype).element_size(), max(map(len, prompts)),
+                                 params.max_new_tokens, len(prompts))
+        max_len = geometry.max_len
+        # Both layouts rely on this: within the window no key is ever hidden, so neither applies one.
         if weights.sliding_window is not None and max_len > weights.sliding_window:
             raise ValueError(f"prompt + max_new_tokens ({max_len}) exceeds the model's sliding window "
                              f"({weights.sliding_window}); the built-in engine does not implement windowed caches.")
         num_sequences = len(prompts) * params.n
-        num_slots = self._allocate(weights, max_len, num_sequences, device, dtype)
+        attention = resolve_attention(self.attention, device)
+        num_slots = self._allocate(geometry, attention, num_sequences, device, dtype)
         stop_ids = sorted(set(params.stop_token_ids) | set(self._eos_ids(params)))
         state = _DecodeState(num_slots, params.max_new_tokens, stop_ids, device)
         settings = SamplerSettings(params.temperature, params.top_k, params.top_p, params.min_p)
@@ -162,7 +211,7 @@ class BuiltinBackend:
         scheduler = Scheduler([i // params.n for i in range(num_sequences)], [len(p) for p in prompts], num_slots)
         results: list[Generation | None] = [None] * num_sequences
         stats = dict(num_slots=num_slots, decode_steps=0, prefill_waves=0, graphs_captured=0, warmup_s=0.0,
-                     compiled=functions is not EAGER_DECODE)
+                     compiled=functions is not EAGER_DECODE, attention=self._attention_name)
         self._stats = stats
         try:
             while scheduler.has_work:
@@ -174,9 +223,7 @@ class BuiltinBackend:
                     stats["prefill_waves"] += 1
                 batch = scheduler.batch_size()
                 steps = min([self.sync_every] + [params.max_new_tokens - s.generated for s in scheduler.live.values()])
-                # Keys beyond the furthest position these steps reach are never read (bucketed: few graphs).
-                furthest = max(s.prompt_len + s.generated for s in scheduler.live.values()) + steps
-                kv_len = min(max_len, -(-furthest // KV_LEN_BUCKET) * KV_LEN_BUCKET)
+                kv_len = self._kv_len(scheduler, steps, max_len)
                 for _ in range(steps):
                     self._step(batch, kv_len)
                 stats["decode_steps"] += steps
@@ -191,7 +238,7 @@ class BuiltinBackend:
         return results
 
     def release_memory(self) -> None:
-        self.kv_cache, self._run = None, None
+        self.cache, self._run = None, None
         self._graphs, self._graph_pool = {}, None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -228,32 +275,44 @@ class BuiltinBackend:
             return []
         return [eos] if isinstance(eos, int) else list(eos)
 
-    def _allocate(self, weights, max_len: int, num_sequences: int, device, dtype) -> int:
-        """Allocate the KV cache for as many slots as the budget allows; returns the slot count."""
-        element_size = torch.empty(0, dtype=dtype).element_size()
-        slot_bytes = len(weights.layers) * 2 * weights.num_kv_heads * max_len * weights.head_dim * element_size
+    def _allocate(self, geometry: CacheGeometry, attention: str, num_sequences: int, device, dtype) -> int:
+        """Allocate the KV cache in the chosen layout for as many slots as the budget allows; returns the slot count."""
+        layout = SlotKVCache if attention == "sdpa" else PrefixSharedKVCache
         self.release_memory()
         if device.type == "cuda":
             free_bytes = torch.cuda.mem_get_info(device)[0]
             budget = self.kv_cache_memory * _GIB if self.kv_cache_memory > 1 else self.kv_cache_memory * free_bytes
         else:
             budget = self.kv_cache_memory * _GIB * (1 if self.kv_cache_memory > 1 else CPU_MEMORY_REFERENCE_GIB)
-        num_slots = min(num_sequences, self.max_num_seqs, int(budget // slot_bytes))
+        num_slots = max_slots(lambda slots: layout.bytes_for(geometry, slots), budget,
+                              min(num_sequences, self.max_num_seqs))
         if num_slots < 1:
+            one = layout.bytes_for(geometry, 1)
             raise ValueError(f"rollout.kv_cache_memory={self.kv_cache_memory} leaves {budget / _GIB:.3f} GiB, less than "
-                             f"one sequence of {max_len} tokens needs ({slot_bytes / _GIB:.3f} GiB); raise it.")
-        # zeros, not empty: masked-out keys still meet a 0 weight in softmax @ V, and 0 * NaN is NaN.
-        self.kv_cache = torch.zeros(len(weights.layers), 2, num_slots, weights.num_kv_heads, max_len,
-                                    weights.head_dim, dtype=dtype, device=device)
+                             f"one sequence of {geometry.max_len} tokens needs ({one / _GIB:.3f} GiB); raise it.")
+        if layout is SlotKVCache:
+            self.cache, self._attention_name = SlotKVCache(geometry, num_slots, device, dtype), "sdpa"
+        else:
+            self._attention_name, function = _decode_attention_function(device)
+            self.cache = PrefixSharedKVCache(geometry, num_slots, device, dtype, function)
         return num_slots
+
+    def _kv_len(self, scheduler: Scheduler, steps: int, max_len: int) -> int:
+        """Key-length bucket of the next `steps` decode steps (per-slot layout; 0 for prefix-shared, which
+        stops at each slot's own lengths): keys beyond the furthest position these steps reach are never
+        read, and bucketing keeps the number of CUDA graphs small."""
+        if not self.cache.reads_kv_len:
+            return 0
+        furthest = max(s.prompt_len + s.generated for s in scheduler.live.values()) + steps
+        return min(max_len, -(-furthest // KV_LEN_BUCKET) * KV_LEN_BUCKET)
 
     def _prefill(self, prompts: list[list[int]], admitted: list[SequenceSlot]) -> None:
         """Prefill each distinct admitted prompt once (chunked by token budget), then draw first tokens."""
         run, state = self._run, self._run["state"]
         device = state.done.device
-        by_prompt: dict[int, list[int]] = {}
+        by_prompt: dict[int, list[SequenceSlot]] = {}
         for sequence in admitted:
-            by_prompt.setdefault(sequence.prompt_index, []).append(sequence.slot)
+            by_prompt.setdefault(sequence.prompt_index, []).append(sequence)
         order = sorted(by_prompt, key=lambda p: len(prompts[p]))  # similar lengths share a chunk: less padding
         chunk: list[int] = []
         for prompt_index in order + [None]:
@@ -266,7 +325,9 @@ class BuiltinBackend:
             self._prefill_chunk(prompts, chunk, by_prompt, device)
             chunk = [prompt_index]
 
-    def _prefill_chunk(self, prompts, chunk: list[int], by_prompt: dict[int, list[int]], device) -> None:
+    def _prefill_chunk(self, prompts, chunk: list[int], by_prompt: dict[int, list[SequenceSlot]], device) -> None:
+        """Prefill the prompts of `chunk` (one padded forward), write their KV where the layout keeps it,
+        and draw each admitted sequence's first token from its prompt's last-position logits."""
         run, state = self._run, self._run["state"]
         length = max(len(prompts[p]) for p in chunk)
         input_ids = torch.zeros(len(chunk), length, dtype=torch.long)
@@ -274,14 +335,18 @@ class BuiltinBackend:
             input_ids[row, : len(prompts[prompt_index])] = torch.tensor(prompts[prompt_index])
         lengths = torch.tensor([len(prompts[p]) for p in chunk])
         rows = [row for row, p in enumerate(chunk) for _ in by_prompt[p]]
-        slots = [slot for p in chunk for slot in by_prompt[p]]
-        rows_t, slots_t = torch.tensor(rows, device=device), torch.tensor(slots, device=device)
-        logits = prefill(run["weights"], self.kv_cache, run["cos"], run["sin"], input_ids.to(device),
-                         lengths.to(device), rows_t, slots_t)
-        uniforms = torch.rand(len(slots), generator=run["generator"], device=device)
+        sequences = [sequence for p in chunk for sequence in by_prompt[p]]
+        rows_t = torch.tensor(rows, device=device)
+        slots_t = torch.tensor([sequence.slot for sequence in sequences], device=device)
+        write_rows, write_to = self.cache.prefill_writes(rows, sequences)
+        logits = prefill(run["weights"], self.cache.prefill_cache, run["cos"], run["sin"], input_ids.to(device),
+                         lengths.to(device), torch.tensor(write_rows, dtype=torch.long, device=device),
+                         torch.tensor(write_to, dtype=torch.long, device=device))
+        uniforms = torch.rand(len(sequences), generator=run["generator"], device=device)
         tokens, logprobs = sample(logits[rows_t], run["settings"], uniforms)
         state.last_token[slots_t] = tokens
         state.prompt_len[slots_t] = lengths.to(device)[rows_t]
+        state.prompt_entry[slots_t] = torch.tensor([sequence.entry for sequence in sequences], device=device)
         state.gen_len[slots_t] = 1
         state.out_tokens[slots_t, 0] = tokens
         state.out_logprobs[slots_t, 0] = logprobs
@@ -290,9 +355,9 @@ class BuiltinBackend:
     def _decode_step(self, batch: int, kv_len: int) -> None:
         """Forward + sample + bookkeeping for slots 0..batch-1, entirely on device (graph-capturable)."""
         run, state = self._run, self._run["state"]
-        positions = state.prompt_len[:batch] + state.gen_len[:batch] - 1
-        logits = decode_logits(run["weights"], self.kv_cache, run["cos"], run["sin"],
-                               state.last_token[:batch], positions, kv_len, run["functions"])
+        logits = self.cache.decode(run["weights"], run["cos"], run["sin"], state.last_token[:batch],
+                                   state.prompt_len[:batch], state.gen_len[:batch], state.prompt_entry[:batch],
+                                   kv_len, run["functions"])
         tokens, logprobs = run["sampler"](logits, run["settings"], state.uniforms[:batch])
         live = ~state.done[:batch]
         rows = torch.arange(batch, device=tokens.device)
@@ -308,7 +373,7 @@ class BuiltinBackend:
         run = self._run
         if not run["settings"].greedy:
             run["state"].uniforms[:batch].uniform_(generator=run["generator"])
-        if not (self.use_cuda_graphs and self.kv_cache.is_cuda):
+        if not (self.use_cuda_graphs and self.cache.is_cuda):
             self._decode_step(batch, kv_len)
             return
         graph = self._graphs.get((batch, kv_len))
@@ -375,7 +440,7 @@ class BuiltinBackend:
         device = state.done.device
         source = torch.tensor([s for s, _ in moves], device=device)
         destination = torch.tensor([d for _, d in moves], device=device)
-        self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]
+        self.cache.move(source, destination)
         for tensor in state.per_slot():
             tensor[destination] = tensor[source]
         state.free([s for s, _ in moves])

@@ -16,9 +16,11 @@ adapter is already in the base weight and a disabled one is skipped. One active 
 else (several adapters, DoRA and other variants, LoRA bias, adapters on embeddings / lm_head,
 modules_to_save) makes `supports` say no.
 
-KV cache layout: one tensor `(num_layers, 2, num_slots, num_kv_heads, max_len, head_dim)`, so a slot's
-keys for one layer are a contiguous `(num_kv_heads, max_len, head_dim)` block and moving a sequence
-between slots is one indexing op. Decode attention folds the query heads that share a KV head into
+KV cache layouts (`kv_cache.py` owns the tensors): per-slot, one tensor `(num_layers, 2, num_slots,
+num_kv_heads, max_len, head_dim)`, so a slot's keys for one layer are a contiguous `(num_kv_heads,
+max_len, head_dim)` block and moving a sequence between slots is one indexing op (`decode_logits`,
+SDPA); or prefix-shared, each prompt's KV once plus each slot's response KV
+(`decode_logits_prefix_shared`, attention from `decode_attention.py`). `prefill` writes either. Decode attention folds the query heads that share a KV head into
 the query-length axis (`(B, kv_heads, group, head_dim)`), which turns GQA decode into plain attention
 with a per-slot length mask and no repeated keys.
 
@@ -283,7 +285,9 @@ def prefill(
     """Run right-padded prompts once and copy their keys/values into every slot that shares them.
 
     input_ids (P, L) right-padded; lengths (P,); source_rows/dest_slots (Q,): slot dest_slots[j]
-    receives the KV of prompt row source_rows[j] (the n samples of a prompt share one row).
+    receives the KV of prompt row source_rows[j] (the n samples of a prompt share one row). With the
+    prefix-shared layout `kv_cache` is the prompt cache and dest_slots are prompt entries (one per
+    prompt, none for a prompt whose entry is already filled: then only its logits are wanted).
     Returns float32 logits at each prompt's last token, (P, V).
     """
     num_prompts, length = input_ids.shape
@@ -357,6 +361,17 @@ def compiled_decode_functions() -> DecodeFunctions:
     return DecodeFunctions(dynamic_batch(compiled[0], 2), dynamic_batch(compiled[1], 2), dynamic_batch(compiled[2], 1))
 
 
+def _decode_layers(w: ModelWeights, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   functions: DecodeFunctions, attend: Callable) -> torch.Tensor:
+    """The decode layer stack with the KV write + attention passed in (it is what the cache layouts differ
+    in): attend(layer_index, q (B, Hkv, group, D), kv (B, 2, Hkv, D)) -> (B, Hkv, group, D)."""
+    h = F.embedding(tokens, w.embed)  # (B, hidden)
+    for layer_index, lw in enumerate(w.layers):
+        q, kv = functions.attention_inputs(w, lw, h, cos, sin)
+        h = functions.attention_output_and_mlp(w, lw, h, attend(layer_index, q, kv))
+    return functions.final_logits(w, h)
+
+
 def decode_logits(
     w: ModelWeights,
     kv_cache: torch.Tensor,
@@ -379,13 +394,48 @@ def decode_logits(
     # One additive mask for all layers (a bool mask would be converted again inside every SDPA call).
     mask = torch.zeros(batch, 1, 1, kv_len, dtype=w.embed.dtype, device=tokens.device)
     mask.masked_fill_(~visible[:, None, None, :], float("-inf"))
-    cos, sin = cos_table[positions], sin_table[positions]  # (B, D)
-    h = F.embedding(tokens, w.embed)  # (B, hidden)
-    for layer_index, lw in enumerate(w.layers):
-        q, kv = functions.attention_inputs(w, lw, h, cos, sin)  # q (B, Hkv, group, D), kv (B, 2, Hkv, D)
+
+    def attend(layer_index: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         # Advanced indices on dims 1 and 3 of (2, slots, Hkv, max_len, D) put the batch first: (B, 2, Hkv, D).
         kv_cache[layer_index][:, slots, :, positions] = kv
         keys, values = kv_cache[layer_index, 0, :batch, :, :kv_len], kv_cache[layer_index, 1, :batch, :, :kv_len]
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, Hkv, group, D)
-        h = functions.attention_output_and_mlp(w, lw, h, attn)
-    return functions.final_logits(w, h)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, Hkv, group, D)
+
+    return _decode_layers(w, tokens, cos_table[positions], sin_table[positions], functions, attend)
+
+
+def decode_logits_prefix_shared(
+    w: ModelWeights,
+    prompt_cache: torch.Tensor,
+    response_cache: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    tokens: torch.Tensor,
+    prompt_entry: torch.Tensor,
+    prompt_len: torch.Tensor,
+    response_len: torch.Tensor,
+    attention: Callable,
+    functions: DecodeFunctions = EAGER_DECODE,
+) -> torch.Tensor:
+    """One decode step over the prefix-shared layout (see `decode_attention.py`) for slots 0..B-1.
+
+    prompt_cache (layers, 2, entries, Hkv, prompt_max_len, D) holds each live prompt once;
+    response_cache (layers, 2, slots, Hkv, response_max_len, D) each slot's response. tokens,
+    prompt_entry, prompt_len, response_len: (B,). The token fed now is response token
+    response_len - 1: its position is prompt_len + response_len - 1 and its KV is written at
+    response index response_len - 1, then visible. `attention` is `triton_decode_attention` or
+    `reference_decode_attention`. No host sync and no length-dependent shape (graph-safe).
+    """
+    batch = tokens.shape[0]
+    slots = torch.arange(batch, device=tokens.device)
+    positions = prompt_len + response_len - 1  # (B,)
+    write_at = response_len - 1
+    scale = w.head_dim ** -0.5  # SDPA's default, which the per-slot path uses
+
+    def attend(layer_index: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        response_cache[layer_index][:, slots, :, write_at] = kv  # (B, 2, Hkv, D), as in decode_logits
+        prompt_k, prompt_v = prompt_cache[layer_index, 0], prompt_cache[layer_index, 1]
+        response_k, response_v = response_cache[layer_index, 0], response_cache[layer_index, 1]
+        return attention(q, prompt_k, prompt_v, response_k, response_v, prompt_entry, prompt_len, response_len, scale)
+
+    return _decode_layers(w, tokens, cos_table[positions], sin_table[positions], functions, attend)

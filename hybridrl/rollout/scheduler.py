@@ -5,6 +5,11 @@ slots are handed out lowest-first, so the live sequences stay packed at the fron
 only has to run over slots `0..batch-1`. When nothing is waiting and the live sequences have thinned
 out, `compaction_moves` proposes moving the ones in high slots down so that a smaller batch-size
 bucket (a smaller CUDA graph) covers them.
+
+For the prefix-shared KV layout, `PromptEntries` also maps each live prompt to one prompt-cache entry,
+refcounted by its live samples: the first admitted sample of a prompt takes a free entry (and its
+prefill fills it), later samples share it, and the entry is free again once the last one finishes.
+Compaction moves slots only; a sequence keeps its entry.
 """
 
 from __future__ import annotations
@@ -25,6 +30,40 @@ class SequenceSlot:
     slot: int = -1
     generated: int = 0
     """Response tokens as of the last host sync."""
+    entry: int = -1
+    """Prompt-cache entry that holds this sequence's prompt KV (prefix-shared layout)."""
+    fills_entry: bool = False
+    """Set at admission when the entry is new, so this admission's prefill must write the prompt's KV."""
+
+
+def prompt_entries_needed(num_prompts: int, num_slots: int) -> int:
+    """Entries that always suffice: live prompts are at most the live sequences and the distinct prompts."""
+    return min(num_prompts, num_slots)
+
+
+class PromptEntries:
+    """Refcounted prompt -> entry map; free entries are handed out lowest-first."""
+
+    def __init__(self, num_entries: int) -> None:
+        self.free = list(range(num_entries))  # a min-heap
+        self.entry_of: dict[int, int] = {}
+        self.refs: dict[int, int] = {}
+
+    def acquire(self, prompt_index: int) -> tuple[int, bool]:
+        """The entry of `prompt_index` and whether it was just taken (so its KV must be written)."""
+        if prompt_index in self.entry_of:
+            self.refs[prompt_index] += 1
+            return self.entry_of[prompt_index], False
+        assert self.free, "more live prompts than prompt entries (see prompt_entries_needed)"
+        entry = heapq.heappop(self.free)
+        self.entry_of[prompt_index], self.refs[prompt_index] = entry, 1
+        return entry, True
+
+    def release(self, prompt_index: int) -> None:
+        self.refs[prompt_index] -= 1
+        if self.refs[prompt_index] == 0:
+            del self.refs[prompt_index]
+            heapq.heappush(self.free, self.entry_of.pop(prompt_index))
 
 
 def batch_buckets(num_slots: int) -> list[int]:
@@ -45,6 +84,7 @@ class Scheduler:
         self.buckets = batch_buckets(num_slots)
         self.free_slots = list(range(num_slots))  # a min-heap
         self.live: dict[int, SequenceSlot] = {}  # slot -> sequence
+        self.entries = PromptEntries(prompt_entries_needed(len(set(prompt_indices)), num_slots))
 
     @property
     def has_work(self) -> bool:
@@ -56,6 +96,7 @@ class Scheduler:
         while self.waiting and self.free_slots:
             sequence = self.waiting.popleft()
             sequence.slot = heapq.heappop(self.free_slots)
+            sequence.entry, sequence.fills_entry = self.entries.acquire(sequence.prompt_index)
             self.live[sequence.slot] = sequence
             admitted.append(sequence)
         return admitted
@@ -63,6 +104,7 @@ class Scheduler:
     def finish(self, slot: int) -> SequenceSlot:
         sequence = self.live.pop(slot)
         heapq.heappush(self.free_slots, slot)
+        self.entries.release(sequence.prompt_index)
         return sequence
 
     def batch_size(self) -> int:

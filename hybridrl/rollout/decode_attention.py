@@ -1,0 +1,193 @@
+"""Decode attention over a prefix-shared KV cache: a Triton kernel and the PyTorch reference it must equal.
+
+Layout, per layer (what `kv_cache.PrefixSharedKVCache` holds):
+    prompt_k, prompt_v      (entries, Hkv, prompt_max_len, D)    each distinct live prompt's KV, once
+    response_k, response_v  (slots, Hkv, response_max_len, D)   each sequence's own response KV
+A decode query of slot b attends to `prompt_k[prompt_index[b], :, :prompt_len[b]]` followed by
+`response_k[b, :, :response_len[b]]`. Those are exactly the keys the per-slot layout holds at
+positions [0, prompt_len + response_len), so the result is the same attention; what changes is that
+the n samples of a prompt no longer each carry (and each read from HBM) a copy of its KV.
+
+Both implementations take the same arguments: q (B, Hkv, group, D) with the `group` query heads of
+one KV head folded together (GQA, no repeated keys); prompt_index, prompt_len, response_len (B,)
+integer device tensors; `scale` the softmax scale. They return (B, Hkv, group, D) in q's dtype.
+
+- `reference_decode_attention`: gather + concatenate + masked float32 softmax in plain PyTorch. It is
+  the oracle of the tests and the engine's attention on CPU (or wherever Triton cannot run).
+- `triton_decode_attention`: one program per (slot, KV head), online softmax (float32 running max,
+  sum and accumulator; exp2 with the scale folded into log2 units) over the prompt part, then the
+  response part, each looping only to that slot's own length, read on the device. The grid depends
+  only on B, block sizes are fixed and nothing is autotuned, so a launch has no host sync and can be
+  captured in a CUDA graph (autotuning would benchmark configs at the first call and could pick a
+  different kernel per shape). Query rows are padded to at least 16 (`tl.dot`'s minimum); padded rows
+  are zeros, so their scores are 0, never NaN, and are not stored. Every block the loops visit holds
+  at least one visible key (a block starts below the length), so the running max is always finite
+  and no fully masked block is ever reduced. A slot with no visible key at all gets zeros.
+  Float32 inputs use `input_precision="ieee"` for both matmuls (TF32 would break the float32
+  tests on GPU); bf16/fp16 inputs multiply P (cast to the value dtype) by V as flash attention does.
+
+Why this grid: slots of one prompt are adjacent (admission is prompt-major, lowest free slot first)
+and the slot is the fastest-varying grid axis, so the n programs that read one prompt entry (for one
+KV head) are launched back to back and the repeated reads of it should mostly hit L2 instead of HBM
+(not measured yet). After continuous batching has refilled freed slots, samples of one prompt can be
+scattered; the result is still right, only the L2 reuse is lost. A grid over (prompt entry, KV head)
+that stacks the n samples' queries would read the prompt from HBM once by construction, but needs a
+log-sum-exp merge with the response part and slots grouped by prompt at all times; not done.
+
+Sliding windows are not applied here: the engine refuses prompt + max_new_tokens longer than the
+model's window (in both layouts), so inside the engine a window never hides a key.
+
+Triton is optional: without it `triton` is None here, the reference still works and
+`triton_decode_attention` raises ImportError. `TRITON_INTERPRET=1` must be set before this module is
+first imported for the kernel to run on CPU tensors (the kernel is built at import time).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference below is all there is
+    triton = None
+
+BLOCK_N = 64
+"""Keys per loop iteration for 2-byte dtypes; fixed (no autotune) so every launch is the same graph-safe
+kernel. Float32 uses half of it, so pipelined K/V tiles of head_dim 128 stay well inside shared memory."""
+MIN_DOT_ROWS = 16
+"""`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
+
+
+def reference_decode_attention(
+    q: torch.Tensor,
+    prompt_k: torch.Tensor,
+    prompt_v: torch.Tensor,
+    response_k: torch.Tensor,
+    response_v: torch.Tensor,
+    prompt_index: torch.Tensor,
+    prompt_len: torch.Tensor,
+    response_len: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain-PyTorch prefix-shared decode attention, computed in float32 (see the module docstring)."""
+    batch = q.shape[0]
+    prompt_max = prompt_k.shape[2]
+    keys = torch.cat((prompt_k[prompt_index], response_k[:batch]), dim=2).float()  # (B, Hkv, Lp + Lr, D)
+    values = torch.cat((prompt_v[prompt_index], response_v[:batch]), dim=2).float()
+    position = torch.arange(keys.shape[2], device=q.device)[None, :]  # (1, Lp + Lr)
+    visible = torch.where(position < prompt_max, position < prompt_len[:, None],
+                          position - prompt_max < response_len[:, None])  # (B, Lp + Lr)
+    scores = (q.float() @ keys.transpose(-1, -2)) * scale  # (B, Hkv, group, Lp + Lr)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # no visible key: zeros, as the kernel gives
+    return (weights @ values).to(q.dtype)
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << (max(value, 1) - 1).bit_length()
+
+
+def triton_decode_attention(
+    q: torch.Tensor,
+    prompt_k: torch.Tensor,
+    prompt_v: torch.Tensor,
+    response_k: torch.Tensor,
+    response_v: torch.Tensor,
+    prompt_index: torch.Tensor,
+    prompt_len: torch.Tensor,
+    response_len: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Launch the Triton kernel over a (B, Hkv) grid; same contract as `reference_decode_attention`."""
+    if triton is None:
+        raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
+                          "use attention='sdpa' or the reference on machines without it.")
+    batch, num_kv_heads, group, head_dim = q.shape
+    assert prompt_k.stride() == prompt_v.stride() and response_k.stride() == response_v.stride()
+    assert prompt_k.stride(-1) == 1 and response_k.stride(-1) == 1, "head_dim must be contiguous"
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty_like(q)  # (B, Hkv, group, D)
+    _decode_attention_kernel[(batch, num_kv_heads)](
+        q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1), q.stride(2),
+        prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2),
+        response_k.stride(0), response_k.stride(1), response_k.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        GROUP=group, HEAD_DIM=head_dim,
+        GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)),
+        BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),
+        BLOCK_N=BLOCK_N if q.element_size() <= 2 else BLOCK_N // 2, IEEE=q.dtype == torch.float32,
+        num_warps=4,
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend(q, k_base, v_base, length, stride_l, m_i, l_i, acc, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """Online-softmax update of (m_i, l_i, acc) over keys [0, length) of one (entry or slot, KV head).
+
+        q (GROUP_PAD, BLOCK_D); m_i, l_i (GROUP_PAD,) float32 in log2 units; acc (GROUP_PAD, BLOCK_D) float32.
+        """
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        for start in range(0, length, BLOCK_N):  # device-side bound: only the slot's own keys are read
+            cols = start + offs_n
+            kv_mask = (cols[:, None] < length) & (offs_d[None, :] < HEAD_DIM)
+            offsets = cols[:, None] * stride_l + offs_d[None, :]
+            k = tl.load(k_base + offsets, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+            v = tl.load(v_base + offsets, mask=kv_mask, other=0.0)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            # Column `start` is visible, so every row's max below is finite (padded rows score 0).
+            scores = tl.where(cols[None, :] < length, scores * qk_scale, float("-inf"))  # (GROUP_PAD, BLOCK_N)
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            alpha = tl.math.exp2(m_i - m_new)  # 0 on the first block (m_i = -inf)
+            p = tl.math.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _decode_attention_kernel(
+        Q, PK, PV, RK, RV, PROMPT_INDEX, PROMPT_LEN, RESPONSE_LEN, OUT, qk_scale,
+        stride_qb, stride_qh, stride_qg,
+        stride_pe, stride_ph, stride_pl,
+        stride_rb, stride_rh, stride_rl,
+        stride_ob, stride_oh, stride_og,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """One (slot, KV head): the prompt entry's keys, then the slot's response keys, one softmax."""
+        slot = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, BLOCK_D)
+        row_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
+        q = tl.load(Q + slot * stride_qb + head * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :],
+                    mask=row_mask, other=0.0)  # (GROUP_PAD, BLOCK_D); padded rows are zeros
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+        entry = tl.load(PROMPT_INDEX + slot).to(tl.int64)
+        prompt = entry * stride_pe + head * stride_ph
+        m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, tl.load(PROMPT_LEN + slot).to(tl.int32), stride_pl,
+                                m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
+        response = slot * stride_rb + head * stride_rh
+        m_i, l_i, acc = _attend(q, RK + response, RV + response, tl.load(RESPONSE_LEN + slot).to(tl.int32),
+                                stride_rl, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
+        tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=row_mask)

@@ -1,0 +1,231 @@
+"""Prefix-shared decode attention: the Triton kernel (interpret mode on CPU) vs the PyTorch reference vs
+SDPA, and the built-in engine on the prefix-shared layout vs HF and vs the per-slot SDPA layout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridrl.rollout import decode_attention
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.builtin import BuiltinBackend
+from hybridrl.rollout.kv_cache import CacheGeometry, PrefixSharedKVCache, SlotKVCache, max_slots
+from hybridrl.rollout.scheduler import PromptEntries
+from hybridrl.rollout.decode_attention import reference_decode_attention, triton_decode_attention
+
+sys.path.insert(0, os.path.dirname(__file__))
+from decode_attention_cases import CASES, INTERPRETER_SHIM, TOLERANCE, make_case  # noqa: E402
+from test_builtin_engine import PROMPTS, hf_greedy, hf_logprobs, make_model  # noqa: E402
+
+HAS_TRITON = decode_attention.triton is not None
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def sdpa_on_concatenated_kv(case: dict) -> torch.Tensor:
+    """Per slot: SDPA (float32) of its folded query rows over cat(prompt keys, response keys), the keys the
+    per-slot layout would hold; independent of the reference's masking arithmetic."""
+    outputs = []
+    for b in range(case["q"].shape[0]):
+        entry, prompt_len, response_len = (int(case[k][b]) for k in ("prompt_index", "prompt_len", "response_len"))
+        keys = torch.cat((case["prompt_k"][entry, :, :prompt_len], case["response_k"][b, :, :response_len]), dim=1)
+        values = torch.cat((case["prompt_v"][entry, :, :prompt_len], case["response_v"][b, :, :response_len]), dim=1)
+        outputs.append(F.scaled_dot_product_attention(case["q"][b].float(), keys.float(), values.float(),
+                                                      scale=case["scale"]))
+    return torch.stack(outputs).to(case["q"].dtype)
+
+
+@pytest.mark.parametrize("shape", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_reference_equals_sdpa_on_concatenated_kv(shape, dtype):
+    case = make_case(0, *shape, dtype=dtype)
+    torch.testing.assert_close(reference_decode_attention(**case), sdpa_on_concatenated_kv(case), **TOLERANCE[dtype])
+
+
+def test_reference_gives_zeros_when_a_slot_sees_no_key():
+    case = make_case(1, 3, 2, 4, 32, 2, 8, 8)
+    case["prompt_len"][1], case["response_len"][1] = 0, 0
+    out = reference_decode_attention(**case)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and out.isfinite().all()
+
+
+def run_in_interpreter(check: str) -> str:
+    """Run `decode_attention_cases.<check>()` in a subprocess with TRITON_INTERPRET=1 (the kernel is built
+    in interpret mode only if the variable is set before decode_attention is first imported)."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {tests_dir!r})\n{INTERPRETER_SHIM}\n" \
+           f"import decode_attention_cases as cases; cases.{check}()"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(tests_dir), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
+def test_triton_kernel_matches_reference_in_interpret_mode():
+    assert "kernel cases passed" in run_in_interpreter("check_kernel_cases")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
+@pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~10 s: the engine "
+                    "runs the kernel in Triton's interpreter)")
+def test_engine_with_triton_kernel_in_interpret_mode_matches_sdpa():
+    assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel")
+
+
+def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int):
+    """Compile the kernel ahead of time for sm_90 (Triton's own ptxas; no GPU or driver needed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = decode_attention._decode_attention_kernel
+    signature = {name: "constexpr" for name in kernel.arg_names}
+    signature.update({name: "*" + dtype for name in ("Q", "PK", "PV", "RK", "RV", "OUT")})
+    signature.update({name: "*i64" for name in ("PROMPT_INDEX", "PROMPT_LEN", "RESPONSE_LEN")})
+    signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride")}, qk_scale="fp32")
+    pad = lambda value: max(decode_attention.MIN_DOT_ROWS, 1 << (value - 1).bit_length())  # noqa: E731
+    constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=pad(group), BLOCK_D=pad(head_dim),
+                     BLOCK_N=decode_attention.BLOCK_N // (2 if dtype == "fp32" else 1), IEEE=dtype == "fp32")
+    return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
+                                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
+@pytest.mark.parametrize("dtype, group, head_dim", [("bf16", 7, 64), ("fp32", 2, 16), ("fp32", 4, 128)])
+def test_triton_kernel_compiles_for_hopper(dtype, group, head_dim):
+    """The interpreter does not lower the kernel; this does (to a cubin), so type errors in the compiled
+    path and shared-memory overuse show up on CPU. Cases: the benchmark's (bf16, group 7, head_dim 64),
+    the GPU test's tiny float32 model, and the largest float32 tiles (head_dim 128)."""
+    if not isinstance(decode_attention._decode_attention_kernel, decode_attention.triton.runtime.JITFunction):
+        pytest.skip("the kernel was built in interpret mode (TRITON_INTERPRET is set)")
+    compiled = compile_kernel_for_hopper(dtype, group, head_dim)
+    assert "cubin" in compiled.asm and compiled.metadata.shared < 160 * 1024  # H200: 227 KiB per block
+
+
+def test_prompt_entries_are_refcounted_and_reused():
+    entries = PromptEntries(2)
+    assert entries.acquire(5) == (0, True) and entries.acquire(5) == (0, False) and entries.acquire(7) == (1, True)
+    entries.release(5)
+    assert entries.entry_of == {5: 0, 7: 1} and entries.free == []  # prompt 5 still has a live sample
+    entries.release(5)
+    assert entries.acquire(8) == (0, True)  # the freed entry is reused
+    with pytest.raises(AssertionError, match="prompt entries"):
+        entries.acquire(9)
+
+
+def test_prefix_shared_layout_stores_prompts_once_so_more_slots_fit():
+    geometry = CacheGeometry(num_layers=24, num_kv_heads=2, head_dim=64, element_size=2, longest_prompt=256,
+                             max_new_tokens=256, num_prompts=64)
+    assert PrefixSharedKVCache.bytes_for(geometry, 512) < 0.6 * SlotKVCache.bytes_for(geometry, 512)
+    budget = SlotKVCache.bytes_for(geometry, 300)
+    assert max_slots(lambda s: SlotKVCache.bytes_for(geometry, s), budget, 512) == 300
+    assert max_slots(lambda s: PrefixSharedKVCache.bytes_for(geometry, s), budget, 512) == 512
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_prefix_shared_engine_matches_hf(family):
+    model = make_model(family)
+    engine = BuiltinBackend(model, attention="triton")  # on CPU: prefix-shared layout, reference attention
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0, n=3))
+    assert engine.last_stats["attention"] == "reference"
+    for generation in outputs:
+        prompt = PROMPTS[generation.prompt_index]
+        assert generation.token_ids == hf_greedy(model, prompt, 16)
+        torch.testing.assert_close(torch.tensor(generation.logprobs), hf_logprobs(model, prompt, generation.token_ids),
+                                   atol=1e-4, rtol=0)
+    sampled = SamplingParams(max_new_tokens=10, temperature=0.9, n=3, seed=4)
+    shared = BuiltinBackend(model, attention="triton").generate(PROMPTS, sampled)
+    per_slot = BuiltinBackend(model, attention="sdpa").generate(PROMPTS, sampled)
+    assert [g.token_ids for g in shared] == [g.token_ids for g in per_slot]
+    for a, b in zip(shared, per_slot):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_prefix_shared_continuous_batching_reuses_entries_and_compacts(family, monkeypatch):
+    model = make_model(family)
+    prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(10)]
+    free_run = BuiltinBackend(model, attention="sdpa").generate(prompts, SamplingParams(max_new_tokens=12, temperature=0))
+    # Uneven lengths: slots free up mid-run. (This eos and 5 slots make both families compact at the end.)
+    model.generation_config.eos_token_id = free_run[0].token_ids[1]
+    params = SamplingParams(max_new_tokens=12, temperature=0, n=3)
+    reference = BuiltinBackend(model, attention="sdpa").generate(prompts, params)
+    moves = []
+    original_move = PrefixSharedKVCache.move
+    monkeypatch.setattr(PrefixSharedKVCache, "move", lambda self, s, d: (moves.append(len(s)), original_move(self, s, d)))
+    resident = []  # prompts prefilled only for their logits: an earlier sample already filled their entry
+    original_writes = PrefixSharedKVCache.prefill_writes
+
+    def prefill_writes(self, rows, sequences):
+        written_rows, entries = original_writes(self, rows, sequences)
+        resident.extend(set(rows) - set(written_rows))
+        return written_rows, entries
+
+    monkeypatch.setattr(PrefixSharedKVCache, "prefill_writes", prefill_writes)
+    engine = BuiltinBackend(model, attention="triton", max_num_seqs=5, sync_every=2, release_after_generate=False)
+    outputs = engine.generate(prompts, params)
+    assert engine.last_stats["num_slots"] == 5 and engine.last_stats["prefill_waves"] >= 5
+    assert engine.cache.prompt_kv.shape[2] == 5  # 10 prompts through 5 entries: entries were reused
+    assert moves, "no compaction happened"
+    assert resident, "no prompt was admitted while its entry was live"
+    assert [g.token_ids for g in outputs] == [g.token_ids for g in reference]
+    assert [g.finish_reason for g in outputs] == [g.finish_reason for g in reference]
+    assert {g.finish_reason for g in reference} == {"stop", "length"}
+    for a, b in zip(outputs, reference):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_attention_option_is_validated_and_plumbed_from_the_config():
+    from hybridrl.components import build_rollout
+    from hybridrl.config import ConfigError, load_config
+
+    with pytest.raises(ValueError, match="attention must be one of"):
+        BuiltinBackend(make_model("qwen2"), attention="flash")
+    with pytest.raises(ConfigError, match="rollout.attention must be one of"):
+        load_config(None, ["rollout.attention=flash"])
+    config = load_config(None, ["rollout.attention=triton", "rollout.backend=builtin"])
+    backend = build_rollout(config, make_model("qwen2"), None, torch.device("cpu"))
+    assert isinstance(backend, BuiltinBackend) and backend.attention == "triton"
+    assert load_config(None, []).rollout.attention == "auto"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_kernel_and_engine_on_cuda():
+    for seed, shape in enumerate(CASES + [(512, 2, 7, 64, 64, 256, 256)]):  # the last one: the benchmark's shape
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            case = make_case(seed, *shape, dtype=dtype, device="cuda")
+            torch.testing.assert_close(triton_decode_attention(**case), reference_decode_attention(**case),
+                                       **TOLERANCE[dtype])
+    model = make_model("qwen2").cuda()
+    prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(9)]
+    for params in (SamplingParams(max_new_tokens=20, temperature=0, n=2),
+                   SamplingParams(max_new_tokens=12, temperature=0.9, n=3, seed=5)):
+        triton_engine = BuiltinBackend(model, attention="triton", max_num_seqs=5, sync_every=3)  # compiled + graphs
+        shared = triton_engine.generate(prompts, params)
+        assert triton_engine.last_stats["attention"] == "triton" and triton_engine.last_stats["graphs_captured"] >= 1
+        assert [g.token_ids for g in triton_engine.generate(prompts, params)] == [g.token_ids for g in shared]
+        per_slot = BuiltinBackend(model, attention="sdpa", max_num_seqs=5, sync_every=3).generate(prompts, params)
+        assert [g.token_ids for g in shared] == [g.token_ids for g in per_slot]
+        for a, b in zip(shared, per_slot):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    for generation in shared[::3]:  # sampled at T=0.9: log-probs against the HF forward pass
+        ids = torch.tensor([prompts[generation.prompt_index] + generation.token_ids], device="cuda")
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompts[generation.prompt_index]) - 1 : -1].float()
+        reference = torch.log_softmax(logits / 0.9, -1).gather(1, ids[0, -len(generation.token_ids):, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(generation.logprobs), reference.cpu(), atol=1e-4, rtol=0)
