@@ -103,7 +103,8 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
         trainer__save_model=False, trainer__output_dir=tempfile.mkdtemp(), logging__sinks=["jsonl"],
         actor__lr=1e-6, actor__micro_batch_size=min(32, spec["prompts"] * spec["n"]),
         actor__max_tokens_per_micro_batch=spec["max_tokens"], actor__optimizer_offload=spec.get("offload", False),
-        algorithm__name="grpo", algorithm__kl_coef=0.0, rollout__ignore_eos=True)
+        algorithm__name="grpo", algorithm__kl_coef=0.0, rollout__ignore_eos=True,
+        rollout__attention=os.environ.get("HYBRIDRL_BENCH_ATTENTION", "auto"))
     trainer = RLTrainer(actor=HFModel(model, tokenizer), reward_fn=even_fraction, dataset=dataset, **settings)
     trainable = sum(p.numel() for p in trainer.parts.actor.parameters() if p.requires_grad)
     if device == "cuda":

@@ -57,6 +57,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--reshard-every-micro-batch", action="store_true",
                         help="FSDP2's default: gather weights and reduce-scatter gradients in every micro-batch")
     parser.add_argument("--kv-cache-memory", type=float, default=0.3)
+    parser.add_argument("--attention", default="auto", choices=["auto", "triton", "sdpa"], help="engine decode attention")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
     parser.add_argument("--peak-tflops", type=float, default=785.0)
     parser.add_argument("--device", default="cuda")
@@ -109,7 +110,8 @@ def grpo_step(model, optimizer, prompts, args, setup, timings: dict[str, float])
     start = time.perf_counter()
     model.eval()
     with torch.no_grad(), distributed.gather_for_rollout(model) as weights:
-        engine = BuiltinBackend(model, tokenizer=_IdTokenizer(), kv_cache_memory=args.kv_cache_memory)
+        engine = BuiltinBackend(model, tokenizer=_IdTokenizer(), kv_cache_memory=args.kv_cache_memory,
+                                attention=args.attention)
         generations = distributed.generate_sharded(engine, prompts, params, setup)
         engine.release_memory()
     model.train()

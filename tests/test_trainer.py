@@ -122,3 +122,28 @@ def test_missing_reward_and_data_are_clear(tmp_path):
     with pytest.raises(Exception, match="does not exist|not found|no such"):
         RLTrainer(trainer__device="cpu", data__train_path=str(tmp_path / "x.jsonl"),
                   reward__functions=[{"fn": "exact_match"}], model__path="tiny:llama")
+
+
+def test_on_policy_reuse_of_update_logprobs_matches_the_extra_pass(tmp_path):
+    """One optimizer step per rollout: taking the old log-probs from the update's own forward (skipping the
+    no-grad pass) gives the same update and the same sampler-mismatch metric as computing them first."""
+    results = []
+    for reuse in (True, False):
+        trainer = make_trainer(tmp_path / str(reuse), trainer__total_steps=2, actor__lr=1e-3,
+                               actor__reuse_logprobs_on_policy=reuse)
+        assert trainer.reuses_update_logprobs(32) is reuse
+        history = trainer.train()
+        results.append((history, [p.detach().clone() for p in trainer.parts.actor.parameters()]))
+    (reused, params_reused), (computed, params_computed) = results
+    for a, b in zip(params_reused, params_computed):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    for key in ("actor/policy_loss", "actor/grad_norm", "rollout/logprob_diff_mean", "rollout/logprob_diff_max"):
+        assert reused[-1][key] == pytest.approx(computed[-1][key], rel=1e-5, abs=1e-7), key
+    assert reused[-1]["actor/clipfrac"] == 0.0
+
+
+def test_old_logprob_pass_still_runs_when_needed(tmp_path):
+    several_steps = make_trainer(tmp_path / "a", actor__ppo_epochs=2)
+    assert not several_steps.reuses_update_logprobs(32)
+    mini_batches = make_trainer(tmp_path / "b", actor__mini_batch_size=16)
+    assert not mini_batches.reuses_update_logprobs(32)
