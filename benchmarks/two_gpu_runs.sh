@@ -2,7 +2,7 @@
 # The 2-GPU checks of issue 5 in one go (nvidia-h200-x2): the trainer itself on 2 GPUs with sharded
 # checkpoints (save on 2, resume on 2, resume on 1), a split placement (actor on GPU 0, a reward model
 # on GPU 1) with per-GPU memory/utilisation sampled by nvidia-smi, then benchmarks/scaling.py --compare.
-#   OUT=/tmp/out bash benchmarks/two_gpu_runs.sh [shapes]
+#   OUT=/tmp/out bash benchmarks/two_gpu_runs.sh [shapes|none]      (none: skip the scaling benchmark)
 set -u -o pipefail
 OUT=${OUT:-/tmp/hybridrl-two-gpu}; mkdir -p "$OUT"
 SHAPES=${1:-grpo-0.5b,qwen2.5-1.5b}
@@ -47,4 +47,4 @@ run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${C
 echo "split-end $(date +%T.%N)"
 tail -1 "$WORK/split/metrics.jsonl" | tr ',' '\n' | grep -E "reward|step_s|peak"
 kill $SMI
-run timeout 420 python3 benchmarks/scaling.py --compare --shapes "$SHAPES" --steps 2
+[ "$SHAPES" = none ] || run timeout 420 python3 benchmarks/scaling.py --compare --shapes "$SHAPES" --steps 2

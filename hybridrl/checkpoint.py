@@ -3,8 +3,7 @@
 Layout of `output_dir/checkpoints/`:
 
     step_000010/
-        state/            actor, critic and optimizer tensors, written by torch.distributed.checkpoint
-                          through its safetensors (Hugging Face) storage writer
+        state/            actor, critic and optimizer tensors: plain safetensors files of <= 2 GiB
         rng.safetensors   RNG states of python, numpy, torch CPU and every CUDA device
         trainer.json      step, sampler position, scheduler states, optimizer hyper-parameters, metrics
         hf/               model config, generation config, tokenizer (what `hybridrl export` needs)
@@ -18,11 +17,13 @@ Choices:
   for the previous good one.
 - Nothing is unpickled: tensors are read with safetensors, everything else is JSON. RNG states and
   optimizer states are stored as tensors plus plain numbers.
-- DCP (`torch.distributed.checkpoint`) writes and reads the model and optimizer tensors, so the
-  same code path serves every setup; with one process it runs without a process group.
+- Tensors are full (unsharded) and written with safetensors directly; the state dicts come from
+  `torch.distributed.checkpoint.state_dict` (`get_state_dict`/`set_state_dict`), which also
+  handles FSDP2. DCP's own Hugging Face storage writer was used before, but what torch 2.11 wrote
+  with it on GPUs could not be read back (seen on 2 x H200), so the files are plain safetensors.
 - Several processes (FSDP2): the shards are gathered into full tensors on rank 0's CPU
   (`StateDictOptions(full_state_dict=True, cpu_offload=True)`), rank 0 writes them as one process
-  would, and on resume rank 0 reads them and `set_state_dict` broadcasts them back into shards. So a
+  would, and on resume every rank reads them and `set_state_dict` keeps its own shard. So a
   checkpoint does not depend on the number of processes (saved on 2 GPUs, resumed on 1 or 4). Each
   rank writes its own RNG state (`rng_rank<r>.safetensors`). The cost: rank 0's CPU must hold the
   whole model and optimizer state while saving (about 16 bytes per parameter with AdamW).
@@ -38,7 +39,6 @@ import shutil
 import signal
 import threading
 import time
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -58,7 +58,7 @@ class CheckpointError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Flat tensor state of models and optimizers (what DCP reads and writes)
+# Flat tensor state of models and optimizers (what the state/ files hold)
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -103,7 +103,7 @@ def tensor_state(parts: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(flat tensors for DCP, plain optimizer hyper-parameters) of actor, critic and their optimizers.
 
     With one process the tensors are the live ones (or, for a fresh optimizer, its just-initialised
-    state), so `dcp.load` into them restores in place. With several, every rank must call this (the
+    state), so `load_tensors_into` restores them in place. With several, every rank must call this (the
     shards are gathered); rank 0 gets full CPU copies and the other ranks get nothing.
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -123,7 +123,7 @@ def tensor_state(parts: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 def load_tensor_state(parts: Any, tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
-    """One process: `tensors` are the live ones, filled by `dcp_load`; put the optimizer slots back."""
+    """One process: `tensors` are the live ones, filled by `load_tensors_into`; put the optimizer slots back."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     for role, model, optimizer in _roles(parts):
@@ -142,9 +142,7 @@ def load_full_state(parts: Any, directory: Path, plain: dict[str, Any]) -> None:
     rank (rank 0 reading and broadcasting hung with torch 2.13 when the other ranks passed empty dicts)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    full: dict[str, torch.Tensor] = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        full.update(load_file(path))
+    full = read_tensors(directory)
     for role, model, optimizer in _roles(parts):
         aliases = tied_aliases(model)
         model_sd = {name: full[f"{role}.{aliases.get(name, name)}"] for name in model.state_dict()}
@@ -165,22 +163,44 @@ def _param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**group, **({"betas": tuple(group["betas"])} if "betas" in group else {})} for group in groups]
 
 
-def dcp_save(tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    """Write `tensors` (full tensors, from this process alone) as safetensors under `directory`."""
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(directory)), no_dist=True)
+FILE_BYTES = 2 * 2**30
+"""Tensor files are cut at about this size, so saving copies at most one file's worth to the CPU at once."""
 
 
-def dcp_load(tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    """Fill `tensors` in place from `directory` (keys absent from `tensors` are not read)."""
-    import torch.distributed.checkpoint as dcp
+def save_tensors(tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    """Write full tensors as plain safetensors files (`part-00001.safetensors`, ...) under `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    size = index = 0
+    for name, tensor in tensors.items():
+        shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        size += tensor.numel() * tensor.element_size()
+        if size >= FILE_BYTES:
+            index += 1
+            save_file(shard, directory / f"part-{index:05d}.safetensors")
+            shard, size = {}, 0
+    if shard or index == 0:
+        save_file(shard, directory / f"part-{index + 1:05d}.safetensors")
 
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(directory)), no_dist=True)
+
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor under `directory`, on the CPU."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def load_tensors_into(tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    """Copy the saved values into `tensors` in place (each must have been saved)."""
+    saved = read_tensors(directory)
+    missing = sorted(set(tensors) - set(saved))
+    if missing:
+        raise CheckpointError(f"checkpoint {directory.parent} lacks {len(missing)} tensor(s) this run has, e.g. "
+                              f"{missing[0]!r}; it was saved by a different model or algorithm.")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            tensor.copy_(saved[name])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,7 +251,7 @@ def save_checkpoint(trainer: Any, root: str | Path, keep_last_n: int = 0) -> Pat
     save_file({k: v.contiguous() for k, v in rng_tensors.items()}, temporary / rng_file(setup.rank),
               metadata={"plain": json.dumps(rng_plain)})
     if setup.is_main:
-        dcp_save(tensors, temporary / "state")
+        save_tensors(tensors, temporary / "state")
         _write_trainer_files(trainer, temporary, optimizer_groups, rng_plain)
     distributed.barrier(setup)  # every rank's RNG file is written before the marker lists them
     if setup.is_main:
@@ -436,7 +456,7 @@ def load_checkpoint(trainer: Any, directory: str | Path) -> float:
         load_full_state(parts, directory / "state", state["optimizer_groups"])
     else:
         tensors, _ = tensor_state(parts)
-        dcp_load(tensors, directory / "state")
+        load_tensors_into(tensors, directory / "state")
         load_tensor_state(parts, tensors, state["optimizer_groups"])
     for role, scheduler in (("actor", parts.actor_scheduler), ("critic", parts.critic_scheduler)):
         if scheduler is not None and role in state["schedulers"]:

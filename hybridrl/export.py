@@ -1,7 +1,7 @@
 """Checkpoint -> Hugging Face directory that `AutoModelForCausalLM.from_pretrained` loads.
 
 The actor is rebuilt from the config saved in the checkpoint's `hf/` folder, its tensors are read
-back through the same DCP/safetensors reader that resume uses (so a sharded checkpoint exports the
+back through the same safetensors reader that resume uses (so a sharded checkpoint exports the
 same way), and `save_pretrained` writes safetensors, config, generation config and tokenizer.
 LoRA runs (peft) are either merged into the base weights (`merge_lora=True`, a plain model) or
 written as a peft adapter directory. The LoRA path needs `peft` and is only exercised by the tests
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hybridrl.checkpoint import CheckpointError, dcp_load, model_state, read_trainer_state, resolve_resume
+from hybridrl.checkpoint import CheckpointError, load_tensors_into, model_state, read_trainer_state, resolve_resume
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge_lora: bool = True) -> Path:
@@ -31,7 +31,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge_lora: b
     if state.get("peft"):
         model = wrap_lora(model, state["peft"])
     tensors = {f"actor.{name}": tensor for name, tensor in model_state(model).items()}
-    dcp_load(tensors, directory / "state")
+    load_tensors_into(tensors, directory / "state")
     if state.get("peft") and merge_lora:
         model = model.merge_and_unload()
     out_dir = Path(out_dir)
