@@ -110,6 +110,10 @@ def tensor_state(parts: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
     tensors, plain = {}, {}
     for role, model, optimizer in _roles(parts):
+        if parts.setup.is_distributed and getattr(optimizer, "offload", False):
+            raise CheckpointError(f"cannot checkpoint the {role}: with several processes its offloaded optimizer state "
+                                  "is per-rank shards that are not gathered yet; set actor.optimizer_offload=false "
+                                  "(and critic's) to save checkpoints on several GPUs.")
         options = _state_options(parts)
         model_sd, optim_state = get_state_dict(model, optimizer, options=options)
         if options is None:
@@ -167,12 +171,17 @@ FILE_BYTES = 2 * 2**30
 """Tensor files are cut at about this size, so saving copies at most one file's worth to the CPU at once."""
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    """Write full tensors as plain safetensors files (`part-00001.safetensors`, ...) under `directory`."""
+def save_tensors(tensors: dict[str, Any], directory: Path) -> None:
+    """Write full tensors as plain safetensors files (`part-00001.safetensors`, ...) under `directory`;
+    plain numbers among them (LeanAdamW's integer `step`) go to `numbers.json`."""
     directory.mkdir(parents=True, exist_ok=True)
+    numbers = {name: value for name, value in tensors.items() if not isinstance(value, torch.Tensor)}
+    (directory / "numbers.json").write_text(json.dumps(numbers))
     shard: dict[str, torch.Tensor] = {}
     size = index = 0
     for name, tensor in tensors.items():
+        if name in numbers:
+            continue
         shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
         size += tensor.numel() * tensor.element_size()
         if size >= FILE_BYTES:
@@ -183,16 +192,18 @@ def save_tensors(tensors: dict[str, torch.Tensor], directory: Path) -> None:
         save_file(shard, directory / f"part-{index + 1:05d}.safetensors")
 
 
-def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor under `directory`, on the CPU."""
-    tensors: dict[str, torch.Tensor] = {}
+def read_tensors(directory: Path) -> dict[str, Any]:
+    """Every tensor under `directory`, on the CPU, and the plain numbers saved beside them."""
+    saved: dict[str, Any] = {}
     for path in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return tensors
+        saved.update(load_file(path))
+    if (directory / "numbers.json").is_file():
+        saved.update(json.loads((directory / "numbers.json").read_text()))
+    return saved
 
 
-def load_tensors_into(tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    """Copy the saved values into `tensors` in place (each must have been saved)."""
+def load_tensors_into(tensors: dict[str, Any], directory: Path) -> None:
+    """Copy the saved values into `tensors`: tensors in place, plain numbers by replacing the entry."""
     saved = read_tensors(directory)
     missing = sorted(set(tensors) - set(saved))
     if missing:
@@ -200,7 +211,10 @@ def load_tensors_into(tensors: dict[str, torch.Tensor], directory: Path) -> None
                               f"{missing[0]!r}; it was saved by a different model or algorithm.")
     with torch.no_grad():
         for name, tensor in tensors.items():
-            tensor.copy_(saved[name])
+            if isinstance(tensor, torch.Tensor) and isinstance(saved[name], torch.Tensor):
+                tensor.copy_(saved[name])
+            else:
+                tensors[name] = saved[name]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -54,6 +54,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_step
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def _flat(moment: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of a moment as one flat view (a DTensor's local shard)."""
+    return (moment.to_local() if hasattr(moment, "to_local") else moment).view(-1)
+
+
 def stochastic_round_to_bf16(values: torch.Tensor) -> torch.Tensor:
     """float32 -> bfloat16, rounding up with probability equal to the dropped fraction (unbiased)."""
     bits = values.view(torch.int32)
@@ -75,14 +80,36 @@ class LeanAdamW(torch.optim.Optimizer):
         self.offload, self.chunk_elements = offload, chunk_elements
 
     def _moments(self, param: torch.Tensor, local: torch.Tensor) -> dict:
+        """The state of `param`; moments shaped like it. An FSDP2 (DTensor) parameter gets DTensor moments
+        sharded the same way, so `get_state_dict` can gather them for a checkpoint; offloaded moments
+        are this rank's shard in pinned CPU memory."""
         state = self.state[param]
         if not state:
-            device = "cpu" if self.offload else local.device
-            pin = self.offload and local.is_cuda
             state["step"] = 0
-            for key in ("exp_avg", "exp_avg_sq"):  # of this rank's shard when FSDP shards the parameter
-                state[key] = torch.zeros(local.numel(), dtype=torch.float32, device=device, pin_memory=pin)
+            for key in ("exp_avg", "exp_avg_sq"):
+                if self.offload:
+                    state[key] = torch.zeros(local.shape, dtype=torch.float32, device="cpu", pin_memory=local.is_cuda)
+                else:
+                    state[key] = torch.zeros_like(param.detach(), dtype=torch.float32)
         return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, but the moments stay float32 (torch casts floating state to the parameter's dtype,
+        which would round them to bf16) and offloaded ones go back to pinned CPU memory."""
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        moments = {i: {key: value for key, value in state_dict["state"].get(i, {}).items() if key != "step"}
+                   for i in saved_ids}
+        super().load_state_dict(state_dict)
+        for saved_id, param in zip(saved_ids, params):
+            for key, value in moments[saved_id].items():
+                home = self.state[param][key]
+                if self.offload:
+                    local = value.to_local() if hasattr(value, "to_local") else value
+                    self.state[param][key] = local.to("cpu", torch.float32).pin_memory() if param.is_cuda \
+                        else local.to("cpu", torch.float32, copy=True)
+                else:
+                    self.state[param][key] = value.to(device=home.device, dtype=torch.float32, copy=True)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -101,7 +128,7 @@ class LeanAdamW(torch.optim.Optimizer):
                 weights, grads = data.view(-1), grad_full.view(-1)
                 for start in range(0, weights.numel(), self.chunk_elements):
                     chunk = slice(start, start + self.chunk_elements)
-                    m_home, v_home = state["exp_avg"][chunk], state["exp_avg_sq"][chunk]
+                    m_home, v_home = _flat(state["exp_avg"])[chunk], _flat(state["exp_avg_sq"])[chunk]
                     m, v = m_home.to(data.device, non_blocking=True), v_home.to(data.device, non_blocking=True)
                     grad = grads[chunk].float()
                     m.lerp_(grad, 1 - beta1)

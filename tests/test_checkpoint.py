@@ -164,3 +164,37 @@ def test_resume_off_and_bad_paths(killed_run, tmp_path):
     fresh = make_trainer(copy_run(killed_run, tmp_path / "run"), trainer__resume="off", trainer__total_steps=1,
                          trainer__save_every=0)
     assert [row["step"] for row in fresh.train()] == [1]
+
+
+def test_bf16_lean_adamw_resume_is_exact(tmp_path):
+    """bf16 parameters train with LeanAdamW, whose `step` is a Python int (saved in numbers.json) and whose
+    moments must stay float32 through load_state_dict: stopped by SIGTERM after step 2 and resumed, the run
+    ends with the same metrics and weights as a run that never stopped."""
+    def bf16_trainer(out: Path, reward) -> RLTrainer:
+        actor = tiny_actor()
+        actor.model.to(torch.bfloat16)
+        dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
+        return RLTrainer(actor=actor, reward_fn=reward, dataset=dataset, trainer__output_dir=str(out),
+                         **{**SETTINGS, "trainer__total_steps": 3, "trainer__save_every": 0})
+
+    calls = []
+
+    def stop_after_two(prompts, completions, **columns):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return contains_seven(prompts, completions)
+    stop_after_two.__name__ = "contains_seven"  # the same metric names as the straight run
+
+    straight = bf16_trainer(tmp_path / "straight", contains_seven)
+    assert type(straight.parts.actor_optimizer).__name__ == "LeanAdamW"
+    reference = straight.train()
+    assert len(bf16_trainer(tmp_path / "stopped", stop_after_two).train()) == 2
+    assert (tmp_path / "stopped" / "checkpoints" / "step_000002" / "state" / "numbers.json").is_file()
+    resumed_trainer = bf16_trainer(tmp_path / "stopped", contains_seven)
+    resumed = resumed_trainer.train()
+    moments = next(iter(resumed_trainer.parts.actor_optimizer.state.values()))
+    assert moments["exp_avg"].dtype == torch.float32 and isinstance(moments["step"], int)
+    assert comparable(resumed) == comparable(reference)
+    for a, b in zip(parameters(resumed_trainer), parameters(straight)):
+        assert torch.equal(a, b)

@@ -253,7 +253,7 @@ def _cli_overrides(tmp_path, out, steps: int, num_gpus: int) -> list[str]:
             "rollout.max_new_tokens=4", "rollout.num_samples_per_prompt=4", "trainer.prompts_per_step=8",
             "actor.micro_batch_size=8", "actor.lr=1e-3", f"trainer.total_steps={steps}", "trainer.device=cpu",
             f"trainer.num_gpus={num_gpus}", f"trainer.output_dir={out}", "logging.sinks=[jsonl]",
-            "trainer.save_every=1", "trainer.save_model=false"]
+            "trainer.save_every=1", "trainer.save_model=false", "model.dtype=bfloat16"]
 
 
 def _train(tmp_path, overrides: list[str]) -> None:
@@ -269,8 +269,9 @@ def _train(tmp_path, overrides: list[str]) -> None:
 
 @pytest.mark.skipif(not _wired(), reason="trainer.num_gpus is not wired into config/components/trainer yet")
 def test_two_process_checkpoint_resumes_exactly_and_on_one_process(tmp_path):
-    """Saved by 2 ranks (rank 0 gathers the FSDP shards), resumed by 2 ranks: the same step-3 metrics as
-    a run that never stopped; resumed by 1 process: it loads and trains on (the checkpoint is unsharded)."""
+    """bf16 parameters, so LeanAdamW with DTensor moments, as on GPUs. Saved by 2 ranks (rank 0 gathers the
+    FSDP shards), resumed by 2 ranks: the same step-3 metrics as a run that never stopped; resumed by 1
+    process: it loads and trains on (the checkpoint is unsharded)."""
     import json
     import shutil
 
