@@ -10,8 +10,8 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
   built-in rollout engine with a 3.2 GiB KV cache (all 512 sequences at once), 16k-token micro-batches.
 - `grpo-0.5b-offload`: the same with the AdamW state in CPU memory.
 - `1.5b-full`: Qwen2.5-1.5B shape, full-parameter, optimizer state offloaded, 3 GiB KV cache.
-- `7b-lora`: Qwen2.5-7B shape (untied head), LoRA rank 16 on all linear layers, HF generate (the engine
-  does not apply adapters yet), 16 prompts x 4 to keep the run short.
+- `7b-lora`: Qwen2.5-7B shape (untied head), LoRA rank 16 on all linear layers, built-in engine applying
+  the adapter in place, 16 prompts x 4 to keep the run short.
 - `trl`: `shared/peers/trl_grpo_gpu.py` (TRL 1.16, HF generate, fp32 master weights + bf16 autocast) on the
   grpo-0.5b shape, as a subprocess; its script must be at `--trl-script` with trl/datasets importable.
 
@@ -49,7 +49,7 @@ MODES = {
     "grpo-0.5b": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=16384),
     "grpo-0.5b-offload": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=16384, offload=True),
     "1.5b-full": dict(shape="1.5b", prompts=64, n=8, steps=2, kv_gib=3.0, max_tokens=16384, offload=True),
-    "7b-lora": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16, backend="hf"),
+    "7b-lora": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16),
 }
 
 
@@ -147,6 +147,8 @@ def floor(model, config, spec, prompt_len: int, response_len: int, train_flops: 
 
 def run_trl(script: str, timeout: int) -> dict:
     env = {**os.environ, "P": "64", "G": "8", "R": "256", "STEPS": os.environ.get("TRL_STEPS", "2"), "MB": "16"}
+    # TRL's Trainer wraps the model in nn.DataParallel when it sees several GPUs, which GRPOTrainer refuses.
+    env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     try:
         done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

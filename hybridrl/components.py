@@ -97,9 +97,6 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
             supported, reason = False, "the built-in engine is not available in this install"
         else:  # `supports` is a static method: builtin.py exports no module-level `supports`
             supported, reason = BuiltinBackend.supports(actor)
-        if supported and backend == "auto" and hasattr(actor, "peft_config"):
-            # LoRA in the engine is tested against peft on CPU only; its CUDA-graph path has not run on a GPU
-            supported, reason = False, "LoRA in the built-in engine is opt-in (rollout.backend=builtin) until tested on GPU"
         if supported and (backend == "builtin" or device.type == "cuda"):
             return BuiltinBackend(actor, tokenizer=tokenizer, kv_cache_memory=config.rollout.kv_cache_memory,
                                   attention=config.rollout.attention)
