@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import resource
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -156,23 +156,34 @@ class RLTrainer:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch) -> None:
-        """Old-policy and reference log-probs, and critic values, before any update of this step."""
+        """Old-policy and reference log-probs, and critic values, before any update of this step.
+
+        Each model runs over this rank's rows in turn, with its weights gathered once (FSDP) and freed
+        before the next model, so at most one model is whole on a GPU at a time."""
         temperature = self.config.rollout.temperature
-        micro = self.config.actor.micro_batch_size
-        old, ref, values = [], [], []
-        if self.reuses_update_logprobs(len(batch)) and self.parts.reference is None and self.parts.critic is None:
-            batch.old_logp = batch.ref_logp = batch.old_values = None  # the update provides old_logp
-            return
-        rows = distributed.shard_rows(torch.arange(len(batch)), batch.attention_mask.sum(1), self.parts.setup)
-        gather_once = not self.config.trainer.fsdp_reshard_every_micro_batch
-        with ExitStack() as stack:
-            for model in (self.parts.actor, self.parts.reference, self.parts.critic):
-                stack.enter_context(distributed.gathered_for_micro_batches(model, gather_once))
-            self._logprob_micro_batches(batch, rows.split(micro), temperature, old, ref, values)
+        actor, reference, critic = self.parts.actor, self.parts.reference, self.parts.critic
+
+        def logprobs_of(model):
+            return lambda part: response_logprobs(model, part.input_ids, part.attention_mask, part.position_ids,
+                                                  part.response_length, temperature)[0]
+
+        passes = {  # batch field -> (model, what it computes per micro-batch)
+            "old_logp": None if self.reuses_update_logprobs(len(batch)) else (actor, logprobs_of(actor)),
+            "ref_logp": None if reference is None else (reference, logprobs_of(reference)),
+            "old_values": None if critic is None else (critic, lambda part: critic(
+                part.input_ids, part.attention_mask, part.position_ids)[:, -part.response_length - 1:-1]),
+        }
         setup = self.parts.setup
-        batch.old_logp = distributed.gather_rows(torch.cat(old), rows, len(batch), setup) if old else None
-        batch.ref_logp = distributed.gather_rows(torch.cat(ref), rows, len(batch), setup) if ref else None
-        batch.old_values = distributed.gather_rows(torch.cat(values), rows, len(batch), setup) if values else None
+        rows = distributed.shard_rows(torch.arange(len(batch)), batch.attention_mask.sum(1), setup)
+        gather_once = not self.config.trainer.fsdp_reshard_every_micro_batch
+        for field, job in passes.items():
+            setattr(batch, field, None)  # None for old_logp means: the update provides it
+            if job is None:
+                continue
+            model, compute = job
+            with distributed.gathered_for_micro_batches(model, gather_once):
+                outputs = [compute(batch.select(index)) for index in rows.split(self.config.actor.micro_batch_size)]
+            setattr(batch, field, distributed.gather_rows(torch.cat(outputs), rows, len(batch), setup))
 
     def reuses_update_logprobs(self, batch_size: int) -> bool:
         """True when the old-policy pass is skipped (`actor.reuse_logprobs_on_policy`): one optimizer step
@@ -181,18 +192,6 @@ class RLTrainer:
         one_step = act.ppo_epochs == 1 and (act.mini_batch_size == 0 or act.mini_batch_size >= batch_size)
         needed_early = a.kl_in_reward and self.parts.reference is not None
         return act.reuse_logprobs_on_policy and one_step and not needed_early
-
-    def _logprob_micro_batches(self, batch: RolloutBatch, micro_batches, temperature: float, old: list,
-                               ref: list, values: list) -> None:
-        for index in micro_batches:
-            part = batch.select(index)
-            inputs = (part.input_ids, part.attention_mask, part.position_ids)
-            if not self.reuses_update_logprobs(len(batch)):
-                old.append(response_logprobs(self.parts.actor, *inputs, part.response_length, temperature)[0])
-            if self.parts.reference is not None:
-                ref.append(response_logprobs(self.parts.reference, *inputs, part.response_length, temperature)[0])
-            if self.parts.critic is not None:
-                values.append(self.parts.critic(*inputs)[:, -part.response_length - 1:-1])
 
     def compute_advantages(self, batch: RolloutBatch) -> None:
         a = self.config.algorithm

@@ -73,9 +73,9 @@ def runs(tmp_path_factory):
     try:
         trainer = make_trainer(tmp_path_factory.mktemp("reference"), trainer__save_every=0)
         reference = comparable(trainer.train()), parameters(trainer)
-        marker = out / "checkpoints" / f"step_{KILL_AFTER:06d}" / "COMPLETE"
+        latest = out / "checkpoints" / "latest"  # written after the step's directory is renamed into place
         deadline = time.time() + 60
-        while not marker.exists():
+        while not (latest.exists() and latest.read_text().strip() == f"step_{KILL_AFTER:06d}"):
             assert child.poll() is None, child.stdout.read().decode()
             assert time.time() < deadline, "the child never saved its checkpoint"
             time.sleep(0.02)
