@@ -77,6 +77,8 @@ class RLTrainer:
     def train(self) -> list[dict[str, float]]:
         """Run until `trainer.total_steps`, evaluating every `eval_every` steps; returns the metric history."""
         cfg = self.config.trainer
+        if self.parts.setup.is_main:
+            print(self.describe(), flush=True)
         checkpoint.resume_from_config(self)
         with checkpoint.stop_on_signals() as stop:
             if cfg.eval_every and self.parts.eval_dataset is not None and self.step_count == 0:
@@ -96,9 +98,26 @@ class RLTrainer:
             state = distributed.full_state_dict(self.parts.actor, self.parts.setup)
             if self.parts.setup.is_main:
                 save_hf_model(self.parts.actor, self.parts.tokenizer, self.output_dir / "model", state_dict=state)
+                print(f"saved the trained model to {self.output_dir / 'model'} (a Hugging Face directory)", flush=True)
         self.logger.close()
         distributed.shutdown(self.parts.setup)
         return self.logger.history
+
+    def describe(self) -> str:
+        """One line on what this run is about to do: algorithm, model, devices, rollout, batch, output."""
+        c, parts = self.config, self.parts
+        trainable = sum(p.numel() for p in parts.actor.parameters() if p.requires_grad)
+        dtype = str(next(parts.actor.parameters()).dtype).removeprefix("torch.")
+        rollout = type(parts.rollout).__name__.removesuffix("Backend").lower()
+        if rollout == "builtin":
+            from hybridrl.rollout.builtin import resolve_attention
+
+            rollout += f" engine, {resolve_attention(parts.rollout.attention, self.device)} decode attention"
+        processes = f" x {parts.setup.world_size} processes" if parts.setup.is_distributed else ""
+        return (f"hybridrl: {c.algorithm.name} with {c.model.path} ({trainable / 1e6:.2f}M trainable parameters, {dtype}) "
+                f"on {self.device.type}{processes}; rollout: {rollout}; {c.trainer.prompts_per_step} prompts x "
+                f"{c.rollout.num_samples_per_prompt} samples per step, {c.trainer.total_steps} steps; "
+                f"output in {self.output_dir}")
 
     def step(self) -> dict[str, float]:
         """One rollout-and-update step."""

@@ -147,3 +147,12 @@ def test_old_logprob_pass_still_runs_when_needed(tmp_path):
     assert not several_steps.reuses_update_logprobs(32)
     mini_batches = make_trainer(tmp_path / "b", actor__mini_batch_size=16)
     assert not mini_batches.reuses_update_logprobs(32)
+
+
+def test_train_prints_what_it_is_about_to_do(tmp_path, capsys):
+    trainer = make_trainer(tmp_path, trainer__total_steps=1, trainer__save_model=True)
+    trainer.train()
+    out = capsys.readouterr().out
+    assert out.startswith("hybridrl: grpo with ")
+    assert "on cpu; rollout: hf; 8 prompts x 4 samples per step, 1 steps" in out
+    assert f"saved the trained model to {tmp_path / 'model'}" in out
