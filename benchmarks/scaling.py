@@ -58,6 +58,8 @@ def parse_args() -> argparse.Namespace:
                         help="FSDP2's default: gather weights and reduce-scatter gradients in every micro-batch")
     parser.add_argument("--kv-cache-memory", type=float, default=0.3)
     parser.add_argument("--attention", default="auto", choices=["auto", "triton", "sdpa"], help="engine decode attention")
+    parser.add_argument("--shard-size", type=int, default=0,
+                        help="trainer.fsdp_shard_size: 0 shards over all ranks, 1 replicates (no weight gathers)")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
     parser.add_argument("--peak-tflops", type=float, default=785.0)
     parser.add_argument("--device", default="cuda")
@@ -172,7 +174,7 @@ def floor(model_params: int, kv_bytes_per_token: int, args, num_gpus: int) -> fl
 def run_one(args) -> dict | None:
     from hybridrl import distributed
 
-    setup = distributed.init_from_env(args.device, hang_timeout_s=None)
+    setup = distributed.init_from_env(args.device, hang_timeout_s=None, shard_size=args.shard_size)
     model = build_model(args.shape, setup.device)
     num_params = sum(p.numel() for p in model.parameters())
     config = model.config
@@ -198,7 +200,8 @@ def run_one(args) -> dict | None:
     peak = torch.cuda.max_memory_allocated(setup.device) / 2**30 if setup.device.type == "cuda" else 0.0
     slowest = distributed.reduce_metrics({**mean, "peak_gib": peak}, setup)  # mean over ranks
     peak_max = distributed.all_reduce(torch.tensor([peak], device=setup.device), setup, op="max").item()
-    result = {"shape": args.shape + ("/reshard" if args.reshard_every_micro_batch else ""), "gpus": setup.world_size,
+    variant = ("/reshard" if args.reshard_every_micro_batch else "") + (f"/shard{args.shard_size}" if args.shard_size else "")
+    result = {"shape": args.shape + variant, "gpus": setup.world_size,
               **slowest, "peak_gib_max": peak_max,
               "params": num_params, "generated_tokens": args.prompts * args.n * args.response_len,
               "floor_s": floor(num_params, kv_bytes, args, setup.world_size), "torch": torch.__version__,

@@ -112,7 +112,8 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
                      dataset: PromptDataset | None = None, eval_dataset: PromptDataset | None = None) -> Components:
     device = resolve_device(config.trainer.device)
     placement = resolve_placement(config.trainer.device_mesh, config.trainer.num_gpus, device.type)
-    setup = distributed.init_from_env(device, placement.actor, hang_timeout_s=config.trainer.hang_timeout_s)
+    setup = distributed.init_from_env(device, placement.actor, hang_timeout_s=config.trainer.hang_timeout_s,
+                                      shard_size=config.trainer.fsdp_shard_size)
     device = setup.device
     seed_everything(config.trainer.seed)
     rewards = build_rewards(config, reward_fn, placement.device("reward", setup.local_rank))  # cheap errors first
@@ -146,10 +147,10 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
         reference = distributed.parallelize(reference, setup)
     model = distributed.parallelize(model, setup)
     actor_optimizer = build_optimizer(model.parameters(), a.lr, a.weight_decay, state_dtype=a.optimizer_state_dtype,
-                                      offload=a.optimizer_offload, eight_bit=a.optimizer_8bit)
+                                      offload=a.optimizer_offload, eight_bit=a.optimizer_8bit, seed=config.trainer.seed)
     critic_optimizer = critic_scheduler = None
     if critic is not None:
-        critic_optimizer = build_optimizer(critic.parameters(), config.critic.lr)
+        critic_optimizer = build_optimizer(critic.parameters(), config.critic.lr, seed=config.trainer.seed + 1)
         critic_scheduler = build_scheduler(critic_optimizer, config.critic.lr_schedule, config.critic.warmup_steps, total)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Components(

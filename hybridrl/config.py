@@ -241,6 +241,11 @@ class TrainerConfig:
     device_mesh: dict[str, Any] = field(default_factory=dict)
     """CUDA devices per role, e.g. {actor: [0], reward: [1]}; roles not listed share the actor's devices, and
     the actor defaults to devices 0..num_gpus-1. Checked by `placement.resolve_placement`."""
+    fsdp_shard_size: int = 0
+    """With several GPUs: how many share one copy of the weights and optimizer state. 0 shards over all of
+    them (FSDP, least memory); 1 keeps a full copy on each (replicated, like DDP: no weight gathers before
+    the rollout or in training, gradients all-reduced; each GPU needs the one-GPU memory); a divisor k
+    of trainer.num_gpus shards within groups of k and replicates across groups (HSDP)."""
     fsdp_reshard_every_micro_batch: bool = False
     """With several GPUs (FSDP2): false keeps each phase's full weights gathered across its micro-batches and
     reduce-scatters gradients once per mini-batch (fast; one extra full copy of weights and gradients per GPU
@@ -506,6 +511,9 @@ def validate(config: Config) -> None:
     batch = config.rollout_batch_size
     mini = act.mini_batch_size or batch
     _require(t.num_gpus >= 1, "trainer.num_gpus must be at least 1.")
+    _require(t.fsdp_shard_size >= 0 and (t.fsdp_shard_size == 0 or t.num_gpus % t.fsdp_shard_size == 0),
+             f"trainer.fsdp_shard_size={t.fsdp_shard_size} must be 0 (shard over all GPUs), 1 (replicate) or a divisor "
+             f"of trainer.num_gpus={t.num_gpus}.")
     _require(t.hang_timeout_s > 0, "trainer.hang_timeout_s must be > 0.")
     _require(mini % t.num_gpus == 0,
              f"trainer.num_gpus={t.num_gpus} must divide actor.mini_batch_size={mini} (each process takes an equal "

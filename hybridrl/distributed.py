@@ -67,13 +67,17 @@ class DistributedSetup:
 
 
 def init_from_env(device: torch.device | str = "auto", device_indices: Sequence[int] | None = None,
-                  timeout_s: float = 600.0, hang_timeout_s: float | None = 900.0) -> DistributedSetup:
+                  timeout_s: float = 600.0, hang_timeout_s: float | None = 900.0,
+                  shard_size: int = 0) -> DistributedSetup:
     """Join the process group that torchrun or the Ray launcher described in the environment.
 
     `device_indices` are the CUDA devices of the actor's group (see `placement.py`); local rank i
     uses `device_indices[i]` (default: device i). `timeout_s` bounds the rendezvous and every
     collective; `hang_timeout_s` is how long any rank may go without a `heartbeat()` before the run
-    is stopped with a message naming it (None disables the watchdog).
+    is stopped with a message naming it (None disables the watchdog). `shard_size` (0 = all ranks)
+    is how many ranks share one copy of the weights: below the world size the mesh is 2-D
+    (replicate x shard) and FSDP2 shards within groups of `shard_size` and replicates across them
+    (HSDP); 1 replicates everything, like DDP (no weight gathers; gradients all-reduced).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device = _resolve_device(device)
@@ -91,7 +95,14 @@ def init_from_env(device: torch.device | str = "auto", device_indices: Sequence[
                                 device_id=device if device.type == "cuda" else None)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("data",))
+    if shard_size in (0, world_size):
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("data",))
+    else:
+        if shard_size < 0 or world_size % shard_size:
+            raise ValueError(f"trainer.fsdp_shard_size={shard_size} must divide the number of processes ({world_size}); "
+                             "use 0 (shard over all), 1 (replicate) or a divisor.")
+        mesh = init_device_mesh(device.type, (world_size // shard_size, shard_size),
+                                mesh_dim_names=("replicate", "shard"))
     setup = DistributedSetup(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh)
     if hang_timeout_s and os.environ.get("HYBRIDRL_WATCHDOG", "1") != "0":
         from hybridrl.launch import Watchdog

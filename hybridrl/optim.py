@@ -23,7 +23,7 @@ SCHEDULES = {
 
 def build_optimizer(parameters: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
                     betas: tuple[float, float] = (0.9, 0.999), state_dtype: str = "float32", offload: bool = False,
-                    eight_bit: bool = False) -> torch.optim.Optimizer:
+                    eight_bit: bool = False, seed: int = 0) -> torch.optim.Optimizer:
     """AdamW: torch's fused one for float32 parameters; `LeanAdamW` for bf16 parameters (float32 state,
     no float32 weight copy) or CPU-offloaded state; bitsandbytes' 8-bit AdamW when `eight_bit`."""
     params = [p for p in parameters if p.requires_grad]
@@ -36,7 +36,7 @@ def build_optimizer(parameters: Iterable[torch.nn.Parameter], lr: float, weight_
         return bitsandbytes.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=weight_decay)
     low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
     if offload or (low_precision and state_dtype == "float32"):
-        return LeanAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, offload=offload)
+        return LeanAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, offload=offload, seed=seed)
     fused = bool(params) and params[0].is_cuda  # one kernel for the whole update on GPU
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)
 
@@ -59,10 +59,10 @@ def _flat(moment: torch.Tensor) -> torch.Tensor:
     return (moment.to_local() if hasattr(moment, "to_local") else moment).view(-1)
 
 
-def stochastic_round_to_bf16(values: torch.Tensor) -> torch.Tensor:
+def stochastic_round_to_bf16(values: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """float32 -> bfloat16, rounding up with probability equal to the dropped fraction (unbiased)."""
     bits = values.view(torch.int32)
-    noise = torch.randint_like(bits, 0, 1 << 16)
+    noise = torch.randint(0, 1 << 16, bits.shape, generator=generator, dtype=torch.int32, device=bits.device)
     return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: low 16 bits are zero
 
 
@@ -75,9 +75,23 @@ class LeanAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, offload: bool = False, chunk_elements: int = 2**24):
+                 weight_decay: float = 0.0, offload: bool = False, chunk_elements: int = 2**24, seed: int = 0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.offload, self.chunk_elements = offload, chunk_elements
+        self.offload, self.chunk_elements, self.seed = offload, chunk_elements, seed
+
+    def _rounding_generator(self, param: torch.Tensor, index: int, step: int, device: torch.device) -> torch.Generator:
+        """The stochastic-rounding noise of one parameter at one step: seeded by (seed, step, parameter,
+        shard), so replicas of a shard (several GPUs with fsdp_shard_size < num_gpus) round identically
+        and stay equal, different shards get different noise, and a resumed run rounds as the original."""
+        shard = 0
+        if hasattr(param, "device_mesh"):
+            coordinate = param.device_mesh.get_coordinate() or []
+            for dim, placement in enumerate(param.placements):
+                if placement.is_shard():
+                    shard = shard * param.device_mesh.size(dim) + coordinate[dim]
+        generator = torch.Generator(device=device)
+        generator.manual_seed(((self.seed * 1_000_003 + step) * 100_003 + index) * 1_009 + shard)
+        return generator
 
     def _moments(self, param: torch.Tensor, local: torch.Tensor) -> dict:
         """The state of `param`; moments shaped like it. An FSDP2 (DTensor) parameter gets DTensor moments
@@ -114,9 +128,11 @@ class LeanAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        index = -1
         for group in self.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for param in group["params"]:
+                index += 1
                 if param.grad is None:
                     continue
                 data, grad_full = param.data, param.grad
@@ -126,6 +142,8 @@ class LeanAdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 correction1, correction2 = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
                 weights, grads = data.view(-1), grad_full.view(-1)
+                noise = self._rounding_generator(param, index, state["step"], data.device) \
+                    if param.dtype == torch.bfloat16 else None
                 for start in range(0, weights.numel(), self.chunk_elements):
                     chunk = slice(start, start + self.chunk_elements)
                     m_home, v_home = _flat(state["exp_avg"])[chunk], _flat(state["exp_avg_sq"])[chunk]
@@ -136,8 +154,8 @@ class LeanAdamW(torch.optim.Optimizer):
                     updated = weights[chunk].float().mul_(1 - lr * decay)
                     denom = (v.sqrt() / correction2 ** 0.5).add_(eps)
                     updated.addcdiv_(m, denom, value=-lr / correction1)
-                    if param.dtype == torch.bfloat16:
-                        updated = stochastic_round_to_bf16(updated)
+                    if noise is not None:
+                        updated = stochastic_round_to_bf16(updated, noise)
                     weights[chunk].copy_(updated)
                     if self.offload:
                         m_home.copy_(m, non_blocking=True)

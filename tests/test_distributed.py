@@ -20,6 +20,7 @@ from conftest import tiny_actor
 from hybridrl import algorithms, distributed
 from hybridrl.distributed import DistributedSetup
 from hybridrl.logprobs import response_logprobs
+from hybridrl.optim import LeanAdamW
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.builtin import BuiltinBackend
 from hybridrl.rollout.hf import HFBackend
@@ -47,11 +48,11 @@ def make_batch(num: int = 8, prompt_len: int = 6, response_len: int = 5) -> dict
 
 
 def train(model: torch.nn.Module, batch: dict, setup: DistributedSetup, steps_mini: int = 8,
-          micro: int = 2, epochs: int = 4) -> list[float]:
+          micro: int = 2, epochs: int = 4, optimizer_class=torch.optim.AdamW) -> list[float]:
     """`update.run_epochs`'s loop with what data parallelism adds (`shard_micro_batches`, weights gathered once
     per mini-batch, gradients reduce-scattered only in the last of a rank's 2 micro-batches); returns the
     loss of every mini-batch (summed over ranks, so it is the global loss)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = optimizer_class(model.parameters(), lr=1e-2)
     num_tokens = batch["attention_mask"].sum(1)
     losses = []
     for micros in mini_batches(len(num_tokens), steps_mini, micro, epochs, torch.Generator().manual_seed(0)):
@@ -115,6 +116,44 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
                 "micro_sizes": [len(m) for m in micros], "state": state},
                os.path.join(out_dir, f"rank{rank}.pt"))
     distributed.shutdown(setup)
+
+
+def _rank_main_replicated(rank: int, port: int, out_dir: str) -> None:
+    """fsdp_shard_size=1: a 2-D (replicate x shard) mesh with shards of one rank, i.e. every rank keeps
+    the whole model and gradients are all-reduced."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    setup = distributed.init_from_env("cpu", timeout_s=60, hang_timeout_s=None, shard_size=1)
+    model, _ = tiny_actor()
+    distributed.parallelize(model, setup)
+    local_numel = sum(p.to_local().numel() for p in model.parameters())
+    losses = train(model, make_batch(), setup)
+    bf16, _ = tiny_actor()  # bf16 with LeanAdamW's stochastic rounding: the replicas must round alike
+    distributed.parallelize(bf16.to(torch.bfloat16), setup)
+    torch.manual_seed(rank)  # ranks' global RNGs differ in real runs; the rounding must not depend on them
+    train(bf16, make_batch(), setup, optimizer_class=LeanAdamW)
+    torch.save({"losses": losses, "params": full_parameters(model), "local_numel": local_numel,
+                "mesh": tuple(setup.mesh.shape), "bf16": {n: p.to_local() for n, p in bf16.named_parameters()}},
+               os.path.join(out_dir, f"replicated{rank}.pt"))
+    distributed.shutdown(setup)
+
+
+def test_replicated_two_ranks_match_one_process(tmp_path):
+    model, _ = tiny_actor()
+    expected_losses = train(model, make_batch(), DistributedSetup())
+    expected_params = full_parameters(model)
+    mp.start_processes(_rank_main_replicated, args=(free_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")
+    results = [torch.load(tmp_path / f"replicated{rank}.pt") for rank in range(2)]
+    for name, value in results[0]["bf16"].items():
+        assert torch.equal(value, results[1]["bf16"][name]), f"replicas drifted apart: {name}"
+    for result in results:
+        assert result["mesh"] == (2, 1)
+        assert result["local_numel"] == sum(p.numel() for p in model.parameters())  # a whole copy per rank
+        assert result["losses"] == pytest.approx(expected_losses, rel=LOSS_RTOL)
+        for name, value in expected_params.items():
+            torch.testing.assert_close(result["params"][name], value, atol=PARAM_ATOL, rtol=0, msg=name)
 
 
 def free_port() -> int:
