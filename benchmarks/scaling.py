@@ -12,8 +12,9 @@ random scores; (4) one optimizer step over the whole batch (rows split by tokens
 `--micro-batch` sequences, gradients summed by FSDP2). With one process the same code runs and every
 distributed helper is the identity (no FSDP).
 
-Shapes: grpo-0.5b (Qwen2-0.5B: hidden 896, 24 layers, 14 heads, 2 KV heads) and qwen2.5-1.5b (hidden 1536,
-intermediate 8960, 28 layers, 12 heads, 2 KV heads), vocab 151936, tied embeddings, random init, bf16
+Shapes: grpo-0.5b (Qwen2-0.5B: hidden 896, 24 layers, 14 heads, 2 KV heads), qwen2.5-1.5b (hidden 1536,
+intermediate 8960, 28 layers, 12 heads, 2 KV heads) and qwen2.5-7b (hidden 3584, 28 layers, 28 heads, 4 KV
+heads, untied head; for 8 GPUs), vocab 151936, tied embeddings below 7B, random init, bf16
 parameters (as the trainer loads them on GPU), AdamW, gradient checkpointing on.
 
 The floor per configuration is computed, not measured, for G GPUs: decode reads the weights once per
@@ -39,6 +40,8 @@ SHAPES = {
                       num_key_value_heads=2),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2),
 }
@@ -78,7 +81,8 @@ def parse_args() -> argparse.Namespace:
 def build_model(shape: str, device: torch.device):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config = Qwen2Config(**SHAPES[shape], vocab_size=151936 if shape != "tiny" else 512, tie_word_embeddings=True,
+    config = Qwen2Config(**SHAPES[shape], vocab_size=151936 if shape != "tiny" else 512,
+                         tie_word_embeddings=shape != "qwen2.5-7b",
                          max_position_embeddings=32768, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
