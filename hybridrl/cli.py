@@ -49,7 +49,17 @@ def cmd_sft(args: argparse.Namespace) -> None:
 
 
 def cmd_config_show(args: argparse.Namespace) -> None:
-    print(load_config(args.config, args.overrides).to_yaml(), end="")
+    overrides = list(args.overrides)
+    path = args.config
+    if path is not None and "=" in path and not Path(path).exists():  # `config show rollout.n=4`: no file given
+        path, overrides = None, [path, *overrides]
+    config = load_config(path, overrides)
+    if args.explain:
+        from hybridrl.config_docs import explained_yaml
+
+        print(explained_yaml(config), end="")
+    else:
+        print(config.to_yaml(), end="")
 
 
 def cmd_make_data(args: argparse.Namespace) -> None:
@@ -113,9 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=200")
         sub.set_defaults(fn=fn)
     config = commands.add_parser("config", help="inspect configs").add_subparsers(dest="action", required=True)
-    show = config.add_parser("show", help="print the resolved config")
-    show.add_argument("config")
-    show.add_argument("overrides", nargs="*")
+    show = config.add_parser("show", help="print the resolved config (the defaults when no file is given)")
+    show.add_argument("config", nargs="?", help="a YAML config file")
+    show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.temperature=0.7")
+    show.add_argument("--explain", action="store_true", help="write each key's documentation above it")
     show.set_defaults(fn=cmd_config_show)
     data = commands.add_parser("make-data", help="write the synthetic arithmetic task (train/eval JSONL)")
     data.add_argument("out_dir")

@@ -79,3 +79,23 @@ def test_cli_config_show_and_error_exit(tmp_path, capsys):
 def test_offloaded_optimizer_with_several_gpus_and_checkpoints_is_refused():
     with pytest.raises(ConfigError, match="optimizer_offload with trainer.num_gpus > 1 cannot save checkpoints"):
         load_config(None, actor__optimizer_offload=True, trainer__num_gpus=2, trainer__save_every=10)
+
+
+def test_config_show_explain_documents_every_key_and_loads_back(tmp_path, capsys):
+    import dataclasses
+
+    from hybridrl.config_docs import field_docs
+
+    docs, config = field_docs(), Config()
+    undocumented = [f"{s.name}.{f.name}" for s in dataclasses.fields(config)
+                    for f in dataclasses.fields(getattr(config, s.name))
+                    if not docs.get(type(getattr(config, s.name)).__name__, {}).get(f.name)]
+    assert undocumented == [], "every config field needs a docstring under it"
+    main(["config", "show", "--explain", "rollout.temperature=0.5"])
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    at = lines.index("  temperature: 0.5")
+    assert lines[at - 1].startswith("  # "), "the key's documentation is written above it"
+    path = tmp_path / "explained.yaml"
+    path.write_text(text)
+    assert load_config(path).to_dict() == load_config(None, ["rollout.temperature=0.5"]).to_dict()
