@@ -84,12 +84,12 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _state_options(parts: Any, **extra: Any):
+def _state_options(parts: Any):
     """Full tensors on rank 0's CPU when the models are sharded over processes, else the live tensors."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     if parts.setup.is_distributed:
-        return StateDictOptions(full_state_dict=True, cpu_offload=True, **extra)
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
     return None
 
 
@@ -100,7 +100,7 @@ def _roles(parts: Any):
 
 
 def tensor_state(parts: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(flat tensors for DCP, plain optimizer hyper-parameters) of actor, critic and their optimizers.
+    """(flat tensors for the state/ files, plain optimizer hyper-parameters) of actor, critic and optimizers.
 
     With one process the tensors are the live ones (or, for a fresh optimizer, its just-initialised
     state), so `load_tensors_into` restores them in place. With several, every rank must call this (the

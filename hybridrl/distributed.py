@@ -48,7 +48,8 @@ class DistributedSetup:
     local_rank: int = 0
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     mesh: Any = None
-    """A 1-D `DeviceMesh` over all ranks (data parallel / FSDP) when world_size > 1."""
+    """The `DeviceMesh` FSDP2 shards over when world_size > 1: 1-D over all ranks, or 2-D (replicate, shard)
+    when `trainer.fsdp_shard_size` is smaller than the world size."""
     watchdog: Any = None
     """The `launch.Watchdog` thread supervising the other ranks, if one was started."""
 
