@@ -61,6 +61,10 @@ def parse_args() -> argparse.Namespace:
                         help="FSDP2's default: gather weights and reduce-scatter gradients in every micro-batch")
     parser.add_argument("--kv-cache-memory", type=float, default=0.3)
     parser.add_argument("--attention", default="auto", choices=["auto", "triton", "sdpa"], help="engine decode attention")
+    parser.add_argument("--reuse-logprobs", action="store_true",
+                        help="skip the old-log-prob pass, as the trainer does on-policy (actor.reuse_logprobs_on_policy)")
+    parser.add_argument("--lean-adamw", action="store_true",
+                        help="the trainer's optimizer for bf16 weights (LeanAdamW) instead of torch AdamW")
     parser.add_argument("--shard-size", type=int, default=0,
                         help="trainer.fsdp_shard_size: 0 shards over all ranks, 1 replicates (no weight gathers)")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
@@ -130,10 +134,11 @@ def grpo_step(model, optimizer, prompts, args, setup, timings: dict[str, float])
     num_tokens = batch.attention_mask.sum(1)
     rows = distributed.shard_rows(torch.arange(len(batch), device=device), num_tokens, setup)
     gather_once = not args.reshard_every_micro_batch
-    with torch.no_grad(), distributed.gathered_for_micro_batches(model, gather_once):
-        old = [response_logprobs(model, *_inputs(batch, part), batch.response_length)[0]
-               for part in rows.split(args.micro_batch)]
-    batch.old_logp = distributed.gather_rows(torch.cat(old), rows, len(batch), setup)
+    if not args.reuse_logprobs:
+        with torch.no_grad(), distributed.gathered_for_micro_batches(model, gather_once):
+            old = [response_logprobs(model, *_inputs(batch, part), batch.response_length)[0]
+                   for part in rows.split(args.micro_batch)]
+        batch.old_logp = distributed.gather_rows(torch.cat(old), rows, len(batch), setup)
     sync(device)
     timings["logprobs_s"] = time.perf_counter() - start
 
@@ -147,7 +152,8 @@ def grpo_step(model, optimizer, prompts, args, setup, timings: dict[str, float])
         for index, part in enumerate(parts):
             distributed.sync_gradients(model, index == len(parts) - 1, gather_once)
             logp, _ = response_logprobs(model, *_inputs(batch, part), batch.response_length)
-            loss, _ = algorithms.policy_loss(logp, batch.old_logp[part], batch.advantages[part],
+            old_logp = logp.detach() if args.reuse_logprobs else batch.old_logp[part]
+            loss, _ = algorithms.policy_loss(logp, old_logp, batch.advantages[part],
                                              batch.response_mask[part], clip_low=0.2, clip_high=0.2, **norm)
             loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -171,7 +177,8 @@ def floor(model_params: int, kv_bytes_per_token: int, args, num_gpus: int) -> fl
         decode += (2 * model_params + sequences * context * kv_bytes_per_token) / bandwidth
     tokens = args.prompts * args.n * (args.prompt_len + args.response_len)
     prefill = 2 * model_params * args.prompts * args.prompt_len / num_gpus / peak
-    train_flops_per_token = (6 if args.no_grad_ckpt else 8) + 2  # update (+ recompute) and old log-probs
+    # update (+ recompute) and, unless skipped on-policy, the old log-probs
+    train_flops_per_token = (6 if args.no_grad_ckpt else 8) + (0 if args.reuse_logprobs else 2)
     return decode + prefill + train_flops_per_token * model_params * tokens / num_gpus / peak
 
 
@@ -186,7 +193,12 @@ def run_one(args) -> dict | None:
     if not args.no_grad_ckpt:
         model.gradient_checkpointing_enable()
     distributed.parallelize(model, setup)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    if args.lean_adamw:  # what the trainer builds for bf16 weights: float32 moments, no float32 weight copy
+        from hybridrl.optim import build_optimizer
+
+        optimizer = build_optimizer(model.parameters(), lr=1e-6)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     gen = torch.Generator().manual_seed(0)
     vocab = config.vocab_size
     prompts = [torch.randint(1, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
@@ -204,7 +216,8 @@ def run_one(args) -> dict | None:
     peak = torch.cuda.max_memory_allocated(setup.device) / 2**30 if setup.device.type == "cuda" else 0.0
     slowest = distributed.reduce_metrics({**mean, "peak_gib": peak}, setup)  # mean over ranks
     peak_max = distributed.all_reduce(torch.tensor([peak], device=setup.device), setup, op="max").item()
-    variant = ("/reshard" if args.reshard_every_micro_batch else "") + (f"/shard{args.shard_size}" if args.shard_size else "")
+    variant = ("/reshard" if args.reshard_every_micro_batch else "") + (f"/shard{args.shard_size}" if args.shard_size else "") \
+        + ("/reuse" if args.reuse_logprobs else "") + ("/lean" if args.lean_adamw else "")
     result = {"shape": args.shape + variant, "gpus": setup.world_size,
               **slowest, "peak_gib_max": peak_max,
               "params": num_params, "generated_tokens": args.prompts * args.n * args.response_len,
