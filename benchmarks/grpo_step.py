@@ -9,6 +9,7 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
 - `grpo-0.5b`: the reference shape of DESIGN.md (Qwen2-0.5B, 64 prompts x 8, prompt 256, response 256),
   built-in rollout engine with a 3.2 GiB KV cache (all 512 sequences at once), 16k-token micro-batches.
 - `grpo-0.5b-offload`: the same with the AdamW state in CPU memory.
+- `grpo-0.5b-mb8k`: the same with 8k-token micro-batches (less activation memory, smaller matmuls).
 - `1.5b-full`: Qwen2.5-1.5B shape, full-parameter, optimizer state offloaded, 3 GiB KV cache.
 - `7b-lora`: Qwen2.5-7B shape (untied head), LoRA rank 16 on all linear layers, built-in engine applying
   the adapter in place, 16 prompts x 4 to keep the run short.
@@ -48,6 +49,7 @@ SHAPES = {
 MODES = {
     "grpo-0.5b": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=16384),
     "grpo-0.5b-offload": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=16384, offload=True),
+    "grpo-0.5b-mb8k": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=8192),
     "1.5b-full": dict(shape="1.5b", prompts=64, n=8, steps=2, kv_gib=3.0, max_tokens=16384, offload=True),
     "7b-lora": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16),
 }
