@@ -99,3 +99,11 @@ def test_config_show_explain_documents_every_key_and_loads_back(tmp_path, capsys
     path = tmp_path / "explained.yaml"
     path.write_text(text)
     assert load_config(path).to_dict() == load_config(None, ["rollout.temperature=0.5"]).to_dict()
+
+
+@pytest.mark.parametrize("name", ["arithmetic_grpo", "arithmetic_ppo", "arithmetic_sft", "gsm8k_grpo"])
+def test_example_configs_load_and_validate(name):
+    from pathlib import Path
+
+    config = load_config(Path(__file__).parents[1] / "examples" / f"{name}.yaml")
+    assert isinstance(config, Config)
