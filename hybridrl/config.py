@@ -95,10 +95,12 @@ class RolloutConfig:
     """Sampling temperature for evaluation; 0 is greedy."""
     kv_cache_memory: float = 0.3
     """Built-in engine: KV cache size as a fraction of free device memory (or GiB if > 1)."""
-    attention: Literal["auto", "triton", "sdpa"] = "auto"
+    attention: Literal["auto", "triton", "triton-stacked", "sdpa"] = "auto"
     """Built-in engine decode attention. `triton`: each prompt's KV is stored once and shared by its samples,
     read by a Triton kernel (on CPU by its PyTorch reference); `sdpa`: a full KV copy per sequence and PyTorch
-    SDPA; `auto`: triton on CUDA when triton is installed, else sdpa."""
+    SDPA; `auto`: triton on CUDA when triton is installed, else sdpa. `triton-stacked` (opt-in, not yet run on
+    a GPU): the triton layout with a prompt kernel per prompt entry that reads its KV once for all samples,
+    then a response kernel per sequence (on CPU a PyTorch reference of the same two phases)."""
 
 
 @dataclass
@@ -472,8 +474,8 @@ def validate(config: Config) -> None:
     _require(r.top_k >= 0, "rollout.top_k must be >= 0 (0 disables).")
     _require(0 <= r.min_p < 1, "rollout.min_p must be in [0, 1).")
     _require(r.kv_cache_memory > 0, "rollout.kv_cache_memory must be > 0.")
-    _require(r.attention in ("auto", "triton", "sdpa"),
-             f"rollout.attention must be auto, triton or sdpa; got {r.attention!r}.")
+    _require(r.attention in ("auto", "triton", "triton-stacked", "sdpa"),
+             f"rollout.attention must be auto, triton, triton-stacked or sdpa; got {r.attention!r}.")
     _require(config.data.max_prompt_length >= 1, "data.max_prompt_length must be at least 1.")
     _require(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low must be in [0, 1).")
     _require(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high must be >= 0.")

@@ -48,7 +48,7 @@ KV_LEN_BUCKET = 128
 """Decode attention reads keys up to the next multiple of this past the furthest live position."""
 CPU_MEMORY_REFERENCE_GIB = 4.0
 """On CPU a fractional `kv_cache_memory` is a fraction of this fixed size (free RAM is not a safe guide)."""
-ATTENTION_OPTIONS = ("auto", "triton", "sdpa")
+ATTENTION_OPTIONS = ("auto", "triton", "triton-stacked", "sdpa")
 
 
 def triton_available() -> bool:
@@ -62,20 +62,26 @@ def triton_available() -> bool:
 def resolve_attention(option: str, device: torch.device) -> str:
     """`auto` -> "triton" on CUDA when triton imports, else "sdpa". On CPU `auto` keeps the per-slot SDPA
     layout (the prefix-shared one would run the slow PyTorch reference); "triton" on CPU means the
-    prefix-shared layout with that reference standing in for the kernel (how its logic is tested)."""
+    prefix-shared layout with that reference standing in for the kernel (how its logic is tested).
+    "triton-stacked" (opt-in, never chosen by `auto`) is the same layout with the two stacked kernels; on
+    CPU their PyTorch two-phase reference."""
     if option == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "sdpa"
-    if option == "triton" and device.type == "cuda" and not triton_available():
-        raise ValueError("attention='triton' needs the triton package on CUDA (pip install triton); "
+    if option in ("triton", "triton-stacked") and device.type == "cuda" and not triton_available():
+        raise ValueError(f"attention={option!r} needs the triton package on CUDA (pip install triton); "
                          "use attention='sdpa' (rollout.attention=sdpa) or 'auto'.")
     return option
 
 
-def _decode_attention_function(device: torch.device) -> tuple[str, Callable]:
-    """The prefix-shared attention for this device, and its name for `last_stats`. Imported here so that
-    the per-slot path never imports triton."""
-    from hybridrl.rollout import decode_attention
+def _decode_attention_function(attention: str, device: torch.device) -> tuple[str, Callable]:
+    """The prefix-shared attention (`triton` or `triton-stacked`) for this device, and its name for
+    `last_stats`. Imported here so that the per-slot path never imports triton."""
+    from hybridrl.rollout import decode_attention, stacked_attention
 
+    if attention == "triton-stacked":
+        if device.type == "cuda":
+            return "triton-stacked", stacked_attention.stacked_decode_attention
+        return "stacked-reference", stacked_attention.stacked_reference_attention
     if device.type == "cuda":
         return "triton", decode_attention.triton_decode_attention
     return "reference", decode_attention.reference_decode_attention
@@ -138,7 +144,10 @@ class BuiltinBackend:
         the time of such first steps (compilation and CUDA-graph capture) apart from the rest.
         attention: "sdpa" (per-slot KV, SDPA decode attention), "triton" (prefix-shared KV: each prompt's
         KV stored once; the Triton decode kernel on CUDA, its PyTorch reference on CPU) or "auto"
-        (triton on CUDA when triton imports, else sdpa). `last_stats["attention"]` says which ran.
+        (triton on CUDA when triton imports, else sdpa); opt-in "triton-stacked": the same layout, attention
+        split into a prompt kernel per (entry, KV head) that stacks the samples' queries and a response
+        kernel per slot (`stacked_attention.py`; on CPU its PyTorch reference). `last_stats["attention"]`
+        says which ran.
     """
 
     def __init__(
@@ -187,7 +196,7 @@ class BuiltinBackend:
         device, dtype = weights.lm_head.device, weights.lm_head.dtype
         geometry = CacheGeometry(len(weights.layers), weights.num_kv_heads, weights.head_dim,
                                  torch.empty(0, dtype=dtype).element_size(), max(map(len, prompts)),
-                                 params.max_new_tokens, len(prompts))
+                                 params.max_new_tokens, len(prompts), params.n)
         max_len = geometry.max_len
         # Both layouts rely on this: within the window no key is ever hidden, so neither applies one.
         if weights.sliding_window is not None and max_len > weights.sliding_window:
@@ -224,6 +233,7 @@ class BuiltinBackend:
                 batch = scheduler.batch_size()
                 steps = min([self.sync_every] + [params.max_new_tokens - s.generated for s in scheduler.live.values()])
                 kv_len = self._kv_len(scheduler, steps, max_len)
+                self.cache.track_slots(scheduler.live)  # after admission, harvest and compaction
                 for _ in range(steps):
                     self._step(batch, kv_len)
                 stats["decode_steps"] += steps
@@ -293,8 +303,9 @@ class BuiltinBackend:
         if layout is SlotKVCache:
             self.cache, self._attention_name = SlotKVCache(geometry, num_slots, device, dtype), "sdpa"
         else:
-            self._attention_name, function = _decode_attention_function(device)
-            self.cache = PrefixSharedKVCache(geometry, num_slots, device, dtype, function)
+            self._attention_name, function = _decode_attention_function(attention, device)
+            self.cache = PrefixSharedKVCache(geometry, num_slots, device, dtype, function,
+                                             stacked=attention == "triton-stacked")
         return num_slots
 
     def _kv_len(self, scheduler: Scheduler, steps: int, max_len: int) -> int:
