@@ -109,6 +109,12 @@ def test_stacked_kernels_compile_for_hopper(dtype, group, head_dim, width):
         assert "cubin" in compiled.asm and compiled.metadata.shared < 160 * 1024  # H200: 227 KiB per block
 
 
+def test_too_many_stacked_rows_are_refused_with_advice():
+    stacked_attention.stacked_constants(7, 64, 32, 2)  # n = 32 at group 7: 224 rows, padded to 256
+    with pytest.raises(ValueError, match="use attention='triton'"):
+        stacked_attention.stacked_constants(7, 64, 64, 2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @needs_triton

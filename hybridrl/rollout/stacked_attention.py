@@ -40,6 +40,10 @@ import torch
 from hybridrl.rollout import decode_attention
 from hybridrl.rollout.decode_attention import BLOCK_N, MIN_DOT_ROWS, _next_power_of_two
 
+MAX_STACKED_ROWS = 256
+"""Most query rows one prompt program stacks (n x group, padded to a power of two). Compiled for sm_90, 256
+float32 rows of head_dim 128 take 225 KiB of shared memory, just under the H200's 227 KiB per block."""
+
 triton = decode_attention.triton
 if triton is not None:
     import triton.language as tl
@@ -69,6 +73,10 @@ def stacked_constants(group: int, head_dim: int, width: int, element_size: int) 
     block_n = BLOCK_N if element_size <= 2 else BLOCK_N // 2
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, IEEE=element_size == 4)
     rows_pad = max(MIN_DOT_ROWS, _next_power_of_two(width * group))
+    if rows_pad > MAX_STACKED_ROWS:
+        raise ValueError(f"attention='triton-stacked' stacks n x group query rows per prompt program: {width} x "
+                         f"{group} = {width * group} rows exceed {MAX_STACKED_ROWS}; use attention='triton' "
+                         f"(rollout.attention=triton) or fewer samples per prompt.")
     prompt = dict(common, WIDTH=width, ROWS_PAD=rows_pad, num_warps=4 if rows_pad <= 64 else 8)
     response = dict(common, GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)), num_warps=4)
     return prompt, response
@@ -160,10 +168,12 @@ def stacked_reference_attention(
     slot_max = q.new_full((batch, num_kv_heads, group), float("-inf"), dtype=torch.float32)
     slot_sum = q.new_zeros(batch, num_kv_heads, group, dtype=torch.float32)
     entry_ids, columns = member.nonzero(as_tuple=True)
-    rows = lambda t: t.unflatten(2, (width, group))[entry_ids, :, columns]  # noqa: E731  (members, H, group, ...)
-    slot_acc[slots[entry_ids, columns]] = rows(acc)
-    slot_max[slots[entry_ids, columns]] = rows(running_max)
-    slot_sum[slots[entry_ids, columns]] = rows(total)
+    member_slots = slots[entry_ids, columns]
+
+    def rows(stacked_rows: torch.Tensor) -> torch.Tensor:  # (E, H, W * group, ...) -> (members, H, group, ...)
+        return stacked_rows.unflatten(2, (width, group))[entry_ids, :, columns]
+
+    slot_acc[member_slots], slot_max[member_slots], slot_sum[member_slots] = rows(acc), rows(running_max), rows(total)
     has_prompt = (prompt_len[:batch] > 0)[:, None, None]  # as the response kernel: idle slots skip the partials
     slot_max = torch.where(has_prompt, slot_max, float("-inf"))
     slot_acc, slot_sum = slot_acc * has_prompt[..., None], slot_sum * has_prompt
