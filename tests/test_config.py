@@ -107,3 +107,14 @@ def test_example_configs_load_and_validate(name):
 
     config = load_config(Path(__file__).parents[1] / "examples" / f"{name}.yaml")
     assert isinstance(config, Config)
+
+
+def test_stacked_attention_that_cannot_fit_is_refused_before_any_rollout():
+    from hybridrl.components import check_stacked_attention
+    from hybridrl.models import build_tiny_model
+
+    actor = build_tiny_model("llama").model  # 4 query heads per 2 KV heads: group 2
+    check_stacked_attention(load_config(None, rollout__attention="triton-stacked", rollout__num_samples_per_prompt=64), actor)
+    with pytest.raises(ConfigError, match="rollout.attention=triton-stacked stacks 200 samples x 2 query heads"):
+        check_stacked_attention(load_config(None, rollout__attention="triton-stacked",
+                                            rollout__num_samples_per_prompt=200), actor)

@@ -72,7 +72,7 @@ def stacked_constants(group: int, head_dim: int, width: int, element_size: int) 
     block_d = max(MIN_DOT_ROWS, _next_power_of_two(head_dim))
     block_n = BLOCK_N if element_size <= 2 else BLOCK_N // 2
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, IEEE=element_size == 4)
-    rows_pad = max(MIN_DOT_ROWS, _next_power_of_two(width * group))
+    rows_pad = stacked_rows(width, group)
     if rows_pad > MAX_STACKED_ROWS:
         raise ValueError(f"attention='triton-stacked' stacks n x group query rows per prompt program: {width} x "
                          f"{group} = {width * group} rows exceed {MAX_STACKED_ROWS}; use attention='triton' "
@@ -80,6 +80,11 @@ def stacked_constants(group: int, head_dim: int, width: int, element_size: int) 
     prompt = dict(common, WIDTH=width, ROWS_PAD=rows_pad, num_warps=4 if rows_pad <= 64 else 8)
     response = dict(common, GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)), num_warps=4)
     return prompt, response
+
+
+def stacked_rows(width: int, group: int) -> int:
+    """Query rows one prompt program stacks for `width` samples of a prompt, padded for `tl.dot`."""
+    return max(MIN_DOT_ROWS, _next_power_of_two(width * group))
 
 
 def stacked_decode_attention(
