@@ -10,6 +10,10 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
   built-in rollout engine with a 3.2 GiB KV cache (all 512 sequences at once), 16k-token micro-batches.
 - `grpo-0.5b-offload`: the same with the AdamW state in CPU memory.
 - `grpo-0.5b-mb8k`: the same with 8k-token micro-batches (less activation memory, smaller matmuls).
+- `grpo-0.5b-compile`: `grpo-0.5b` with `model.compile` (each decoder layer torch.compiled).
+- `grpo-0.5b-lean`: compiled, 8k-token micro-batches, a 2 GiB KV cache (the prefix-shared layout needs
+  1.8 GiB for 64 prompts x 8 x 512 tokens).
+- `grpo-0.5b-nockpt`: compiled, no gradient checkpointing, 4k-token micro-batches.
 - `1.5b-full`: Qwen2.5-1.5B shape, full-parameter, optimizer state offloaded, 3 GiB KV cache.
 - `7b-lora`: Qwen2.5-7B shape (untied head), LoRA rank 16 on all linear layers, built-in engine applying
   the adapter in place, 16 prompts x 4 to keep the run short.
@@ -26,6 +30,7 @@ JSON goes to $OUT/grpo_step.json when $OUT is set.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -50,6 +55,12 @@ MODES = {
     "grpo-0.5b": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=16384),
     "grpo-0.5b-offload": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=16384, offload=True),
     "grpo-0.5b-mb8k": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=8192),
+    "grpo-0.5b-compile": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=16384,
+                              settings=dict(model__compile=True)),
+    "grpo-0.5b-lean": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=2.0, max_tokens=8192,
+                           settings=dict(model__compile=True)),
+    "grpo-0.5b-nockpt": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=2.0, max_tokens=4096,
+                             settings=dict(model__compile=True, model__gradient_checkpointing=False)),
     "1.5b-full": dict(shape="1.5b", prompts=64, n=8, steps=2, kv_gib=3.0, max_tokens=16384, offload=True),
     "7b-lora": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16),
 }
@@ -107,18 +118,22 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
         actor__max_tokens_per_micro_batch=spec["max_tokens"], actor__optimizer_offload=spec.get("offload", False),
         algorithm__name="grpo", algorithm__kl_coef=0.0, rollout__ignore_eos=True,
         rollout__attention=os.environ.get("HYBRIDRL_BENCH_ATTENTION", "auto"))
+    settings.update(spec.get("settings", {}))
     trainer = RLTrainer(actor=HFModel(model, tokenizer), reward_fn=even_fraction, dataset=dataset, **settings)
     trainable = sum(p.numel() for p in trainer.parts.actor.parameters() if p.requires_grad)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     steps = []
-    for _ in range(spec["steps"]):
+    for index in range(spec["steps"]):
         start = time.perf_counter()
-        metrics = trainer.step()
+        profiling = os.environ.get("HYBRIDRL_BENCH_PROFILE") == "1" and index == spec["steps"] - 1 and device == "cuda"
+        with profiled(name) if profiling else contextlib.nullcontext():
+            metrics = trainer.step()
         steps.append({**{k: float(v) for k, v in metrics.items() if k.startswith(("timing/", "perf/"))},
                       "wall_s": time.perf_counter() - start})
         print(name, "step", len(steps), json.dumps({k: round(v, 3) for k, v in steps[-1].items()}), flush=True)
-    steady = steps[1:] or steps
+    profiled_last = os.environ.get("HYBRIDRL_BENCH_PROFILE") == "1" and device == "cuda" and len(steps) > 2
+    steady = (steps[1:-1] if profiled_last else steps[1:]) or steps
     mean = {key: sum(s[key] for s in steady) / len(steady) for key in steady[0]}
     tokens = spec["prompts"] * spec["n"] * (prompt_len + response_len)
     train_flops = 6 * params * tokens
@@ -132,6 +147,17 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
     result["floor"] = floor(model, config, spec, prompt_len, response_len, train_flops if trainable == params
                             else 2 * params * tokens * 2)  # LoRA: forward + input-gradient backward
     return result
+
+
+@contextlib.contextmanager
+def profiled(name: str, top: int = 25):
+    """Profile the enclosed step (the last one; it is then not a clean timing) and print its top CUDA kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+    print(f"{name}: top kernels of the profiled step (self CUDA time)")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70))
 
 
 def floor(model, config, spec, prompt_len: int, response_len: int, train_flops: float) -> dict:
@@ -202,6 +228,8 @@ def main() -> None:
     parser.add_argument("--trl-script", default=str(Path(__file__).resolve().parents[2] / "shared/peers/trl_grpo_gpu.py"))
     parser.add_argument("--timeout", type=int, default=150, help="seconds per mode")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU, no TRL")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile each mode's last step (excluded from the mean) and print its top CUDA kernels")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     prompt_len, response_len, device = (16, 8, "cpu") if args.quick else (256, 256, "cuda")
@@ -211,6 +239,8 @@ def main() -> None:
             spec = {**spec, "shape": "tiny", "prompts": 4, "n": 2, "max_tokens": 48}
         print("RESULT " + json.dumps(run_mode(args.child, spec, prompt_len, response_len, device)), flush=True)
         return
+    if args.profile:
+        os.environ["HYBRIDRL_BENCH_PROFILE"] = "1"
     results = []
     for mode in args.modes.split(","):
         if mode == "trl":

@@ -21,7 +21,7 @@ from hybridrl.config import Config, ConfigError
 from hybridrl.placement import resolve_placement
 from hybridrl.data import PromptDataset
 from hybridrl.lora import AdapterDisabled, apply_lora
-from hybridrl.models import HFModel, ValueModel, load_hf_model, make_reference
+from hybridrl.models import HFModel, ValueModel, compile_layers, load_hf_model, make_reference
 from hybridrl.optim import build_optimizer, build_scheduler
 from hybridrl.rewards import RewardComposer, WeightedReward, load_reward_function
 from hybridrl.rollout.base import RolloutBackend
@@ -163,6 +163,10 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
     if reference is not None and not m.lora_rank:
         reference = distributed.parallelize(reference, setup)
     model = distributed.parallelize(model, setup)
+    if m.compile:
+        for module in (model, reference, critic):
+            if module is not None and not isinstance(module, AdapterDisabled):
+                compile_layers(module)
     actor_optimizer = build_optimizer(model.parameters(), a.lr, a.weight_decay, state_dtype=a.optimizer_state_dtype,
                                       offload=a.optimizer_offload, eight_bit=a.optimizer_8bit, seed=config.trainer.seed)
     critic_optimizer = critic_scheduler = None

@@ -36,6 +36,9 @@ class ModelConfig:
     """Allow model code shipped with the checkpoint to run (only for models you trust)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
+    compile: bool = False
+    """torch.compile each decoder layer for the training and log-prob passes (fuses norms, rotary and
+    activations; the rollout engine is unaffected). The first step pays the compile time (tens of seconds)."""
     tokenizer_path: str | None = None
     """Tokenizer location when it differs from `path`."""
     lora_rank: int = 0

@@ -157,3 +157,20 @@ def make_reference(model: nn.Module) -> nn.Module:
     reference.eval()
     reference.requires_grad_(False)
     return reference
+
+
+def compile_layers(model: nn.Module) -> int:
+    """torch.compile each decoder layer in place (`model.compile`); returns how many were compiled.
+
+    Per layer rather than the whole model: the graphs are small and identical, FSDP2's per-layer hooks
+    stay outside them, and the LM head (chunked in `logprobs.py`) and the rollout engine are untouched.
+    """
+    from hybridrl.distributed import decoder_layers
+
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"model.compile found no decoder layers in {type(model).__name__} (no class named in "
+                         "`_no_split_modules`); set model.compile=false for this model.")
+    for layer in layers:
+        layer.compile()
+    return len(layers)

@@ -1,10 +1,14 @@
 """Chunked log-probs/entropy equal the plain full-logits computation (values and gradients, float32)."""
 
+import copy
+import shutil
+
 import pytest
 import torch
 
 from conftest import tiny_actor
 from hybridrl.logprobs import response_logprobs, token_logprobs
+from hybridrl.models import compile_layers
 
 TOL = dict(atol=2e-5, rtol=1e-5)  # float32: the only differences are summation order
 
@@ -76,3 +80,28 @@ def test_greedy_temperature_zero_uses_unscaled_logits():
         logp, _ = response_logprobs(model, ids, mask, positions, response, temperature=0.0)
         want, _ = plain(model, ids, mask, positions, response, 1.0)
     assert torch.allclose(logp, want, **TOL)
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor on CPU needs a C++ compiler")
+def test_compiled_layers_give_the_eager_values_and_gradients_under_checkpointing():
+    """`model.compile`: each decoder layer torch.compiled, with gradient checkpointing on (float32)."""
+    eager, _ = tiny_actor()
+    compiled = copy.deepcopy(eager)
+    for model in (eager, compiled):
+        model.gradient_checkpointing_enable()
+        model.train()
+    assert compile_layers(compiled) == 2
+    ids, mask, positions, response = padded_batch(seed=5)
+    results = []
+    for model in (eager, compiled):
+        logp, entropy = response_logprobs(model, ids, mask, positions, response, with_entropy=True, pack=True)
+        (logp.sum() + 0.1 * entropy.sum()).backward()
+        results.append((logp.detach(), [p.grad for p in model.parameters()]))
+    assert torch.allclose(results[0][0], results[1][0], **TOL)
+    for mine, reference in zip(results[1][1], results[0][1]):
+        assert torch.allclose(mine, reference, atol=1e-5, rtol=1e-4)
+
+
+def test_compile_refuses_a_model_without_decoder_layers():
+    with pytest.raises(ValueError, match="model.compile=false"):
+        compile_layers(torch.nn.Linear(3, 3))
