@@ -6,11 +6,13 @@ the rollout mismatch check, so all of them see exactly the same numbers.
 Choices:
 - The backbone runs once and returns hidden states; the LM head is applied here, only at the positions
   that predict a response token (`logits_to_keep` in spirit), and only `chunk_tokens` positions at a
-  time. Each chunk's logits are made in the head's dtype, scaled by 1/temperature in float32, reduced
-  to (log-prob, entropy) and dropped, so (tokens, vocab) logits never exist, in float32 or bf16.
+  time. Each chunk's logits are made in the head's dtype, reduced to (log-prob, entropy, log-normaliser)
+  of softmax(logits / temperature) in float32 and dropped, so (tokens, vocab) logits never exist, in
+  float32 or bf16. On CUDA the reduction is one Triton pass (`fused_head.py`), elsewhere PyTorch.
 - Backward does not keep the chunks either: `_ChunkedHeadLogprobs` recomputes each chunk's logits from
-  the saved hidden states and head weight and forms d(logits) in closed form (softmax minus one-hot,
-  and -p (log p + H) for entropy). The head's weight gradient is accumulated in float32.
+  the saved hidden states and head weight and turns them, in place, into d(logits) in closed form
+  (softmax minus one-hot, and -p (log p + H) for entropy) from the saved log-normaliser and entropy.
+  The head's weight gradient is accumulated in float32.
 - Padding is removed before the forward pass when it is worth it (`pack`): the real tokens of all rows
   are packed into rows with position ids restarting at 0 for each sequence (see `packing.py`), and
   transformers turns those resets into block-diagonal attention (sdpa) or varlen kernels (flash).
@@ -25,24 +27,16 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from hybridrl.fused_head import reference_softmax_stats, softmax_grad_, softmax_stats
 from hybridrl.packing import pack_rows, row_capacity_for
 
-CHUNK_ELEMENTS = 32 * 2**20
-"""Logit elements per chunk: 32 Mi float32 values (128 MiB); ~220 positions for a 152k vocabulary."""
+CHUNK_ELEMENTS = 64 * 2**20
+"""Logit elements per chunk: 64 Mi values (128 MiB in bf16; ~440 positions for a 152k vocabulary). The
+fused kernels make no float32 copy of a chunk; the unfused path (CPU) makes a few."""
 
 
 def default_chunk_tokens(vocab_size: int) -> int:
     return max(16, CHUNK_ELEMENTS // max(1, vocab_size))
-
-
-def _entropy_and_logp(logits: torch.Tensor, targets: torch.Tensor, scale: float,
-                      with_entropy: bool = True) -> tuple[torch.Tensor, ...]:
-    """Logits (C, V) -> float32 (scaled logits z, log-normaliser, log p(target), entropy or zeros)."""
-    z = logits.float() * scale
-    log_norm = torch.logsumexp(z, dim=-1)  # (C,)
-    logp = z.gather(-1, targets[:, None]).squeeze(-1) - log_norm
-    entropy = log_norm - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else torch.zeros_like(logp)
-    return z, log_norm, logp, entropy
 
 
 class _ChunkedHeadLogprobs(torch.autograd.Function):
@@ -50,50 +44,56 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, scale, chunk_tokens, with_entropy):
-        logps, entropies = [], []
+        logps, entropies, log_norms = [], [], []
         for start in range(0, hidden.shape[0], chunk_tokens):
             h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
             logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
-            _, _, logp, entropy = _entropy_and_logp(logits, t, scale, with_entropy)
+            logp, entropy, log_norm = softmax_stats(logits, t, scale)
             logps.append(logp)
             entropies.append(entropy)
-        ctx.save_for_backward(hidden, weight, bias, targets)
+            log_norms.append(log_norm)
+        entropy = torch.cat(entropies)
+        ctx.save_for_backward(hidden, weight, bias, targets, torch.cat(log_norms), entropy)
         ctx.scale, ctx.chunk_tokens, ctx.with_entropy = scale, chunk_tokens, with_entropy
-        return torch.cat(logps), torch.cat(entropies)
+        return torch.cat(logps), entropy if with_entropy else torch.zeros_like(entropy)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets = ctx.saved_tensors
+        hidden, weight, bias, targets, log_norm, entropy = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+        if not ctx.with_entropy:
+            grad_entropy = torch.zeros_like(grad_logp)
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
-            stop = start + ctx.chunk_tokens
-            h, t = hidden[start:stop], targets[start:stop]
+            chunk = slice(start, start + ctx.chunk_tokens)
+            h = hidden[chunk]
             logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
-            log_probs = torch.log_softmax(logits.float() * ctx.scale, dim=-1)  # (C, V)
-            del logits
-            probs = log_probs.exp()
-            g_logp, g_entropy = grad_logp[start:stop, None], grad_entropy[start:stop, None]
-            # d log p_y / dz = onehot(y) - p ;  d H / dz = -p (log p + H)
-            if ctx.with_entropy:
-                entropy = -(probs * log_probs).sum(-1, keepdim=True)
-                grad_z = probs.mul_(-g_logp - g_entropy * (log_probs + entropy))
-            else:
-                grad_z = probs.mul_(-g_logp)
-            del log_probs
-            grad_z.scatter_add_(-1, t[:, None], g_logp.float())
-            grad_logits = (grad_z * ctx.scale).to(weight.dtype)  # (C, V)
+            # d(loss)/d(logits) (C, V) in the weight's dtype, possibly written over `logits`
+            grad_logits = softmax_grad_(logits, targets[chunk], log_norm[chunk], entropy[chunk], grad_logp[chunk],
+                                        grad_entropy[chunk], ctx.scale)
             if need_hidden:
-                grad_hidden[start:stop] = grad_logits @ weight
+                grad_hidden[chunk] = grad_logits @ weight
             if need_weight:
-                grad_weight.add_((grad_logits.t() @ h).float())  # bf16 product per chunk, float32 sum
+                accumulate_matmul_(grad_weight, grad_logits.t(), h)  # bf16 products, float32 sum
             if need_bias:
                 grad_bias.add_(grad_logits.float().sum(0))
         grad_weight = grad_weight.to(weight.dtype) if need_weight else None
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def accumulate_matmul_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total (float32) += a @ b for low-precision a, b: on CUDA one addmm accumulating into `total` in
+    float32 (`out_dtype`), elsewhere (or on torch without it) a product in a's dtype then a float32 add."""
+    if total.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        try:
+            torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+            return
+        except (TypeError, RuntimeError):  # torch without addmm(out_dtype=...) for this case
+            pass
+    total.add_((a @ b).float())
 
 
 def token_logprobs(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, temperature: float = 1.0,
@@ -136,7 +136,7 @@ def _fallback_logprobs(model, input_ids, attention_mask, position_ids, positions
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False).logits
     picked = logits.flatten(0, 1)[positions]  # (N, V)
-    _, _, logp, entropy = _entropy_and_logp(picked, targets, scale)
+    logp, entropy, _ = reference_softmax_stats(picked, targets, scale)
     return logp, entropy
 
 
