@@ -20,7 +20,8 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
 - `trl`: `shared/peers/trl_grpo_gpu.py` (TRL 1.16, HF generate, fp32 master weights + bf16 autocast) on the
   grpo-0.5b shape, as a subprocess; its script must be at `--trl-script` with trl/datasets importable.
 
-Each mode runs in its own process so peak memory (`torch.cuda.max_memory_allocated`) is its own. The
+Each mode runs in its own process. Peak memory is the largest `perf/peak_memory_gib` of its steps (the
+trainer measures each phase; the table names the peak of each). The
 floor is computed: training 6 * params * tokens at `--peak` FLOP/s; rollout as in `rollout.py` (weights
 and KV read once per decode step at `--bandwidth`, prefill FLOPs). MFU of the update phase counts
 6 * params * tokens (the recompute of gradient checkpointing is not counted as useful work).
@@ -140,7 +141,9 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
     result = dict(mode=name, params=params, trainable_params=trainable, tokens_per_step=tokens,
                   generated_per_step=spec["prompts"] * spec["n"] * response_len, steps=steps, mean=mean,
                   step_s=mean["timing/step_s"],
-                  peak_alloc_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+                  peak_alloc_gib=max(s["perf/peak_memory_gib"] for s in steps) if device == "cuda" else None,
+                  peak_by_phase={key[len("perf/peak_memory_"):-len("_gib")]: max(s.get(key, 0.0) for s in steps)
+                                 for key in steps[0] if key.startswith("perf/peak_memory_") and key != "perf/peak_memory_gib"},
                   peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else None)
     if trainable == params:
         result["update_mfu"] = train_flops / mean["timing/update_s"] / PEAK_FLOPS
@@ -205,7 +208,8 @@ def child(mode: str, timeout: int, quick: bool) -> dict:
 def print_table(results: list[dict]) -> None:
     ours = next((r for r in results if r["mode"] == "grpo-0.5b" and "error" not in r), None)
     trl = next((r for r in results if r["mode"] == "trl" and "error" not in r), None)
-    print(f"\n{'mode':<19} {'step s':>7} {'rollout':>8} {'logp':>6} {'update':>7} {'peak GiB':>9} {'MFU upd':>8} {'floor s':>8}")
+    print(f"\n{'mode':<19} {'step s':>7} {'rollout':>8} {'logp':>6} {'update':>7} {'peak GiB':>9} {'MFU upd':>8} "
+          f"{'floor s':>8}  peak GiB by phase")
     for r in results:
         if "error" in r:
             print(f"{r['mode']:<19} failed: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}")
@@ -216,7 +220,8 @@ def print_table(results: list[dict]) -> None:
         fl = f"{r['floor']['step_s']:.2f}" if "floor" in r else "-"
         peak = f"{r['peak_alloc_gib']:.2f}" if r.get("peak_alloc_gib") else "-"
         print(f"{r['mode']:<19} {r['step_s']:>7.2f} {get('timing/rollout_s'):>8} {get('timing/logprobs_s'):>6} "
-              f"{get('timing/update_s'):>7} {peak:>9} {mfu:>8} {fl:>8}")
+              f"{get('timing/update_s'):>7} {peak:>9} {mfu:>8} {fl:>8}  "
+              + " ".join(f"{phase} {gib:.2f}" for phase, gib in r.get("peak_by_phase", {}).items() if gib >= 0.01))
     if ours and trl:
         print(f"grpo-0.5b vs TRL: {trl['step_s'] / ours['step_s']:.1f}x faster per step, "
               f"{ours['peak_alloc_gib'] / trl['peak_alloc_gib']:.2f}x TRL's peak memory")

@@ -63,6 +63,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--attention", default="auto", choices=["auto", "triton", "sdpa"], help="engine decode attention")
     parser.add_argument("--reuse-logprobs", action="store_true",
                         help="skip the old-log-prob pass, as the trainer does on-policy (actor.reuse_logprobs_on_policy)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (model.compile)")
     parser.add_argument("--lean-adamw", action="store_true",
                         help="the trainer's optimizer for bf16 weights (LeanAdamW) instead of torch AdamW")
     parser.add_argument("--shard-size", type=int, default=0,
@@ -193,6 +194,10 @@ def run_one(args) -> dict | None:
     if not args.no_grad_ckpt:
         model.gradient_checkpointing_enable()
     distributed.parallelize(model, setup)
+    if args.compile:  # model.compile in the trainer
+        from hybridrl.models import compile_layers
+
+        compile_layers(model)
     if args.lean_adamw:  # what the trainer builds for bf16 weights: float32 moments, no float32 weight copy
         from hybridrl.optim import build_optimizer
 
@@ -217,7 +222,8 @@ def run_one(args) -> dict | None:
     slowest = distributed.reduce_metrics({**mean, "peak_gib": peak}, setup)  # mean over ranks
     peak_max = distributed.all_reduce(torch.tensor([peak], device=setup.device), setup, op="max").item()
     variant = ("/reshard" if args.reshard_every_micro_batch else "") + (f"/shard{args.shard_size}" if args.shard_size else "") \
-        + ("/reuse" if args.reuse_logprobs else "") + ("/lean" if args.lean_adamw else "")
+        + ("/reuse" if args.reuse_logprobs else "") + ("/lean" if args.lean_adamw else "") \
+        + ("/compile" if args.compile else "")
     result = {"shape": args.shape + variant, "gpus": setup.world_size,
               **slowest, "peak_gib_max": peak_max,
               "params": num_params, "generated_tokens": args.prompts * args.n * args.response_len,

@@ -29,19 +29,26 @@ from hybridrl.update import update_actor, update_critic
 
 
 class PhaseTimer:
-    """Wall time per phase (device-synchronised), reported as `timing/<phase>_s`."""
+    """Wall time per phase (device-synchronised), reported as `timing/<phase>_s`, and on CUDA each phase's
+    peak allocated memory (`perf/peak_memory_<phase>_gib`): which phase sets the step's peak is what
+    decides the next memory saving (KV cache size, micro-batch size, optimizer offload)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.seconds: dict[str, float] = {}
+        self.peak_bytes: dict[str, int] = {}
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
         distributed.heartbeat()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         yield
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.peak_bytes[phase] = max(self.peak_bytes.get(phase, 0), peak)
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
@@ -280,8 +287,9 @@ def perf_metrics(batch: RolloutBatch, timer: PhaseTimer, device: torch.device) -
     metrics.update({"timing/step_s": step_s, "perf/tokens_per_s": generated / step_s,
                     "perf/rollout_tokens_per_s": generated / max(timer.seconds["rollout"], 1e-9),
                     "perf/update_tokens_per_s": total_tokens / max(timer.seconds["update"], 1e-9)})
-    if device.type == "cuda":
-        metrics["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if device.type == "cuda":  # this step's peak, over its phases
+        metrics.update({f"perf/peak_memory_{phase}_gib": peak / 2**30 for phase, peak in timer.peak_bytes.items()})
+        metrics["perf/peak_memory_gib"] = max(timer.peak_bytes.values(), default=0) / 2**30
     else:  # peak resident memory of the process (Linux reports KiB)
         metrics["perf/peak_memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return metrics
