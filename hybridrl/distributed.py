@@ -167,7 +167,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or [])
-    return [module for module in model.modules() if type(module).__name__ in names]
+    # FSDP2 swaps a sharded module's class for a subclass named FSDP<Name>, so match the whole MRO
+    return [module for module in model.modules() if any(cls.__name__ in names for cls in type(module).__mro__)]
 
 
 def parallelize(model: nn.Module, setup: DistributedSetup, param_dtype: torch.dtype | None = None,

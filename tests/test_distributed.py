@@ -237,6 +237,9 @@ def test_decoder_layers_found_for_causal_lm_and_critic():
     model = tiny_actor().model
     assert len(distributed.decoder_layers(model)) == 2
     assert len(distributed.decoder_layers(ValueModel(model))) == 2
+    for layer in distributed.decoder_layers(model):  # what fully_shard does: a subclass named FSDP<Name>
+        layer.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {})
+    assert len(distributed.decoder_layers(model)) == 2  # found again after sharding (model.compile needs this)
 
 
 # ----------------------------------------------------------------------------------------------
