@@ -24,6 +24,13 @@ keys/values for its current context (no prefix-shared attention assumed, so the 
 bound by it: it reads a prompt's KV once per step for all n samples if L2 serves the repeats), and must do 2 * params
 FLOPs per token; a step costs max(bytes / bandwidth, flops / peak). Prefill costs 2 * params FLOPs
 per distinct prompt token. Defaults are the H200 figures from DESIGN.md (4.2 TB/s, 785 TFLOP/s).
+
+Greedy agreement (first `--agreement-tokens` tokens of `--agreement-sequences` prompts) is reported
+against HF `generate` in bf16 and against a float32 copy of the model, next to HF bf16's own agreement
+with float32. A random-init model's logits are nearly flat, so bf16 rounding alone flips near-ties
+and no bf16 implementation agrees with another on most sequences; the float32 line says whether the
+engine is further from the exact answer than HF's bf16 is.
+
 Prints a short table last; writes JSON to $OUT/rollout_benchmark.json when $OUT is set.
 """
 
@@ -127,23 +134,52 @@ def time_hf(model, prompts, num_sequences: int, response_len: int, device: str) 
     return dict(sequences=len(batch), seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds, peak_gib=peak / 2**30)
 
 
-def greedy_agreement(model, engine: BuiltinBackend, prompts, num_tokens: int, device: str) -> dict:
-    ours = engine.generate(prompts, SamplingParams(max_new_tokens=num_tokens, temperature=0, ignore_eos=True))
+def hf_greedy(model, prompts, num_tokens: int, device: str) -> list[list[int]]:
     input_ids = torch.tensor(prompts, device=device)
-    reference = model.generate(input_ids, do_sample=False, max_new_tokens=num_tokens, pad_token_id=0,
-                               attention_mask=torch.ones_like(input_ids))[:, input_ids.shape[1]:].tolist()
-    prefix, gaps = [], []
-    for prompt, mine, theirs in zip(prompts, ours, reference):
-        same = next((i for i, (a, b) in enumerate(zip(mine.token_ids, theirs)) if a != b), num_tokens)
-        prefix.append(same)
+    output = model.generate(input_ids, do_sample=False, max_new_tokens=num_tokens, pad_token_id=0,
+                            attention_mask=torch.ones_like(input_ids))
+    return output[:, input_ids.shape[1]:].tolist()
+
+
+def float32_greedy(model, prompts, num_tokens: int, device: str) -> list[list[int]]:
+    """HF greedy tokens from a float32 copy of the model: the answer bf16 runs (ours and HF's) approximate."""
+    copy = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).to(device).eval()
+    copy.load_state_dict(model.state_dict())
+    copy.generation_config.eos_token_id, copy.generation_config.pad_token_id = None, 0
+    tokens = hf_greedy(copy, prompts, num_tokens, device)
+    del copy
+    return tokens
+
+
+def matching_prefixes(ours: list[list[int]], theirs: list[list[int]], num_tokens: int) -> list[int]:
+    return [next((i for i, (a, b) in enumerate(zip(mine, other)) if a != b), num_tokens)
+            for mine, other in zip(ours, theirs)]
+
+
+def equal_fraction(ours: list[list[int]], theirs: list[list[int]], num_tokens: int) -> float:
+    prefixes = matching_prefixes(ours, theirs, num_tokens)
+    return sum(p == num_tokens for p in prefixes) / max(1, len(prefixes))
+
+
+def greedy_agreement(model, engine: BuiltinBackend, prompts, num_tokens: int, device: str,
+                     float32_tokens: list[list[int]] | None = None) -> dict:
+    """The engine's bf16 greedy tokens vs HF's bf16 greedy tokens (and, given, vs HF float32's)."""
+    ours = [g.token_ids for g in engine.generate(prompts, SamplingParams(max_new_tokens=num_tokens, temperature=0,
+                                                                         ignore_eos=True))]
+    reference = hf_greedy(model, prompts, num_tokens, device)
+    prefix, gaps = matching_prefixes(ours, reference, num_tokens), []
+    for prompt, mine, theirs, same in zip(prompts, ours, reference, prefix):
         if same < num_tokens:  # how close to a tie was the first divergence, in HF's own logits?
             with torch.no_grad():
                 logits = model(torch.tensor([prompt + theirs[:same]], device=device)).logits[0, -1].float()
-            gaps.append((logits[theirs[same]] - logits[mine.token_ids[same]]).item())
+            gaps.append((logits[theirs[same]] - logits[mine[same]]).item())
     gaps_t = torch.tensor(gaps or [0.0])
-    return dict(sequences=len(prompts), all_equal_fraction=sum(p == num_tokens for p in prefix) / len(prefix),
-                mean_matching_prefix=sum(prefix) / len(prefix), tokens=num_tokens,
-                divergence_logit_gap_median=gaps_t.median().item(), divergence_logit_gap_max=gaps_t.abs().max().item())
+    result = dict(sequences=len(prompts), all_equal_fraction=sum(p == num_tokens for p in prefix) / len(prefix),
+                  mean_matching_prefix=sum(prefix) / len(prefix), tokens=num_tokens,
+                  divergence_logit_gap_median=gaps_t.median().item(), divergence_logit_gap_max=gaps_t.abs().max().item())
+    if float32_tokens is not None:
+        result["vs_float32_equal_fraction"] = equal_fraction(ours, float32_tokens, num_tokens)
+    return result
 
 
 def logprob_mismatch(model, prompts, outputs, num_sequences: int, device: str) -> dict:
@@ -180,7 +216,8 @@ def floor(model, num_prompts: int, n: int, prompt_len: int, response_len: int, b
                 tokens_per_s=sequences * response_len / seconds, kv_bytes_per_token=kv_bytes_per_token)
 
 
-def time_triton(model, prompts, params, args, device: str, attention: str = "triton") -> dict:
+def time_triton(model, prompts, params, args, device: str, attention: str = "triton",
+                float32_tokens: list[list[int]] | None = None) -> dict:
     """The compiled engine with a prefix-shared attention ("triton" or "triton-stacked"), timed and checked
     like the sdpa one."""
     engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
@@ -194,7 +231,7 @@ def time_triton(model, prompts, params, args, device: str, attention: str = "tri
     result["logprob_mismatch"] = logprob_mismatch(model, prompts, result.pop("outputs"), 32, device)
     print(f"logprob mismatch ({attention}): {result['logprob_mismatch']}", flush=True)
     result["greedy_agreement"] = greedy_agreement(model, engine, prompts[: args.agreement_sequences],
-                                                  args.agreement_tokens, device)
+                                                  args.agreement_tokens, device, float32_tokens)
     print(f"greedy agreement ({attention}): {result['greedy_agreement']}", flush=True)
     return result
 
@@ -217,6 +254,12 @@ def main() -> None:
     prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len), generator=generator).tolist()
     params = SamplingParams(max_new_tokens=args.response_len, temperature=1.0, n=args.n, seed=0, ignore_eos=True)
     print(f"engine: {args.prompts} prompts x n={args.n}, prompt {args.prompt_len}, response {args.response_len}", flush=True)
+    agreement_prompts = prompts[: args.agreement_sequences]
+    float32_tokens = float32_greedy(model, agreement_prompts, args.agreement_tokens, device)
+    hf_vs_float32 = equal_fraction(hf_greedy(model, agreement_prompts, args.agreement_tokens, device), float32_tokens,
+                                   args.agreement_tokens)
+    print(f"HF bf16 greedy equal to HF float32 on the first {args.agreement_tokens} tokens: "
+          f"{100 * hf_vs_float32:.0f}% of {len(agreement_prompts)} sequences (the bf16 noise floor)", flush=True)
     eager = None
     if not args.no_compile and not args.no_eager_baseline:
         eager_engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory,
@@ -244,13 +287,15 @@ def main() -> None:
         profile(engine, prompts, params)
     mismatch = logprob_mismatch(model, prompts, ours.pop("outputs"), 32, device)
     print(f"logprob mismatch: {mismatch}", flush=True)
-    agreement = greedy_agreement(model, engine, prompts[: args.agreement_sequences], args.agreement_tokens, device)
+    agreement = greedy_agreement(model, engine, agreement_prompts, args.agreement_tokens, device, float32_tokens)
     print(f"greedy agreement: {agreement}", flush=True)
     del engine
-    triton_result = None if args.no_triton or not triton_available() else time_triton(model, prompts, params, args, device)
+    triton_result = None if args.no_triton or not triton_available() else \
+        time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens)
     stacked_result = None
     if not args.no_triton_stacked and triton_available():
-        stacked_result = time_triton(model, prompts, params, args, device, attention="triton-stacked")
+        stacked_result = time_triton(model, prompts, params, args, device, attention="triton-stacked",
+                                     float32_tokens=float32_tokens)
     hf = time_hf(model, prompts, args.hf_sequences, args.response_len, device) if args.hf_sequences else None
     if hf:
         print(f"hf generate: {hf}", flush=True)
@@ -262,7 +307,7 @@ def main() -> None:
                   engine_triton_stacked=stacked_result, hf_generate=hf, floor=bound,
                   percent_of_floor=100 * bound["seconds"] / ours["seconds"],
                   speedup_vs_hf=ours["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
-                  greedy_agreement=agreement, logprob_mismatch=mismatch)
+                  greedy_agreement=agreement, logprob_mismatch=mismatch, hf_bf16_vs_float32_equal_fraction=hf_vs_float32)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "rollout_benchmark.json"), "w") as handle:
             json.dump(result, handle, indent=2, default=str)
@@ -307,6 +352,11 @@ def print_table(result: dict) -> None:
               f"greedy first {agreement['tokens']} equal: {100 * agreement['all_equal_fraction']:.0f}% "
               f"(mean prefix {agreement['mean_matching_prefix']:.1f})   "
               f"logprob |diff| mean {mismatch['mean_abs']:.2e} max {mismatch['max_abs']:.2e}")
+    engines = [("sdpa", result["greedy_agreement"])] + [(r["stats"].get("attention"), r["greedy_agreement"])
+                                                         for r in prefix_shared]
+    print(f"greedy first {agreement['tokens']} equal to HF float32: HF bf16 "
+          f"{100 * result['hf_bf16_vs_float32_equal_fraction']:.0f}%, "
+          + ", ".join(f"engine {name} {100 * a['vs_float32_equal_fraction']:.0f}%" for name, a in engines))
     print(f"compile + first call: {ours['first_call_s']:.1f} s (once per engine; not in tok/s); "
           f"graph warm-up + capture inside the timed run: {ours['stats'].get('warmup_s', 0):.3f} s")
 
