@@ -12,6 +12,9 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
 - `grpo-0.5b-mb8k`: the same with 8k-token micro-batches (less activation memory, smaller matmuls).
 - `grpo-0.5b-compile`: `grpo-0.5b` with `model.compile` (each decoder layer torch.compiled).
 - `grpo-0.5b-compile-offload`: compiled, AdamW state in CPU memory (the fastest lean setting measured).
+- `grpo-0.5b-compile-offload-mb32k`: the same with 32k-token micro-batches (8 per step instead of 16):
+  smaller micro-batches measured slower by more than their compute, so a fixed cost per micro-batch
+  is suspected; this mode tests it.
 - `grpo-0.5b-lean`: compiled, 8k-token micro-batches, a 2 GiB KV cache (the prefix-shared layout needs
   1.8 GiB for 64 prompts x 8 x 512 tokens).
 - `grpo-0.5b-nockpt`: compiled, no gradient checkpointing, 4k-token micro-batches.
@@ -61,6 +64,8 @@ MODES = {
                               settings=dict(model__compile=True)),
     "grpo-0.5b-compile-offload": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=16384,
                                       offload=True, settings=dict(model__compile=True)),
+    "grpo-0.5b-compile-offload-mb32k": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
+                                            offload=True, settings=dict(model__compile=True)),
     "grpo-0.5b-lean": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=2.0, max_tokens=8192,
                            settings=dict(model__compile=True)),
     "grpo-0.5b-nockpt": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=2.0, max_tokens=4096,

@@ -64,14 +64,18 @@ def clip_and_step(parameters: list[torch.nn.Parameter], optimizer: torch.optim.O
 
 def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Generator, micro_loss,
                model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float,
-               loss_name: str) -> dict[str, float]:
+               loss_name: str, check_loss) -> dict[str, float]:
     """Shuffled mini-batches (one optimizer step each) over `ppo_epochs`, gradients accumulated over
     micro-batches. `micro_loss(part, norm, rows) -> (loss, stats)`; returns stats averaged over micro-batches,
-    and the loss and gradient norm summed within a mini-batch and averaged over mini-batches."""
+    and the loss and gradient norm summed within a mini-batch and averaged over mini-batches.
+
+    Nothing here waits for the device inside a mini-batch: losses and stats are summed as tensors and
+    `check_loss(mini-batch loss)` (which raises on NaN/inf) runs once, before the optimizer step, so a
+    bad loss still leaves the weights unchanged."""
     act = config.actor
     params = [p for p in model.parameters() if p.requires_grad]
     gather_once = not config.trainer.fsdp_reshard_every_micro_batch
-    sums: dict[str, float] = {}
+    sums: dict[str, torch.Tensor] = {}
     per_mini: dict[str, float] = {}
     count = num_minis = 0
     for micros in mini_batches(len(batch), act.mini_batch_size or len(batch), act.micro_batch_size,
@@ -81,18 +85,22 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
         micros = distributed.shard_micro_batches(micros, batch.attention_mask.sum(1), parts.setup)
         micros = regroup_by_tokens(batch, micros, act.max_tokens_per_micro_batch)
         micros = distributed.match_micro_batch_count(micros, parts.setup)
+        mini_loss = torch.zeros((), device=batch.input_ids.device)
         with distributed.gathered_for_micro_batches(model, gather_once):
             for index, micro in enumerate(micros):
                 distributed.sync_gradients(model, index == len(micros) - 1, gather_once)
                 loss, stats = micro_loss(batch.select(micro), norm, micro)
                 loss.backward()
-                per_mini[loss_name] = per_mini.get(loss_name, 0.0) + loss.item()
+                mini_loss += loss.detach().float()
                 for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
+                    value = torch.as_tensor(value, dtype=torch.float32).detach()
+                    sums[key] = sums[key] + value.to(sums[key].device) if key in sums else value
                 count += 1
+        check_loss(mini_loss)
+        per_mini[loss_name] = per_mini.get(loss_name, 0.0) + mini_loss.item()
         per_mini["grad_norm"] = per_mini.get("grad_norm", 0.0) + clip_and_step(params, optimizer, max_grad_norm)
         num_minis += 1
-    return {**{key: value / count for key, value in sums.items()},
+    return {**{key: value.item() / count for key, value in sums.items()},
             **{key: value / num_minis for key, value in per_mini.items()}}
 
 
@@ -122,11 +130,13 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
             loss = loss + a.kl_coef * algorithms.aggregate_loss(kl, mask, a.loss_aggregation, **norm)
         if part.ref_logp is not None:
             stats["kl"] = algorithms.masked_mean(algorithms.kl_penalty(logp.detach(), part.ref_logp, a.kl_estimator), mask)
-        check_finite(loss, "actor loss", step, "lower actor.lr, check rewards, or raise actor.max_grad_norm clipping.")
         return loss, stats
 
+    def check_loss(loss: torch.Tensor) -> None:
+        check_finite(loss, "actor loss", step, "lower actor.lr, check rewards, or raise actor.max_grad_norm clipping.")
+
     metrics = run_epochs(parts, config, batch, generator, micro_loss, parts.actor, parts.actor_optimizer,
-                         config.actor.max_grad_norm, "policy_loss")
+                         config.actor.max_grad_norm, "policy_loss", check_loss)
     if reused is not None:
         batch.old_logp = distributed.all_reduce(reused, parts.setup)  # ranks hold disjoint rows
     parts.actor_scheduler.step()
@@ -143,11 +153,13 @@ def update_critic(parts, config: Config, batch: RolloutBatch, generator: torch.G
         values = parts.critic(part.input_ids, part.attention_mask, part.position_ids)[:, -part.response_length - 1:-1]
         loss, stats = algorithms.value_loss(values, part.old_values, part.returns, part.response_mask,
                                             clip_range=a.value_clip, aggregation=a.loss_aggregation, **norm)
-        check_finite(loss, "critic loss", 0, "lower critic.lr or check rewards.")
         return loss, {**stats, "values_mean": algorithms.masked_mean(values.detach(), part.response_mask)}
 
+    def check_loss(loss: torch.Tensor) -> None:
+        check_finite(loss, "critic loss", 0, "lower critic.lr or check rewards.")
+
     metrics = run_epochs(parts, config, batch, generator, micro_loss, parts.critic, parts.critic_optimizer,
-                         config.critic.max_grad_norm, "value_loss")
+                         config.critic.max_grad_norm, "value_loss", check_loss)
     parts.critic_scheduler.step()
     metrics = {f"critic/{key}": value for key, value in metrics.items()}
     return distributed.reduce_metrics(metrics, parts.setup, sum_keys=["critic/value_loss"])
