@@ -169,6 +169,8 @@ def profiled(name: str, top: int = 25):
         yield
     print(f"{name}: top kernels of the profiled step (self CUDA time)")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70))
+    print(f"{name}: top operators of the profiled step (self CPU time; a host-bound phase shows up here)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
 
 
 def floor(model, config, spec, prompt_len: int, response_len: int, train_flops: float) -> dict:
