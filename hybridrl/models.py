@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -167,10 +168,23 @@ def compile_layers(model: nn.Module) -> int:
     """
     from hybridrl.distributed import decoder_layers
 
+    missing = compile_prerequisite_missing(next(model.parameters()).device)
+    if missing:
+        raise ModelError(f"model.compile needs {missing}; install it or set model.compile=false.")
     layers = decoder_layers(model)
     if not layers:
-        raise ValueError(f"model.compile found no decoder layers in {type(model).__name__} (no class named in "
+        raise ModelError(f"model.compile found no decoder layers in {type(model).__name__} (no class named in "
                          "`_no_split_modules`); set model.compile=false for this model.")
     for layer in layers:
         layer.compile()
     return len(layers)
+
+
+def compile_prerequisite_missing(device: torch.device) -> str | None:
+    """What torch.compile's default backend (inductor) lacks on `device`, checked before the first step
+    (it would otherwise fail deep inside the first forward): triton on CUDA, a C++ compiler on CPU."""
+    if device.type == "cuda":
+        return None if importlib.util.find_spec("triton") else "triton on CUDA (pip install triton)"
+    if device.type == "cpu" and not any(shutil.which(name) for name in ("g++", "c++", "clang++")):
+        return "a C++ compiler on CPU (g++ or clang++)"
+    return None

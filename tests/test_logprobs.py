@@ -105,3 +105,12 @@ def test_compiled_layers_give_the_eager_values_and_gradients_under_checkpointing
 def test_compile_refuses_a_model_without_decoder_layers():
     with pytest.raises(ValueError, match="model.compile=false"):
         compile_layers(torch.nn.Linear(3, 3))
+
+
+def test_compile_without_a_cpu_compiler_says_so(monkeypatch):
+    from hybridrl import models
+
+    monkeypatch.setattr(models.shutil, "which", lambda name: None)
+    model, _ = tiny_actor()
+    with pytest.raises(ValueError, match=r"model.compile needs a C\+\+ compiler on CPU .*model.compile=false"):
+        compile_layers(model)
