@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from hybridrl.cli import main
 from hybridrl.metrics import MetricsLogger
@@ -86,3 +87,19 @@ def test_plot_writes_a_png(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 0
     png = (tmp_path / "curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_phase_timer_reports_each_phases_peak_memory(monkeypatch):
+    """On CUDA every phase resets the allocator's peak and reads it back; the step's peak is the largest."""
+    from hybridrl.trainer import PhaseTimer
+
+    allocated = {"peak": 0}
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: allocated.update(peak=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocated["peak"])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    timer = PhaseTimer(torch.device("cuda"))
+    for phase, peak in (("rollout", 3 * 2**30), ("update", 2**30), ("rollout", 2**29)):
+        with timer(phase):
+            allocated["peak"] = peak
+    assert timer.peak_bytes == {"rollout": 3 * 2**30, "update": 2**30}
+    assert set(timer.seconds) == {"rollout", "update"}
