@@ -1,12 +1,13 @@
 """End-to-end trainer behaviour on tiny CPU models: it learns, it is deterministic, it fails clearly."""
 
 import math
+import shutil
 
 import pytest
 import torch
 
 from conftest import contains_seven, tiny_actor, toy_prompts
-from hybridrl import algorithms
+from hybridrl import algorithms, distributed
 from hybridrl.config import ConfigError
 from hybridrl.data import PromptDataset
 from hybridrl.rewards import RewardError
@@ -156,3 +157,19 @@ def test_train_prints_what_it_is_about_to_do(tmp_path, capsys):
     assert out.startswith("hybridrl: grpo with ")
     assert "on cpu; rollout: hf; 8 prompts x 4 samples per step, 1 steps" in out
     assert f"saved the trained model to {tmp_path / 'model'}" in out
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor on CPU needs a C++ compiler")
+def test_compiled_layers_train_like_eager_ones(tmp_path):
+    """`model.compile=true` end to end: the trainer compiles the actor's layers and one step lands on the
+    parameters the eager trainer reaches (float32, same seed)."""
+    results = []
+    for compiled in (False, True):
+        trainer = make_trainer(tmp_path / str(compiled), trainer__total_steps=1, actor__lr=1e-3,
+                               model__compile=compiled)
+        trainer.train()
+        layers = distributed.decoder_layers(trainer.parts.actor)
+        assert all((layer._compiled_call_impl is not None) == compiled for layer in layers)
+        results.append([p.detach().clone() for p in trainer.parts.actor.parameters()])
+    for eager, compiled in zip(*results):
+        assert torch.allclose(eager, compiled, atol=1e-5)
