@@ -85,13 +85,14 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
         micros = distributed.shard_micro_batches(micros, batch.attention_mask.sum(1), parts.setup)
         micros = regroup_by_tokens(batch, micros, act.max_tokens_per_micro_batch)
         micros = distributed.match_micro_batch_count(micros, parts.setup)
-        mini_loss = torch.zeros((), device=batch.input_ids.device)
+        mini_loss = None
         with distributed.gathered_for_micro_batches(model, gather_once):
             for index, micro in enumerate(micros):
                 distributed.sync_gradients(model, index == len(micros) - 1, gather_once)
                 loss, stats = micro_loss(batch.select(micro), norm, micro)
                 loss.backward()
-                mini_loss += loss.detach().float()
+                loss_value = loss.detach().float()
+                mini_loss = loss_value if mini_loss is None else mini_loss + loss_value.to(mini_loss.device)
                 for key, value in stats.items():
                     value = torch.as_tensor(value, dtype=torch.float32).detach()
                     sums[key] = sums[key] + value.to(sums[key].device) if key in sums else value
