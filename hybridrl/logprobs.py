@@ -151,17 +151,23 @@ def _model_and_context(model: nn.Module):
 def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       position_ids: torch.Tensor, response_length: int, temperature: float = 1.0,
                       with_entropy: bool = False, chunk_tokens: int | None = None,
-                      pack: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      pack: bool | None = None, real_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(response token t | prefix) for the last `response_length` columns: (B, R) float32, and entropy.
 
     `pack`: remove padding by packing sequences into rows (None: when at least 1/8 of the tokens are padding).
+    `real_tokens`: the attention mask's sum when the caller knows it on the host; it spares a device sync,
+    and rows without any padding then run with no mask at all (causal attention, no mask checks).
     Values at padded response positions are 0.
     """
     model, context = _model_and_context(model)
     num_rows, width = input_ids.shape
     prompt_width = width - response_length
+    if real_tokens is None:
+        real_tokens = int(attention_mask.sum().item())
     if pack is None:
-        pack = attention_mask.sum().item() < 0.875 * attention_mask.numel()
+        pack = real_tokens < 0.875 * attention_mask.numel()
+    if not pack and real_tokens == attention_mask.numel():  # no padding: positions are 0..width-1 in every row
+        attention_mask = position_ids = None
     if pack:
         capacity = row_capacity_for(model, attention_mask)
         packed = pack_rows(input_ids, attention_mask, prompt_width, capacity)
@@ -185,6 +191,7 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
         logp, entropy = packed.unpack(logp, (num_rows, response_length)), packed.unpack(entropy, (num_rows, response_length))
     else:
         logp, entropy = logp.view(num_rows, response_length), entropy.view(num_rows, response_length)
-        real = attention_mask[:, prompt_width:].bool()
-        logp, entropy = logp.masked_fill(~real, 0.0), entropy.masked_fill(~real, 0.0)
+        if attention_mask is not None:
+            real = attention_mask[:, prompt_width:].bool()
+            logp, entropy = logp.masked_fill(~real, 0.0), entropy.masked_fill(~real, 0.0)
     return logp, (entropy if with_entropy else None)

@@ -111,10 +111,12 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
     # On-policy (compute_logprobs skipped the old-policy pass): each row's old log-probs are its own
     # detached log-probs in the one update pass; kept to fill batch.old_logp for the rollout metrics.
     reused = torch.zeros_like(batch.response_mask, dtype=torch.float32) if batch.old_logp is None else None
+    lengths = batch.attention_mask.sum(1).tolist()  # on the host once, so micro-batches need no device sync
 
     def micro_loss(part: RolloutBatch, norm: dict[str, float], rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         logp, entropy = response_logprobs(parts.actor, part.input_ids, part.attention_mask, part.position_ids,
-                                          part.response_length, config.rollout.temperature, with_entropy=True)
+                                          part.response_length, config.rollout.temperature, with_entropy=True,
+                                          real_tokens=sum(lengths[row] for row in rows.tolist()))
         mask = part.response_mask
         old_logp = part.old_logp
         if reused is not None:

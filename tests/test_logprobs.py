@@ -114,3 +114,18 @@ def test_compile_without_a_cpu_compiler_says_so(monkeypatch):
     model, _ = tiny_actor()
     with pytest.raises(ValueError, match=r"model.compile needs a C\+\+ compiler on CPU .*model.compile=false"):
         compile_layers(model)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_host_token_count_gives_the_same_values(padded):
+    """`real_tokens` (the mask's sum known on the host) only spares a sync: unpadded rows then run with no
+    mask at all, padded ones as before; values and entropies are those of the plain computation."""
+    model, _ = tiny_actor()
+    ids, mask, positions, response = padded_batch(seed=7)
+    if not padded:
+        mask, positions = torch.ones_like(mask), torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        got = response_logprobs(model, ids, mask, positions, response, with_entropy=True,
+                                real_tokens=int(mask.sum()))
+        want = plain(model, ids, mask, positions, response, 1.0)
+    assert torch.allclose(got[0], want[0], **TOL) and torch.allclose(got[1], want[1], **TOL)
