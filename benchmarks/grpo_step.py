@@ -23,6 +23,8 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
   the adapter in place, 16 prompts x 4 to keep the run short.
 - `trl`: `shared/peers/trl_grpo_gpu.py` (TRL 1.16, HF generate, fp32 master weights + bf16 autocast) on the
   grpo-0.5b shape, as a subprocess; its script must be at `--trl-script` with trl/datasets importable.
+  Three TRL steps (`TRL_STEPS`), steady state = mean of steps 2-3 as for hybridrl (runs before
+  2026-11-30 04:30 used two steps, so their TRL figure is step 2 alone).
 
 Each mode runs in its own process. Peak memory is the largest `perf/peak_memory_gib` of its steps (the
 trainer measures each phase; the table names the peak of each). The
@@ -187,7 +189,7 @@ def floor(model, config, spec, prompt_len: int, response_len: int, train_flops: 
 
 
 def run_trl(script: str, timeout: int) -> dict:
-    env = {**os.environ, "P": "64", "G": "8", "R": "256", "STEPS": os.environ.get("TRL_STEPS", "2"), "MB": "16"}
+    env = {**os.environ, "P": "64", "G": "8", "R": "256", "STEPS": os.environ.get("TRL_STEPS", "3"), "MB": "16"}
     # TRL's Trainer wraps the model in nn.DataParallel when it sees several GPUs, which GRPOTrainer refuses.
     env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     try:
