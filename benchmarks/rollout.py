@@ -14,7 +14,8 @@ attention). When triton is installed, the compiled engine is also timed with `at
 (prefix-shared KV: each prompt's KV stored once, Triton decode kernel; `--no-triton` skips it), in
 the same run and the same table, with its own log-prob mismatch and greedy agreement; so is the opt-in
 `attention="triton-stacked"` (same layout, a prompt kernel per prompt entry that stacks the n samples'
-queries plus a response kernel per slot; `--no-triton-stacked` skips it). The first `generate` of a fresh engine compiles; it is timed
+queries plus a response kernel per slot; `--no-triton-stacked` skips it), and the triton engine with
+`fuse_qkv=True` (one stacked q/k/v matmul per layer; `--no-fused-qkv` skips it). The first `generate` of a fresh engine compiles; it is timed
 on its own ("compile + first call") and not in the engine's tokens/s, because the trainer reuses the
 compiled code every step. Each timed run still includes KV allocation and CUDA-graph capture
 (`warmup_s` in its stats).
@@ -70,6 +71,7 @@ def parse_args() -> argparse.Namespace:
                         help="also time the compiled engine with SDPA restricted to the mem-efficient backend")
     parser.add_argument("--no-triton", action="store_true", help="skip the attention='triton' engine")
     parser.add_argument("--no-triton-stacked", action="store_true", help="skip the attention='triton-stacked' engine")
+    parser.add_argument("--no-fused-qkv", action="store_true", help="skip the triton engine with fuse_qkv=True")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one engine run (each engine)")
     if "--quick" in sys.argv:  # new defaults; flags given explicitly still win
         parser.set_defaults(prompts=16, response_len=64, hf_sequences=32, agreement_sequences=16)
@@ -217,22 +219,23 @@ def floor(model, num_prompts: int, n: int, prompt_len: int, response_len: int, b
 
 
 def time_triton(model, prompts, params, args, device: str, attention: str = "triton",
-                float32_tokens: list[list[int]] | None = None) -> dict:
+                float32_tokens: list[list[int]] | None = None, fuse_qkv: bool = False) -> dict:
     """The compiled engine with a prefix-shared attention ("triton" or "triton-stacked"), timed and checked
-    like the sdpa one."""
+    like the sdpa one; `fuse_qkv` adds the stacked q/k/v projection."""
     engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
-                            compile=False if args.no_compile else None, attention=attention)
+                            compile=False if args.no_compile else None, attention=attention, fuse_qkv=fuse_qkv)
     result = time_engine(engine, prompts, params, args.repeats)
+    result["stats"]["attention"] = result["stats"].get("attention", "") + (" + fused qkv" if fuse_qkv else "")
     print(f"engine (attention={result['stats'].get('attention')}): {result['seconds']:.3f} s, "
           f"{result['tokens_per_s']:.0f} tok/s, compile + first call {result['first_call_s']:.1f} s, "
           f"stats {result['stats']}", flush=True)
     if args.profile:
         profile(engine, prompts, params)
     result["logprob_mismatch"] = logprob_mismatch(model, prompts, result.pop("outputs"), 32, device)
-    print(f"logprob mismatch ({attention}): {result['logprob_mismatch']}", flush=True)
+    print(f"logprob mismatch ({result['stats']['attention']}): {result['logprob_mismatch']}", flush=True)
     result["greedy_agreement"] = greedy_agreement(model, engine, prompts[: args.agreement_sequences],
                                                   args.agreement_tokens, device, float32_tokens)
-    print(f"greedy agreement ({attention}): {result['greedy_agreement']}", flush=True)
+    print(f"greedy agreement ({result['stats']['attention']}): {result['greedy_agreement']}", flush=True)
     return result
 
 
@@ -296,6 +299,9 @@ def main() -> None:
     if not args.no_triton_stacked and triton_available():
         stacked_result = time_triton(model, prompts, params, args, device, attention="triton-stacked",
                                      float32_tokens=float32_tokens)
+    fused_result = None
+    if not args.no_fused_qkv and triton_available():
+        fused_result = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens, fuse_qkv=True)
     hf = time_hf(model, prompts, args.hf_sequences, args.response_len, device) if args.hf_sequences else None
     if hf:
         print(f"hf generate: {hf}", flush=True)
@@ -304,7 +310,7 @@ def main() -> None:
     result = dict(args=vars(args), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   torch=torch.__version__, engine=ours, engine_not_compiled=eager,
                   engine_sdpa_efficient=efficient, engine_triton=triton_result,
-                  engine_triton_stacked=stacked_result, hf_generate=hf, floor=bound,
+                  engine_triton_stacked=stacked_result, engine_triton_fused_qkv=fused_result, hf_generate=hf, floor=bound,
                   percent_of_floor=100 * bound["seconds"] / ours["seconds"],
                   speedup_vs_hf=ours["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
                   greedy_agreement=agreement, logprob_mismatch=mismatch, hf_bf16_vs_float32_equal_fraction=hf_vs_float32)
@@ -319,7 +325,8 @@ def print_table(result: dict) -> None:
     eager = result["engine_not_compiled"]
     label = "engine (compiled, sdpa)" if ours["stats"].get("compiled") else "engine (sdpa)"
     rows = [(label, f"{ours['tokens']}", f"{ours['seconds']:.3f}", f"{ours['tokens_per_s']:,.0f}", f"{ours['peak_gib']:.1f}")]
-    prefix_shared = [r for r in (result["engine_triton"], result.get("engine_triton_stacked")) if r]
+    prefix_shared = [r for r in (result["engine_triton"], result.get("engine_triton_stacked"),
+                                 result.get("engine_triton_fused_qkv")) if r]
     for shared in prefix_shared:
         name = shared["stats"].get("attention")
         rows.append((f"engine (compiled, {name})" if shared["stats"].get("compiled") else f"engine ({name})",
@@ -336,9 +343,9 @@ def print_table(result: dict) -> None:
         rows.append((f"hf generate ({hf['sequences']} seqs)", f"{hf['tokens']}", f"{hf['seconds']:.3f}",
                      f"{hf['tokens_per_s']:,.0f}", f"{hf['peak_gib']:.1f}"))
     rows.append(("floor (computed)", f"{ours['tokens']}", f"{bound['seconds']:.3f}", f"{bound['tokens_per_s']:,.0f}", "-"))
-    print(f"\n{'':34} {'tokens':>8} {'seconds':>8} {'tok/s':>10} {'peak GiB':>9}")
+    print(f"\n{'':40} {'tokens':>8} {'seconds':>8} {'tok/s':>10} {'peak GiB':>9}")
     for row in rows:
-        print(f"{row[0]:34} {row[1]:>8} {row[2]:>8} {row[3]:>10} {row[4]:>9}")
+        print(f"{row[0]:40} {row[1]:>8} {row[2]:>8} {row[3]:>10} {row[4]:>9}")
     speedup = f"{result['speedup_vs_hf']:.1f}x" if result["speedup_vs_hf"] else "n/a"
     agreement, mismatch = result["greedy_agreement"], result["logprob_mismatch"]
     print(f"% of floor: {result['percent_of_floor']:.1f}   speedup vs HF: {speedup}   "

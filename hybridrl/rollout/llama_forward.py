@@ -77,6 +77,9 @@ class LayerWeights:
     gate_lora: Lora | None = None
     up_lora: Lora | None = None
     down_lora: Lora | None = None
+    # `fuse_qkv`: q/k/v weights (and biases) concatenated into one matrix, a copy made per `generate`.
+    qkv_weight: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -185,8 +188,25 @@ def _bias(linear) -> torch.Tensor | None:
     return linear.bias if getattr(linear, "bias", None) is not None else None
 
 
-def resolve_weights(model) -> ModelWeights:
-    """Collect references to the model's tensors; call again whenever modules may have been replaced."""
+def fused_qkv(lw: LayerWeights) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """q/k/v weights stacked into one (q + 2 kv, hidden) matrix and their biases (zeros where a projection
+    has none), or None when any of them carries a LoRA adapter (the engine then keeps three matmuls)."""
+    if lw.q_lora or lw.k_lora or lw.v_lora:
+        return None
+    weight = torch.cat((lw.q_weight, lw.k_weight, lw.v_weight))
+    biases = (lw.q_bias, lw.k_bias, lw.v_bias)
+    if all(b is None for b in biases):
+        return weight, None
+    return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0])
+                              for b, w in zip(biases, (lw.q_weight, lw.k_weight, lw.v_weight))])
+
+
+def resolve_weights(model, fuse_qkv: bool = False) -> ModelWeights:
+    """Collect references to the model's tensors; call again whenever modules may have been replaced.
+
+    `fuse_qkv` adds, per layer, a copy of q/k/v stacked into one matrix, so a decode step runs one
+    projection matmul instead of three (the k and v ones are tiny and launch-bound). The copy is made
+    here, so it reflects the weights as they are now: resolve again after every optimizer step."""
     ok, reason = supports(model)
     if not ok:
         raise ValueError(f"the built-in rollout engine cannot run this model: {reason}; use rollout.backend=hf.")
@@ -208,6 +228,9 @@ def resolve_weights(model) -> ModelWeights:
             gate_weight=mlp.gate_proj.weight, up_weight=mlp.up_proj.weight, down_weight=mlp.down_proj.weight,
             **{f"{short}_lora": _lora(layer.get_submodule(path)) for short, path in PROJECTIONS.items()},
         ))
+        fused = fused_qkv(layers[-1]) if fuse_qkv else None
+        if fused is not None:
+            layers[-1].qkv_weight, layers[-1].qkv_bias = fused
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return ModelWeights(
         embed=inner.embed_tokens.weight, layers=layers, final_norm=inner.norm.weight,
@@ -256,9 +279,15 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 def _qkv(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos, sin):
     """Projections + q/k norm + RoPE. h: (..., hidden) -> q (..., H, D), k/v (..., Hkv, D)."""
     shape = h.shape[:-1]
-    q = _linear(h, lw.q_weight, lw.q_bias, lw.q_lora).view(*shape, w.num_heads, w.head_dim)
-    k = _linear(h, lw.k_weight, lw.k_bias, lw.k_lora).view(*shape, w.num_kv_heads, w.head_dim)
-    v = _linear(h, lw.v_weight, lw.v_bias, lw.v_lora).view(*shape, w.num_kv_heads, w.head_dim)
+    if lw.qkv_weight is not None:
+        q_size, kv_size = w.num_heads * w.head_dim, w.num_kv_heads * w.head_dim
+        q, k, v = F.linear(h, lw.qkv_weight, lw.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
+    else:
+        q = _linear(h, lw.q_weight, lw.q_bias, lw.q_lora)
+        k = _linear(h, lw.k_weight, lw.k_bias, lw.k_lora)
+        v = _linear(h, lw.v_weight, lw.v_bias, lw.v_lora)
+    q = q.unflatten(-1, (w.num_heads, w.head_dim))
+    k, v = k.unflatten(-1, (w.num_kv_heads, w.head_dim)), v.unflatten(-1, (w.num_kv_heads, w.head_dim))
     if lw.q_norm is not None:
         q = rms_norm(q, lw.q_norm, w.rms_eps)
         k = rms_norm(k, lw.k_norm, w.rms_eps)
