@@ -15,6 +15,8 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
 - `grpo-0.5b-compile-offload-mb32k`: the same with 32k-token micro-batches (8 per step instead of 16):
   smaller micro-batches measured slower by more than their compute, so a fixed cost per micro-batch
   is suspected; this mode tests it.
+- `grpo-0.5b-fast`: everything at once: compiled, offloaded moments, 32k-token micro-batches and the
+  engine's stacked q/k/v projection (`rollout.fuse_qkv`).
 - `grpo-0.5b-lean`: compiled, 8k-token micro-batches, a 2 GiB KV cache (the prefix-shared layout needs
   1.8 GiB for 64 prompts x 8 x 512 tokens).
 - `grpo-0.5b-nockpt`: compiled, no gradient checkpointing, 4k-token micro-batches.
@@ -68,6 +70,8 @@ MODES = {
                                       offload=True, settings=dict(model__compile=True)),
     "grpo-0.5b-compile-offload-mb32k": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
                                             offload=True, settings=dict(model__compile=True)),
+    "grpo-0.5b-fast": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
+                           settings=dict(model__compile=True, rollout__fuse_qkv=True)),
     "grpo-0.5b-lean": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=2.0, max_tokens=8192,
                            settings=dict(model__compile=True)),
     "grpo-0.5b-nockpt": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=2.0, max_tokens=4096,
