@@ -21,7 +21,7 @@ from hybridrl.config import Config, ConfigError
 from hybridrl.placement import resolve_placement
 from hybridrl.data import PromptDataset
 from hybridrl.lora import AdapterDisabled, apply_lora
-from hybridrl.models import HFModel, ValueModel, compile_layers, load_hf_model, make_reference
+from hybridrl.models import HFModel, HostOffloadedWeights, ValueModel, compile_layers, load_hf_model, make_reference
 from hybridrl.optim import build_optimizer, build_scheduler
 from hybridrl.rewards import RewardComposer, WeightedReward, load_reward_function
 from hybridrl.rollout.base import RolloutBackend
@@ -47,6 +47,7 @@ class Components:
     rewards: RewardComposer
     dataset: PromptDataset
     eval_dataset: PromptDataset | None
+    reference_offload: HostOffloadedWeights | None = None  # `model.reference_offload`: weights on the host
 
 
 def resolve_device(name: str) -> torch.device:
@@ -173,10 +174,17 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
     if critic is not None:
         critic_optimizer = build_optimizer(critic.parameters(), config.critic.lr, seed=config.trainer.seed + 1)
         critic_scheduler = build_scheduler(critic_optimizer, config.critic.lr_schedule, config.critic.warmup_steps, total)
+    reference_offload = None
+    if m.reference_offload and reference is not None:
+        if m.lora_rank:
+            logger.warning("model.reference_offload has no effect with LoRA: the reference is the actor with its "
+                           "adapter disabled, not a second copy.")
+        else:
+            reference_offload = HostOffloadedWeights(reference, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Components(
         device=device, actor=model, tokenizer=tokenizer, pad_token_id=pad_id, reference=reference, critic=critic,
         actor_optimizer=actor_optimizer, actor_scheduler=build_scheduler(actor_optimizer, a.lr_schedule, a.warmup_steps, total),
         critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
         rollout=build_rollout(config, model, tokenizer, device), setup=setup, rewards=rewards, dataset=dataset,
-        eval_dataset=eval_dataset)
+        eval_dataset=eval_dataset, reference_offload=reference_offload)

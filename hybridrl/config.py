@@ -39,6 +39,10 @@ class ModelConfig:
     compile: bool = False
     """torch.compile each decoder layer for the training and log-prob passes (fuses norms, rotary and
     activations; the rollout engine is unaffected). The first step pays the compile time (tens of seconds)."""
+    reference_offload: bool = False
+    """Keep the frozen reference model (algorithm.kl_coef > 0, full-parameter runs) in pinned CPU memory and
+    copy it to the GPU only for its log-prob pass each step: its weights (2 bytes per parameter in bf16)
+    leave the GPU outside that pass, for one host-to-device copy per step. One process only for now."""
     tokenizer_path: str | None = None
     """Tokenizer location when it differs from `path`."""
     lora_rank: int = 0
@@ -508,6 +512,9 @@ def validate(config: Config) -> None:
     _require(not (act.optimizer_8bit and act.optimizer_offload),
              "actor.optimizer_8bit and actor.optimizer_offload cannot both be true; choose one way to save memory.")
     _require(config.model.lora_rank >= 0, "model.lora_rank must be >= 0 (0 trains all parameters).")
+    _require(not (config.model.reference_offload and config.trainer.num_gpus > 1),
+             "model.reference_offload works with one process only for now (a sharded reference is already split "
+             "across GPUs); set model.reference_offload=false or trainer.num_gpus=1.")
     _require(config.model.lora_rank == 0 or config.model.lora_alpha > 0, "model.lora_alpha must be > 0.")
     _require(t.total_steps >= 1, "trainer.total_steps must be at least 1.")
     _require(t.prompts_per_step >= 1, "trainer.prompts_per_step must be at least 1.")

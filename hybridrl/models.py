@@ -11,6 +11,7 @@ import copy
 import importlib.util
 import logging
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -188,3 +189,30 @@ def compile_prerequisite_missing(device: torch.device) -> str | None:
     if device.type == "cpu" and not any(shutil.which(name) for name in ("g++", "c++", "clang++")):
         return "a C++ compiler on CPU (g++ or clang++)"
     return None
+
+
+class HostOffloadedWeights:
+    """A frozen model whose parameters live in CPU memory (pinned when a GPU is the target) and visit
+    `device` only inside `on_device()` (`model.reference_offload`).
+
+    Frozen means nothing is copied back: leaving the block just points each parameter at its host copy
+    again and the device copies are freed. Buffers (rotary tables, small) stay where they are."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        self.model, self.device = model, device
+        pin = device.type == "cuda"
+        self.host = {param: param.detach().to("cpu", copy=True) for param in model.parameters()}
+        if pin:
+            self.host = {param: host.pin_memory() for param, host in self.host.items()}
+        for param, host in self.host.items():
+            param.data = host
+
+    @contextmanager
+    def on_device(self) -> Iterator[None]:
+        for param, host in self.host.items():
+            param.data = host.to(self.device, non_blocking=True, copy=True)
+        try:
+            yield
+        finally:
+            for param, host in self.host.items():
+                param.data = host

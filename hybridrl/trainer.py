@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import resource
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -207,7 +207,9 @@ class RLTrainer:
             if job is None:
                 continue
             model, compute = job
-            with distributed.gathered_for_micro_batches(model, gather_once):
+            offloaded = self.parts.reference_offload if field == "ref_logp" else None
+            with distributed.gathered_for_micro_batches(model, gather_once), \
+                    (offloaded.on_device() if offloaded is not None else nullcontext()):
                 outputs = [compute(batch.select(index)) for index in rows.split(self.config.actor.micro_batch_size)]
             setattr(batch, field, distributed.gather_rows(torch.cat(outputs), rows, len(batch), setup))
 

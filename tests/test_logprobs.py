@@ -129,3 +129,16 @@ def test_host_token_count_gives_the_same_values(padded):
                                 real_tokens=int(mask.sum()))
         want = plain(model, ids, mask, positions, response, 1.0)
     assert torch.allclose(got[0], want[0], **TOL) and torch.allclose(got[1], want[1], **TOL)
+
+
+def test_host_offloaded_weights_visit_the_device_only_inside_the_block():
+    from hybridrl.models import HostOffloadedWeights
+
+    model, _ = tiny_actor()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    offloaded = HostOffloadedWeights(model, torch.device("cpu"))
+    host_storage = {name: p.data_ptr() for name, p in model.named_parameters()}
+    with offloaded.on_device():  # fresh device copies (on this CPU-only machine: copies in CPU memory)
+        assert all(p.data_ptr() != host_storage[name] for name, p in model.named_parameters())
+        assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert all(p.data_ptr() == host_storage[name] for name, p in model.named_parameters())

@@ -173,3 +173,23 @@ def test_compiled_layers_train_like_eager_ones(tmp_path):
         results.append([p.detach().clone() for p in trainer.parts.actor.parameters()])
     for eager, compiled in zip(*results):
         assert torch.allclose(eager, compiled, atol=1e-5)
+
+
+def test_reference_offload_trains_like_a_resident_reference(tmp_path):
+    """`model.reference_offload`: the reference's parameters sit in host memory between passes and the run
+    (with a KL term, so the reference matters) lands on the same parameters and KL as without it."""
+    results = []
+    for offload in (False, True):
+        trainer = make_trainer(tmp_path / str(offload), trainer__total_steps=2, actor__lr=1e-3,
+                               algorithm__kl_coef=0.5, model__reference_offload=offload)
+        history = trainer.train()
+        assert (trainer.parts.reference_offload is not None) == offload
+        results.append(([p.detach().clone() for p in trainer.parts.actor.parameters()], history[-1]["actor/kl"]))
+    for resident, offloaded in zip(results[0][0], results[1][0]):
+        assert torch.equal(resident, offloaded)
+    assert results[0][1] == results[1][1] and results[0][1] > 0
+
+
+def test_reference_offload_with_several_processes_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="model.reference_offload works with one process only"):
+        make_trainer(tmp_path, model__reference_offload=True, trainer__num_gpus=2)
