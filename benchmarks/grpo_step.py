@@ -17,6 +17,8 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
   is suspected; this mode tests it.
 - `grpo-0.5b-fast`: everything at once: compiled, offloaded moments, 32k-token micro-batches and the
   engine's stacked q/k/v projection (`rollout.fuse_qkv`).
+- `grpo-0.5b-kl-refoffload`: `grpo-0.5b-compile-offload` with a KL term (kl_coef 0.05), so a reference
+  model exists, kept in CPU memory between its passes (`model.reference_offload`).
 - `grpo-0.5b-lean`: compiled, 8k-token micro-batches, a 2 GiB KV cache (the prefix-shared layout needs
   1.8 GiB for 64 prompts x 8 x 512 tokens).
 - `grpo-0.5b-nockpt`: compiled, no gradient checkpointing, 4k-token micro-batches.
@@ -72,6 +74,9 @@ MODES = {
                                             offload=True, settings=dict(model__compile=True)),
     "grpo-0.5b-fast": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
                            settings=dict(model__compile=True, rollout__fuse_qkv=True)),
+    "grpo-0.5b-kl-refoffload": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=16384, offload=True,
+                                    settings=dict(model__compile=True, algorithm__kl_coef=0.05,
+                                                  model__reference_offload=True)),
     "grpo-0.5b-lean": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=2.0, max_tokens=8192,
                            settings=dict(model__compile=True)),
     "grpo-0.5b-nockpt": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=2.0, max_tokens=4096,
