@@ -190,8 +190,11 @@ def parallelize(model: nn.Module, setup: DistributedSetup, param_dtype: torch.dt
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype if param_dtype else None)
     for layer in layers:
         fully_shard(layer, mesh=setup.mesh, mp_policy=policy, reshard_after_forward=True)
-    fully_shard(model, mesh=setup.mesh, mp_policy=policy)
-    if hasattr(model, "get_decoder"):
+    # A peft model's generate() and forward() both end in the wrapped *ForCausalLM, skipping the PeftModel's
+    # own forward; FSDP2 needs its root's forward to run first, so the wrapped model is the root.
+    root = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+    fully_shard(root, mesh=setup.mesh, mp_policy=policy)
+    if hasattr(root, "get_decoder"):
         # logprobs.py runs the decoder and applies the LM head itself (chunked), bypassing the root's
         # forward; registering that call as a forward gathers the root's parameters (embeddings, final
         # norm, head) for it, and the root's gradients are reduced after backward as usual. The method
@@ -199,8 +202,8 @@ def parallelize(model: nn.Module, setup: DistributedSetup, param_dtype: torch.dt
         # arguments, so registering the argument-less `get_decoder` failed there (seen on 2 x H200).
         from hybridrl.logprobs import decoder_hidden_states
 
-        model.fsdp_hidden_states = functools.partial(decoder_hidden_states, model)
-        register_fsdp_forward_method(model, "fsdp_hidden_states")
+        root.fsdp_hidden_states = functools.partial(decoder_hidden_states, root)
+        register_fsdp_forward_method(root, "fsdp_hidden_states")
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum: losses are normalised by global counts
@@ -244,13 +247,17 @@ def gather_for_rollout(model: nn.Module) -> Iterator[WeightSync]:
         torch.cuda.synchronize()
     sync.seconds = time.perf_counter() - start
     # HF `generate` sees this flag and syncs every decode step across ranks (`synced_gpus`), which
-    # hangs when ranks generate different lengths; with the weights gathered no sync is needed.
-    managed = model.__dict__.get("_is_fsdp_managed_module")
-    model._is_fsdp_managed_module = False
+    # hangs when ranks generate different lengths; with the weights gathered no sync is needed. The flag
+    # sits on the FSDP root, which for a peft model is the wrapped model that `generate` runs on.
+    flagged = [module for module in model.modules() if "_is_fsdp_managed_module" in module.__dict__] or [model]
+    managed = [module.__dict__.get("_is_fsdp_managed_module") for module in flagged]
+    for module in flagged:
+        module._is_fsdp_managed_module = False
     try:
         yield sync
     finally:
-        model._is_fsdp_managed_module = managed
+        for module, value in zip(flagged, managed):
+            module._is_fsdp_managed_module = value
         for module in modules:
             module.reshard()
         for module in modules[1:]:

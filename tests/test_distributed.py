@@ -191,6 +191,72 @@ def test_fsdp_two_ranks_match_one_process(tmp_path):
     assert changed > 1e-3, "the updates must move the parameters, or the comparison says nothing"
 
 
+def lora_actor():
+    """The tiny actor with rank-4 LoRA on every linear layer and non-zero B, so the adapter changes outputs."""
+    from hybridrl.lora import apply_lora
+
+    model, tokenizer = tiny_actor()
+    torch.manual_seed(0)  # lora_A's init draws from the global RNG, which a forked rank inherits mid-stream
+    model = apply_lora(model, rank=4, alpha=8.0)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model, tokenizer
+
+
+def lora_reference_logprobs(model) -> torch.Tensor:
+    from hybridrl.lora import AdapterDisabled
+
+    batch = make_batch()
+    with torch.no_grad():
+        return response_logprobs(AdapterDisabled(model), batch["input_ids"], batch["attention_mask"],
+                                 batch["position_ids"], batch["response_mask"].shape[1])[0]
+
+
+def _rank_main_lora(rank: int, port: int, out_dir: str) -> None:
+    from hybridrl.lora import AdapterDisabled
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    setup = distributed.init_from_env("cpu", timeout_s=60, hang_timeout_s=None)
+    model, tokenizer = lora_actor()
+    distributed.parallelize(model, setup)
+    generated = rollouts(model, tokenizer, setup)
+    # As the trainer does it: AdapterDisabled holds no FSDP module, so nothing is gathered for the block and
+    # each forward gathers its layers. (Inside a gathered block of the peft model, peft's requires_grad
+    # toggling would land on the unsharded parameters and leave the sharded adapters frozen.)
+    with distributed.gathered_for_micro_batches(AdapterDisabled(model)):
+        reference = lora_reference_logprobs(model)
+    losses = train(model, make_batch(), setup)
+    torch.save({"generated": generated, "reference": reference, "losses": losses, "params": full_parameters(model)},
+               os.path.join(out_dir, f"lora{rank}.pt"))
+    distributed.shutdown(setup)
+
+
+def test_lora_fsdp_two_ranks_match_one_process(tmp_path):
+    """LoRA under FSDP2: the PeftModel's generate() and forward() skip its own forward, so the wrapped
+    *ForCausalLM must be the FSDP root (a PeftModel root failed with "FSDP requires running forward
+    through the root module first"). Rollouts (HF and built-in), the adapter-disabled reference and
+    LoRA-only updates equal one process."""
+    single = DistributedSetup()
+    model, tokenizer = lora_actor()
+    expected_generated = rollouts(model, tokenizer, single)
+    expected_reference = lora_reference_logprobs(model)
+    expected_losses = train(model, make_batch(), single)
+    expected_params = full_parameters(model)
+    mp.start_processes(_rank_main_lora, args=(free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    for rank in range(2):
+        result = torch.load(tmp_path / f"lora{rank}.pt")
+        assert result["generated"] == expected_generated
+        torch.testing.assert_close(result["reference"], expected_reference, atol=1e-5, rtol=0)
+        assert result["losses"] == pytest.approx(expected_losses, rel=LOSS_RTOL)
+        for name, value in expected_params.items():
+            torch.testing.assert_close(result["params"][name], value, atol=PARAM_ATOL, rtol=0, msg=name)
+
+
 # ----------------------------------------------------------------------------------------------
 # One process: every helper is the identity
 
