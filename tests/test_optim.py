@@ -1,5 +1,6 @@
 """LeanAdamW: equals torch AdamW on float32 parameters; on bf16 it keeps small updates (stochastic rounding)."""
 
+import pytest
 import torch
 
 from hybridrl.optim import LeanAdamW, build_optimizer, stochastic_round_to_bf16
@@ -42,3 +43,30 @@ def test_bf16_state_is_float32_and_tiny_updates_survive_on_average():
 def test_stochastic_round_is_exact_on_representable_values():
     values = torch.tensor([1.0, -2.5, 0.0, 3.140625])
     assert torch.equal(stochastic_round_to_bf16(values), values.to(torch.bfloat16))
+
+
+def test_eight_bit_adamw_trains_through_the_trainer(tmp_path):
+    """`actor.optimizer_8bit`: bitsandbytes' AdamW8bit (it has CPU kernels; 0.50.2 checked) moves every
+    trainable tensor through the trainer and keeps uint8 moments for large tensors."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install 'hybridrl[bitsandbytes]')")
+    from conftest import contains_seven, tiny_actor, toy_prompts
+    from hybridrl.data import PromptDataset
+    from hybridrl.trainer import RLTrainer
+
+    actor = tiny_actor()
+    dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
+    trainer = RLTrainer(actor=actor, reward_fn=contains_seven, dataset=dataset, trainer__total_steps=2,
+                        trainer__prompts_per_step=8, rollout__num_samples_per_prompt=4, rollout__max_new_tokens=4,
+                        actor__lr=1e-3, actor__optimizer_8bit=True, trainer__output_dir=str(tmp_path),
+                        trainer__save_model=False, logging__sinks=["jsonl"])
+    before = [p.detach().clone() for p in trainer.parts.actor.parameters()]
+    trainer.train()
+    assert type(trainer.parts.actor_optimizer).__name__ == "AdamW8bit"
+    assert all(not torch.equal(b, p) for b, p in zip(before, trainer.parts.actor.parameters()))
+    # The tiny model's tensors are under bitsandbytes' 4096-element minimum, so their state is 32-bit;
+    # a larger tensor gets 8-bit moments.
+    big = torch.nn.Parameter(torch.randn(64, 128))
+    optimizer = build_optimizer([big], lr=1e-3, eight_bit=True)
+    big.grad = torch.randn_like(big)
+    optimizer.step()
+    assert optimizer.state[big]["state1"].dtype == torch.uint8
