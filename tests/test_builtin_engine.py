@@ -389,3 +389,13 @@ def test_fused_qkv_gives_the_same_tokens_and_logprobs(family):
         torch.testing.assert_close(torch.tensor(mine.logprobs), torch.tensor(reference.logprobs), atol=1e-5, rtol=0)
     layers = builtin.resolve_weights(model, fuse_qkv=True).layers
     assert all((layer.qkv_weight is None) == (family == "qwen2-lora") for layer in layers)
+
+
+def test_quantized_projection_weights_are_refused():
+    """A checkpoint that loads with quantized (integer) projection weights, e.g. bitsandbytes 4-bit, must not
+    be read as if it were floating point: `supports` says no and the trainer falls back to `hf`."""
+    model = make_model("llama")
+    proj = model.model.layers[0].mlp.up_proj
+    proj.weight = torch.nn.Parameter(torch.zeros(proj.weight.shape, dtype=torch.uint8), requires_grad=False)
+    ok, reason = BuiltinBackend.supports(model)
+    assert not ok and "torch.uint8 (quantized?)" in reason

@@ -178,10 +178,17 @@ def supports(model) -> tuple[bool, str]:
     problem = _peft_problem(model, inner) if peft_wrapped else None
     if problem is not None:
         return False, problem
-    weight = model.lm_head.weight
-    if not weight.is_floating_point() or weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return False, f"weights of dtype {weight.dtype} (quantized?) are not supported"
+    weights = [model.lm_head.weight] + [_base(layer.get_submodule(path)).weight for layer in inner.layers[:1]
+                                        for path in PROJECTIONS.values()]
+    for weight in weights:  # e.g. bitsandbytes 4-bit layers keep packed uint8 weights
+        if not weight.is_floating_point() or weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return False, f"weights of dtype {weight.dtype} (quantized?) are not supported"
     return True, "ok"
+
+
+def _base(module):
+    """The plain layer under a peft wrapper (or the module itself)."""
+    return getattr(module, "base_layer", module)
 
 
 def _bias(linear) -> torch.Tensor | None:
