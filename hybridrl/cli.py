@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from hybridrl.checkpoint import CheckpointError
-from hybridrl.config import ConfigError, load_config
+from hybridrl.config import ConfigError, MissingExtra, load_config
 from hybridrl.data import DataError
 from hybridrl.models import ModelError
 from hybridrl.rewards import RewardError, RewardSpecError
@@ -21,7 +21,7 @@ from hybridrl.update import TrainingError
 
 from hybridrl.launch import LaunchError
 
-USER_ERRORS = (LaunchError, ConfigError, DataError, ModelError, RewardError, RewardSpecError, TrainingError, CheckpointError)
+USER_ERRORS = (LaunchError, ConfigError, MissingExtra, DataError, ModelError, RewardError, RewardSpecError, TrainingError, CheckpointError)
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 DEMO_PERIOD_RATE = 0.5  # see tasks.py: half the SFT answers end with a period the verifier rejects
 

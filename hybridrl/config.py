@@ -23,6 +23,10 @@ class ConfigError(ValueError):
     """A user mistake in the configuration; the message names the key and the fix."""
 
 
+class MissingExtra(ImportError):
+    """An optional package a chosen setting needs is not installed; the message names what to install."""
+
+
 @dataclass
 class ModelConfig:
     path: str = "tiny:llama"

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from hybridrl.checkpoint import CheckpointError, load_tensors_into, model_state, read_trainer_state, resolve_resume
+from hybridrl.config import MissingExtra
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge_lora: bool = True) -> Path:
@@ -48,7 +49,7 @@ def wrap_lora(model: torch.nn.Module, adapter: dict) -> torch.nn.Module:
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
-        raise ImportError("this checkpoint holds a LoRA adapter; exporting it needs peft: "
+        raise MissingExtra("this checkpoint holds a LoRA adapter; exporting it needs peft: "
                           "pip install 'hybridrl[peft]'.") from None
     known = set(LoraConfig.__dataclass_fields__)
     return get_peft_model(model, LoraConfig(**{k: v for k, v in adapter.items() if k in known}))

@@ -19,12 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridrl.config import MissingExtra
+
 
 def require_peft() -> Any:
     try:
         import peft
     except ImportError:
-        raise ImportError("model.lora_rank > 0 needs peft, which is not installed: pip install 'hybridrl[peft]'"
+        raise MissingExtra("model.lora_rank > 0 needs peft, which is not installed: pip install 'hybridrl[peft]'"
                           " (or pip install peft), or set model.lora_rank=0 to train all parameters.") from None
     return peft
 

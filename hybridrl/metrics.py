@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from hybridrl.config import MissingExtra
+
 CONSOLE_KEYS = [
     ("reward/mean", "reward"), ("eval/accuracy", "eval_acc"), ("actor/kl", "kl"), ("actor/entropy", "entropy"),
     ("actor/clipfrac", "clip"), ("critic/value_loss", "vloss"), ("rollout/response_length_mean", "len"),
@@ -97,7 +99,7 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ImportError("logging.sinks has 'tensorboard' but the tensorboard package is not installed; "
+            raise MissingExtra("logging.sinks has 'tensorboard' but the tensorboard package is not installed; "
                               "run `pip install 'hybridrl[tensorboard]'` or drop the sink.") from None
         self.log_dir, self.writer_class = log_dir, SummaryWriter
         self.writer = SummaryWriter(log_dir=str(log_dir))
@@ -125,7 +127,7 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            raise ImportError("logging.sinks has 'wandb' but the wandb package is not installed; "
+            raise MissingExtra("logging.sinks has 'wandb' but the wandb package is not installed; "
                               "run `pip install 'hybridrl[wandb]'` or drop the sink.") from None
         id_file = output_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)

@@ -14,6 +14,8 @@ from typing import Iterable
 
 import torch
 
+from hybridrl.config import MissingExtra
+
 SCHEDULES = {
     "constant": lambda progress: 1.0,
     "linear": lambda progress: 1.0 - progress,
@@ -31,7 +33,7 @@ def build_optimizer(parameters: Iterable[torch.nn.Parameter], lr: float, weight_
         try:
             import bitsandbytes
         except ImportError:
-            raise ImportError("actor.optimizer_8bit needs bitsandbytes, which is not installed: pip install "
+            raise MissingExtra("actor.optimizer_8bit needs bitsandbytes, which is not installed: pip install "
                               "bitsandbytes (CUDA only), or set actor.optimizer_8bit=false.") from None
         return bitsandbytes.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=weight_decay)
     low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)

@@ -11,6 +11,8 @@ import json
 import math
 from pathlib import Path
 
+from hybridrl.config import MissingExtra
+
 PANELS = [
     ("reward/mean", "reward (mean)"), ("actor/kl", "KL to reference"), ("actor/entropy", "entropy"),
     ("rollout/response_length_mean", "response length (tokens)"), ("perf/tokens_per_s", "generated tokens/s"),
@@ -44,7 +46,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError("plotting needs matplotlib: pip install 'hybridrl[plot]'.") from None
+        raise MissingExtra("plotting needs matplotlib: pip install 'hybridrl[plot]'.") from None
     rows = read_metrics(run_dir)
     panels = [(key, title) for key, title in PANELS if any(key in row for row in rows)]
     if not panels:

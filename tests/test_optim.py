@@ -70,3 +70,22 @@ def test_eight_bit_adamw_trains_through_the_trainer(tmp_path):
     big.grad = torch.randn_like(big)
     optimizer.step()
     assert optimizer.state[big]["state1"].dtype == torch.uint8
+
+
+def test_missing_bitsandbytes_is_one_sentence_from_the_cli(tmp_path, monkeypatch, capsys):
+    """A setting whose optional package is absent ends the command with one line naming what to install."""
+    import json
+    import sys
+
+    from conftest import toy_prompts
+    from hybridrl.cli import main
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes -> ImportError
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in toy_prompts()))
+    (tmp_path / "config.yaml").write_text("{}\n")
+    code = main(["train", str(tmp_path / "config.yaml"), f"data.train_path={tmp_path / 'prompts.jsonl'}",
+                 "reward.functions=[{fn: exact_match}]", "trainer.device=cpu", "actor.optimizer_8bit=true",
+                 f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=1"])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and error[-1].startswith("error: actor.optimizer_8bit needs bitsandbytes")
+    assert "Traceback" not in "\n".join(error)

@@ -10,6 +10,7 @@ vLLM is imported only inside this module, so `import hybridrl` never needs it.
 
 from __future__ import annotations
 
+from hybridrl.config import MissingExtra
 from hybridrl.rollout.base import Generation, SamplingParams
 
 INSTALL_HINT = "the vllm rollout backend needs vLLM: pip install 'hybridrl[vllm]'"
@@ -19,7 +20,7 @@ def _import_vllm():
     try:
         import vllm
     except ImportError as error:
-        raise ImportError(INSTALL_HINT) from error
+        raise MissingExtra(INSTALL_HINT) from error
     return vllm
 
 
