@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from hybridrl.rollout.base import Generation
@@ -60,23 +61,25 @@ class RolloutBatch:
 
 def build_rollout_batch(prompts: list[list[int]], generations: list[Generation], pad_token_id: int,
                         max_new_tokens: int) -> RolloutBatch:
-    """Pad prompts left and responses right into one tensor batch (on CPU)."""
+    """Pad prompts left and responses right into one tensor batch (on CPU).
+
+    Rows are padded as Python lists and converted once per field through numpy, and the mask comes
+    from the lengths: one `torch.tensor` per row cost more than the GPU's work on 512 sequences."""
     num = len(generations)
     prompt_len = max(len(prompts[g.prompt_index]) for g in generations)
     response_len = max(1, max(len(g.token_ids) for g in generations))
-    input_ids = torch.full((num, prompt_len + response_len), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((num, prompt_len + response_len), dtype=torch.long)
-    sampler_logp = torch.zeros((num, response_len), dtype=torch.float32)
-    for row, gen in enumerate(generations):
-        prompt = prompts[gen.prompt_index]
-        input_ids[row, prompt_len - len(prompt):prompt_len] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[row, prompt_len - len(prompt):prompt_len] = 1
-        count = len(gen.token_ids)
-        if count:
-            input_ids[row, prompt_len:prompt_len + count] = torch.tensor(gen.token_ids, dtype=torch.long)
-            attention_mask[row, prompt_len:prompt_len + count] = 1
-            sampler_logp[row, :count] = torch.tensor(gen.logprobs, dtype=torch.float32)
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    ids_rows, logp_rows = [], []
+    for gen in generations:
+        prompt, right = prompts[gen.prompt_index], response_len - len(gen.token_ids)
+        ids_rows.append([pad_token_id] * (prompt_len - len(prompt)) + prompt + gen.token_ids + [pad_token_id] * right)
+        logp_rows.append(list(gen.logprobs) + [0.0] * right)
+    input_ids = torch.from_numpy(np.array(ids_rows, dtype=np.int64).reshape(num, prompt_len + response_len))
+    sampler_logp = torch.from_numpy(np.array(logp_rows, dtype=np.float32).reshape(num, response_len))
+    first = torch.tensor([prompt_len - len(prompts[g.prompt_index]) for g in generations])[:, None]
+    end = torch.tensor([prompt_len + len(g.token_ids) for g in generations])[:, None]
+    column = torch.arange(prompt_len + response_len)
+    attention_mask = ((column >= first) & (column < end)).long()
+    position_ids = torch.minimum((column - first).clamp(min=0), end - first - 1)  # padding repeats the edge
     return RolloutBatch(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
         response_mask=attention_mask[:, prompt_len:].float(), sampler_logp=sampler_logp,

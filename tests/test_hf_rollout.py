@@ -45,3 +45,20 @@ def test_stop_token_is_kept_and_ends_the_response():
     generations = HFBackend(model, tokenizer).generate(encode(tokenizer, ["2+2="]),
                                                          SamplingParams(max_new_tokens=4, temperature=0.0))
     assert generations[0].token_ids == [eos] and generations[0].finish_reason == "stop"
+
+
+def test_rollout_batch_layout_by_hand():
+    """Prompts left-padded, responses right-padded (an empty one too), positions from 0 at each first real
+    token and repeating the last real position over right padding, as a per-row cumsum would give."""
+    from hybridrl.rollout.base import Generation
+
+    prompts = [[5, 6, 7], [8]]
+    generations = [Generation(0, [9, 10], [-0.5, -0.25], "length"), Generation(1, [], [], "stop"),
+                   Generation(1, [11], [-1.0], "stop")]
+    batch = build_rollout_batch(prompts, generations, pad_token_id=0, max_new_tokens=2)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 9, 10], [0, 0, 8, 0, 0], [0, 0, 8, 11, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 0, 0], [0, 0, 0, 1, 1]]
+    assert batch.response_mask.tolist() == [[1, 1], [0, 0], [1, 0]]
+    assert batch.sampler_logp.tolist() == [[-0.5, -0.25], [0.0, 0.0], [-1.0, 0.0]]
+    assert batch.truncated.tolist() == [True, False, False] and batch.prompt_index.tolist() == [0, 1, 1]
