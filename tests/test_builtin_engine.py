@@ -376,19 +376,21 @@ def test_lora_supports_refuses_what_it_cannot_apply():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen2-lora"])
-def test_fused_qkv_gives_the_same_tokens_and_logprobs(family):
+def test_fused_projections_give_the_same_tokens_and_logprobs(family):
     """`fuse_qkv`: one stacked q/k/v matmul (biases included; Qwen3's q/k norms after the split) equals three;
-    with LoRA on q/k/v the projections stay separate and the adapter still applies."""
+    `fuse_gate_up`: one gate/up matmul equals two; with LoRA the projections stay separate and the adapter
+    still applies."""
     model = make_lora_model("qwen2") if family == "qwen2-lora" else make_model(family)
     params = SamplingParams(max_new_tokens=12, temperature=0)
     plain = BuiltinBackend(model).generate(PROMPTS, params)
-    fused_engine = BuiltinBackend(model, fuse_qkv=True)
-    fused = fused_engine.generate(PROMPTS, params)
-    for mine, reference in zip(fused, plain):
-        assert mine.token_ids == reference.token_ids
-        torch.testing.assert_close(torch.tensor(mine.logprobs), torch.tensor(reference.logprobs), atol=1e-5, rtol=0)
-    layers = builtin.resolve_weights(model, fuse_qkv=True).layers
+    for fuse in (dict(fuse_qkv=True), dict(fuse_gate_up=True), dict(fuse_qkv=True, fuse_gate_up=True)):
+        fused = BuiltinBackend(model, **fuse).generate(PROMPTS, params)
+        for mine, reference in zip(fused, plain):
+            assert mine.token_ids == reference.token_ids
+            torch.testing.assert_close(torch.tensor(mine.logprobs), torch.tensor(reference.logprobs), atol=1e-5, rtol=0)
+    layers = builtin.resolve_weights(model, fuse_qkv=True, fuse_gate_up=True).layers
     assert all((layer.qkv_weight is None) == (family == "qwen2-lora") for layer in layers)
+    assert all((layer.gate_up_weight is None) == (family == "qwen2-lora") for layer in layers)
 
 
 def test_quantized_projection_weights_are_refused():

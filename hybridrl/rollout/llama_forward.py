@@ -80,6 +80,8 @@ class LayerWeights:
     # `fuse_qkv`: q/k/v weights (and biases) concatenated into one matrix, a copy made per `generate`.
     qkv_weight: torch.Tensor | None = None
     qkv_bias: torch.Tensor | None = None
+    # `fuse_gate_up`: gate and up weights stacked into one (2 * intermediate, hidden) matrix, likewise a copy.
+    gate_up_weight: torch.Tensor | None = None
 
 
 @dataclass
@@ -208,12 +210,21 @@ def fused_qkv(lw: LayerWeights) -> tuple[torch.Tensor, torch.Tensor | None] | No
                               for b, w in zip(biases, (lw.q_weight, lw.k_weight, lw.v_weight))])
 
 
-def resolve_weights(model, fuse_qkv: bool = False) -> ModelWeights:
+def fused_gate_up(lw: LayerWeights) -> torch.Tensor | None:
+    """gate and up weights stacked into one (2 * intermediate, hidden) matrix, or None with a LoRA adapter on either."""
+    if lw.gate_lora or lw.up_lora:
+        return None
+    return torch.cat((lw.gate_weight, lw.up_weight))
+
+
+def resolve_weights(model, fuse_qkv: bool = False, fuse_gate_up: bool = False) -> ModelWeights:
     """Collect references to the model's tensors; call again whenever modules may have been replaced.
 
     `fuse_qkv` adds, per layer, a copy of q/k/v stacked into one matrix, so a decode step runs one
-    projection matmul instead of three (the k and v ones are tiny and launch-bound). The copy is made
-    here, so it reflects the weights as they are now: resolve again after every optimizer step."""
+    projection matmul instead of three (the k and v ones are tiny and launch-bound); `fuse_gate_up`
+    likewise for the MLP's gate and up. A decode step is bound by kernel launches and the gaps between
+    them, so one kernel fewer per layer is time saved. The copies are made here, so they reflect the
+    weights as they are now: resolve again after every optimizer step."""
     ok, reason = supports(model)
     if not ok:
         raise ValueError(f"the built-in rollout engine cannot run this model: {reason}; use rollout.backend=hf.")
@@ -238,6 +249,8 @@ def resolve_weights(model, fuse_qkv: bool = False) -> ModelWeights:
         fused = fused_qkv(layers[-1]) if fuse_qkv else None
         if fused is not None:
             layers[-1].qkv_weight, layers[-1].qkv_bias = fused
+        if fuse_gate_up:
+            layers[-1].gate_up_weight = fused_gate_up(layers[-1])
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return ModelWeights(
         embed=inner.embed_tokens.weight, layers=layers, final_norm=inner.norm.weight,
@@ -304,7 +317,10 @@ def _qkv(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos, sin):
 
 def _mlp(lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
     # supports() admits only silu MLPs, so F.silu is the model's own act_fn (and compiles without a guard on it).
-    gate, up = _linear(h, lw.gate_weight, lora=lw.gate_lora), _linear(h, lw.up_weight, lora=lw.up_lora)
+    if lw.gate_up_weight is not None:
+        gate, up = F.linear(h, lw.gate_up_weight).chunk(2, dim=-1)
+    else:
+        gate, up = _linear(h, lw.gate_weight, lora=lw.gate_lora), _linear(h, lw.up_weight, lora=lw.up_lora)
     return _linear(F.silu(gate) * up, lw.down_weight, lora=lw.down_lora)
 
 
@@ -349,22 +365,28 @@ def prefill(
     return F.linear(rms_norm(last, w.final_norm, w.rms_eps), w.lm_head).float()
 
 
-def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Decode: input RMSNorm, q/k/v projections, q/k norm, RoPE. h (B, hidden), cos/sin (B, D) ->
+def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, mlp_out: torch.Tensor | None,
+                     cos: torch.Tensor, sin: torch.Tensor):
+    """Decode: the previous layer's MLP residual (`mlp_out`, None before the first layer), input RMSNorm,
+    q/k/v projections, q/k norm, RoPE. h (B, hidden), cos/sin (B, D) -> h with the residual added;
     q (B, Hkv, group, D) with the query heads of one KV head folded together; kv (B, 2, Hkv, D), keys
-    and values stacked so the cache write is one kernel (compiled, the stack fuses into RoPE)."""
+    and values stacked so the cache write is one kernel (compiled, the stack fuses into RoPE, and the
+    residual add into the norm: one kernel fewer per layer than adding it at the end of the layer)."""
+    if mlp_out is not None:
+        h = h + mlp_out
     q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)
-    return q.view(h.shape[0], w.num_kv_heads, -1, w.head_dim), torch.stack((k, v), dim=1)
+    return h, q.view(h.shape[0], w.num_kv_heads, -1, w.head_dim), torch.stack((k, v), dim=1)
 
 
-def attention_output_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """Decode: o projection + residual, post-attention RMSNorm, MLP + residual. attn (B, Hkv, group, D)."""
+def attention_output_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, attn: torch.Tensor):
+    """Decode: o projection + residual, post-attention RMSNorm, MLP. attn (B, Hkv, group, D) -> h after
+    the attention residual, and the MLP output, which the next piece adds (see `attention_inputs`)."""
     h = h + _linear(attn.reshape(h.shape[0], -1), lw.o_weight, lw.o_bias, lw.o_lora)
-    return h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
+    return h, _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
 
 
-def final_logits(w: ModelWeights, h: torch.Tensor) -> torch.Tensor:
-    return F.linear(rms_norm(h, w.final_norm, w.rms_eps), w.lm_head)
+def final_logits(w: ModelWeights, h: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
+    return F.linear(rms_norm(h + mlp_out, w.final_norm, w.rms_eps), w.lm_head)
 
 
 @dataclass(frozen=True)
@@ -401,11 +423,11 @@ def _decode_layers(w: ModelWeights, tokens: torch.Tensor, cos: torch.Tensor, sin
                    functions: DecodeFunctions, attend: Callable) -> torch.Tensor:
     """The decode layer stack with the KV write + attention passed in (it is what the cache layouts differ
     in): attend(layer_index, q (B, Hkv, group, D), kv (B, 2, Hkv, D)) -> (B, Hkv, group, D)."""
-    h = F.embedding(tokens, w.embed)  # (B, hidden)
+    h, mlp_out = F.embedding(tokens, w.embed), None  # (B, hidden)
     for layer_index, lw in enumerate(w.layers):
-        q, kv = functions.attention_inputs(w, lw, h, cos, sin)
-        h = functions.attention_output_and_mlp(w, lw, h, attend(layer_index, q, kv))
-    return functions.final_logits(w, h)
+        h, q, kv = functions.attention_inputs(w, lw, h, mlp_out, cos, sin)
+        h, mlp_out = functions.attention_output_and_mlp(w, lw, h, attend(layer_index, q, kv))
+    return functions.final_logits(w, h, mlp_out)
 
 
 def decode_logits(
