@@ -25,6 +25,9 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
 - `1.5b-full`: Qwen2.5-1.5B shape, full-parameter, optimizer state offloaded, 3 GiB KV cache.
 - `7b-lora`: Qwen2.5-7B shape (untied head), LoRA rank 16 on all linear layers, built-in engine applying
   the adapter in place, 16 prompts x 4 to keep the run short.
+- `7b-qlora`: `7b-lora` with the base's linear layers in 4-bit NF4 (`model.load_in_4bit`, needs bitsandbytes),
+  quantized in memory after the random init (`qlora.quantize_4bit`, called by the trainer's set-up); rollout
+  through HF generate, since the built-in engine reads floating-point weights only.
 - `trl`: `shared/peers/trl_grpo_gpu.py` (TRL 1.16, HF generate, fp32 master weights + bf16 autocast) on the
   grpo-0.5b shape, as a subprocess; its script must be at `--trl-script` with trl/datasets importable.
   Three TRL steps (`TRL_STEPS`), steady state = mean of steps 2-3 as for hybridrl (runs before
@@ -83,6 +86,8 @@ MODES = {
                              settings=dict(model__compile=True, model__gradient_checkpointing=False)),
     "1.5b-full": dict(shape="1.5b", prompts=64, n=8, steps=2, kv_gib=3.0, max_tokens=16384, offload=True),
     "7b-lora": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16),
+    "7b-qlora": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16, backend="hf",
+                     settings=dict(model__load_in_4bit=True)),
 }
 
 

@@ -21,6 +21,8 @@ Choices:
   `torch.distributed.checkpoint.state_dict` (`get_state_dict`/`set_state_dict`), which also
   handles FSDP2. DCP's own Hugging Face storage writer was used before, but what torch 2.11 wrote
   with it on GPUs could not be read back (seen on 2 x H200), so the files are plain safetensors.
+- QLoRA (`model.load_in_4bit`): only the trainable tensors (the adapter) and their optimizer state are
+  saved; the frozen 4-bit base is rebuilt from `model.path` on resume and on export.
 - Several processes (FSDP2): the shards are gathered into full tensors on rank 0's CPU
   (`StateDictOptions(full_state_dict=True, cpu_offload=True)`), rank 0 writes them as one process
   would, and on resume every rank reads them and `set_state_dict` keeps its own shard. So a
@@ -48,6 +50,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from hybridrl.qlora import holds_4bit_weights
+
 STEP_PREFIX = "step_"
 MARKER = "COMPLETE"
 FORMAT_VERSION = 1
@@ -70,6 +74,13 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             seen.add(key)
             state[name] = tensor
     return state
+
+
+def trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entries of `state` that train (a QLoRA adapter): a 4-bit base never changes and is rebuilt from
+    `model.path`, so its packed weights and quantization state are not saved (about 4 GiB for a 7B model)."""
+    names = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    return {name: tensor for name, tensor in state.items() if name in names}
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
@@ -118,6 +129,8 @@ def tensor_state(parts: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         model_sd, optim_state = get_state_dict(model, optimizer, options=options)
         if options is None:
             model_sd = model_state(model)
+        if holds_4bit_weights(model):
+            model_sd = trainable_state(model, model_sd)
         aliases = tied_aliases(model)
         tensors.update({f"{role}.{name}": tensor for name, tensor in model_sd.items() if name not in aliases})
         for name, slots in optim_state.get("state", {}).items():
@@ -132,6 +145,8 @@ def load_tensor_state(parts: Any, tensors: dict[str, torch.Tensor], plain: dict[
 
     for role, model, optimizer in _roles(parts):
         model_full, optim_state = get_state_dict(model, optimizer)
+        if holds_4bit_weights(model):  # the adapter is already filled in place; nothing of the 4-bit base loads
+            model_full = {}
         for name, slots in optim_state["state"].items():
             for slot in slots:
                 slots[slot] = tensors[f"{role}_optim.{name}.{slot}"]

@@ -23,6 +23,7 @@ from hybridrl.data import PromptDataset
 from hybridrl.lora import AdapterDisabled, apply_lora
 from hybridrl.models import HFModel, HostOffloadedWeights, ValueModel, compile_layers, load_hf_model, make_reference
 from hybridrl.optim import build_optimizer, build_scheduler
+from hybridrl.qlora import quantize_4bit
 from hybridrl.rewards import RewardComposer, WeightedReward, load_reward_function
 from hybridrl.rollout.base import RolloutBackend
 from hybridrl.rollout.hf import HFBackend
@@ -139,9 +140,11 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
     if actor is None:
         actor = load_hf_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
                               trust_remote_code=m.trust_remote_code, device=device,
-                              tokenizer_path=m.tokenizer_path, seed=config.trainer.seed)
+                              tokenizer_path=m.tokenizer_path, seed=config.trainer.seed, load_in_4bit=m.load_in_4bit)
     model, tokenizer = actor
     model.to(device)
+    if m.load_in_4bit:  # a model passed in Python (or the benchmark's) is quantized here; a loaded one already is
+        quantize_4bit(model)
     if dataset is None:
         if not config.data.train_path:
             raise ConfigError("data.train_path is empty; point it at a .jsonl/.csv/.parquet file of prompts.")

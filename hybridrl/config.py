@@ -58,6 +58,13 @@ class ModelConfig:
     """Dropout on the LoRA branch; keep 0 in RL so old and new log-probs come from the same function."""
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Module names that get adapters (e.g. [q_proj, v_proj]); `all-linear` is every linear layer but the LM head."""
+    load_in_4bit: bool = False
+    """QLoRA: load the base's linear layers (all but the LM head) as frozen 4-bit NF4 weights through bitsandbytes
+    (`pip install 'hybridrl[qlora]'`) and train only the LoRA adapter, so the base takes about a quarter of its
+    bf16 memory. Needs model.lora_rank > 0. Refused with trainer.num_gpus > 1 (FSDP2 sharding loses bitsandbytes'
+    quantization state: seen on CPU) and with algorithm.name=ppo without critic.path (the critic would be a
+    trainable copy of the 4-bit base). Rollouts run on the hf backend (the built-in engine reads floating-point
+    weights)."""
 
 
 @dataclass
@@ -520,6 +527,7 @@ def validate(config: Config) -> None:
              "model.reference_offload works with one process only for now (a sharded reference is already split "
              "across GPUs); set model.reference_offload=false or trainer.num_gpus=1.")
     _require(config.model.lora_rank == 0 or config.model.lora_alpha > 0, "model.lora_alpha must be > 0.")
+    validate_4bit(config)
     _require(t.total_steps >= 1, "trainer.total_steps must be at least 1.")
     _require(t.prompts_per_step >= 1, "trainer.prompts_per_step must be at least 1.")
     _require(t.eval_every >= 0, "trainer.eval_every must be >= 0.")
@@ -552,3 +560,17 @@ def validate(config: Config) -> None:
     s = config.sft
     _require(s.num_epochs >= 1 and s.batch_size >= 1, "sft.num_epochs and sft.batch_size must be at least 1.")
     _require(s.lr > 0, "sft.lr must be > 0.")
+
+
+def validate_4bit(config: Config) -> None:
+    """`model.load_in_4bit`: only the adapter can train, and on one process."""
+    m = config.model
+    if not m.load_in_4bit:
+        return
+    _require(m.lora_rank > 0, "model.load_in_4bit=true freezes the base in 4-bit, so it needs an adapter to train: "
+                              "set model.lora_rank > 0 (e.g. 16), or model.load_in_4bit=false.")
+    _require(config.trainer.num_gpus == 1, "model.load_in_4bit works with one process only (FSDP2 sharding loses "
+                                           "bitsandbytes' 4-bit quantization state); set trainer.num_gpus=1.")
+    _require(not (config.algorithm.name == "ppo" and not config.critic.path),
+             "model.load_in_4bit with algorithm.name=ppo needs critic.path (a full-precision model for the critic): "
+             "the critic is otherwise a trainable copy of the actor, whose 4-bit weights cannot train.")

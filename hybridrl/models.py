@@ -98,12 +98,17 @@ def best_attention() -> str:
 
 def load_hf_model(path_or_name: str, dtype: str | torch.dtype = "auto", attn_implementation: str = "auto",
                   trust_remote_code: bool = False, model_class: Any = None, device: str | torch.device = "cpu",
-                  tokenizer_path: str | None = None, seed: int = 0) -> HFModel:
-    """Load a causal LM and its tokenizer (or build a `tiny:<family>` one), on `device` in `dtype`."""
+                  tokenizer_path: str | None = None, seed: int = 0, load_in_4bit: bool = False) -> HFModel:
+    """Load a causal LM and its tokenizer (or build a `tiny:<family>` one), on `device` in `dtype`;
+    `load_in_4bit` gives its linear layers but the head frozen NF4 weights (`hybridrl/qlora.py`)."""
+    from hybridrl import qlora
+
     torch_dtype = resolve_dtype(dtype, device)
     if path_or_name.startswith("tiny:"):
         loaded = build_tiny_model(path_or_name.split(":", 1)[1], seed=seed)
         loaded.model.to(device=device, dtype=torch_dtype)
+        if load_in_4bit:
+            qlora.quantize_4bit(loaded.model, torch_dtype)
         return loaded
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -113,9 +118,12 @@ def load_hf_model(path_or_name: str, dtype: str | torch.dtype = "auto", attn_imp
     if looks_local and not Path(path_or_name).expanduser().is_dir():
         raise ModelError(f"model path {path_or_name!r} does not exist; check model.path "
                          "(run `hybridrl sft` first if it is the demo's SFT model).")
+    # 4-bit: transformers quantizes while loading, on the target device (a device_map is how it is told).
+    quantized = dict(quantization_config=qlora.bnb_config(torch_dtype), device_map={"": torch.device(device)}) \
+        if load_in_4bit else {}
     try:
         model = model_class.from_pretrained(path_or_name, dtype=torch_dtype, attn_implementation=attention,
-                                            trust_remote_code=trust_remote_code)
+                                            trust_remote_code=trust_remote_code, **quantized)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or path_or_name, trust_remote_code=trust_remote_code)
     except OSError as error:
         raise ModelError(f"could not load model {path_or_name!r}: {error}. Give a local directory with "

@@ -1,0 +1,135 @@
+"""QLoRA (`model.load_in_4bit`): a frozen NF4 base through bitsandbytes (it has CPU kernels) with a peft
+adapter: only the adapter trains, the reference is the 4-bit base, checkpoints hold the adapter, and the
+settings that cannot work are refused with one sentence."""
+
+import logging
+import sys
+
+import pytest
+import torch
+
+from conftest import contains_seven, tiny_actor, toy_prompts
+from hybridrl.config import ConfigError, MissingExtra, load_config
+from hybridrl.models import load_hf_model
+
+pytest.importorskip("peft")
+QLORA = dict(model__lora_rank=4, model__load_in_4bit=True)
+
+
+def needs_bitsandbytes():
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install 'hybridrl[qlora]')")
+
+
+def make_trainer(out, actor=None, **overrides):
+    from hybridrl.data import PromptDataset
+    from hybridrl.trainer import RLTrainer
+    from test_trainer import FAST
+
+    actor = actor or tiny_actor()
+    dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
+    settings = {**FAST, **QLORA, "trainer__output_dir": str(out), "trainer__total_steps": 2, "actor__lr": 1e-2,
+                "algorithm__kl_coef": 0.1, **overrides}
+    return RLTrainer(actor=actor, reward_fn=contains_seven, dataset=dataset, **settings)
+
+
+def test_only_the_adapter_trains_and_the_builtin_engine_falls_back(tmp_path, caplog):
+    needs_bitsandbytes()
+    from hybridrl.lora import AdapterDisabled
+    from hybridrl.rollout.hf import HFBackend
+
+    with caplog.at_level(logging.WARNING, logger="hybridrl.components"):
+        trainer = make_trainer(tmp_path, rollout__backend="builtin", trainer__save_model=True)
+    assert isinstance(trainer.parts.rollout, HFBackend)
+    assert "falls back to hf: weights of dtype torch.uint8 (quantized?)" in caplog.text
+    actor = trainer.parts.actor
+    assert isinstance(trainer.parts.reference, AdapterDisabled)
+    assert sum(type(m).__name__ == "Linear4bit" for m in actor.modules()) == 14  # 7 per layer, not the head
+    named = dict(actor.named_parameters())
+    before = {name: p.detach().clone() for name, p in named.items()}
+    base_before = {k: v.clone() for k, v in actor.state_dict().items() if "lora_" not in k}
+    history = trainer.train()
+    moved = {name for name, p in named.items() if not torch.equal(before[name], p)}
+    assert moved and all("lora_" in name for name in moved) and any("lora_A" in name for name in moved)
+    base_after = {k: v for k, v in actor.state_dict().items() if "lora_" not in k}
+    assert base_after.keys() == base_before.keys()
+    assert all(torch.equal(base_before[k], base_after[k]) for k in base_before)  # packed weights and their scales
+    assert history[-1]["actor/kl"] > 0
+    saved = sorted(p.name for p in (tmp_path / "model").iterdir())
+    assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved  # the adapter, not the base
+
+
+def test_reference_is_the_4bit_base():
+    needs_bitsandbytes()
+    from hybridrl.logprobs import response_logprobs
+    from hybridrl.lora import AdapterDisabled, apply_lora
+    from hybridrl.qlora import quantize_4bit
+    from test_logprobs import padded_batch
+
+    model, _ = tiny_actor()
+    assert quantize_4bit(model) == 14 and quantize_4bit(model) == 0
+    ids, mask, positions, response = padded_batch()
+    with torch.no_grad():
+        base_logp, _ = response_logprobs(model, ids, mask, positions, response)
+    actor = apply_lora(model, rank=4, alpha=8)
+    with torch.no_grad():  # a trained adapter: B != 0
+        for name, param in actor.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+        ref_logp, _ = response_logprobs(AdapterDisabled(actor), ids, mask, positions, response)
+        actor_logp, _ = response_logprobs(actor, ids, mask, positions, response)
+    assert torch.equal(ref_logp, base_logp)
+    assert not torch.allclose(actor_logp, base_logp, atol=1e-3)
+
+
+def test_checkpoint_holds_the_adapter_and_resumes_it(tmp_path):
+    needs_bitsandbytes()
+    from safetensors.torch import load_file
+
+    first = make_trainer(tmp_path, trainer__save_every=2)
+    first.train()
+    state = load_file(tmp_path / "checkpoints" / "step_000002" / "state" / "part-00001.safetensors")
+    assert state and all("lora_" in name for name in state)  # no 4-bit base weights in the checkpoint
+    resumed = make_trainer(tmp_path, trainer__save_every=2)  # the same base, rebuilt; a fresh adapter
+    assert resumed.train() == first.logger.history and resumed.step_count == 2
+    trained = [p for p in first.parts.actor.parameters() if p.requires_grad]
+    restored = [p for p in resumed.parts.actor.parameters() if p.requires_grad]
+    assert all(torch.equal(a, b) for a, b in zip(trained, restored))
+    old, new = first.parts.actor_optimizer.state, resumed.parts.actor_optimizer.state
+    for a, b in zip(trained, restored):
+        assert all(torch.equal(torch.as_tensor(old[a][k]), torch.as_tensor(new[b][k])) for k in old[a])
+
+
+def test_export_merges_into_the_full_precision_base(tmp_path, caplog):
+    needs_bitsandbytes()
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.export import export_checkpoint
+
+    tiny = load_hf_model("tiny:llama", dtype="float32")
+    make_trainer(tmp_path / "run", actor=load_hf_model("tiny:llama", dtype="float32"), model__path="tiny:llama",
+                 trainer__save_every=2).train()
+    with caplog.at_level(logging.WARNING, logger="hybridrl.export"):
+        export_checkpoint(tmp_path / "run", tmp_path / "merged")
+    assert "differs from the trained policy by the 4-bit rounding error" in caplog.text
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    original = dict(tiny.model.named_parameters())
+    for name, param in merged.named_parameters():
+        assert torch.equal(param, original[name]) == ("proj" not in name), name  # the adapter went into the projections
+    export_checkpoint(tmp_path / "run", tmp_path / "adapter", merge_lora=False)
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"model__load_in_4bit": True}, "set model.lora_rank > 0"),
+    ({**QLORA, "trainer__num_gpus": 2, "trainer__prompts_per_step": 2}, "set trainer.num_gpus=1"),
+    ({**QLORA, "algorithm": "ppo"}, "needs critic.path"),
+])
+def test_settings_that_cannot_work_are_refused(overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config(**overrides)
+
+
+def test_missing_bitsandbytes_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes -> ImportError
+    with pytest.raises(MissingExtra, match=r"model.load_in_4bit needs bitsandbytes.*hybridrl\[qlora\]"):
+        load_hf_model("tiny:llama", load_in_4bit=True)
