@@ -40,7 +40,7 @@ from hybridrl.rollout.llama_forward import (
     rope_table,
 )
 from hybridrl.rollout.llama_forward import supports as _supports
-from hybridrl.rollout.sampling import SamplerSettings, compiled_sample, sample
+from hybridrl.rollout.sampling import SamplerSettings, sample
 from hybridrl.rollout.scheduler import Scheduler, SequenceSlot, find_stop_string
 
 _GIB = 1024**3
@@ -130,6 +130,37 @@ class _DecodeState:
 
     def is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens[:, None] == self.stop_ids[None, :]).any(-1)
+
+
+def sample_and_record(logits: torch.Tensor, settings: SamplerSettings, uniforms: torch.Tensor, done: torch.Tensor,
+                      gen_len: torch.Tensor, last_token: torch.Tensor, out_tokens: torch.Tensor,
+                      out_logprobs: torch.Tensor, stop_ids: torch.Tensor, max_new_tokens: int) -> None:
+    """Sample one token per slot and record it in the per-slot state (rows 0..B-1, updated in place);
+    finished slots keep their state. One function so that `torch.compile` makes the sampler and this
+    bookkeeping a few kernels: a decode step is bound by its kernel count, not by their work."""
+    tokens, logprobs = sample(logits, settings, uniforms)
+    live = ~done
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    column = gen_len.clamp(max=max_new_tokens - 1)
+    out_tokens[rows, column] = torch.where(live, tokens, out_tokens[rows, column])
+    out_logprobs[rows, column] = torch.where(live, logprobs, out_logprobs[rows, column])
+    last_token.copy_(torch.where(live, tokens, last_token))
+    new_len = gen_len + live.long()
+    gen_len.copy_(new_len)
+    stopped = (tokens[:, None] == stop_ids[None, :]).any(-1)
+    done |= live & (stopped | (new_len >= max_new_tokens))
+
+
+def compiled_sample_and_record():
+    """`sample_and_record` under `torch.compile`, the batch dimension dynamic (one compilation per setting)."""
+    compiled = torch.compile(sample_and_record, fullgraph=True)
+
+    def call(logits, settings, uniforms, *state_and_limits):
+        for tensor in (logits, uniforms) + state_and_limits[:5]:
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        return compiled(logits, settings, uniforms, *state_and_limits)
+
+    return call
 
 
 class BuiltinBackend:
@@ -262,10 +293,11 @@ class BuiltinBackend:
 
     # ---- phases -----------------------------------------------------------------------------------
     def _decode_functions(self, device) -> tuple[DecodeFunctions, object]:
+        """The layer pieces and `sample_and_record`, eager or compiled."""
         if not (self.compile if self.compile is not None else device.type == "cuda"):
-            return EAGER_DECODE, sample
+            return EAGER_DECODE, sample_and_record
         if self._compiled is None:
-            self._compiled = (compiled_decode_functions(), compiled_sample())
+            self._compiled = (compiled_decode_functions(), compiled_sample_and_record())
         return self._compiled
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
@@ -376,16 +408,9 @@ class BuiltinBackend:
         logits = self.cache.decode(run["weights"], run["cos"], run["sin"], state.last_token[:batch],
                                    state.prompt_len[:batch], state.gen_len[:batch], state.prompt_entry[:batch],
                                    kv_len, run["functions"])
-        tokens, logprobs = run["sampler"](logits, run["settings"], state.uniforms[:batch])
-        live = ~state.done[:batch]
-        rows = torch.arange(batch, device=tokens.device)
-        column = state.gen_len[:batch].clamp(max=state.max_new_tokens - 1)
-        state.out_tokens[rows, column] = torch.where(live, tokens, state.out_tokens[rows, column])
-        state.out_logprobs[rows, column] = torch.where(live, logprobs, state.out_logprobs[rows, column])
-        state.last_token[:batch] = torch.where(live, tokens, state.last_token[:batch])
-        new_len = state.gen_len[:batch] + live.long()
-        state.gen_len[:batch] = new_len
-        state.done[:batch] |= live & (state.is_stop(tokens) | (new_len >= state.max_new_tokens))
+        run["sampler"](logits, run["settings"], state.uniforms[:batch], state.done[:batch], state.gen_len[:batch],
+                       state.last_token[:batch], state.out_tokens[:batch], state.out_logprobs[:batch],
+                       state.stop_ids, state.max_new_tokens)
 
     def _step(self, batch: int, kv_len: int) -> None:
         run = self._run

@@ -6,8 +6,8 @@ Choices:
   graph then holds no RNG state of its own, and the only per-step random draw is B floats.
 - At large batch every pass over the (B, V) logits costs about as much as a layer's matmuls, so the
   common case (no top-k/top-p/min-p) inverts the CDF in two steps (blocks of ~sqrt(V), then inside
-  one block) from per-block maxima and sums, with no full-vocabulary cumsum and, once compiled
-  (`compiled_sample`), a single read of the logits. Filtered sampling keeps an eager path over
+  one block) from per-block maxima and sums, with no full-vocabulary cumsum and, once compiled (the
+  engine compiles it with its per-step bookkeeping, `builtin.sample_and_record`), a single read of the logits. Filtered sampling keeps an eager path over
   unnormalised weights (sorts are needed for top-k/top-p anyway).
 - The returned log-prob is `log_softmax(logits / T)` of the chosen token *before* top-k/top-p/min-p
   filtering (T = 1 when greedy), as `base.Generation.logprobs` defines it.
@@ -151,16 +151,3 @@ def _invert_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     target = uniforms[:, None] * cdf[:, -1:]
     index = (cdf <= target).sum(dim=-1)
     return index.clamp_(max=weights.shape[-1] - 1)
-
-
-def compiled_sample():
-    """`sample` under `torch.compile` (batch dimension dynamic, so one compilation per setting)."""
-    compiled = torch.compile(sample, fullgraph=True)
-
-    def call(logits: torch.Tensor, settings: SamplerSettings, uniforms: torch.Tensor | None):
-        torch._dynamo.maybe_mark_dynamic(logits, 0)
-        if uniforms is not None:
-            torch._dynamo.maybe_mark_dynamic(uniforms, 0)
-        return compiled(logits, settings, uniforms)
-
-    return call
