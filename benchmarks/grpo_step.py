@@ -17,6 +17,8 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
   is suspected; this mode tests it.
 - `grpo-0.5b-fast`: everything at once: compiled, offloaded moments, 32k-token micro-batches and the
   engine's stacked q/k/v projection (`rollout.fuse_qkv`).
+- `grpo-0.5b-fused`: `grpo-0.5b-fast` plus the stacked gate/up projection (`rollout.fuse_gate_up`).
+- `grpo-0.5b-fast-resident`: `grpo-0.5b-fast` with the AdamW moments on the GPU (what offloading costs).
 - `grpo-0.5b-kl-refoffload`: `grpo-0.5b-compile-offload` with a KL term (kl_coef 0.05), so a reference
   model exists, kept in CPU memory between its passes (`model.reference_offload`).
 - `grpo-0.5b-lean`: compiled, 8k-token micro-batches, a 2 GiB KV cache (the prefix-shared layout needs
@@ -77,6 +79,10 @@ MODES = {
                                             offload=True, settings=dict(model__compile=True)),
     "grpo-0.5b-fast": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
                            settings=dict(model__compile=True, rollout__fuse_qkv=True)),
+    "grpo-0.5b-fused": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
+                            settings=dict(model__compile=True, rollout__fuse_qkv=True, rollout__fuse_gate_up=True)),
+    "grpo-0.5b-fast-resident": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
+                                    settings=dict(model__compile=True, rollout__fuse_qkv=True)),
     "grpo-0.5b-kl-refoffload": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=16384, offload=True,
                                     settings=dict(model__compile=True, algorithm__kl_coef=0.05,
                                                   model__reference_offload=True)),
@@ -187,6 +193,37 @@ def profiled(name: str, top: int = 25):
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70))
     print(f"{name}: top operators of the profiled step (self CPU time; a host-bound phase shows up here)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+    print_gpu_idle(prof, name)
+
+
+def print_gpu_idle(prof, name: str, top: int = 8) -> None:
+    """Per phase of the profiled step: wall time, time some kernel was running, kernel count, and the
+    longest idle gaps with the kernels around them: where the host, not the GPU, sets the pace."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    annotations = {e.name for e in events if getattr(e, "is_user_annotation", False) or e.name.startswith("phase:")}
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == DeviceType.CUDA and e.name not in annotations
+                     and not e.name.startswith(("Optimizer.", "ProfilerStep", "Memcpy")))
+    copies = [(e.time_range.start, e.time_range.end) for e in events
+              if e.device_type == DeviceType.CUDA and e.name.startswith("Memcpy")]
+    phases = [(e.name, e.time_range.start, e.time_range.end) for e in events
+              if e.name.startswith("phase:") and e.device_type == DeviceType.CPU]
+    for phase, start, end in sorted(phases, key=lambda p: p[1]):
+        inside = [k for k in kernels if start <= k[0] < end]
+        busy, gaps, reach = 0.0, [], start
+        for k_start, k_end, k_name in inside:
+            if k_start > reach:
+                gaps.append((k_start - reach, k_name))
+            busy += max(0.0, k_end - max(k_start, reach))
+            reach = max(reach, k_end)
+        copied = sum(c_end - c_start for c_start, c_end in copies if start <= c_start < end)
+        print(f"{name} {phase}: wall {(end - start) / 1e3:.1f} ms, kernels running {busy / 1e3:.1f} ms "
+              f"({len(inside)} kernels; memcpy {copied / 1e3:.1f} ms), "
+              f"idle gaps > 50 us: {sum(g for g, _ in gaps if g > 50) / 1e3:.1f} ms in {sum(g > 50 for g, _ in gaps)}")
+        for gap, before in sorted(gaps, reverse=True)[:top]:
+            print(f"    gap {gap / 1e3:8.2f} ms before {before[:90]}")
 
 
 def floor(model, config, spec, prompt_len: int, response_len: int, train_flops: float) -> dict:

@@ -7,7 +7,7 @@
 # TRL runs when its wheels and script are in .bench/ (see docs/benchmarks.md); otherwise it is skipped.
 set -u -o pipefail
 OUT=${OUT:-/tmp/hybridrl-one-gpu}; mkdir -p "$OUT"
-MODES=${1:-grpo-0.5b-compile-offload,grpo-0.5b-fast}
+MODES=${1:-grpo-0.5b-fast,grpo-0.5b-fused}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 start=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - start )) s"; }
