@@ -59,6 +59,19 @@ class RolloutBatch:
         return RolloutBatch(**values)
 
 
+def decode_responses(tokenizer, generations: list[Generation]) -> list[str]:
+    """The responses as text (special tokens dropped), for rewards and logs.
+
+    A fast tokenizer decodes the whole batch in its Rust backend, in parallel (transformers' own
+    `batch_decode` loops in Python, ~0.2 s for 512 x 256 tokens); tokenizers whose decode adds a
+    Python clean-up step, and slow ones, go through `batch_decode` so the text is the same."""
+    token_lists = [g.token_ids for g in generations]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode_batch(token_lists, skip_special_tokens=True)
+    return tokenizer.batch_decode(token_lists, skip_special_tokens=True)
+
+
 def build_rollout_batch(prompts: list[list[int]], generations: list[Generation], pad_token_id: int,
                         max_new_tokens: int) -> RolloutBatch:
     """Pad prompts left and responses right into one tensor batch (on CPU).

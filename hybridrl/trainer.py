@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from hybridrl import algorithms, checkpoint, distributed
-from hybridrl.batch import RolloutBatch, build_rollout_batch
+from hybridrl.batch import RolloutBatch, build_rollout_batch, decode_responses
 from hybridrl.components import Components, build_components
 from hybridrl.config import Config, load_config
 from hybridrl.data import PromptDataset
@@ -167,7 +167,7 @@ class RLTrainer:
             self.parts.rollout.release_memory()
         self.switch_seconds["weight_sync"] += sync.seconds
         batch = build_rollout_batch(prompts["prompt_ids"], generations, self.parts.pad_token_id, params.max_new_tokens)
-        batch.texts = self.parts.tokenizer.batch_decode([g.token_ids for g in generations], skip_special_tokens=True)
+        batch.texts = decode_responses(self.parts.tokenizer, generations)
         return batch.to(self.device)
 
     def score(self, batch: RolloutBatch, prompts: dict[str, Any]) -> dict[str, float]:

@@ -62,3 +62,19 @@ def test_rollout_batch_layout_by_hand():
     assert batch.response_mask.tolist() == [[1, 1], [0, 0], [1, 0]]
     assert batch.sampler_logp.tolist() == [[-0.5, -0.25], [0.0, 0.0], [-1.0, 0.0]]
     assert batch.truncated.tolist() == [True, False, False] and batch.prompt_index.tolist() == [0, 1, 1]
+
+
+def test_decoded_responses_equal_the_tokenizers_own_decode():
+    """The Rust batch path and the fallback give the text `tokenizer.decode(..., skip_special_tokens=True)` gives."""
+    from hybridrl.batch import decode_responses
+    from hybridrl.rollout.base import Generation
+
+    _, tokenizer = tiny_actor()
+    eos = tokenizer.eos_token_id
+    generations = [Generation(0, encode(tokenizer, ["12+7="])[0] + [eos], [], "stop"), Generation(0, [], [], "stop"),
+                   Generation(0, encode(tokenizer, ["45 - 3"])[0], [], "length")]
+    expected = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
+    assert expected[0] == "12+7=" and decode_responses(tokenizer, generations) == expected
+    tokenizer.clean_up_tokenization_spaces = True  # a Python clean-up step: the fallback path
+    assert decode_responses(tokenizer, generations) == [tokenizer.decode(g.token_ids, skip_special_tokens=True)
+                                                        for g in generations]
