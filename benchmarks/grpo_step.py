@@ -33,7 +33,9 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
 - `trl`: `shared/peers/trl_grpo_gpu.py` (TRL 1.16, HF generate, fp32 master weights + bf16 autocast) on the
   grpo-0.5b shape, as a subprocess; its script must be at `--trl-script` with trl/datasets importable.
   Three TRL steps (`TRL_STEPS`), steady state = mean of steps 2-3 as for hybridrl (runs before
-  2026-11-30 04:30 used two steps, so their TRL figure is step 2 alone).
+  2026-11-30 04:30 used two steps, so their TRL figure is step 2 alone). `--steps N` sets both to N:
+  TRL's step time varies by ~15% from step to step and ~35% between machines, so compare in one run
+  and prefer N >= 5 when device time allows.
 
 Each mode runs in its own process. Peak memory is the largest `perf/peak_memory_gib` of its steps (the
 trainer measures each phase; the table names the peak of each). The
@@ -298,17 +300,26 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU, no TRL")
     parser.add_argument("--profile", action="store_true",
                         help="profile each mode's last step (excluded from the mean) and print its top CUDA kernels")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="steps per mode, TRL included (0: each mode's own, 3 for TRL); steady state = mean of "
+                             "steps 2..N, so more steps average out TRL's step-to-step spread (14.5 vs 16.9 s seen)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     prompt_len, response_len, device = (16, 8, "cpu") if args.quick else (256, 256, "cuda")
     if args.child:
         spec = MODES[args.child]
+        if os.environ.get("HYBRIDRL_BENCH_STEPS"):
+            spec = {**spec, "steps": int(os.environ["HYBRIDRL_BENCH_STEPS"])}
         if args.quick:
             spec = {**spec, "shape": "tiny", "prompts": 4, "n": 2, "max_tokens": 48}
         print("RESULT " + json.dumps(run_mode(args.child, spec, prompt_len, response_len, device)), flush=True)
         return
     if args.profile:
         os.environ["HYBRIDRL_BENCH_PROFILE"] = "1"
+    if args.steps:
+        if args.steps < 2:
+            parser.error("--steps must be at least 2 (step 1 compiles and is left out of the mean).")
+        os.environ["HYBRIDRL_BENCH_STEPS"] = os.environ["TRL_STEPS"] = str(args.steps)
     results = []
     for mode in args.modes.split(","):
         if mode == "trl":
