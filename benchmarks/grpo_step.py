@@ -29,7 +29,9 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
   the adapter in place, 16 prompts x 4 to keep the run short.
 - `7b-qlora`: `7b-lora` with the base's linear layers in 4-bit NF4 (`model.load_in_4bit`, needs bitsandbytes),
   quantized in memory after the random init (`qlora.quantize_4bit`, called by the trainer's set-up); rollout
-  through HF generate, since the built-in engine reads floating-point weights only.
+  through HF generate (what `rollout.backend=auto` picks for a 4-bit base).
+- `7b-qlora-engine`: the same with `rollout.backend=builtin`: the engine dequantizes each 4-bit layer as it
+  runs it (`llama_forward.unpacked`); tested on CPU, not yet measured on a GPU.
 - `trl`: `shared/peers/trl_grpo_gpu.py` (TRL 1.16, HF generate, fp32 master weights + bf16 autocast) on the
   grpo-0.5b shape, as a subprocess; its script must be at `--trl-script` with trl/datasets importable.
   Three TRL steps (`TRL_STEPS`), steady state = mean of steps 2-3 as for hybridrl (runs before
@@ -96,6 +98,8 @@ MODES = {
     "7b-lora": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16),
     "7b-qlora": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16, backend="hf",
                      settings=dict(model__load_in_4bit=True)),
+    "7b-qlora-engine": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16,
+                            backend="builtin", settings=dict(model__load_in_4bit=True)),
 }
 
 

@@ -35,7 +35,7 @@ whole step, compiled kernels included.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -155,6 +155,26 @@ def _peft_problem(model, inner) -> str | None:
     return None
 
 
+MATRICES = ("q_weight", "k_weight", "v_weight", "o_weight", "gate_weight", "up_weight", "down_weight")
+
+
+def is_packed_4bit(weight: torch.Tensor) -> bool:
+    """A bitsandbytes 4-bit weight (QLoRA's frozen base): packed uint8 data plus its quantization state."""
+    return weight.dtype == torch.uint8 and getattr(weight, "quant_state", None) is not None
+
+
+def unpacked(lw: LayerWeights) -> LayerWeights:
+    """`lw` with its 4-bit weights dequantized (bitsandbytes) for this one use, or `lw` itself when none
+    is packed. Called per layer inside the forward, so only one layer's full-precision weights exist at
+    a time: generation costs a dequantization per layer and step instead of a second copy of the model."""
+    packed = {name: getattr(lw, name) for name in MATRICES if is_packed_4bit(getattr(lw, name))}
+    if not packed:
+        return lw
+    from bitsandbytes.functional import dequantize_4bit
+
+    return replace(lw, **{name: dequantize_4bit(weight.data, weight.quant_state) for name, weight in packed.items()})
+
+
 def supports(model) -> tuple[bool, str]:
     """Whether the built-in engine can run `model`; the reason is one line for the trainer's log."""
     peft_wrapped = hasattr(model, "peft_config")
@@ -182,7 +202,9 @@ def supports(model) -> tuple[bool, str]:
         return False, problem
     weights = [model.lm_head.weight] + [_base(layer.get_submodule(path)).weight for layer in inner.layers[:1]
                                         for path in PROJECTIONS.values()]
-    for weight in weights:  # e.g. bitsandbytes 4-bit layers keep packed uint8 weights
+    for index, weight in enumerate(weights):  # bitsandbytes 4-bit projections are dequantized per layer
+        if index > 0 and is_packed_4bit(weight):
+            continue
         if not weight.is_floating_point() or weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return False, f"weights of dtype {weight.dtype} (quantized?) are not supported"
     return True, "ok"
@@ -199,8 +221,8 @@ def _bias(linear) -> torch.Tensor | None:
 
 def fused_qkv(lw: LayerWeights) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """q/k/v weights stacked into one (q + 2 kv, hidden) matrix and their biases (zeros where a projection
-    has none), or None when any of them carries a LoRA adapter (the engine then keeps three matmuls)."""
-    if lw.q_lora or lw.k_lora or lw.v_lora:
+    has none), or None when any of them carries a LoRA adapter or is 4-bit (the engine then keeps three matmuls)."""
+    if lw.q_lora or lw.k_lora or lw.v_lora or any(map(is_packed_4bit, (lw.q_weight, lw.k_weight, lw.v_weight))):
         return None
     weight = torch.cat((lw.q_weight, lw.k_weight, lw.v_weight))
     biases = (lw.q_bias, lw.k_bias, lw.v_bias)
@@ -211,8 +233,9 @@ def fused_qkv(lw: LayerWeights) -> tuple[torch.Tensor, torch.Tensor | None] | No
 
 
 def fused_gate_up(lw: LayerWeights) -> torch.Tensor | None:
-    """gate and up weights stacked into one (2 * intermediate, hidden) matrix, or None with a LoRA adapter on either."""
-    if lw.gate_lora or lw.up_lora:
+    """gate and up weights stacked into one (2 * intermediate, hidden) matrix, or None with a LoRA adapter
+    or 4-bit weights on either."""
+    if lw.gate_lora or lw.up_lora or is_packed_4bit(lw.gate_weight) or is_packed_4bit(lw.up_weight):
         return None
     return torch.cat((lw.gate_weight, lw.up_weight))
 
@@ -349,6 +372,7 @@ def prefill(
     cos, sin = cos_table[:length], sin_table[:length]
     group = w.num_heads // w.num_kv_heads
     for layer_index, lw in enumerate(w.layers):
+        lw = unpacked(lw)
         residual = h
         q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (P, heads, L, D)
@@ -425,6 +449,7 @@ def _decode_layers(w: ModelWeights, tokens: torch.Tensor, cos: torch.Tensor, sin
     in): attend(layer_index, q (B, Hkv, group, D), kv (B, 2, Hkv, D)) -> (B, Hkv, group, D)."""
     h, mlp_out = F.embedding(tokens, w.embed), None  # (B, hidden)
     for layer_index, lw in enumerate(w.layers):
+        lw = unpacked(lw)
         h, q, kv = functions.attention_inputs(w, lw, h, mlp_out, cos, sin)
         h, mlp_out = functions.attention_output_and_mlp(w, lw, h, attend(layer_index, q, kv))
     return functions.final_logits(w, h, mlp_out)
