@@ -33,8 +33,10 @@ from hybridrl.rollout.base import Generation, SamplingParams
 from hybridrl.rollout.kv_cache import CacheGeometry, PrefixSharedKVCache, SlotKVCache, max_slots
 from hybridrl.rollout.llama_forward import (
     EAGER_DECODE,
+    MATRICES,
     DecodeFunctions,
     compiled_decode_functions,
+    is_packed_4bit,
     prefill,
     resolve_weights,
     rope_table,
@@ -253,8 +255,11 @@ class BuiltinBackend:
             generator.seed()
         cos, sin = rope_table(self.model, max_len, device, dtype)
         functions, sampler = self._decode_functions(device)
+        # A 4-bit base is dequantized by bitsandbytes inside each step; whether its kernels capture into a
+        # CUDA graph is unverified, so such models run the step uncaptured (per-layer work is large anyway).
+        packed = any(is_packed_4bit(getattr(layer, name)) for layer in weights.layers for name in MATRICES)
         self._run = dict(weights=weights, state=state, settings=settings, generator=generator, cos=cos, sin=sin,
-                         functions=functions, sampler=sampler)
+                         functions=functions, sampler=sampler, graphs=self.use_cuda_graphs and not packed)
         scheduler = Scheduler([i // params.n for i in range(num_sequences)], [len(p) for p in prompts], num_slots)
         results: list[Generation | None] = [None] * num_sequences
         stats = dict(num_slots=num_slots, decode_steps=0, prefill_waves=0, graphs_captured=0, warmup_s=0.0,
@@ -416,7 +421,7 @@ class BuiltinBackend:
         run = self._run
         if not run["settings"].greedy:
             run["state"].uniforms[:batch].uniform_(generator=run["generator"])
-        if not (self.use_cuda_graphs and self.cache.is_cuda):
+        if not (run["graphs"] and self.cache.is_cuda):
             self._decode_step(batch, kv_len)
             return
         graph = self._graphs.get((batch, kv_len))
