@@ -3,6 +3,9 @@
     python benchmarks/grpo_step.py                     # all modes below, TRL included, table last
     python benchmarks/grpo_step.py --modes grpo-0.5b   # one mode
     python benchmarks/grpo_step.py --quick             # tiny shapes on CPU: checks the script, measures nothing
+    python benchmarks/grpo_step.py --modes grpo-0.5b-fast,1.5b-full --gpus 1,2   # issue 5: the trainer itself
+        # on 1 and 2 GPUs (torchrun, same global batch); on nvidia-h200-x2 export NCCL_NVLS_ENABLE=0
+        # TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 first
 
 Modes (random init, bf16 parameters, no KL, one optimizer step per rollout, responses forced to full
 length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
@@ -123,11 +126,17 @@ def even_fraction(prompts, completions, **columns):
 
 
 def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: str) -> dict:
-    """One mode in this process: build, train `steps` steps, return timings and memory."""
+    """One mode in this process: build, train `steps` steps, return timings and memory. Under torchrun
+    (`--gpus 2`) every rank runs this with the trainer sharding the same global batch; rank 0 reports
+    its own timings and peak memory (per GPU)."""
     import random
 
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world > 1 and device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # build the model on this rank's GPU
 
     from hybridrl import PromptDataset
     from hybridrl.models import HFModel
@@ -156,6 +165,8 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
         algorithm__name="grpo", algorithm__kl_coef=0.0, rollout__ignore_eos=True,
         rollout__attention=os.environ.get("HYBRIDRL_BENCH_ATTENTION", "auto"))
     settings.update(spec.get("settings", {}))
+    if world > 1:
+        settings["trainer__num_gpus"] = world
     trainer = RLTrainer(actor=HFModel(model, tokenizer), reward_fn=even_fraction, dataset=dataset, **settings)
     trainable = sum(p.numel() for p in trainer.parts.actor.parameters() if p.requires_grad)
     if device == "cuda":
@@ -168,13 +179,14 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
             metrics = trainer.step()
         steps.append({**{k: float(v) for k, v in metrics.items() if k.startswith(("timing/", "perf/"))},
                       "wall_s": time.perf_counter() - start})
-        print(name, "step", len(steps), json.dumps({k: round(v, 3) for k, v in steps[-1].items()}), flush=True)
+        if rank == 0:
+            print(name, "step", len(steps), json.dumps({k: round(v, 3) for k, v in steps[-1].items()}), flush=True)
     profiled_last = os.environ.get("HYBRIDRL_BENCH_PROFILE") == "1" and device == "cuda" and len(steps) > 2
     steady = (steps[1:-1] if profiled_last else steps[1:]) or steps
     mean = {key: sum(s[key] for s in steady) / len(steady) for key in steady[0]}
     tokens = spec["prompts"] * spec["n"] * (prompt_len + response_len)
     train_flops = 6 * params * tokens
-    result = dict(mode=name, params=params, trainable_params=trainable, tokens_per_step=tokens,
+    result = dict(mode=name if world == 1 else f"{name} x{world}", gpus=world, params=params, trainable_params=trainable, tokens_per_step=tokens,
                   generated_per_step=spec["prompts"] * spec["n"] * response_len, steps=steps, mean=mean,
                   step_s=mean["timing/step_s"],
                   peak_alloc_gib=max(s["perf/peak_memory_gib"] for s in steps) if device == "cuda" else None,
@@ -182,7 +194,7 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
                                  for key in steps[0] if key.startswith("perf/peak_memory_") and key != "perf/peak_memory_gib"},
                   peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else None)
     if trainable == params:
-        result["update_mfu"] = train_flops / mean["timing/update_s"] / PEAK_FLOPS
+        result["update_mfu"] = train_flops / mean["timing/update_s"] / PEAK_FLOPS / world  # per GPU
     result["floor"] = floor(model, config, spec, prompt_len, response_len, train_flops if trainable == params
                             else 2 * params * tokens * 2)  # LoRA: forward + input-gradient backward
     return result
@@ -260,9 +272,12 @@ def run_trl(script: str, timeout: int) -> dict:
     return {"mode": "trl", "step_s": out["steady_step_s"], "peak_alloc_gib": out["peak_alloc_GiB"], "raw": out}
 
 
-def child(mode: str, timeout: int, quick: bool) -> dict:
-    """Run one mode in a fresh process (its own peak memory); a failure becomes an `error` entry."""
-    command = [sys.executable, __file__, "--child", mode] + (["--quick"] if quick else [])
+def child(mode: str, timeout: int, quick: bool, gpus: int = 1) -> dict:
+    """Run one mode in a fresh process (its own peak memory), or `gpus` processes under torchrun; a
+    failure becomes an `error` entry."""
+    launcher = [] if gpus == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
+    command = [sys.executable, *launcher, __file__, "--child", mode] + (["--quick"] if quick else [])
+    mode = mode if gpus == 1 else f"{mode} x{gpus}"
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as error:
@@ -275,10 +290,10 @@ def child(mode: str, timeout: int, quick: bool) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    ours = next((r for r in results if r["mode"] == "grpo-0.5b" and "error" not in r), None)
-    trl = next((r for r in results if r["mode"] == "trl" and "error" not in r), None)
+    ok = {r["mode"]: r for r in results if "error" not in r}
+    trl = ok.get("trl")
     print(f"\n{'mode':<19} {'step s':>7} {'rollout':>8} {'logp':>6} {'update':>7} {'peak GiB':>9} {'MFU upd':>8} "
-          f"{'floor s':>8}  peak GiB by phase")
+          f"{'floor s':>8}  peak GiB by phase (per GPU)")
     for r in results:
         if "error" in r:
             print(f"{r['mode']:<19} failed: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}")
@@ -291,9 +306,13 @@ def print_table(results: list[dict]) -> None:
         print(f"{r['mode']:<19} {r['step_s']:>7.2f} {get('timing/rollout_s'):>8} {get('timing/logprobs_s'):>6} "
               f"{get('timing/update_s'):>7} {peak:>9} {mfu:>8} {fl:>8}  "
               + " ".join(f"{phase} {gib:.2f}" for phase, gib in r.get("peak_by_phase", {}).items() if gib >= 0.01))
-    if ours and trl:
-        print(f"grpo-0.5b vs TRL: {trl['step_s'] / ours['step_s']:.1f}x faster per step, "
-              f"{ours['peak_alloc_gib'] / trl['peak_alloc_gib']:.2f}x TRL's peak memory")
+    for name, r in ok.items():
+        if trl and name.startswith("grpo-0.5b") and r.get("gpus", 1) == 1:
+            print(f"{name} vs TRL: {trl['step_s'] / r['step_s']:.2f}x faster per step, "
+                  f"{r['peak_alloc_gib'] / trl['peak_alloc_gib']:.2f}x TRL's peak memory")
+        single = ok.get(name.rsplit(" x", 1)[0])
+        if r.get("gpus", 1) > 1 and single:
+            print(f"{name}: {single['step_s'] / r['step_s']:.2f}x the speed of 1 GPU (same global batch)")
 
 
 def main() -> None:
@@ -307,6 +326,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0,
                         help="steps per mode, TRL included (0: each mode's own, 3 for TRL); steady state = mean of "
                              "steps 2..N, so more steps average out TRL's step-to-step spread (14.5 vs 16.9 s seen)")
+    parser.add_argument("--gpus", default="1",
+                        help="process counts per mode, e.g. 1,2: the trainer under torchrun with the same global "
+                             "batch; the table adds each mode's speed-up over its 1-process run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     prompt_len, response_len, device = (16, 8, "cpu") if args.quick else (256, 256, "cuda")
@@ -316,7 +338,9 @@ def main() -> None:
             spec = {**spec, "steps": int(os.environ["HYBRIDRL_BENCH_STEPS"])}
         if args.quick:
             spec = {**spec, "shape": "tiny", "prompts": 4, "n": 2, "max_tokens": 48}
-        print("RESULT " + json.dumps(run_mode(args.child, spec, prompt_len, response_len, device)), flush=True)
+        result = run_mode(args.child, spec, prompt_len, response_len, device)
+        if os.environ.get("RANK", "0") == "0":
+            print("RESULT " + json.dumps(result), flush=True)
         return
     if args.profile:
         os.environ["HYBRIDRL_BENCH_PROFILE"] = "1"
@@ -330,7 +354,8 @@ def main() -> None:
             if not args.quick:
                 results.append(run_trl(args.trl_script, args.timeout))
             continue
-        results.append(child(mode, args.timeout, args.quick))
+        for gpus in map(int, args.gpus.split(",")):
+            results.append(child(mode, args.timeout, args.quick, gpus))
     report = dict(date=time.strftime("%Y-%m-%d"), modes=results, peak_flops=PEAK_FLOPS, bandwidth=BANDWIDTH)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "grpo_step.json").write_text(json.dumps(report, indent=1))
