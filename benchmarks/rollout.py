@@ -244,6 +244,9 @@ def time_triton(model, prompts, params, args, device: str, attention: str = "tri
 
 
 def profile(engine: BuiltinBackend, prompts, params) -> None:
+    """Top kernels of one engine run, then per decode step: kernel count, time some kernel ran, and the
+    idle time between kernels (inside a CUDA graph that is the per-kernel gap a kernel count costs)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -251,6 +254,17 @@ def profile(engine: BuiltinBackend, prompts, params) -> None:
         engine.generate(prompts, params)
         sync()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    if not kernels:
+        return
+    busy, reach = 0.0, kernels[0][0]
+    for start, end in kernels:
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span, steps = (reach - kernels[0][0]), params.max_new_tokens
+    print(f"profile: {len(kernels)} GPU events ({len(kernels) / steps:.0f} per decode step), GPU span "
+          f"{span / 1e3:.1f} ms, kernels running {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms "
+          f"({(span - busy) / max(1, len(kernels)):.2f} us per event)", flush=True)
 
 
 def main() -> None:

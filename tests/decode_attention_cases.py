@@ -57,7 +57,35 @@ def check_kernel_cases() -> None:
     case = make_case(9, 3, 2, 4, 32, 2, 8, 8)
     case["prompt_len"][1], case["response_len"][1] = 0, 0
     assert torch.equal(triton_decode_attention(**case)[1], torch.zeros(2, 4, 32))
+    before = case["response_k"].clone()
+    assert torch.equal(triton_decode_attention(**case, new_kv=torch.ones(3, 2, 2, 32))[1], torch.zeros(2, 4, 32))
+    assert torch.equal(case["response_k"][1], before[1]) and not torch.equal(case["response_k"][0], before[0])
+    for seed, shape in enumerate(CASES):
+        for dtype in (torch.float32, torch.float16):
+            check_fused_write(triton_decode_attention, make_case(seed, *shape, dtype=dtype), TOLERANCE[dtype])
     print("kernel cases passed")
+
+
+def with_new_kv(case: dict, seed: int = 7) -> tuple[dict, torch.Tensor]:
+    """A copy of `case` with its own response caches, and random new keys/values (B, 2, Hkv, D)."""
+    case = dict(case, response_k=case["response_k"].clone(), response_v=case["response_v"].clone())
+    batch, kv_heads, _, head_dim = case["q"].shape
+    generator = torch.Generator().manual_seed(seed)
+    new_kv = torch.randn(batch, 2, kv_heads, head_dim, generator=generator).to(case["q"])
+    return case, new_kv
+
+
+def check_fused_write(attention, case: dict, tolerance: dict) -> None:
+    """`attention(..., new_kv=)` equals writing new_kv at response index response_len - 1 first and then
+    attending without it (the engine's unfused path), in the output and in both caches."""
+    fused, new_kv = with_new_kv(case)
+    written, _ = with_new_kv(case)
+    slots, at = torch.arange(new_kv.shape[0]), written["response_len"].cpu() - 1
+    written["response_k"][slots.to(new_kv.device), :, at.to(new_kv.device)] = new_kv[:, 0]
+    written["response_v"][slots.to(new_kv.device), :, at.to(new_kv.device)] = new_kv[:, 1]
+    out = attention(**fused, new_kv=new_kv)
+    torch.testing.assert_close(out, reference_decode_attention(**written), **tolerance)
+    assert torch.equal(fused["response_k"], written["response_k"]) and torch.equal(fused["response_v"], written["response_v"])
 
 
 def check_engine_with_kernel(attention: str = "triton") -> None:

@@ -19,7 +19,7 @@ from hybridrl.rollout.scheduler import PromptEntries
 from hybridrl.rollout.decode_attention import reference_decode_attention, triton_decode_attention
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode_attention_cases import CASES, INTERPRETER_SHIM, TOLERANCE, make_case  # noqa: E402
+from decode_attention_cases import CASES, INTERPRETER_SHIM, TOLERANCE, check_fused_write, make_case  # noqa: E402
 from test_builtin_engine import PROMPTS, hf_greedy, hf_logprobs, make_model  # noqa: E402
 
 HAS_TRITON = decode_attention.triton is not None
@@ -60,6 +60,22 @@ def test_reference_gives_zeros_when_a_slot_sees_no_key():
     assert torch.equal(out[1], torch.zeros_like(out[1])) and out.isfinite().all()
 
 
+@pytest.mark.parametrize("shape", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_with_new_kv_equals_writing_first(shape, dtype):
+    check_fused_write(reference_decode_attention, make_case(3, *shape, dtype=dtype), TOLERANCE[dtype])
+
+
+def test_new_kv_is_not_written_for_a_slot_without_response_tokens():
+    case = make_case(1, 3, 2, 4, 32, 2, 8, 8)
+    case["prompt_len"][1], case["response_len"][1] = 0, 0
+    before_k, before_v = case["response_k"].clone(), case["response_v"].clone()
+    out = reference_decode_attention(**case, new_kv=torch.ones(3, 2, 2, 32))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(before_k[1], case["response_k"][1]) and torch.equal(before_v[1], case["response_v"][1])
+    assert not torch.equal(before_k[0], case["response_k"][0])  # the other slots did write
+
+
 def run_in_interpreter(check: str) -> str:
     """Run `decode_attention_cases.<check>()` in a subprocess with TRITON_INTERPRET=1 (the kernel is built
     in interpret mode only if the variable is set before decode_attention is first imported)."""
@@ -93,12 +109,13 @@ def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int):
 
     kernel = decode_attention._decode_attention_kernel
     signature = {name: "constexpr" for name in kernel.arg_names}
-    signature.update({name: "*" + dtype for name in ("Q", "PK", "PV", "RK", "RV", "OUT")})
+    signature.update({name: "*" + dtype for name in ("Q", "PK", "PV", "RK", "RV", "OUT", "NEW_KV")})
     signature.update({name: "*i64" for name in ("PROMPT_INDEX", "PROMPT_LEN", "RESPONSE_LEN")})
     signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride")}, qk_scale="fp32")
     pad = lambda value: max(decode_attention.MIN_DOT_ROWS, 1 << (value - 1).bit_length())  # noqa: E731
     constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=pad(group), BLOCK_D=pad(head_dim),
-                     BLOCK_N=decode_attention.BLOCK_N // (2 if dtype == "fp32" else 1), IEEE=dtype == "fp32")
+                     BLOCK_N=decode_attention.BLOCK_N // (2 if dtype == "fp32" else 1), IEEE=dtype == "fp32",
+                     WRITE_NEW=True)  # the variant the engine runs
     return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
                                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 

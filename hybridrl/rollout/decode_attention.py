@@ -58,6 +58,8 @@ except ImportError:  # CPU-only installs: the reference below is all there is
 BLOCK_N = 64
 """Keys per loop iteration for 2-byte dtypes; fixed (no autotune) so every launch is the same graph-safe
 kernel. Float32 uses half of it, so pipelined K/V tiles of head_dim 128 stay well inside shared memory."""
+NUM_WARPS, NUM_STAGES = 4, None
+"""Launch configuration; None leaves the stage count to Triton (see `benchmarks/decode_attention.py`)."""
 MIN_DOT_ROWS = 16
 """`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
 
@@ -72,9 +74,15 @@ def reference_decode_attention(
     prompt_len: torch.Tensor,
     response_len: torch.Tensor,
     scale: float,
+    new_kv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch prefix-shared decode attention, computed in float32 (see the module docstring)."""
     batch = q.shape[0]
+    if new_kv is not None:  # this step's keys/values go to response index response_len - 1, then are visible
+        slots, write_at = torch.arange(batch, device=q.device), (response_len - 1).clamp(min=0)
+        live = (response_len > 0)[:, None, None]  # a slot without response tokens writes nothing (as the kernel)
+        response_k[slots, :, write_at] = torch.where(live, new_kv[:, 0], response_k[slots, :, write_at])
+        response_v[slots, :, write_at] = torch.where(live, new_kv[:, 1], response_v[slots, :, write_at])
     prompt_max = prompt_k.shape[2]
     keys = torch.cat((prompt_k[prompt_index], response_k[:batch]), dim=2).float()  # (B, Hkv, Lp + Lr, D)
     values = torch.cat((prompt_v[prompt_index], response_v[:batch]), dim=2).float()
@@ -101,8 +109,14 @@ def triton_decode_attention(
     prompt_len: torch.Tensor,
     response_len: torch.Tensor,
     scale: float,
+    new_kv: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int = NUM_WARPS,
+    num_stages: int | None = NUM_STAGES,
 ) -> torch.Tensor:
-    """Launch the Triton kernel over a (B, Hkv) grid; same contract as `reference_decode_attention`."""
+    """Launch the Triton kernel over a (B, Hkv) grid; same contract as `reference_decode_attention`.
+    `block_n`, `num_warps`, `num_stages` are the launch configuration (`benchmarks/decode_attention.py`
+    times the alternatives); the defaults are the measured best at the grpo-0.5b shape."""
     if triton is None:
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
                           "use attention='sdpa' or the reference on machines without it.")
@@ -111,20 +125,30 @@ def triton_decode_attention(
     assert prompt_k.stride(-1) == 1 and response_k.stride(-1) == 1, "head_dim must be contiguous"
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q)  # (B, Hkv, group, D)
+    if new_kv is not None:
+        assert new_kv.shape == (batch, 2, num_kv_heads, head_dim) and new_kv.stride(-1) == 1
+    fused = new_kv if new_kv is not None else out  # a placeholder pointer when nothing is written
+    block_n = block_n or (BLOCK_N if q.element_size() <= 2 else BLOCK_N // 2)
+    stages = {} if num_stages is None else {"num_stages": num_stages}
     _decode_attention_kernel[(batch, num_kv_heads)](
-        q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out,
+        q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out, fused,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2),
         prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2),
         response_k.stride(0), response_k.stride(1), response_k.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
+        fused.stride(0), fused.stride(1), fused.stride(2),
         GROUP=group, HEAD_DIM=head_dim,
         GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)),
         BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),
-        BLOCK_N=BLOCK_N if q.element_size() <= 2 else BLOCK_N // 2, IEEE=q.dtype == torch.float32,
-        num_warps=4,
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, WRITE_NEW=new_kv is not None,
+        num_warps=num_warps, **stages,
     )
     return out
+
+
+reference_decode_attention.writes_new_kv = True  # both take `new_kv`: the engine leaves the cache write to them
+triton_decode_attention.writes_new_kv = True
 
 
 if triton is not None:
@@ -163,15 +187,19 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(
-        Q, PK, PV, RK, RV, PROMPT_INDEX, PROMPT_LEN, RESPONSE_LEN, OUT, qk_scale,
+        Q, PK, PV, RK, RV, PROMPT_INDEX, PROMPT_LEN, RESPONSE_LEN, OUT, NEW_KV, qk_scale,
         stride_qb, stride_qh, stride_qg,
         stride_pe, stride_ph, stride_pl,
         stride_rb, stride_rh, stride_rl,
         stride_ob, stride_oh, stride_og,
+        stride_nb, stride_nkv, stride_nh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr,
     ):
-        """One (slot, KV head): the prompt entry's keys, then the slot's response keys, one softmax."""
+        """One (slot, KV head): the prompt entry's keys, then the slot's response keys, one softmax.
+        With WRITE_NEW the last response key/value (index response_len - 1) comes from NEW_KV: it is
+        attended from registers and stored into the cache, so the cache write needs no kernel of its own
+        (and this program never reads what it writes)."""
         slot = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         offs_g = tl.arange(0, GROUP_PAD)
@@ -187,8 +215,24 @@ if triton is not None:
         m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, tl.load(PROMPT_LEN + slot).to(tl.int32), stride_pl,
                                 m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
         response = slot * stride_rb + head * stride_rh
-        m_i, l_i, acc = _attend(q, RK + response, RV + response, tl.load(RESPONSE_LEN + slot).to(tl.int32),
+        response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
+        cached = response_len - 1 if WRITE_NEW else response_len
+        m_i, l_i, acc = _attend(q, RK + response, RV + response, cached,
                                 stride_rl, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
+        if WRITE_NEW:
+            d_mask = (offs_d < HEAD_DIM) & (cached >= 0)  # a slot with no response token writes nothing
+            new = NEW_KV + slot * stride_nb + head * stride_nh
+            k_new = tl.load(new + offs_d, mask=d_mask, other=0.0)
+            v_new = tl.load(new + stride_nkv + offs_d, mask=d_mask, other=0.0)
+            at = cached.to(tl.int64) * stride_rl
+            tl.store(RK + response + at + offs_d, k_new, mask=d_mask)
+            tl.store(RV + response + at + offs_d, v_new, mask=d_mask)
+            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # (GROUP_PAD,)
+            m_new = tl.where(cached >= 0, tl.maximum(m_i, score), m_i)
+            alpha = tl.where(cached >= 0, tl.math.exp2(m_i - m_new), 1.0)
+            p = tl.where(cached >= 0, tl.math.exp2(score - m_new), 0.0)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
         tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_mask)

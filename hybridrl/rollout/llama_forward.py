@@ -394,12 +394,17 @@ def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, mlp_out
     """Decode: the previous layer's MLP residual (`mlp_out`, None before the first layer), input RMSNorm,
     q/k/v projections, q/k norm, RoPE. h (B, hidden), cos/sin (B, D) -> h with the residual added;
     q (B, Hkv, group, D) with the query heads of one KV head folded together; kv (B, 2, Hkv, D), keys
-    and values stacked so the cache write is one kernel (compiled, the stack fuses into RoPE, and the
-    residual add into the norm: one kernel fewer per layer than adding it at the end of the layer)."""
+    and values stacked so the cache write is one store (q and kv are views of one buffer, so compiled, the
+    RoPEs and the stack are one kernel, and the residual add fuses into the norm: one kernel fewer per
+    layer than adding it at the end of the layer)."""
     if mlp_out is not None:
         h = h + mlp_out
     q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)
-    return h, q.view(h.shape[0], w.num_kv_heads, -1, w.head_dim), torch.stack((k, v), dim=1)
+    # One buffer (B, H + 2 Hkv, D) for q and the new K/V: compiled, both RoPEs and the stack are one kernel.
+    qkv = torch.cat((q, k, v), dim=-2)
+    batch = h.shape[0]
+    return h, qkv[:, : w.num_heads].view(batch, w.num_kv_heads, -1, w.head_dim), \
+        qkv[:, w.num_heads:].view(batch, 2, w.num_kv_heads, w.head_dim)
 
 
 def attention_output_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, attn: torch.Tensor):
@@ -506,7 +511,8 @@ def decode_logits_prefix_shared(
     response_cache (layers, 2, slots, Hkv, response_max_len, D) each slot's response. tokens,
     prompt_entry, prompt_len, response_len: (B,). The token fed now is response token
     response_len - 1: its position is prompt_len + response_len - 1 and its KV is written at
-    response index response_len - 1, then visible. `attention` is `triton_decode_attention` or
+    response index response_len - 1, then visible; attentions marked `writes_new_kv` write it themselves
+    (`new_kv=`), the others get it written here first. `attention` is `triton_decode_attention` or
     `reference_decode_attention`. No host sync and no length-dependent shape (graph-safe).
     """
     batch = tokens.shape[0]
@@ -515,10 +521,15 @@ def decode_logits_prefix_shared(
     write_at = response_len - 1
     scale = w.head_dim ** -0.5  # SDPA's default, which the per-slot path uses
 
+    writes_new_kv = getattr(attention, "writes_new_kv", False)  # the kernel stores kv itself: one kernel fewer
+
     def attend(layer_index: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        response_cache[layer_index][:, slots, :, write_at] = kv  # (B, 2, Hkv, D), as in decode_logits
         prompt_k, prompt_v = prompt_cache[layer_index, 0], prompt_cache[layer_index, 1]
         response_k, response_v = response_cache[layer_index, 0], response_cache[layer_index, 1]
+        if writes_new_kv:
+            return attention(q, prompt_k, prompt_v, response_k, response_v, prompt_entry, prompt_len, response_len,
+                             scale, new_kv=kv)
+        response_cache[layer_index][:, slots, :, write_at] = kv  # (B, 2, Hkv, D), as in decode_logits
         return attention(q, prompt_k, prompt_v, response_k, response_v, prompt_entry, prompt_len, response_len, scale)
 
     return _decode_layers(w, tokens, cos_table[positions], sin_table[positions], functions, attend)
