@@ -114,10 +114,11 @@ def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int):
     signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride")}, qk_scale="fp32")
     pad = lambda value: max(decode_attention.MIN_DOT_ROWS, 1 << (value - 1).bit_length())  # noqa: E731
     constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=pad(group), BLOCK_D=pad(head_dim),
-                     BLOCK_N=decode_attention.BLOCK_N // (2 if dtype == "fp32" else 1), IEEE=dtype == "fp32",
+                     BLOCK_N=decode_attention.BLOCK_N, IEEE=dtype == "fp32",
                      WRITE_NEW=True)  # the variant the engine runs
     return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
-                                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+                                           target=GPUTarget("cuda", 90, 32),
+                                           options=dict(num_warps=decode_attention.NUM_WARPS))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
