@@ -86,6 +86,9 @@ MODES = {
                                             offload=True, settings=dict(model__compile=True)),
     "grpo-0.5b-fast": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
                            settings=dict(model__compile=True, rollout__fuse_qkv=True)),
+    "grpo-0.5b-fast-nockpt": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=6144, offload=True,
+                                  settings=dict(model__compile=True, rollout__fuse_qkv=True,
+                                                model__gradient_checkpointing=False)),
     "grpo-0.5b-fused": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
                             settings=dict(model__compile=True, rollout__fuse_qkv=True, rollout__fuse_gate_up=True)),
     "grpo-0.5b-fast-resident": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
@@ -348,13 +351,17 @@ def main() -> None:
         if args.steps < 2:
             parser.error("--steps must be at least 2 (step 1 compiles and is left out of the mean).")
         os.environ["HYBRIDRL_BENCH_STEPS"] = os.environ["TRL_STEPS"] = str(args.steps)
+    try:
+        gpu_counts = [int(count) for count in args.gpus.split(",")]
+    except ValueError:
+        parser.error(f"--gpus takes process counts separated by commas, e.g. 1,2; got {args.gpus!r}.")
     results = []
     for mode in args.modes.split(","):
         if mode == "trl":
             if not args.quick:
                 results.append(run_trl(args.trl_script, args.timeout))
             continue
-        for gpus in map(int, args.gpus.split(",")):
+        for gpus in gpu_counts:
             results.append(child(mode, args.timeout, args.quick, gpus))
     report = dict(date=time.strftime("%Y-%m-%d"), modes=results, peak_flops=PEAK_FLOPS, bandwidth=BANDWIDTH)
     if os.environ.get("OUT"):

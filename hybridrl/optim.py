@@ -180,7 +180,7 @@ class LeanAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         chunks = []  # (weights, grads, exp_avg, exp_avg_sq, noise generator or None, hyper), flat views
-        index = -1
+        index, hypers = -1, {}
         for group in self.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for param in group["params"]:
@@ -192,8 +192,11 @@ class LeanAdamW(torch.optim.Optimizer):
                     data, grad_full = data.to_local(), grad_full.to_local()
                 state = self._moments(param, data)
                 state["step"] += 1
-                hyper = torch.tensor([lr, beta1, beta2, eps, decay, 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]],
-                                     dtype=torch.float32).to(data.device, non_blocking=True)
+                key = (lr, beta1, beta2, eps, decay, state["step"], data.device)
+                if key not in hypers:  # one small host-to-device copy per distinct setting, not one per parameter
+                    hypers[key] = torch.tensor([lr, beta1, beta2, eps, decay, 1 - beta1 ** state["step"],
+                                                1 - beta2 ** state["step"]], dtype=torch.float32).to(data.device)
+                hyper = hypers[key]
                 noise = self._rounding_generator(param, index, state["step"], data.device) \
                     if param.dtype == torch.bfloat16 else None
                 weights, grads = data.view(-1), grad_full.view(-1)
