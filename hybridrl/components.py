@@ -23,7 +23,7 @@ from hybridrl.data import PromptDataset
 from hybridrl.lora import AdapterDisabled, apply_lora
 from hybridrl.models import HFModel, HostOffloadedWeights, ValueModel, compile_layers, load_hf_model, make_reference
 from hybridrl.optim import build_optimizer, build_scheduler
-from hybridrl.qlora import holds_4bit_weights, quantize_4bit
+from hybridrl.qlora import quantize_4bit
 from hybridrl.rewards import RewardComposer, WeightedReward, load_reward_function
 from hybridrl.rollout.base import RolloutBackend
 from hybridrl.rollout.hf import HFBackend
@@ -115,10 +115,6 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
             supported, reason = False, "the built-in engine is not available in this install"
         else:  # `supports` is a static method: builtin.py exports no module-level `supports`
             supported, reason = BuiltinBackend.supports(actor)
-        if supported and backend == "auto" and device.type == "cuda" and holds_4bit_weights(actor):
-            supported, reason = False, ("the engine's 4-bit (QLoRA) path dequantizes per layer and is opt-in until "
-                                        "measured on a GPU; set rollout.backend=builtin to use it")
-            logger.info("rollout: hf generate, not the built-in engine: %s", reason)
         if supported and (backend == "builtin" or device.type == "cuda"):
             check_stacked_attention(config, actor)
             return BuiltinBackend(actor, tokenizer=tokenizer, kv_cache_memory=config.rollout.kv_cache_memory,

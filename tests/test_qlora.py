@@ -167,16 +167,16 @@ def test_builtin_engine_on_a_4bit_base_matches_hf_generate_and_forward():
         assert all(layer.qkv_weight is None for layer in resolve_weights(candidate, fuse_qkv=True).layers)
 
 
-def test_auto_backend_keeps_hf_for_a_4bit_base_on_gpu(caplog):
-    """On a GPU `auto` picks the engine, except for a 4-bit base (its path is opt-in until measured there):
-    then hf, with one line naming rollout.backend=builtin."""
+def test_auto_backend_picks_the_engine_for_a_4bit_base_on_gpu():
+    """On a GPU `auto` picks the engine for a 4-bit base too: on an H200 its rollout of the 7B QLoRA shape took
+    18.2 s against HF generate's 36.8 s, at a lower peak (docs/benchmarks.md). On CPU `auto` keeps hf."""
     needs_bitsandbytes()
     from hybridrl.components import build_rollout
     from hybridrl.qlora import quantize_4bit
+    from hybridrl.rollout.builtin import BuiltinBackend
     from hybridrl.rollout.hf import HFBackend
 
     actor = tiny_actor()
     quantize_4bit(actor.model)
-    with caplog.at_level(logging.INFO, logger="hybridrl.components"):
-        rollout = build_rollout(load_config(None), actor.model, actor.tokenizer, torch.device("cuda"))
-    assert isinstance(rollout, HFBackend) and "set rollout.backend=builtin" in caplog.text
+    assert isinstance(build_rollout(load_config(None), actor.model, actor.tokenizer, torch.device("cuda")), BuiltinBackend)
+    assert isinstance(build_rollout(load_config(None), actor.model, actor.tokenizer, torch.device("cpu")), HFBackend)
