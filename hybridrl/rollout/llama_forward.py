@@ -28,9 +28,10 @@ Decode is split into per-layer pure functions (`DecodeFunctions`: attention inpu
 + MLP, final logits) so that `compiled_decode_functions()` can hand them to `torch.compile` one layer
 at a time: every layer has the same shapes, so one compilation serves all of them (seconds, not the
 minutes a whole unrolled model takes) and the RMSNorm / RoPE / q-k-norm / SiLU-mul / residual chains
-become a few fused kernels. The KV write and SDPA stay outside the compiled region (in-place writes
-into a graph input are where compilers are least predictable), and the caller's CUDA graph takes the
-whole step, compiled kernels included.
+become a few fused kernels. The KV write and attention stay outside the compiled region (in-place writes
+into a graph input are where compilers are least predictable): SDPA after an `index_put`, or the Triton
+prefix-shared kernel, which stores the new K/V itself. The caller's CUDA graph takes the whole step,
+compiled kernels included.
 """
 
 from __future__ import annotations
