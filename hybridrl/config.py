@@ -127,10 +127,6 @@ class RolloutConfig:
     """Built-in engine: likewise stack each layer's MLP gate and up weights into one matrix while generating
     (one matmul instead of two). Costs those weights again during the rollout: 0.4 GB for Qwen2-0.5B,
     7.6 GB for Qwen2.5-7B, so it suits small models; LoRA'd projections stay separate."""
-    release_cached_memory: bool = False
-    """After each rollout, hand the KV cache's memory back to the driver (torch.cuda.empty_cache) instead of
-    keeping it in PyTorch's cache for the training phase; for other processes sharing the GPU. Costs fresh
-    allocations every step."""
 
 
 @dataclass

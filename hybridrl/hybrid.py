@@ -26,30 +26,24 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
 
 @contextmanager
 def rollout_phase(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                  offload_optimizer: bool, timings: dict[str, float],
-                  release_cached_memory: bool = False) -> Iterator[None]:
+                  offload_optimizer: bool, timings: dict[str, float]) -> Iterator[None]:
     """Memory layout for generation inside the block; training layout restored after.
 
-    Memory freed here (gradients, offloaded optimizer state, the KV cache after the block) goes back to
-    PyTorch's cache, where the next phase reuses it; `release_cached_memory` also hands it back to the
-    driver (`torch.cuda.empty_cache`, which costs fresh allocations in the next phase). Adds the seconds
-    spent switching (both directions) to `timings["weight_sync"]`.
+    Adds the seconds spent switching (both directions) to `timings["weight_sync"]`.
     """
     start = time.perf_counter()
     model.zero_grad(set_to_none=True)  # gradients are dead between steps; free them for the KV cache
     if offload_optimizer and device.type == "cuda":
         move_optimizer_state(optimizer, "cpu")
         torch.cuda.synchronize(device)
-        if release_cached_memory:
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
     timings["weight_sync"] = timings.get("weight_sync", 0.0) + time.perf_counter() - start
     try:
         yield
     finally:
         start = time.perf_counter()
         if device.type == "cuda":
-            if release_cached_memory:
-                torch.cuda.empty_cache()  # the KV cache of the rollout is gone; give its blocks to the driver
+            torch.cuda.empty_cache()  # the KV cache of the rollout is gone; give its blocks back
             if offload_optimizer:
                 move_optimizer_state(optimizer, device)
             torch.cuda.synchronize(device)

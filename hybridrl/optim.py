@@ -129,7 +129,6 @@ class LeanAdamW(torch.optim.Optimizer):
                  weight_decay: float = 0.0, offload: bool = False, chunk_elements: int = 2**24, seed: int = 0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.offload, self.chunk_elements, self.seed = offload, chunk_elements, seed
-        self._copy_streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 
     def _rounding_generator(self, param: torch.Tensor, index: int, step: int, device: torch.device) -> torch.Generator:
         """The stochastic-rounding noise of one parameter at one step: seeded by (seed, step, parameter,
@@ -217,16 +216,13 @@ class LeanAdamW(torch.optim.Optimizer):
                 weights.copy_(update(weights, grads, m, v, _noise(weights, noise), hyper))
         return loss
 
-    def _streamed(self, chunks, update) -> None:
+    @staticmethod
+    def _streamed(chunks, update) -> None:
         """Offloaded moments through a pipeline: chunk i+1's moments are copied in on one stream and
         chunk i-1's copied back on another while chunk i is updated, so the two PCIe directions and the
         arithmetic overlap instead of running one after another. At most three chunks' moments are on
-        the GPU at once. The two copy streams are kept across steps: PyTorch caches a freed block for the
-        stream it was allocated on, so the chunk buffers of one step are reused by the next."""
-        main = torch.cuda.current_stream()
-        if main.device not in self._copy_streams:
-            self._copy_streams[main.device] = (torch.cuda.Stream(main.device), torch.cuda.Stream(main.device))
-        inbound, outbound = self._copy_streams[main.device]
+        the GPU at once."""
+        main, inbound, outbound = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()
         inbound.wait_stream(main)  # gradients and weights are final before anything reads them
 
         def fetch(i: int):

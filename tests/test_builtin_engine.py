@@ -401,22 +401,3 @@ def test_quantized_projection_weights_are_refused():
     proj.weight = torch.nn.Parameter(torch.zeros(proj.weight.shape, dtype=torch.uint8), requires_grad=False)
     ok, reason = BuiltinBackend.supports(model)
     assert not ok and "torch.uint8 (quantized?)" in reason
-
-
-def test_released_kv_cache_stays_in_torch_cache_unless_asked(monkeypatch):
-    """Between phases the freed KV cache stays in PyTorch's cache (the update reuses it without fresh
-    allocations); `rollout.release_cached_memory=true` also hands it to the driver."""
-    from hybridrl.components import build_rollout
-    from hybridrl.config import load_config
-
-    emptied = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
-    model = make_model("qwen2")
-    BuiltinBackend(model).release_memory()
-    assert emptied == []
-    config = load_config(None, ["rollout.backend=builtin", "rollout.release_cached_memory=true"])
-    backend = build_rollout(config, model, None, torch.device("cpu"))
-    assert isinstance(backend, BuiltinBackend) and backend.release_cached_memory
-    backend.release_memory()
-    assert emptied == [True]

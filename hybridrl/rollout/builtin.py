@@ -185,10 +185,7 @@ class BuiltinBackend:
         `generate` (one matmul instead of three; extra memory of the q/k/v weights, e.g. 50 MB for
         Qwen2-0.5B, 0.9 GB for Qwen2.5-7B); projections with a LoRA adapter stay separate. fuse_gate_up:
         the same for the MLP's gate and up projections (extra memory of those weights: 0.4 GB for
-        Qwen2-0.5B, 7.6 GB for Qwen2.5-7B). release_cached_memory: also hand the freed KV cache back to
-        the driver (`torch.cuda.empty_cache`) when releasing it, for other processes on the GPU; by default
-        it stays in PyTorch's cache, where the training phase reuses it without new allocations (when a
-        later allocation does not fit, PyTorch empties its cache and retries by itself).
+        Qwen2-0.5B, 7.6 GB for Qwen2.5-7B).
     """
 
     def __init__(
@@ -205,7 +202,6 @@ class BuiltinBackend:
         attention: str = "auto",
         fuse_qkv: bool = False,
         fuse_gate_up: bool = False,
-        release_cached_memory: bool = False,
     ) -> None:
         ok, reason = _supports(model)
         if not ok:
@@ -219,7 +215,6 @@ class BuiltinBackend:
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
         self.use_cuda_graphs, self.release_after_generate = use_cuda_graphs, release_after_generate
         self.compile, self.attention, self.fuse_qkv, self.fuse_gate_up = compile, attention, fuse_qkv, fuse_gate_up
-        self.release_cached_memory = release_cached_memory
         self._compiled: tuple[DecodeFunctions, object] | None = None  # kept across generate calls
         self.cache: SlotKVCache | PrefixSharedKVCache | None = None
         self._attention_name = ""  # which decode attention the current cache uses, for last_stats
@@ -298,7 +293,7 @@ class BuiltinBackend:
     def release_memory(self) -> None:
         self.cache, self._run = None, None
         self._graphs, self._graph_pool = {}, None
-        if self.release_cached_memory and torch.cuda.is_available():
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     # ---- phases -----------------------------------------------------------------------------------
@@ -339,10 +334,7 @@ class BuiltinBackend:
         layout = SlotKVCache if attention == "sdpa" else PrefixSharedKVCache
         self.release_memory()
         if device.type == "cuda":
-            # Free to the driver plus what PyTorch holds cached but unused (released blocks are not handed
-            # back to the driver unless release_cached_memory is set).
-            free_bytes = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
-                - torch.cuda.memory_allocated(device)
+            free_bytes = torch.cuda.mem_get_info(device)[0]
             budget = self.kv_cache_memory * _GIB if self.kv_cache_memory > 1 else self.kv_cache_memory * free_bytes
         else:
             budget = self.kv_cache_memory * _GIB * (1 if self.kv_cache_memory > 1 else CPU_MEMORY_REFERENCE_GIB)
