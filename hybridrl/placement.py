@@ -9,8 +9,11 @@ Checked before any model loads (`resolve_placement`), with messages naming the k
   over the same processes as the actor, and each process scores with its own reward model) or none.
   A partial overlap is refused: the shared device would hold one role's shard and another role's
   whole model, and the processes that own each group would disagree about it;
-- a role on devices of its own needs a one-process run (the actor on one device), for example the
-  actor on GPU 0 and the reward model on GPU 1. Separate process groups per role are not built.
+- the reward model may have devices of its own with any number of training processes: process i scores
+  on `reward[i % len(reward)]` (one copy of the reward model per process; with 6 processes on 2 reward
+  GPUs, 3 per GPU), so at most one reward device per process. The critic and reference, which are
+  sharded with the actor, may have devices of their own only in a one-process run (the actor on one
+  device). Separate process groups per role are not built.
 
 Default: every role on the actor's devices, and the actor on devices 0..num_gpus-1.
 """
@@ -39,11 +42,12 @@ class Placement:
     device_type: str = "cuda"
 
     def device(self, role: str, local_rank: int = 0) -> torch.device:
-        """The device process `local_rank` uses for `role` (its own device when colocated)."""
+        """The device process `local_rank` uses for `role`: its own device when colocated, else the role's
+        devices taken in turn (a reward model apart from several processes)."""
         group = getattr(self, role)
         if self.device_type != "cuda":
             return torch.device(self.device_type)
-        return torch.device("cuda", group[local_rank] if len(group) > 1 else group[0])
+        return torch.device("cuda", group[local_rank % len(group)])
 
     @property
     def colocated(self) -> bool:
@@ -115,14 +119,17 @@ def _check_sharing(groups: dict[str, tuple[int, ...]], given: Mapping[str, Any])
                     f"{list(groups[second])} share device(s) {sorted(a & b)} but are not the same group; roles that "
                     "share devices must list exactly the same devices (colocated) and roles on their own devices "
                     "must share none.")
-    actor = groups["actor"]
-    for role in ROLES[1:]:
+    actor, reward = groups["actor"], groups["reward"]
+    if reward != actor and len(reward) > len(actor):
+        raise ConfigError(f"trainer.device_mesh.reward lists {len(reward)} devices {list(reward)} for {len(actor)} "
+                          f"training process(es); process i scores on reward[i % {len(reward)}], so devices beyond "
+                          f"the first {len(actor)} would stay idle. List at most {len(actor)}.")
+    for role in ("critic", "ref"):
         if len(actor) > 1 and groups[role] != actor:
             raise ConfigError(
                 f"trainer.device_mesh.{role}={list(groups[role])} is apart from the actor's {len(actor)} devices "
-                f"{list(actor)}; with several training processes every role is sharded or replicated over the "
-                f"actor's devices. Put {role} on {list(actor)}, or train the actor on one device to give {role} "
-                "devices of its own.")
+                f"{list(actor)}; with several training processes the {role} is sharded over the actor's devices. "
+                f"Put {role} on {list(actor)}, or train the actor on one device to give {role} devices of its own.")
         if len(groups[role]) > 1 and groups[role] != actor:
             raise ConfigError(f"trainer.device_mesh.{role} lists {len(groups[role])} devices apart from the actor; a "
                               f"role on its own devices runs on one device. List one index for {role}.")

@@ -43,9 +43,20 @@ def test_reward_on_its_own_gpu_with_one_actor_process():
     assert placement.device("ref") == torch.device("cuda", 0)  # unlisted roles follow the actor
 
 
-def test_role_apart_from_a_sharded_actor_is_refused():
-    with pytest.raises(ConfigError, match=r"reward=\[2\] is apart from the actor's 2 devices"):
-        resolve_placement({"actor": [0, 1], "reward": [2]}, num_gpus=2, num_visible=3)
+def test_sharded_role_apart_from_several_actor_processes_is_refused():
+    with pytest.raises(ConfigError, match=r"ref=\[2\] is apart from the actor's 2 devices"):
+        resolve_placement({"actor": [0, 1], "ref": [2]}, num_gpus=2, num_visible=3)
+
+
+def test_reward_devices_of_their_own_are_taken_in_turn_by_several_processes():
+    """Issue 7's split: 6 training processes, the reward model on GPUs 6 and 7 (3 processes per reward GPU)."""
+    placement = resolve_placement({"actor": list(range(6)), "reward": [6, 7]}, num_gpus=6, num_visible=8)
+    assert [placement.device("reward", rank).index for rank in range(6)] == [6, 7, 6, 7, 6, 7]
+    assert [placement.device("actor", rank).index for rank in range(6)] == list(range(6))
+    assert placement.device("ref", 5) == torch.device("cuda", 5) and not placement.colocated
+    with pytest.raises(ConfigError, match=r"reward lists 3 devices \[2, 3, 4\] for 2 training process\(es\).*"
+                                          r"List at most 2"):
+        resolve_placement({"actor": [0, 1], "reward": [2, 3, 4]}, num_gpus=2, num_visible=5)
 
 
 @pytest.mark.parametrize("mesh, num_gpus, pattern", [
