@@ -101,6 +101,8 @@ MODES = {
     "grpo-0.5b-nockpt": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=2.0, max_tokens=4096,
                              settings=dict(model__compile=True, model__gradient_checkpointing=False)),
     "1.5b-full": dict(shape="1.5b", prompts=64, n=8, steps=2, kv_gib=3.0, max_tokens=16384, offload=True),
+    "7b-full": dict(shape="7b", prompts=64, n=8, steps=3, kv_gib=8.0, max_tokens=16384, offload=False,
+                    settings=dict(model__compile=True, rollout__fuse_qkv=True)),  # issue 7: 8 GPUs (FSDP2)
     "7b-lora": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16),
     "7b-qlora": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16, backend="hf",
                      settings=dict(model__load_in_4bit=True)),
@@ -314,8 +316,16 @@ def print_table(results: list[dict]) -> None:
             print(f"{name} vs TRL: {trl['step_s'] / r['step_s']:.2f}x faster per step, "
                   f"{r['peak_alloc_gib'] / trl['peak_alloc_gib']:.2f}x TRL's peak memory")
         single = ok.get(name.rsplit(" x", 1)[0])
-        if r.get("gpus", 1) > 1 and single:
-            print(f"{name}: {single['step_s'] / r['step_s']:.2f}x the speed of 1 GPU (same global batch)")
+        gpus = r.get("gpus", 1)
+        per_gpu = r["tokens_per_step"] / r["step_s"] / gpus
+        switch = r.get("mean", {}).get("perf/weight_sync_s")
+        switch_text = f", train->generate switch {switch:.3f} s" if switch is not None else ""
+        if gpus > 1 and single:
+            speedup = single["step_s"] / r["step_s"]
+            print(f"{name}: {speedup:.2f}x the speed of 1 GPU (same global batch), scaling efficiency "
+                  f"{100 * speedup / gpus:.0f}%, {per_gpu:,.0f} tokens/s per GPU{switch_text}")
+        elif gpus > 1 or name != "trl":
+            print(f"{name}: {per_gpu:,.0f} tokens/s per GPU{switch_text}")
 
 
 def main() -> None:
