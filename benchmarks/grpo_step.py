@@ -233,20 +233,35 @@ def print_gpu_idle(prof, name: str, top: int = 8) -> None:
               if e.device_type == DeviceType.CUDA and e.name.startswith("Memcpy")]
     phases = [(e.name, e.time_range.start, e.time_range.end) for e in events
               if e.name.startswith("phase:") and e.device_type == DeviceType.CPU]
+    host_ops = [(e.time_range.start, e.time_range.end, e.name) for e in events
+                if e.device_type == DeviceType.CPU and not e.name.startswith(("phase:", "ProfilerStep"))]
     for phase, start, end in sorted(phases, key=lambda p: p[1]):
         inside = [k for k in kernels if start <= k[0] < end]
         busy, gaps, reach = 0.0, [], start
         for k_start, k_end, k_name in inside:
             if k_start > reach:
-                gaps.append((k_start - reach, k_name))
+                gaps.append((k_start - reach, k_name, reach))
             busy += max(0.0, k_end - max(k_start, reach))
             reach = max(reach, k_end)
         copied = sum(c_end - c_start for c_start, c_end in copies if start <= c_start < end)
         print(f"{name} {phase}: wall {(end - start) / 1e3:.1f} ms, kernels running {busy / 1e3:.1f} ms "
               f"({len(inside)} kernels; memcpy {copied / 1e3:.1f} ms), "
-              f"idle gaps > 50 us: {sum(g for g, _ in gaps if g > 50) / 1e3:.1f} ms in {sum(g > 50 for g, _ in gaps)}")
-        for gap, before in sorted(gaps, reverse=True)[:top]:
+              f"idle gaps > 50 us: {sum(g for g, *_ in gaps if g > 50) / 1e3:.1f} ms in {sum(g > 50 for g, *_ in gaps)}")
+        for gap, before, gap_start in sorted(gaps, reverse=True)[:top]:
             print(f"    gap {gap / 1e3:8.2f} ms before {before[:90]}")
+            print(f"        host meanwhile: {host_during(host_ops, gap_start, gap_start + gap)}")
+
+
+def host_during(host_ops: list[tuple[float, float, str]], start: float, end: float, top: int = 4) -> str:
+    """The host operations that overlap [start, end) the most (time inside the interval, nested ones
+    included): what the CPU was doing while the GPU sat idle."""
+    overlap: dict[str, float] = {}
+    for op_start, op_end, name in host_ops:
+        inside = min(op_end, end) - max(op_start, start)
+        if inside > 0:
+            overlap[name] = overlap.get(name, 0.0) + inside
+    ranked = sorted(overlap.items(), key=lambda item: -item[1])[:top]
+    return ", ".join(f"{name[:50]} {us / 1e3:.1f} ms" for name, us in ranked) or "nothing traced"
 
 
 def floor(model, config, spec, prompt_len: int, response_len: int, train_flops: float) -> dict:
