@@ -11,6 +11,9 @@ the n samples of a prompt no longer each carry (and each read from HBM) a copy o
 Both implementations take the same arguments: q (B, Hkv, group, D) with the `group` query heads of
 one KV head folded together (GQA, no repeated keys); prompt_index, prompt_len, response_len (B,)
 integer device tensors; `scale` the softmax scale. They return (B, Hkv, group, D) in q's dtype.
+Optional `new_kv` (B, 2, Hkv, D): this step's keys and values, which both store at response index
+`response_len - 1` before that key counts as visible (a slot with `response_len` 0 stores nothing), so
+the engine needs no cache-write kernel of its own.
 
 - `reference_decode_attention`: gather + concatenate + masked float32 softmax in plain PyTorch. It is
   the oracle of the tests and the engine's attention on CPU (or wherever Triton cannot run).
