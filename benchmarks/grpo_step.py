@@ -86,6 +86,8 @@ MODES = {
                                             offload=True, settings=dict(model__compile=True)),
     "grpo-0.5b-fast": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
                            settings=dict(model__compile=True, rollout__fuse_qkv=True)),
+    "grpo-0.5b-fast-mb64k": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=65536, offload=True,
+                                 settings=dict(model__compile=True, rollout__fuse_qkv=True)),  # half the micro-batches
     "grpo-0.5b-fast-nockpt": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=6144, offload=True,
                                   settings=dict(model__compile=True, rollout__fuse_qkv=True,
                                                 model__gradient_checkpointing=False)),
