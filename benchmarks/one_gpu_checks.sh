@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The one-GPU checks of issues 3 and 4 in one device call (nvidia-h200, under 10 minutes): the GPU tests
-# of the kernels and the engine, the rollout table (every attention variant, greedy agreement with HF
-# bf16 and float32), then the GRPO step table with TRL beside it. Each part has its own time limit, so a
+# of the kernels and the engine, the rollout table (the triton variants and HF generate, greedy agreement
+# with HF bf16 and float32), the GRPO step table with TRL beside it (5 steps), then a profile of the fast
+# setting. Each part has its own time limit, so a
 # hang in one still leaves the others' logs; every log goes to $OUT.
 #   OUT=/tmp/out bash benchmarks/one_gpu_checks.sh [grpo_step modes]
 # TRL runs when its wheels and script are in .bench/ (see docs/benchmarks.md); otherwise it is skipped.
 set -u -o pipefail
 OUT=${OUT:-/tmp/hybridrl-one-gpu}; mkdir -p "$OUT"
-MODES=${1:-grpo-0.5b-fast,grpo-0.5b-fused}
+MODES=${1:-grpo-0.5b-fast,grpo-0.5b-fast-mb64k}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 start=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - start )) s"; }
@@ -16,7 +17,8 @@ timeout 120 python3 -m pytest -q -m gpu tests/test_fused_head.py tests/test_deco
     tests/test_stacked_attention.py tests/test_builtin_engine.py > "$OUT/gpu_tests.log" 2>&1
 echo "== gpu tests: exit $? after $(elapsed)"; tail -2 "$OUT/gpu_tests.log"
 
-timeout 150 python3 benchmarks/rollout.py > "$OUT/rollout.log" 2>&1
+timeout 150 python3 benchmarks/rollout.py --no-eager-baseline --no-triton-stacked --agreement-sequences 32 \
+    > "$OUT/rollout.log" 2>&1
 echo "== rollout: exit $? after $(elapsed)"; tail -9 "$OUT/rollout.log"
 
 if ls .bench/trl-*.whl > /dev/null 2>&1 && [ -f .bench/trl_grpo_gpu.py ]; then
@@ -24,6 +26,10 @@ if ls .bench/trl-*.whl > /dev/null 2>&1 && [ -f .bench/trl_grpo_gpu.py ]; then
     export PYTHONPATH=$PWD:/tmp/hybridrl-site
     MODES="$MODES,trl"
 fi
-timeout 320 python3 benchmarks/grpo_step.py --modes "$MODES" --trl-script .bench/trl_grpo_gpu.py --timeout 110 \
-    > "$OUT/grpo_step.log" 2>&1
+timeout 300 python3 benchmarks/grpo_step.py --modes "$MODES" --steps 5 --trl-script .bench/trl_grpo_gpu.py \
+    --timeout 120 > "$OUT/grpo_step.log" 2>&1
 echo "== grpo_step: exit $? after $(elapsed)"; tail -8 "$OUT/grpo_step.log"
+# The profile of the fast setting: per phase, GPU busy/idle and, for the largest idle gaps, what the host did.
+timeout 100 python3 benchmarks/grpo_step.py --modes grpo-0.5b-fast --profile --steps 3 --timeout 95 \
+    > "$OUT/grpo_profile.log" 2>&1
+echo "== grpo_step --profile: exit $? after $(elapsed)"; grep -E "phase:.*wall|gap |host meanwhile" "$OUT/grpo_profile.log" | head -40
