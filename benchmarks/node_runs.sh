@@ -31,18 +31,7 @@ split)
     [ "$VISIBLE" -ge 8 ] || { echo "split needs 8 GPUs; $VISIBLE visible"; exit 1; }
     WORK=$(mktemp -d)
     python3 -m hybridrl.cli make-data "$WORK/data" > /dev/null
-    python3 - "$WORK" <<'PY'
-import sys
-from transformers import AutoModelForSequenceClassification, Qwen2Config
-from hybridrl.models import build_tiny_model
-work = sys.argv[1]
-tiny = build_tiny_model("qwen2", seed=0)
-config = Qwen2Config(vocab_size=tiny.model.config.vocab_size, hidden_size=128, intermediate_size=256,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_labels=1,
-                     pad_token_id=tiny.tokenizer.pad_token_id)
-AutoModelForSequenceClassification.from_config(config).save_pretrained(f"{work}/reward_model")
-tiny.tokenizer.save_pretrained(f"{work}/reward_model")
-PY
+    python3 benchmarks/tiny_reward_model.py "$WORK/reward_model"
     nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader,nounits -lms 250 \
         > "$OUT/nvidia_smi.csv" &
     SMI=$!

@@ -12,19 +12,7 @@ WORK=$(mktemp -d)
 run() { echo "== $*"; "$@"; echo "== exit $?"; }
 
 python3 -m hybridrl.cli make-data "$WORK/data" >/dev/null
-python3 - "$WORK" <<'PY'
-import sys
-from transformers import AutoModelForSequenceClassification, Qwen2Config
-from hybridrl.models import build_tiny_model
-work = sys.argv[1]
-tiny = build_tiny_model("qwen2", seed=0)
-config = Qwen2Config(vocab_size=tiny.model.config.vocab_size, hidden_size=128, intermediate_size=256,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_labels=1,
-                     pad_token_id=tiny.tokenizer.pad_token_id)
-AutoModelForSequenceClassification.from_config(config).save_pretrained(f"{work}/reward_model")
-tiny.tokenizer.save_pretrained(f"{work}/reward_model")
-print("tiny reward model written")
-PY
+python3 benchmarks/tiny_reward_model.py "$WORK/reward_model"
 DEVICE=${DEVICE:-cuda}
 COMMON=(model.path=tiny:qwen2 trainer.device=$DEVICE "data.train_path=$WORK/data/train.jsonl"
         "data.eval_path=$WORK/data/eval.jsonl" trainer.eval_every=0 logging.sinks=[jsonl] trainer.save_model=false)
