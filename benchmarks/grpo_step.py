@@ -20,6 +20,8 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
   is suspected; this mode tests it.
 - `grpo-0.5b-fast`: everything at once: compiled, offloaded moments, 32k-token micro-batches and the
   engine's stacked q/k/v projection (`rollout.fuse_qkv`).
+- `grpo-0.5b-fast-replicated`: `grpo-0.5b-fast` with `trainer.fsdp_shard_size=1`: on several GPUs every
+  GPU holds whole weights (no gathers), gradients are all-reduced; on one GPU it is `grpo-0.5b-fast`.
 - `grpo-0.5b-fused`: `grpo-0.5b-fast` plus the stacked gate/up projection (`rollout.fuse_gate_up`).
 - `grpo-0.5b-fast-resident`: `grpo-0.5b-fast` with the AdamW moments on the GPU (what offloading costs).
 - `grpo-0.5b-kl-refoffload`: `grpo-0.5b-compile-offload` with a KL term (kl_coef 0.05), so a reference
@@ -86,6 +88,9 @@ MODES = {
                                             offload=True, settings=dict(model__compile=True)),
     "grpo-0.5b-fast": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
                            settings=dict(model__compile=True, rollout__fuse_qkv=True)),
+    "grpo-0.5b-fast-replicated": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
+                                      offload=True, settings=dict(model__compile=True, rollout__fuse_qkv=True,
+                                                                  trainer__fsdp_shard_size=1)),
     "grpo-0.5b-fast-mb64k": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=65536, offload=True,
                                  settings=dict(model__compile=True, rollout__fuse_qkv=True)),  # half the micro-batches
     "grpo-0.5b-fast-nockpt": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=6144, offload=True,
@@ -179,7 +184,11 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     steps = []
+    tracing = os.environ.get("HYBRIDRL_BENCH_MEMORY_TRACE") == "1" and device == "cuda"
     for index in range(spec["steps"]):
+        if tracing and index == 2:  # steps 1-2 allocate what lives all run (compile, caches); growth shows after
+            torch.cuda.synchronize()
+            blocks_before = live_blocks()
         start = time.perf_counter()
         profiling = os.environ.get("HYBRIDRL_BENCH_PROFILE") == "1" and index == spec["steps"] - 1 and device == "cuda"
         with profiled(name) if profiling else contextlib.nullcontext():
@@ -188,6 +197,9 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
                       "wall_s": time.perf_counter() - start})
         if rank == 0:
             print(name, "step", len(steps), json.dumps({k: round(v, 3) for k, v in steps[-1].items()}), flush=True)
+    if tracing and rank == 0 and spec["steps"] > 2:
+        torch.cuda.synchronize()
+        print_memory_growth(name, blocks_before, live_blocks(), spec["steps"] - 2)
     profiled_last = os.environ.get("HYBRIDRL_BENCH_PROFILE") == "1" and device == "cuda" and len(steps) > 2
     steady = (steps[1:-1] if profiled_last else steps[1:]) or steps
     mean = {key: sum(s[key] for s in steady) / len(steady) for key in steady[0]}
@@ -266,6 +278,57 @@ def host_during(host_ops: list[tuple[float, float, str]], start: float, end: flo
     return ", ".join(f"{name[:50]} {us / 1e3:.1f} ms" for name, us in ranked) or "nothing traced"
 
 
+def live_blocks() -> dict[int, int]:
+    """Address -> size of every allocated block of PyTorch's CUDA allocator."""
+    import torch
+
+    blocks = {}
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        address = segment["address"]
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                blocks[address] = block["size"]
+            address += block["size"]
+    return blocks
+
+
+def print_memory_growth(name: str, before: dict[int, int], after: dict[int, int], steps: int, top: int = 12) -> None:
+    """Blocks allocated after `before` and still held at `after` (a steady run holds nothing new), each with
+    the Python tensors that point into it and what refers to those: where memory that grows every step lives.
+    Blocks no Python tensor reaches are held by C++ (autograd graphs, compiled-code caches, CUDA graphs)."""
+    import gc
+
+    import torch
+
+    new = {address: size for address, size in after.items() if before.get(address) != size}
+    total = sum(new.values())
+    print(f"{name}: {total / 2**20:.1f} MiB in {len(new)} blocks allocated over {steps} steps and still held "
+          f"({total / 2**20 / max(steps, 1):.1f} MiB per step)")
+    owners: dict[int, list] = {}
+    starts = sorted(new)
+    for obj in gc.get_objects():
+        try:
+            if not (isinstance(obj, torch.Tensor) and obj.is_cuda):
+                continue
+            pointer = obj.untyped_storage().data_ptr()
+        except Exception:  # fake, meta or otherwise storage-less tensors
+            continue
+        for address in starts:
+            if address <= pointer < address + new[address]:
+                owners.setdefault(address, []).append(obj)
+                break
+    ours = {id(found) for found in owners.values()}
+    for address, size in sorted(new.items(), key=lambda item: -item[1])[:top]:
+        tensors = owners.get(address, [])
+        described = "; ".join(
+            f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} held by "
+            + ", ".join(sorted({type(r).__name__ + (f"[{next((k for k, v in r.items() if v is t), '?')}]"
+                                                    if isinstance(r, dict) else "")
+                                for r in gc.get_referrers(t) if id(r) not in ours})[:4])
+            for t in tensors[:3]) or "no Python tensor (held by C++)"
+        print(f"    {size / 2**20:8.2f} MiB  {described}")
+
+
 def floor(model, config, spec, prompt_len: int, response_len: int, train_flops: float) -> dict:
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = params * 2
@@ -332,6 +395,8 @@ def print_table(results: list[dict]) -> None:
         if trl and name.startswith("grpo-0.5b") and r.get("gpus", 1) == 1:
             print(f"{name} vs TRL: {trl['step_s'] / r['step_s']:.2f}x faster per step, "
                   f"{r['peak_alloc_gib'] / trl['peak_alloc_gib']:.2f}x TRL's peak memory")
+        if "tokens_per_step" not in r:  # TRL's row: its script reports only step time and memory
+            continue
         single = ok.get(name.rsplit(" x", 1)[0])
         gpus = r.get("gpus", 1)
         per_gpu = r["tokens_per_step"] / r["step_s"] / gpus
@@ -341,7 +406,7 @@ def print_table(results: list[dict]) -> None:
             speedup = single["step_s"] / r["step_s"]
             print(f"{name}: {speedup:.2f}x the speed of 1 GPU (same global batch), scaling efficiency "
                   f"{100 * speedup / gpus:.0f}%, {per_gpu:,.0f} tokens/s per GPU{switch_text}")
-        elif gpus > 1 or name != "trl":
+        else:
             print(f"{name}: {per_gpu:,.0f} tokens/s per GPU{switch_text}")
 
 
@@ -353,6 +418,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU, no TRL")
     parser.add_argument("--profile", action="store_true",
                         help="profile each mode's last step (excluded from the mean) and print its top CUDA kernels")
+    parser.add_argument("--memory-trace", action="store_true",
+                        help="print the GPU memory allocated from step 3 on and still held at the end, with the "
+                             "Python objects holding it (finds memory that grows with every step)")
     parser.add_argument("--steps", type=int, default=0,
                         help="steps per mode, TRL included (0: each mode's own, 3 for TRL); steady state = mean of "
                              "steps 2..N, so more steps average out TRL's step-to-step spread (14.5 vs 16.9 s seen)")
@@ -374,6 +442,8 @@ def main() -> None:
         return
     if args.profile:
         os.environ["HYBRIDRL_BENCH_PROFILE"] = "1"
+    if args.memory_trace:
+        os.environ["HYBRIDRL_BENCH_MEMORY_TRACE"] = "1"
     if args.steps:
         if args.steps < 2:
             parser.error("--steps must be at least 2 (step 1 compiles and is left out of the mean).")
@@ -392,7 +462,8 @@ def main() -> None:
             results.append(child(mode, args.timeout, args.quick, gpus))
     report = dict(date=time.strftime("%Y-%m-%d"), modes=results, peak_flops=PEAK_FLOPS, bandwidth=BANDWIDTH)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "grpo_step.json").write_text(json.dumps(report, indent=1))
+        name = "grpo_step_profile.json" if args.profile else "grpo_step.json"  # a profile run keeps the timed run's file
+        Path(os.environ["OUT"], name).write_text(json.dumps(report, indent=1))
     print_table(results)
 
 

@@ -129,6 +129,7 @@ class LeanAdamW(torch.optim.Optimizer):
                  weight_decay: float = 0.0, offload: bool = False, chunk_elements: int = 2**24, seed: int = 0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.offload, self.chunk_elements, self.seed = offload, chunk_elements, seed
+        self._copy_streams = None
 
     def _rounding_generator(self, param: torch.Tensor, index: int, step: int, device: torch.device) -> torch.Generator:
         """The stochastic-rounding noise of one parameter at one step: seeded by (seed, step, parameter,
@@ -216,13 +217,15 @@ class LeanAdamW(torch.optim.Optimizer):
                 weights.copy_(update(weights, grads, m, v, _noise(weights, noise), hyper))
         return loss
 
-    @staticmethod
-    def _streamed(chunks, update) -> None:
+    def _streamed(self, chunks, update) -> None:
         """Offloaded moments through a pipeline: chunk i+1's moments are copied in on one stream and
         chunk i-1's copied back on another while chunk i is updated, so the two PCIe directions and the
         arithmetic overlap instead of running one after another. At most three chunks' moments are on
         the GPU at once."""
-        main, inbound, outbound = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()
+        main = torch.cuda.current_stream()
+        if self._copy_streams is None:  # made once, not per step
+            self._copy_streams = (torch.cuda.Stream(), torch.cuda.Stream())
+        inbound, outbound = self._copy_streams
         inbound.wait_stream(main)  # gradients and weights are final before anything reads them
 
         def fetch(i: int):

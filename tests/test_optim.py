@@ -113,8 +113,9 @@ def test_fused_chunk_update_equals_torch_adamw_formula_in_place():
 def test_cuda_compiled_and_streamed_offload_equal_cpu():
     """On CUDA the chunk update is compiled and offloaded moments stream through two copy streams: float32
     results equal the eager CPU optimizer; bf16 results of resident and offloaded moments are identical
-    (same rounding noise), with chunks smaller than the tensors so the pipeline has several stages."""
-    start = [torch.randn(7, 50), torch.randn(301)]
+    (same rounding noise), with chunks smaller than the tensors so the pipeline has several stages, and
+    small tensors sharing a staging group."""
+    start = [torch.randn(7, 50), torch.randn(301), torch.randn(3), torch.randn(5, 4), torch.randn(20)]
     want = run(LeanAdamW, [p.clone().requires_grad_() for p in start])
     for kwargs in ({}, {"offload": True, "chunk_elements": 64}):
         got = run(LeanAdamW, [p.cuda().requires_grad_() for p in start], **kwargs)
@@ -124,3 +125,4 @@ def test_cuda_compiled_and_streamed_offload_equal_cpu():
     resident = run(LeanAdamW, [p.cuda().requires_grad_() for p in bf16], chunk_elements=64)
     streamed = run(LeanAdamW, [p.cuda().requires_grad_() for p in bf16], offload=True, chunk_elements=64)
     assert all(torch.equal(a, b) for a, b in zip(resident, streamed))
+

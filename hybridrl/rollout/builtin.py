@@ -220,6 +220,9 @@ class BuiltinBackend:
         self._attention_name = ""  # which decode attention the current cache uses, for last_stats
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
+        # One warm-up stream for the engine's life: cuBLAS keeps a workspace (32 MiB on Hopper) per stream
+        # it has run on, so a new stream per rollout would hold 33 MiB more after every step.
+        self._warmup_stream = None
         self._weights_key: tuple = ()
         self.last_stats: dict[str, float] = {}
 
@@ -432,7 +435,9 @@ class BuiltinBackend:
         # docs ask for; it also compiles), then capture the same step for the following replays.
         torch.cuda.synchronize()
         start = time.perf_counter()
-        side = torch.cuda.Stream()
+        if self._warmup_stream is None:
+            self._warmup_stream = torch.cuda.Stream()
+        side = self._warmup_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._decode_step(batch, kv_len)
