@@ -293,6 +293,8 @@ def perf_metrics(batch: RolloutBatch, timer: PhaseTimer, device: torch.device) -
     if device.type == "cuda":  # this step's peak, over its phases
         metrics.update({f"perf/peak_memory_{phase}_gib": peak / 2**30 for phase, peak in timer.peak_bytes.items()})
         metrics["perf/peak_memory_gib"] = max(timer.peak_bytes.values(), default=0) / 2**30
+        # What the step leaves allocated: flat in a healthy run, so a rise from step to step is a leak.
+        metrics["perf/memory_held_gib"] = torch.cuda.memory_allocated(device) / 2**30
     else:  # peak resident memory of the process (Linux reports KiB)
         metrics["perf/peak_memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return metrics
