@@ -175,6 +175,7 @@ class MetricsLogger:
             elif name == "wandb":
                 self.sinks.append(WandbSink(self.output_dir, config))
         self.history: list[dict[str, float]] = []
+        self.memory_warned = False
         self.pending: dict[str, float] = {}
         self.samples: list[dict[str, Any]] = []
 
@@ -182,6 +183,10 @@ class MetricsLogger:
         flat = {key: to_float(value) for key, value in {**metrics, **self.pending}.items()}
         self.pending = {}
         self.history.append({"step": step, **flat})
+        warning = None if self.memory_warned else memory_growth_warning(self.history)
+        if warning:
+            print(warning, flush=True)
+            self.memory_warned = True
         for sink in self.sinks:
             sink.write(step, flat)
         printing = step % self.log_every == 0 or step == 1
@@ -228,6 +233,24 @@ class MetricsLogger:
             sink.close()
         if self.console is not None:
             self.console.close()
+
+
+def memory_growth_warning(history: list[dict[str, float]], threshold_gib: float = 1.0, settle_steps: int = 2) -> str | None:
+    """One sentence when the GPU memory a step leaves allocated (`perf/memory_held_gib`) has risen more
+    than `threshold_gib` above its lowest value since the first `settle_steps` steps (which fill
+    caches): a leak that would end the run out of memory, named while there is time to stop it."""
+    held = [(row["step"], row["perf/memory_held_gib"]) for row in history
+            if "perf/memory_held_gib" in row and row["step"] > settle_steps]
+    if len(held) < 2:
+        return None
+    low_step, low = min(held, key=lambda item: item[1])
+    step, now = held[-1]
+    if now - low <= threshold_gib:
+        return None
+    return (f"warning: GPU memory held between steps grew from {low:.2f} GiB (step {low_step:.0f}) to {now:.2f} GiB "
+            f"(step {step:.0f}); something keeps GPU tensors from every step alive (a reward function or callback "
+            f"storing them?), and the run will end out of memory; `benchmarks/grpo_step.py --memory-trace` shows "
+            f"how to find what holds them.")
 
 
 def format_samples(rows: list[dict[str, Any]], width: int = 60) -> str:

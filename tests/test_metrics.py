@@ -103,3 +103,16 @@ def test_phase_timer_reports_each_phases_peak_memory(monkeypatch):
             allocated["peak"] = peak
     assert timer.peak_bytes == {"rollout": 3 * 2**30, "update": 2**30}
     assert set(timer.seconds) == {"rollout", "update"}
+
+
+def test_memory_growth_warning_names_a_steady_rise_once(tmp_path, capsys):
+    from hybridrl.metrics import MetricsLogger, memory_growth_warning
+
+    flat = [{"step": s, "perf/memory_held_gib": 3.0 + (0.5 if s == 1 else 0.01 * (s % 2))} for s in range(1, 40)]
+    assert memory_growth_warning(flat) is None  # a first-step bump and jitter are not growth
+    logger = MetricsLogger(tmp_path, ["jsonl"], total_steps=60)
+    for step in range(1, 60):
+        logger.log(step, {"perf/memory_held_gib": 1.0 + 0.033 * step})  # the 33 MiB-per-step leak
+    out = capsys.readouterr().out
+    assert out.count("GPU memory held between steps grew") == 1
+    assert "from 1.10 GiB (step 3) to 2.12 GiB (step 34)" in out
