@@ -159,7 +159,7 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str | Path, sinks: list[str], total_steps: int, log_every: int = 1,
                  num_samples_to_print: int = 0, config: dict[str, Any] | None = None,
-                 progress: bool | None = None):
+                 progress: bool | None = None, warn: bool = True):
         self.output_dir = Path(output_dir)
         self.log_every = log_every
         self.num_samples_to_print = num_samples_to_print
@@ -175,7 +175,7 @@ class MetricsLogger:
             elif name == "wandb":
                 self.sinks.append(WandbSink(self.output_dir, config))
         self.history: list[dict[str, float]] = []
-        self.memory_warned = False
+        self.memory_warned = not warn  # one process of a multi-GPU run warns for all
         self.pending: dict[str, float] = {}
         self.samples: list[dict[str, Any]] = []
 

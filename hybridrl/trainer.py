@@ -76,7 +76,8 @@ class RLTrainer:
         self.output_dir = Path(config.trainer.output_dir)
         sinks = config.logging.sinks if self.parts.setup.is_main else []  # rank 0 logs
         self.logger = MetricsLogger(self.output_dir, sinks, config.trainer.total_steps,
-                                    config.logging.log_every, config.logging.num_samples_to_print, config.to_dict())
+                                    config.logging.log_every, config.logging.num_samples_to_print, config.to_dict(),
+                                    warn=self.parts.setup.is_main)
         self.sampler = self.parts.dataset.sampler(config.trainer.prompts_per_step)
 
     # ------------------------------------------------------------------------------------------
