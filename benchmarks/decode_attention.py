@@ -4,10 +4,9 @@ The kernel's block size, warps and pipeline stages are fixed (no autotuning: gra
 kernel per shape), so the defaults in `hybridrl/rollout/decode_attention.py` come from this table.
 Each configuration is checked against the PyTorch reference first, then timed as 20 calls captured in
 one CUDA graph (as the engine runs it), so launch overhead is not what is measured. Also timed: the
-engine's old unfused path (index_put of the new K/V, then the kernel) against the fused write, and the
-split launch (`split_keys`: parts of the keys in programs of their own, then a merge) at several part sizes.
+engine's old unfused path (index_put of the new K/V, then the kernel) against the fused write.
 
-    python3 benchmarks/decode_attention.py [--response-len 128] [--bandwidth-tbs 4.2] [--split-only]
+    python3 benchmarks/decode_attention.py [--response-len 128] [--bandwidth-tbs 4.2]
 
 The floor is the bytes a layer must read once (each prompt entry's KV, each slot's response KV, the
 queries) at `--bandwidth-tbs`. JSON goes to $OUT/decode_attention.json when $OUT is set.
@@ -24,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from decode_attention_cases import TOLERANCE, check_fused_write, make_case  # noqa: E402
+from decode_attention_cases import TOLERANCE, make_case  # noqa: E402
 
 from hybridrl.rollout.decode_attention import reference_decode_attention, triton_decode_attention  # noqa: E402
 
@@ -59,9 +58,6 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--response-len", type=int, default=128, help="every slot's response length (mid-rollout)")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
-    parser.add_argument("--split-keys", default="32,64,128,256",
-                        help="split launches to time (keys per part), each with the fused K/V write")
-    parser.add_argument("--split-only", action="store_true", help="skip the 45 single-launch configurations")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_attention.py needs a CUDA GPU (it times Triton kernels).")
@@ -78,8 +74,7 @@ def main() -> None:
         + 2 * case["q"].numel() * 2
     floor_us = floor_bytes / (args.bandwidth_tbs * 1e12) * 1e6
     rows = []
-    sweep = [] if args.split_only else itertools.product((32, 64, 128), (2, 4, 8), (None, 1, 2, 3, 4))
-    for block_n, warps, stages in sweep:
+    for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (None, 1, 2, 3, 4)):
         config = dict(block_n=block_n, num_warps=warps, num_stages=stages)
         try:
             out = triton_decode_attention(**case, **config)
@@ -101,15 +96,6 @@ def main() -> None:
 
     fused_us = graph_time_us(lambda: triton_decode_attention(**case, new_kv=new_kv))
     unfused_us = graph_time_us(unfused)
-    split_rows = []
-    for split in (int(value) for value in args.split_keys.split(",") if value):
-        try:  # checked with the fused write against writing first (what the engine would run)
-            check_fused_write(lambda **kw: triton_decode_attention(**kw, split_keys=split), case, TOLERANCE[dtype])
-            micros = graph_time_us(lambda: triton_decode_attention(**case, new_kv=new_kv, split_keys=split))
-        except Exception as error:
-            print(f"split {split}: failed: {str(error).splitlines()[0][:100]}", flush=True)
-            continue
-        split_rows.append(dict(split_keys=split, us=micros))
     rows.sort(key=lambda row: row["us"])
     print(f"\nshape: {args.slots} slots, {args.entries} prompt entries x {args.prompt_len}, response {args.response_len}, "
           f"bf16, group {group}, head_dim {head_dim}; floor {floor_us:.1f} us ({floor_bytes / 1e6:.1f} MB at "
@@ -120,13 +106,10 @@ def main() -> None:
               f"{100 * floor_us / row['us']:>7.0f}%")
     print(f"default config: {default:.1f} us; with the fused K/V write: {fused_us:.1f} us; "
           f"index_put write + kernel (unfused): {unfused_us:.1f} us")
-    for row in split_rows:
-        print(f"split launch, {row['split_keys']} keys per part, fused write, split kernel + merge: {row['us']:.1f} us "
-              f"({100 * floor_us / row['us']:.0f}% of the floor; single launch {fused_us:.1f} us)")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "decode_attention.json"), "w") as handle:
             json.dump(dict(args=vars(args), floor_us=floor_us, configs=rows, default_us=default, fused_us=fused_us,
-                           unfused_us=unfused_us, splits=split_rows, device=torch.cuda.get_device_name()), handle, indent=2)
+                           unfused_us=unfused_us, device=torch.cuda.get_device_name()), handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -66,38 +66,6 @@ def check_kernel_cases() -> None:
     print("kernel cases passed")
 
 
-def check_split_kernel_cases() -> None:
-    """The split launch (parts of `split_keys` keys, then a merge) equals the reference, with and without
-    the fused K/V write: parts smaller than a key block, a size that is not a power of two (a partial last
-    block inside a part), and one larger than every cache (one part per segment). Also a slot that sees no
-    key (zeros, nothing written) and a free slot (prompt 0, response 1)."""
-    for split in (16, 40, 1000):
-        def split_attention(**case):
-            return triton_decode_attention(**case, split_keys=split)
-
-        def on_boundaries(case: dict) -> dict:
-            """Slot 0's new key opens a part (index `split`), the last slot's prompt fills whole parts."""
-            if split + 1 <= case["response_k"].shape[2]:
-                case["response_len"][0] = split + 1
-            if split <= case["prompt_k"].shape[2]:
-                case["prompt_len"][-1] = split
-            return case
-
-        for seed, shape in enumerate(CASES):
-            for dtype in (torch.float32, torch.float16):
-                case = on_boundaries(make_case(seed, *shape, dtype=dtype))
-                torch.testing.assert_close(split_attention(**case), reference_decode_attention(**case),
-                                           **TOLERANCE[dtype])
-                check_fused_write(split_attention, on_boundaries(make_case(seed, *shape, dtype=dtype)),
-                                  TOLERANCE[dtype])
-        case = make_case(9, 3, 2, 4, 32, 2, 8, 8)
-        case["prompt_len"][1], case["response_len"][1] = 0, 0
-        before = case["response_k"].clone()
-        assert torch.equal(split_attention(**case, new_kv=torch.ones(3, 2, 2, 32))[1], torch.zeros(2, 4, 32))
-        assert torch.equal(case["response_k"][1], before[1]) and not torch.equal(case["response_k"][0], before[0])
-    print("split kernel cases passed")
-
-
 def with_new_kv(case: dict, seed: int = 7) -> tuple[dict, torch.Tensor]:
     """A copy of `case` with its own response caches, and random new keys/values (B, 2, Hkv, D)."""
     case = dict(case, response_k=case["response_k"].clone(), response_v=case["response_v"].clone())

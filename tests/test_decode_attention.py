@@ -94,17 +94,6 @@ def test_triton_kernel_matches_reference_in_interpret_mode():
     assert "kernel cases passed" in run_in_interpreter("check_kernel_cases")
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
-def test_split_triton_kernels_match_reference_in_interpret_mode():
-    assert "split kernel cases passed" in run_in_interpreter("check_split_kernel_cases")
-
-
-def test_split_keys_must_not_be_negative():
-    case = make_case(0, *CASES[3])
-    with pytest.raises((ValueError, ImportError), match="split_keys|triton"):
-        triton_decode_attention(**case, split_keys=-1)
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
 @pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~10 s: the engine "
@@ -113,27 +102,20 @@ def test_engine_with_triton_kernel_in_interpret_mode_matches_sdpa():
     assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel")
 
 
-def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, kernel_name: str = "_decode_attention_kernel",
-                              **extra_constants):
-    """Compile a kernel of decode_attention ahead of time for sm_90 (Triton's own ptxas; no GPU or driver
-    needed). Pointers to partial results (the split launch's) are float32."""
+def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int):
+    """Compile the kernel ahead of time for sm_90 (Triton's own ptxas; no GPU or driver needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = getattr(decode_attention, kernel_name)
+    kernel = decode_attention._decode_attention_kernel
     signature = {name: "constexpr" for name in kernel.arg_names}
-    signature.update({name: "*" + dtype for name in ("Q", "PK", "PV", "RK", "RV", "OUT", "NEW_KV")
-                      if name in kernel.arg_names})
-    signature.update({name: "*fp32" for name in ("PART_OUT", "PART_LSE") if name in kernel.arg_names})
-    signature.update({name: "*i64" for name in ("PROMPT_INDEX", "PROMPT_LEN", "RESPONSE_LEN") if name in kernel.arg_names})
-    signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride")})
-    if "qk_scale" in kernel.arg_names:
-        signature["qk_scale"] = "fp32"
+    signature.update({name: "*" + dtype for name in ("Q", "PK", "PV", "RK", "RV", "OUT", "NEW_KV")})
+    signature.update({name: "*i64" for name in ("PROMPT_INDEX", "PROMPT_LEN", "RESPONSE_LEN")})
+    signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride")}, qk_scale="fp32")
     pad = lambda value: max(decode_attention.MIN_DOT_ROWS, 1 << (value - 1).bit_length())  # noqa: E731
     constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=pad(group), BLOCK_D=pad(head_dim),
                      BLOCK_N=decode_attention.BLOCK_N, IEEE=dtype == "fp32",
-                     WRITE_NEW=True, **extra_constants)  # the variant the engine runs
-    constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
+                     WRITE_NEW=True)  # the variant the engine runs
     return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
                                            target=GPUTarget("cuda", 90, 32),
                                            options=dict(num_warps=decode_attention.NUM_WARPS))
@@ -149,16 +131,6 @@ def test_triton_kernel_compiles_for_hopper(dtype, group, head_dim):
         pytest.skip("the kernel was built in interpret mode (TRITON_INTERPRET is set)")
     compiled = compile_kernel_for_hopper(dtype, group, head_dim)
     assert "cubin" in compiled.asm and compiled.metadata.shared < 160 * 1024  # H200: 227 KiB per block
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
-def test_split_kernels_compile_for_hopper():
-    """The split launch's two kernels lowered to cubins at the benchmark's shape (bf16, group 7, head_dim 64)."""
-    if not isinstance(decode_attention._split_attention_kernel, decode_attention.triton.runtime.JITFunction):
-        pytest.skip("the kernels were built in interpret mode (TRITON_INTERPRET is set)")
-    split = compile_kernel_for_hopper("bf16", 7, 64, "_split_attention_kernel", SPLIT=64, PROMPT_PARTS=4)
-    merge = compile_kernel_for_hopper("bf16", 7, 64, "_merge_parts_kernel", PARTS=8)
-    assert all("cubin" in kernel.asm for kernel in (split, merge))
 
 
 def test_prompt_entries_are_refcounted_and_reused():

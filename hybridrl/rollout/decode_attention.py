@@ -65,13 +65,6 @@ NUM_WARPS below, the fastest of 45 launch configurations at the grpo-0.5b shape 
 keys x 4 warps). Float32 tiles of head_dim 128 (32 x 128 x 4 bytes) stay well inside shared memory."""
 NUM_WARPS, NUM_STAGES = 2, None
 """Launch configuration; None leaves the stage count to Triton."""
-SPLIT_KEYS = 0
-"""Keys per program in the split launch (0: the single launch). One program per (slot, KV head) walks all
-of its keys one block after another; with 1,024 programs every SM holds its share at once, so the kernel
-takes as long as one program's serial walk. The split launch gives each program at most SPLIT_KEYS keys
-of the prompt or of the response (grid: slot x KV head x part) and writes a partial result (output and
-log-sum-exp per query row); a second kernel merges the parts. Not the default until it is measured faster
-(`benchmarks/decode_attention.py --split-only`)."""
 MIN_DOT_ROWS = 16
 """`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
 
@@ -125,12 +118,10 @@ def triton_decode_attention(
     block_n: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int | None = NUM_STAGES,
-    split_keys: int | None = None,
 ) -> torch.Tensor:
     """Launch the Triton kernel over a (B, Hkv) grid; same contract as `reference_decode_attention`.
     `block_n`, `num_warps`, `num_stages` are the launch configuration (`benchmarks/decode_attention.py`
-    times the alternatives); the defaults are the measured best at the grpo-0.5b shape. `split_keys`
-    (default `SPLIT_KEYS`) > 0 takes the split launch instead."""
+    times the alternatives); the defaults are the measured best at the grpo-0.5b shape."""
     if triton is None:
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
                           "use attention='sdpa' or the reference on machines without it.")
@@ -144,15 +135,6 @@ def triton_decode_attention(
     fused = new_kv if new_kv is not None else out  # a placeholder pointer when nothing is written
     block_n = block_n or BLOCK_N
     stages = {} if num_stages is None else {"num_stages": num_stages}
-    shapes = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)),
-                  BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)))
-    split_keys = SPLIT_KEYS if split_keys is None else split_keys
-    if split_keys < 0:
-        raise ValueError(f"split_keys must be 0 (single launch) or a positive number of keys, got {split_keys}.")
-    if split_keys:
-        _split_launch(q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out,
-                      fused, scale, new_kv is not None, split_keys, block_n, num_warps, stages, shapes)
-        return out
     _decode_attention_kernel[(batch, num_kv_heads)](
         q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out, fused,
         scale * math.log2(math.e),
@@ -161,37 +143,13 @@ def triton_decode_attention(
         response_k.stride(0), response_k.stride(1), response_k.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         fused.stride(0), fused.stride(1), fused.stride(2),
+        GROUP=group, HEAD_DIM=head_dim,
+        GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)),
+        BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),
         BLOCK_N=block_n, IEEE=q.dtype == torch.float32, WRITE_NEW=new_kv is not None,
-        num_warps=num_warps, **stages, **shapes,
+        num_warps=num_warps, **stages,
     )
     return out
-
-
-def _split_launch(q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out,
-                  fused, scale, write_new, split_keys, block_n, num_warps, stages, shapes) -> None:
-    """The split launch (`SPLIT_KEYS`): parts of at most `split_keys` keys, then their merge into `out`.
-    The number of parts comes from the caches' shapes, never from lengths on the device, so the launch is
-    the same on every decode step and can be captured in a CUDA graph; parts past a slot's length exit at
-    once with an empty result."""
-    batch, num_kv_heads, group, head_dim = q.shape
-    prompt_parts = -(-prompt_k.shape[2] // split_keys)
-    parts = prompt_parts + -(-response_k.shape[2] // split_keys)
-    part_out = torch.empty(batch, num_kv_heads, parts, group, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, num_kv_heads, parts, group, dtype=torch.float32, device=q.device)
-    _split_attention_kernel[(batch, num_kv_heads, parts)](
-        q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, part_out, part_lse,
-        fused, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), q.stride(2),
-        prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2),
-        response_k.stride(0), response_k.stride(1), response_k.stride(2),
-        fused.stride(0), fused.stride(1), fused.stride(2),
-        BLOCK_N=max(MIN_DOT_ROWS, min(block_n, _next_power_of_two(split_keys))), IEEE=q.dtype == torch.float32, WRITE_NEW=write_new,
-        SPLIT=split_keys, PROMPT_PARTS=prompt_parts, num_warps=num_warps, **stages, **shapes,
-    )
-    _merge_parts_kernel[(batch, num_kv_heads)](
-        part_out, part_lse, out, out.stride(0), out.stride(1), out.stride(2),
-        PARTS=parts, num_warps=num_warps, **shapes,
-    )
 
 
 reference_decode_attention.writes_new_kv = True  # both take `new_kv`: the engine leaves the cache write to them
@@ -233,24 +191,6 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
-    def _attend_new(q, k_base, v_base, new, stride_nkv, stride_l, cached, write, m_i, l_i, acc, qk_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Where `write`: store this step's key and value (`new`, `new + stride_nkv`) at index `cached` of
-        the slot's response cache and fold them into (m_i, l_i, acc) from registers; elsewhere no change."""
-        offs_d = tl.arange(0, BLOCK_D)
-        d_mask = (offs_d < HEAD_DIM) & write
-        k_new = tl.load(new + offs_d, mask=d_mask, other=0.0)
-        v_new = tl.load(new + stride_nkv + offs_d, mask=d_mask, other=0.0)
-        at = cached.to(tl.int64) * stride_l
-        tl.store(k_base + at + offs_d, k_new, mask=d_mask)
-        tl.store(v_base + at + offs_d, v_new, mask=d_mask)
-        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # (GROUP_PAD,)
-        m_new = tl.where(write, tl.maximum(m_i, score), m_i)
-        alpha = tl.where(write, tl.math.exp2(m_i - m_new), 1.0)
-        p = tl.where(write, tl.math.exp2(score - m_new), 0.0)
-        return m_new, l_i * alpha + p, acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
-
-    @triton.jit
     def _decode_attention_kernel(
         Q, PK, PV, RK, RV, PROMPT_INDEX, PROMPT_LEN, RESPONSE_LEN, OUT, NEW_KV, qk_scale,
         stride_qb, stride_qh, stride_qg,
@@ -284,96 +224,20 @@ if triton is not None:
         cached = response_len - 1 if WRITE_NEW else response_len
         m_i, l_i, acc = _attend(q, RK + response, RV + response, cached,
                                 stride_rl, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
-        if WRITE_NEW:  # a slot with no response token (cached = -1) writes nothing
-            m_i, l_i, acc = _attend_new(q, RK + response, RV + response, NEW_KV + slot * stride_nb + head * stride_nh,
-                                        stride_nkv, stride_rl, cached, cached >= 0, m_i, l_i, acc, qk_scale,
-                                        HEAD_DIM, BLOCK_D)
+        if WRITE_NEW:
+            d_mask = (offs_d < HEAD_DIM) & (cached >= 0)  # a slot with no response token writes nothing
+            new = NEW_KV + slot * stride_nb + head * stride_nh
+            k_new = tl.load(new + offs_d, mask=d_mask, other=0.0)
+            v_new = tl.load(new + stride_nkv + offs_d, mask=d_mask, other=0.0)
+            at = cached.to(tl.int64) * stride_rl
+            tl.store(RK + response + at + offs_d, k_new, mask=d_mask)
+            tl.store(RV + response + at + offs_d, v_new, mask=d_mask)
+            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # (GROUP_PAD,)
+            m_new = tl.where(cached >= 0, tl.maximum(m_i, score), m_i)
+            alpha = tl.where(cached >= 0, tl.math.exp2(m_i - m_new), 1.0)
+            p = tl.where(cached >= 0, tl.math.exp2(score - m_new), 0.0)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
-        tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
-                 out.to(OUT.dtype.element_ty), mask=row_mask)
-
-    @triton.jit
-    def _split_attention_kernel(
-        Q, PK, PV, RK, RV, PROMPT_INDEX, PROMPT_LEN, RESPONSE_LEN, PART_OUT, PART_LSE, NEW_KV, qk_scale,
-        stride_qb, stride_qh, stride_qg,
-        stride_pe, stride_ph, stride_pl,
-        stride_rb, stride_rh, stride_rl,
-        stride_nb, stride_nkv, stride_nh,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr, SPLIT: tl.constexpr,
-        PROMPT_PARTS: tl.constexpr,
-    ):
-        """One (slot, KV head, part): keys [start, start + SPLIT) of the prompt (parts below PROMPT_PARTS) or
-        of the response, cut at the slot's length; the response part holding index response_len - 1 also
-        writes and attends this step's key (WRITE_NEW). Stores the part's normalised output and its
-        log-sum-exp (log2 units; -inf for a part with no key) for `_merge_parts_kernel`."""
-        slot = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1).to(tl.int64)
-        part = tl.program_id(2)
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, BLOCK_D)
-        row_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
-        q = tl.load(Q + slot * stride_qb + head * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :],
-                    mask=row_mask, other=0.0)
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        if part < PROMPT_PARTS:
-            start = part * SPLIT
-            length = tl.minimum(tl.load(PROMPT_LEN + slot).to(tl.int32) - start, SPLIT)
-            base = tl.load(PROMPT_INDEX + slot).to(tl.int64) * stride_pe + head * stride_ph + start * stride_pl
-            m_i, l_i, acc = _attend(q, PK + base, PV + base, length, stride_pl, m_i, l_i, acc, qk_scale,
-                                    HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
-        else:
-            start = (part - PROMPT_PARTS) * SPLIT
-            response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
-            cached = response_len - 1 if WRITE_NEW else response_len
-            response = slot * stride_rb + head * stride_rh
-            base = response + start * stride_rl
-            m_i, l_i, acc = _attend(q, RK + base, RV + base, tl.minimum(cached - start, SPLIT), stride_rl,
-                                    m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
-            if WRITE_NEW:  # exactly one part holds index `cached`; none when the slot has no response token
-                mine = (cached >= start) & (cached < start + SPLIT)
-                m_i, l_i, acc = _attend_new(q, RK + response, RV + response,
-                                            NEW_KV + slot * stride_nb + head * stride_nh, stride_nkv, stride_rl,
-                                            cached, mine, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D)
-        seen = l_i > 0
-        lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]
-        parts = tl.num_programs(2)
-        row = (slot * tl.num_programs(1) + head) * parts + part  # PART_LSE and PART_OUT are contiguous
-        tl.store(PART_LSE + row * GROUP + offs_g, lse, mask=offs_g < GROUP)
-        tl.store(PART_OUT + (row * GROUP + offs_g[:, None]) * HEAD_DIM + offs_d[None, :], out, mask=row_mask)
-
-    @triton.jit
-    def _merge_parts_kernel(
-        PART_OUT, PART_LSE, OUT, stride_ob, stride_oh, stride_og,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-        PARTS: tl.constexpr,
-    ):
-        """One (slot, KV head): the parts' outputs weighted by exp(lse - max lse), divided by the weights'
-        sum; parts with no key weigh nothing and are not read, a slot with no key at all gets zeros."""
-        slot = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1).to(tl.int64)
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, BLOCK_D)
-        row_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        first = (slot * tl.num_programs(1) + head) * PARTS
-        for part in range(PARTS):
-            row = first + part
-            lse = tl.load(PART_LSE + row * GROUP + offs_g, mask=offs_g < GROUP, other=float("-inf"))
-            seen = lse > float("-inf")
-            out = tl.load(PART_OUT + (row * GROUP + offs_g[:, None]) * HEAD_DIM + offs_d[None, :],
-                          mask=row_mask & seen[:, None], other=0.0)
-            m_new = tl.maximum(m, lse)
-            alpha = tl.where(m_new > float("-inf"), tl.math.exp2(m - m_new), 1.0)
-            weight = tl.where(seen, tl.math.exp2(lse - m_new), 0.0)
-            total = total * alpha + weight
-            acc = acc * alpha[:, None] + weight[:, None] * out
-            m = m_new
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_mask)
