@@ -114,7 +114,8 @@ def load_hf_model(path_or_name: str, dtype: str | torch.dtype = "auto", attn_imp
 
     attention = best_attention() if attn_implementation == "auto" else attn_implementation
     model_class = model_class or AutoModelForCausalLM
-    looks_local = path_or_name.startswith((".", "/", "~")) or Path(path_or_name).exists()
+    # A hub id is "name" or "namespace/name"; more than one slash can only be a local path.
+    looks_local = path_or_name.startswith((".", "/", "~")) or path_or_name.count("/") > 1 or Path(path_or_name).exists()
     if looks_local and not Path(path_or_name).expanduser().is_dir():
         raise ModelError(f"model path {path_or_name!r} does not exist; check model.path "
                          "(run `hybridrl sft` first if it is the demo's SFT model).")

@@ -125,6 +125,14 @@ def test_missing_reward_and_data_are_clear(tmp_path):
                   reward__functions=[{"fn": "exact_match"}], model__path="tiny:llama")
 
 
+def test_a_missing_relative_model_directory_is_named_not_sent_to_the_hub(tmp_path, monkeypatch):
+    from hybridrl.models import ModelError, load_hf_model
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match="model path 'runs/demo/sft/model' does not exist; check model.path"):
+        load_hf_model("runs/demo/sft/model", device="cpu")
+
+
 def test_on_policy_reuse_of_update_logprobs_matches_the_extra_pass(tmp_path):
     """One optimizer step per rollout: taking the old log-probs from the update's own forward (skipping the
     no-grad pass) gives the same update and the same sampler-mismatch metric as computing them first."""
