@@ -17,7 +17,7 @@ from hybridrl.rollout.decode_attention import reference_decode_attention
 from hybridrl.rollout.stacked_attention import entry_slot_table, stacked_reference_attention
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode_attention_cases import STACKED_CASES, TOLERANCE, make_stacked_case, without_table  # noqa: E402
+from decode_attention_cases import STACKED_CASES, TOLERANCE, check_fused_write, make_stacked_case, without_table  # noqa: E402
 from test_builtin_engine import make_model  # noqa: E402
 from test_decode_attention import run_in_interpreter  # noqa: E402
 
@@ -46,6 +46,11 @@ def test_stacked_reference_equals_reference(shape, dtype):
     case = make_stacked_case(3, *shape, dtype=dtype)
     torch.testing.assert_close(stacked_reference_attention(**case), reference_decode_attention(**without_table(case)),
                                **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("shape", STACKED_CASES)
+def test_stacked_reference_with_new_kv_equals_writing_first(shape):
+    check_fused_write(stacked_reference_attention, make_stacked_case(4, *shape), TOLERANCE[torch.float32])
 
 
 def test_stacked_reference_reads_the_table():
@@ -79,7 +84,7 @@ def compile_stacked_for_hopper(dtype: str, group: int, head_dim: int, width: int
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    pointers = dict(Q=dtype, PK=dtype, PV=dtype, RK=dtype, RV=dtype, OUT=dtype, ENTRY_SLOTS="i32",
+    pointers = dict(Q=dtype, PK=dtype, PV=dtype, RK=dtype, RV=dtype, OUT=dtype, NEW_KV=dtype, ENTRY_SLOTS="i32",
                     PROMPT_LEN="i64", RESPONSE_LEN="i64", PART_ACC="fp32", PART_MAX="fp32", PART_SUM="fp32")
     element_size = 4 if dtype == "fp32" else 2
     kernels = (stacked_attention._stacked_prompt_kernel, stacked_attention._stacked_response_kernel)
@@ -87,6 +92,8 @@ def compile_stacked_for_hopper(dtype: str, group: int, head_dim: int, width: int
     for kernel, constants in zip(kernels, stacked_attention.stacked_constants(group, head_dim, width, element_size)):
         constants = dict(constants)
         options = dict(num_warps=constants.pop("num_warps"))
+        if "WRITE_NEW" in kernel.arg_names:
+            constants["WRITE_NEW"] = True  # the variant the engine runs
         signature = {name: "constexpr" for name in kernel.arg_names}
         signature.update({name: "*" + pointers[name] for name in kernel.arg_names if name in pointers})
         signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride") or name == "batch"})

@@ -83,11 +83,8 @@ def reference_decode_attention(
 ) -> torch.Tensor:
     """Plain-PyTorch prefix-shared decode attention, computed in float32 (see the module docstring)."""
     batch = q.shape[0]
-    if new_kv is not None:  # this step's keys/values go to response index response_len - 1, then are visible
-        slots, write_at = torch.arange(batch, device=q.device), (response_len - 1).clamp(min=0)
-        live = (response_len > 0)[:, None, None]  # a slot without response tokens writes nothing (as the kernel)
-        response_k[slots, :, write_at] = torch.where(live, new_kv[:, 0], response_k[slots, :, write_at])
-        response_v[slots, :, write_at] = torch.where(live, new_kv[:, 1], response_v[slots, :, write_at])
+    if new_kv is not None:
+        write_new_kv(response_k, response_v, response_len, new_kv)
     prompt_max = prompt_k.shape[2]
     keys = torch.cat((prompt_k[prompt_index], response_k[:batch]), dim=2).float()  # (B, Hkv, Lp + Lr, D)
     values = torch.cat((prompt_v[prompt_index], response_v[:batch]), dim=2).float()
@@ -98,6 +95,18 @@ def reference_decode_attention(
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # no visible key: zeros, as the kernel gives
     return (weights @ values).to(q.dtype)
+
+
+def write_new_kv(response_k: torch.Tensor, response_v: torch.Tensor, response_len: torch.Tensor,
+                 new_kv: torch.Tensor) -> None:
+    """The references' cache write: this step's keys/values (B, 2, Hkv, D) at response index
+    response_len - 1 of slots 0..B-1, which then count as visible; a slot without response tokens writes
+    nothing (as the kernels)."""
+    batch = new_kv.shape[0]
+    slots, write_at = torch.arange(batch, device=new_kv.device), (response_len[:batch] - 1).clamp(min=0)
+    live = (response_len[:batch] > 0)[:, None, None]
+    response_k[slots, :, write_at] = torch.where(live, new_kv[:, 0], response_k[slots, :, write_at])
+    response_v[slots, :, write_at] = torch.where(live, new_kv[:, 1], response_v[slots, :, write_at])
 
 
 def _next_power_of_two(value: int) -> int:
@@ -191,6 +200,26 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
+    def _attend_new(q, k_base, v_base, new, stride_nkv, stride_l, cached, m_i, l_i, acc, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+        """This step's key and value (`new`, `new + stride_nkv`): stored at index `cached` of one slot's
+        response cache (k_base, v_base) and folded into (m_i, l_i, acc) from registers, so the program
+        never reads what it writes. A slot with no response token (cached = -1) writes and adds nothing."""
+        offs_d = tl.arange(0, BLOCK_D)
+        write = cached >= 0
+        d_mask = (offs_d < HEAD_DIM) & write
+        k_new = tl.load(new + offs_d, mask=d_mask, other=0.0)
+        v_new = tl.load(new + stride_nkv + offs_d, mask=d_mask, other=0.0)
+        at = cached.to(tl.int64) * stride_l
+        tl.store(k_base + at + offs_d, k_new, mask=d_mask)
+        tl.store(v_base + at + offs_d, v_new, mask=d_mask)
+        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # (rows,)
+        m_new = tl.where(write, tl.maximum(m_i, score), m_i)
+        alpha = tl.where(write, tl.math.exp2(m_i - m_new), 1.0)
+        p = tl.where(write, tl.math.exp2(score - m_new), 0.0)
+        return m_new, l_i * alpha + p, acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+
+    @triton.jit
     def _decode_attention_kernel(
         Q, PK, PV, RK, RV, PROMPT_INDEX, PROMPT_LEN, RESPONSE_LEN, OUT, NEW_KV, qk_scale,
         stride_qb, stride_qh, stride_qg,
@@ -225,19 +254,8 @@ if triton is not None:
         m_i, l_i, acc = _attend(q, RK + response, RV + response, cached,
                                 stride_rl, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
         if WRITE_NEW:
-            d_mask = (offs_d < HEAD_DIM) & (cached >= 0)  # a slot with no response token writes nothing
-            new = NEW_KV + slot * stride_nb + head * stride_nh
-            k_new = tl.load(new + offs_d, mask=d_mask, other=0.0)
-            v_new = tl.load(new + stride_nkv + offs_d, mask=d_mask, other=0.0)
-            at = cached.to(tl.int64) * stride_rl
-            tl.store(RK + response + at + offs_d, k_new, mask=d_mask)
-            tl.store(RV + response + at + offs_d, v_new, mask=d_mask)
-            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # (GROUP_PAD,)
-            m_new = tl.where(cached >= 0, tl.maximum(m_i, score), m_i)
-            alpha = tl.where(cached >= 0, tl.math.exp2(m_i - m_new), 1.0)
-            p = tl.where(cached >= 0, tl.math.exp2(score - m_new), 0.0)
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+            m_i, l_i, acc = _attend_new(q, RK + response, RV + response, NEW_KV + slot * stride_nb + head * stride_nh,
+                                        stride_nkv, stride_rl, cached, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
         tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_mask)

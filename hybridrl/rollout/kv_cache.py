@@ -136,6 +136,7 @@ class PrefixSharedKVCache:
             width = min(g.samples_per_prompt, num_slots)
             self.entry_slots = torch.full((entries, width), -1, dtype=torch.int32, device=device)  # (entries, width)
             self.attention = functools.partial(attention, entry_slots=self.entry_slots)
+            self.attention.writes_new_kv = getattr(attention, "writes_new_kv", False)  # partial() drops it
 
     @staticmethod
     def bytes_for(geometry: CacheGeometry, num_slots: int) -> int:

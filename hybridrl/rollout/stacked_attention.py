@@ -101,8 +101,10 @@ def stacked_decode_attention(
     response_len: torch.Tensor,
     scale: float,
     entry_slots: torch.Tensor,
+    new_kv: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch the prompt kernel over (entries, Hkv), then the response kernel over (B, Hkv); returns (B, Hkv, group, D)."""
+    """Launch the prompt kernel over (entries, Hkv), then the response kernel over (B, Hkv); returns (B, Hkv, group, D).
+    `new_kv` (B, 2, Hkv, D): stored and attended by the response kernel, as in `triton_decode_attention`."""
     if triton is None:
         raise ImportError("stacked_decode_attention needs the triton package (pip install triton); "
                           "use attention='sdpa' or the reference on machines without it.")
@@ -115,6 +117,9 @@ def stacked_decode_attention(
     partial_max = torch.empty(batch, num_kv_heads, group, dtype=torch.float32, device=q.device)  # log2 units
     partial_sum = torch.empty_like(partial_max)
     out = torch.empty_like(q)  # (B, Hkv, group, D)
+    if new_kv is not None:
+        assert new_kv.shape == (batch, 2, num_kv_heads, head_dim) and new_kv.stride(-1) == 1
+    fused = new_kv if new_kv is not None else out  # a placeholder pointer when nothing is written
     qk_scale = scale * math.log2(math.e)
     prompt_constants, response_constants = stacked_constants(group, head_dim, entry_slots.shape[1], q.element_size())
     _stacked_prompt_kernel[(entry_slots.shape[0], num_kv_heads)](
@@ -124,11 +129,13 @@ def stacked_decode_attention(
         **prompt_constants,
     )
     _stacked_response_kernel[(batch, num_kv_heads)](
-        q, response_k, response_v, prompt_len, response_len, partial_acc, partial_max, partial_sum, out, qk_scale,
+        q, response_k, response_v, prompt_len, response_len, partial_acc, partial_max, partial_sum, out, fused,
+        qk_scale,
         q.stride(0), q.stride(1), q.stride(2),
         response_k.stride(0), response_k.stride(1), response_k.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        **response_constants,
+        fused.stride(0), fused.stride(1), fused.stride(2),
+        WRITE_NEW=new_kv is not None, **response_constants,
     )
     return out
 
@@ -161,9 +168,13 @@ def stacked_reference_attention(
     response_len: torch.Tensor,
     scale: float,
     entry_slots: torch.Tensor,
+    new_kv: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The two kernels' computation in PyTorch (float32): prompt partials per entry from `entry_slots`, merged per slot."""
+    """The two kernels' computation in PyTorch (float32): prompt partials per entry from `entry_slots`, merged per
+    slot; `new_kv` is written to the response cache first (`decode_attention.write_new_kv`), then visible."""
     batch, num_kv_heads, group, head_dim = q.shape
+    if new_kv is not None:
+        decode_attention.write_new_kv(response_k, response_v, response_len, new_kv)
     num_entries, width = entry_slots.shape
     slots = entry_slots.long()  # (E, W)
     member = (slots >= 0) & (slots < batch)
@@ -195,8 +206,11 @@ def stacked_reference_attention(
     return (acc / torch.where(total > 0, total, 1.0)[..., None]).to(q.dtype)
 
 
+stacked_decode_attention.writes_new_kv = True  # both take `new_kv`: the engine leaves the cache write to them
+stacked_reference_attention.writes_new_kv = True
+
 if triton is not None:
-    _attend = decode_attention._attend
+    _attend, _attend_new = decode_attention._attend, decode_attention._attend_new
 
     @triton.jit
     def _stacked_prompt_kernel(
@@ -234,14 +248,16 @@ if triton is not None:
 
     @triton.jit
     def _stacked_response_kernel(
-        Q, RK, RV, PROMPT_LEN, RESPONSE_LEN, PART_ACC, PART_MAX, PART_SUM, OUT, qk_scale,
+        Q, RK, RV, PROMPT_LEN, RESPONSE_LEN, PART_ACC, PART_MAX, PART_SUM, OUT, NEW_KV, qk_scale,
         stride_qb, stride_qh, stride_qg,
         stride_rb, stride_rh, stride_rl,
         stride_ob, stride_oh, stride_og,
+        stride_nb, stride_nkv, stride_nh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr, GROUP_PAD: tl.constexpr,
+        IEEE: tl.constexpr, GROUP_PAD: tl.constexpr, WRITE_NEW: tl.constexpr,
     ):
-        """One (slot, KV head): continue from the prompt partials over the response keys, then normalise."""
+        """One (slot, KV head): continue from the prompt partials over the response keys, then normalise.
+        With WRITE_NEW the last response key comes from NEW_KV (stored and attended from registers)."""
         slot = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         offs_g = tl.arange(0, GROUP_PAD)
@@ -256,8 +272,13 @@ if triton is not None:
         l_i = tl.load(PART_SUM + partial, mask=rows & has_prompt, other=0.0)
         acc = tl.load(PART_ACC + partial[:, None] * HEAD_DIM + offs_d[None, :], mask=row_mask & has_prompt, other=0.0)
         response = slot * stride_rb + head * stride_rh
-        m_i, l_i, acc = _attend(q, RK + response, RV + response, tl.load(RESPONSE_LEN + slot).to(tl.int32),
+        response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
+        cached = response_len - 1 if WRITE_NEW else response_len
+        m_i, l_i, acc = _attend(q, RK + response, RV + response, cached,
                                 stride_rl, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
+        if WRITE_NEW:
+            m_i, l_i, acc = _attend_new(q, RK + response, RV + response, NEW_KV + slot * stride_nb + head * stride_nh,
+                                        stride_nkv, stride_rl, cached, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
         tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_mask)
