@@ -6,7 +6,7 @@ Each configuration is checked against the PyTorch reference first, then timed as
 one CUDA graph (as the engine runs it), so launch overhead is not what is measured. Also timed: the
 engine's old unfused path (index_put of the new K/V, then the kernel) against the fused write.
 
-    python3 benchmarks/decode_attention.py [--response-len 128] [--bandwidth-tbs 4.2]
+    python3 benchmarks/decode_attention.py [--response-len 128] [--bandwidth-tbs 4.2] [--stacked]
 
 The floor is the bytes a layer must read once (each prompt entry's KV, each slot's response KV, the
 queries) at `--bandwidth-tbs`. JSON goes to $OUT/decode_attention.json when $OUT is set.
@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from decode_attention_cases import TOLERANCE, make_case  # noqa: E402
+from decode_attention_cases import TOLERANCE, check_fused_write, make_case  # noqa: E402
 
 from hybridrl.rollout.decode_attention import reference_decode_attention, triton_decode_attention  # noqa: E402
 
@@ -51,6 +51,29 @@ def graph_time_us(fn, calls: int = 20, replays: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
+def time_stacked(case: dict, new_kv: torch.Tensor, args) -> list[dict]:
+    """attention='triton-stacked' at the same inputs: the n = slots / entries samples of each prompt in
+    one table row (as the engine keeps them), every launch configuration checked against the one-slot
+    reference with the fused K/V write, then timed; fastest first."""
+    from hybridrl.rollout.stacked_attention import entry_slot_table, stacked_decode_attention
+
+    width = args.slots // args.entries
+    table = entry_slot_table({slot: slot // width for slot in range(args.slots)}, args.entries, width).cuda()
+    stacked_case = dict(case, entry_slots=table)
+    rows = []
+    for block_n, prompt_warps, response_warps in itertools.product((32, 64), (2, 4, 8), (2, 4)):
+        config = dict(block_n=block_n, prompt_warps=prompt_warps, response_warps=response_warps)
+        attention = lambda **kw: stacked_decode_attention(**kw, **config)  # noqa: E731
+        try:
+            check_fused_write(attention, stacked_case, TOLERANCE[case["q"].dtype])
+            micros = graph_time_us(lambda: attention(**stacked_case, new_kv=new_kv))
+        except Exception as error:
+            print(f"stacked {config}: failed: {str(error).splitlines()[0][:100]}", flush=True)
+            continue
+        rows.append(dict(config, us=micros))
+    return sorted(rows, key=lambda row: row["us"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slots", type=int, default=512)
@@ -58,6 +81,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--response-len", type=int, default=128, help="every slot's response length (mid-rollout)")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="skip the 45 one-kernel launch configurations (time the default only)")
+    parser.add_argument("--stacked", action="store_true",
+                        help="also time attention='triton-stacked' (prompt kernel per entry + response kernel per "
+                             "slot) over its launch configurations, with the fused K/V write")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_attention.py needs a CUDA GPU (it times Triton kernels).")
@@ -74,7 +102,8 @@ def main() -> None:
         + 2 * case["q"].numel() * 2
     floor_us = floor_bytes / (args.bandwidth_tbs * 1e12) * 1e6
     rows = []
-    for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (None, 1, 2, 3, 4)):
+    sweep = [] if args.no_sweep else itertools.product((32, 64, 128), (2, 4, 8), (None, 1, 2, 3, 4))
+    for block_n, warps, stages in sweep:
         config = dict(block_n=block_n, num_warps=warps, num_stages=stages)
         try:
             out = triton_decode_attention(**case, **config)
@@ -96,6 +125,7 @@ def main() -> None:
 
     fused_us = graph_time_us(lambda: triton_decode_attention(**case, new_kv=new_kv))
     unfused_us = graph_time_us(unfused)
+    stacked_rows = time_stacked(case, new_kv, args) if args.stacked else []
     rows.sort(key=lambda row: row["us"])
     print(f"\nshape: {args.slots} slots, {args.entries} prompt entries x {args.prompt_len}, response {args.response_len}, "
           f"bf16, group {group}, head_dim {head_dim}; floor {floor_us:.1f} us ({floor_bytes / 1e6:.1f} MB at "
@@ -106,10 +136,14 @@ def main() -> None:
               f"{100 * floor_us / row['us']:>7.0f}%")
     print(f"default config: {default:.1f} us; with the fused K/V write: {fused_us:.1f} us; "
           f"index_put write + kernel (unfused): {unfused_us:.1f} us")
+    for row in stacked_rows[:8]:
+        print(f"stacked, block_n {row['block_n']}, prompt warps {row['prompt_warps']}, response warps "
+              f"{row['response_warps']}, fused write: {row['us']:.1f} us ({100 * floor_us / row['us']:.0f}% of the floor; "
+              f"one-kernel launch with the fused write {fused_us:.1f} us)")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "decode_attention.json"), "w") as handle:
             json.dump(dict(args=vars(args), floor_us=floor_us, configs=rows, default_us=default, fused_us=fused_us,
-                           unfused_us=unfused_us, device=torch.cuda.get_device_name()), handle, indent=2)
+                           unfused_us=unfused_us, stacked=stacked_rows, device=torch.cuda.get_device_name()), handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The one-GPU checks of issues 3 and 4 in one device call (nvidia-h200, under 10 minutes): the GPU tests
-# of the kernels and the engine, the rollout table (the triton variants and HF generate, greedy agreement
-# with HF bf16 and float32), the GRPO step table with TRL beside it (5 steps), then a profile of the fast
+# of the kernels and the engine, the decode attention kernels (one-kernel default vs the stacked pair's
+# launch configurations), the rollout table (the triton variants, triton-stacked and HF generate, greedy
+# agreement with HF bf16 and float32), the GRPO step table with TRL beside it (5 steps), then a profile of the fast
 # setting. Each part has its own time limit, so a
 # hang in one still leaves the others' logs; every log goes to $OUT.
 #   OUT=/tmp/out bash benchmarks/one_gpu_checks.sh [grpo_step modes]
 # TRL runs when its wheels and script are in .bench/ (see docs/benchmarks.md); otherwise it is skipped.
 set -u -o pipefail
 OUT=${OUT:-/tmp/hybridrl-one-gpu}; mkdir -p "$OUT"
-MODES=${1:-grpo-0.5b-fast,grpo-0.5b-fast-mb64k}
+MODES=${1:-grpo-0.5b-fast}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 start=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - start )) s"; }
@@ -17,9 +18,13 @@ timeout 120 python3 -m pytest -q -m gpu tests/test_fused_head.py tests/test_deco
     tests/test_stacked_attention.py tests/test_builtin_engine.py > "$OUT/gpu_tests.log" 2>&1
 echo "== gpu tests: exit $? after $(elapsed)"; tail -2 "$OUT/gpu_tests.log"
 
-timeout 150 python3 benchmarks/rollout.py --no-eager-baseline --no-triton-stacked --agreement-sequences 32 \
+# The stacked attention (prompt read once per prompt, fused K/V write since 2026-11-30) against the one-kernel
+# launch, over its launch configurations, then both in the whole engine.
+timeout 90 python3 benchmarks/decode_attention.py --no-sweep --stacked > "$OUT/decode_attention.log" 2>&1
+echo "== decode_attention: exit $? after $(elapsed)"; tail -10 "$OUT/decode_attention.log"
+timeout 170 python3 benchmarks/rollout.py --no-eager-baseline --agreement-sequences 32 \
     > "$OUT/rollout.log" 2>&1
-echo "== rollout: exit $? after $(elapsed)"; tail -9 "$OUT/rollout.log"
+echo "== rollout: exit $? after $(elapsed)"; tail -11 "$OUT/rollout.log"
 
 if ls .bench/trl-*.whl > /dev/null 2>&1 && [ -f .bench/trl_grpo_gpu.py ]; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/hybridrl-site .bench/*.whl > /dev/null 2>&1

@@ -102,9 +102,14 @@ def stacked_decode_attention(
     scale: float,
     entry_slots: torch.Tensor,
     new_kv: torch.Tensor | None = None,
+    block_n: int | None = None,
+    prompt_warps: int | None = None,
+    response_warps: int | None = None,
 ) -> torch.Tensor:
     """Launch the prompt kernel over (entries, Hkv), then the response kernel over (B, Hkv); returns (B, Hkv, group, D).
-    `new_kv` (B, 2, Hkv, D): stored and attended by the response kernel, as in `triton_decode_attention`."""
+    `new_kv` (B, 2, Hkv, D): stored and attended by the response kernel, as in `triton_decode_attention`.
+    `block_n`, `prompt_warps`, `response_warps` override the launch configuration of `stacked_constants`
+    (what `benchmarks/decode_attention.py --stacked` sweeps)."""
     if triton is None:
         raise ImportError("stacked_decode_attention needs the triton package (pip install triton); "
                           "use attention='sdpa' or the reference on machines without it.")
@@ -122,6 +127,8 @@ def stacked_decode_attention(
     fused = new_kv if new_kv is not None else out  # a placeholder pointer when nothing is written
     qk_scale = scale * math.log2(math.e)
     prompt_constants, response_constants = stacked_constants(group, head_dim, entry_slots.shape[1], q.element_size())
+    for constants, warps in ((prompt_constants, prompt_warps), (response_constants, response_warps)):
+        constants.update({key: value for key, value in (("BLOCK_N", block_n), ("num_warps", warps)) if value})
     _stacked_prompt_kernel[(entry_slots.shape[0], num_kv_heads)](
         q, prompt_k, prompt_v, entry_slots, prompt_len, partial_acc, partial_max, partial_sum, qk_scale, batch,
         q.stride(0), q.stride(1), q.stride(2),
