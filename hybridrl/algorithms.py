@@ -305,7 +305,8 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 def policy_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float,
     dual_clip: float | None = None, aggregation: str = "token-mean", num_tokens: Normalizer = None,
-    num_sequences: Normalizer = None, max_length: int | None = None,
+    num_sequences: Normalizer = None, max_length: int | None = None, ratio_level: str = "token",
+    sampler_logp: Tensor | None = None, correction_cap: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate on (B, T) inputs; returns (scalar loss, detached metrics).
 
@@ -313,10 +314,18 @@ def policy_loss(
     clip-higher, which leaves room to raise unlikely tokens and slows entropy collapse. With
     `dual_clip = c > 1`, tokens with negative advantage have their loss capped at -c * A (Ye et
     al. 2020), so a huge ratio on a bad token cannot blow up the update. Clipped tokens get no
-    gradient. Metrics: `clipfrac` (valid tokens whose loss either clip changed), `dual_clipfrac`,
-    `approx_kl` (k3 of KL(old || new)).
+    gradient. `ratio_level="sequence"` is GSPO (Zheng et al. 2025): every token of a sequence uses
+    the sequence's ratio, exp of the mean log-ratio over its tokens, so one odd token cannot swing
+    the clipping of the others. `correction_cap` (with `sampler_logp`) is truncated importance
+    sampling for the rollout engine's numerical mismatch: each token's loss is weighted by
+    min(pi_old / pi_sampler, cap), detached, since the tokens were drawn by the sampler, not by the
+    trainer's pi_old. Metrics: `clipfrac` (valid tokens whose loss either clip changed),
+    `dual_clipfrac`, `approx_kl` (k3 of KL(old || new)), and with the correction
+    `rollout_correction_weight` (mean weight) and `rollout_correction_capped` (fraction capped).
     """
     log_ratio = logp - old_logp  # (B, T)
+    if ratio_level == "sequence":
+        log_ratio = masked_mean(log_ratio, mask, dim=1)[:, None].expand_as(logp)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
@@ -331,6 +340,12 @@ def policy_loss(
         "dual_clipfrac": masked_mean(dual_clipped.to(mask.dtype), mask).detach(),
         "approx_kl": masked_mean(kl_penalty(old_logp, logp, "k3"), mask).detach(),
     }
+    if correction_cap is not None:
+        weight = torch.exp(old_logp.detach() - sampler_logp)
+        metrics["rollout_correction_capped"] = masked_mean((weight > correction_cap).to(mask.dtype), mask).detach()
+        weight = weight.clamp(max=correction_cap)
+        metrics["rollout_correction_weight"] = masked_mean(weight, mask).detach()
+        loss = loss * weight
     return aggregate_loss(loss, mask, aggregation, num_tokens, num_sequences, max_length), metrics
 
 

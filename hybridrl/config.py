@@ -165,6 +165,13 @@ class AlgorithmConfig:
     """PPO clip above 1; larger than the low clip is DAPO's clip-higher."""
     dual_clip: float | None = None
     """Dual-clip PPO lower bound factor (e.g. 3.0) for negative advantages; null disables."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token (PPO/GRPO) or per sequence (GSPO: exp of the mean token log-ratio; use
+    clip ratios around 3e-4 / 4e-4 with it)."""
+    rollout_correction_cap: float | None = None
+    """Weight each token's policy loss by min(pi_old / pi_sampler, cap): truncated importance sampling for
+    the gap between the sampler's and the trainer's log-probs (TRL's vllm_importance_sampling_cap, verl's
+    tis_imp_ratio_cap; 2.0 is usual); null disables."""
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How per-token losses become one number."""
     kl_coef: float = 0.0
@@ -506,6 +513,8 @@ def validate(config: Config) -> None:
     _require(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low must be in [0, 1).")
     _require(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high must be >= 0.")
     _require(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip must be > 1 (e.g. 3.0) or null.")
+    _require(a.rollout_correction_cap is None or a.rollout_correction_cap >= 1,
+             "algorithm.rollout_correction_cap must be >= 1 (e.g. 2.0) or null.")
     _require(0 <= a.gamma <= 1, "algorithm.gamma must be in [0, 1].")
     _require(0 <= a.lam <= 1, "algorithm.lam must be in [0, 1].")
     _require(a.kl_coef >= 0, "algorithm.kl_coef must be >= 0.")

@@ -124,7 +124,8 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
             reused[rows.to(reused.device)] = old_logp.float()
         loss, stats = algorithms.policy_loss(
             logp, old_logp, part.advantages, mask, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
-            dual_clip=a.dual_clip, aggregation=a.loss_aggregation, **norm)
+            dual_clip=a.dual_clip, aggregation=a.loss_aggregation, ratio_level=a.ratio_level,
+            sampler_logp=part.sampler_logp, correction_cap=a.rollout_correction_cap, **norm)
         entropy_term = algorithms.aggregate_loss(entropy, mask, a.loss_aggregation, **norm)
         loss = loss - a.entropy_coef * entropy_term
         stats = {**stats, "entropy": algorithms.masked_mean(entropy.detach(), mask)}

@@ -301,3 +301,45 @@ def test_value_loss_clipping():
     loss.backward()
     # Gradient (v - R) / 4 on the unclipped tokens only.
     close(values.grad, [[0.0, -0.9 / 4, 0.0], [0.4 / 4, 0.0, 0.0]])
+
+
+def test_rollout_correction_weights_each_token_by_the_capped_ratio():
+    # pi_old / pi_sampler = 1 / 0.5 = 2 -> capped at 1.5; 1 / 1 = 1; 1 / 0.25 = 4 -> 1.5. Ratio pi / pi_old = 1.
+    logp = torch.zeros(1, 3, dtype=F64, requires_grad=True)
+    sampler_logp = torch.log(t([[0.5, 1.0, 0.25]]))
+    advantages, mask = t([[1.0, 1.0, -1.0]]), t([[1, 1, 1]])
+    loss, metrics = policy_loss(logp, torch.zeros_like(logp), advantages, mask, 0.2, 0.2,
+                                sampler_logp=sampler_logp, correction_cap=1.5)
+    close(loss.detach(), (-1.5 - 1.0 + 1.5) / 3)
+    close(metrics["rollout_correction_weight"], (1.5 + 1.0 + 1.5) / 3)
+    close(metrics["rollout_correction_capped"], 2 / 3)
+    loss.backward()
+    close(logp.grad, [[-1.5 / 3, -1.0 / 3, 1.5 / 3]])  # d(-A * r * w)/dlogp with w detached
+    plain, plain_metrics = policy_loss(logp.detach(), torch.zeros_like(logp), advantages, mask, 0.2, 0.2)
+    close(plain, (-1.0 - 1.0 + 1.0) / 3)
+    assert "rollout_correction_weight" not in plain_metrics
+
+
+def test_sequence_level_ratio_is_gspo():
+    # Sequence 1: token log-ratios 0.2, 0.4 (third token padding) -> mean 0.3, ratio e^0.3 = 1.35 for both,
+    # A = +1 clips at 1.28: loss -1.28 each, no gradient. Sequence 2: -0.3, 0, 0.3 -> ratio 1, A = -1: loss r
+    # on each of its 3 tokens, each r depending on all 3 log-probs (dr/dlogp = r / 3): gradient 3 * (1/3) / 5.
+    old_logp = torch.zeros(2, 3, dtype=F64)
+    logp = t([[0.2, 0.4, 9.0], [-0.3, 0.0, 0.3]]).requires_grad_()
+    advantages, mask = t([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]]), t([[1, 1, 0], [1, 1, 1]])
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask, 0.2, 0.28, ratio_level="sequence")
+    close(loss.detach(), (2 * -1.28 + 3 * 1.0) / 5)
+    close(metrics["clipfrac"], 2 / 5)
+    loss.backward()
+    close(logp.grad, [[0.0, 0.0, 0.0], [1 / 5, 1 / 5, 1 / 5]])
+    # Per token, sequence 2 differs: e^-0.3 = 0.74 clips at 0.8 and e^0.3 = 1.35 does not (A < 0).
+    token_loss, _ = policy_loss(logp.detach(), old_logp, advantages, mask, 0.2, 0.28)
+    assert not math.isclose(token_loss.item(), loss.item())
+
+
+def test_rollout_correction_cap_below_one_is_refused():
+    from hybridrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="algorithm.rollout_correction_cap must be >= 1"):
+        load_config(None, ["algorithm.rollout_correction_cap=0.5"])
+    assert load_config(None, ["algorithm.ratio_level=sequence"]).algorithm.ratio_level == "sequence"

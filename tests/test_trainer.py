@@ -25,6 +25,15 @@ def make_trainer(tmp_path, reward=contains_seven, **overrides):
     return RLTrainer(actor=actor, reward_fn=reward, dataset=dataset, **settings)
 
 
+def test_gspo_with_rollout_correction_trains_and_logs_the_weights(tmp_path):
+    trainer = make_trainer(tmp_path, trainer__total_steps=2, actor__lr=1e-3, algorithm__ratio_level="sequence",
+                           algorithm__clip_ratio_low=3e-4, algorithm__clip_ratio_high=4e-4,
+                           algorithm__rollout_correction_cap=2.0)
+    history = trainer.train()
+    weights = [row["actor/rollout_correction_weight"] for row in history]
+    assert all(0 < w <= 2.0 for w in weights) and all(0 <= row["actor/rollout_correction_capped"] <= 1 for row in history)
+
+
 def test_two_steps_change_parameters(tmp_path):
     trainer = make_trainer(tmp_path, trainer__total_steps=2, actor__lr=1e-3)
     before = [p.detach().clone() for p in trainer.parts.actor.parameters()]
