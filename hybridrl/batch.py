@@ -30,6 +30,7 @@ class RolloutBatch:
     old_values: torch.Tensor | None = None  # (B, R)
     advantages: torch.Tensor | None = None  # (B, R)
     returns: torch.Tensor | None = None  # (B, R)
+    loss_mask: torch.Tensor | None = None  # (B, R) tokens the policy loss counts; None: response_mask
     texts: list[str] = field(default_factory=list)  # decoded responses, for rewards and logs
 
     @property

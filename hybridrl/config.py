@@ -168,6 +168,9 @@ class AlgorithmConfig:
     ratio_level: Literal["token", "sequence"] = "token"
     """Importance ratio per token (PPO/GRPO) or per sequence (GSPO: exp of the mean token log-ratio; use
     clip ratios around 3e-4 / 4e-4 with it)."""
+    mask_truncated: bool = False
+    """Leave responses cut at rollout.max_new_tokens out of the policy loss (DAPO's overlong filtering,
+    TRL's mask_truncated_completions): an unfinished answer is not scored as if it were one."""
     rollout_correction_cap: float | None = None
     """Weight each token's policy loss by min(pi_old / pi_sampler, cap): truncated importance sampling for
     the gap between the sampler's and the trainer's log-probs (TRL's vllm_importance_sampling_cap, verl's
@@ -513,6 +516,9 @@ def validate(config: Config) -> None:
     _require(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low must be in [0, 1).")
     _require(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high must be >= 0.")
     _require(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip must be > 1 (e.g. 3.0) or null.")
+    _require(not (a.mask_truncated and r.ignore_eos),
+             "algorithm.mask_truncated leaves responses cut at rollout.max_new_tokens out of the loss, and "
+             "rollout.ignore_eos=true cuts every one of them; turn one of the two off.")
     _require(a.rollout_correction_cap is None or a.rollout_correction_cap >= 1,
              "algorithm.rollout_correction_cap must be >= 1 (e.g. 2.0) or null.")
     _require(0 <= a.gamma <= 1, "algorithm.gamma must be in [0, 1].")

@@ -234,6 +234,8 @@ class RLTrainer:
             scores=batch.scores, token_rewards=token_rewards, values=batch.old_values, mask=mask,
             group_size=self.config.rollout.num_samples_per_prompt, gamma=a.gamma, lam=a.lam,
             normalize_std=a.normalize_std)
+        if a.mask_truncated:  # cut answers still count in their group's baseline, not in the loss
+            batch.loss_mask = mask * (~batch.truncated).to(mask.dtype)[:, None]
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         metrics: dict[str, float] = {}

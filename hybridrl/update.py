@@ -42,9 +42,10 @@ def regroup_by_tokens(batch: RolloutBatch, micros: list[torch.Tensor], max_token
     return [mini[group] for group in group_by_tokens(lengths, max_tokens)]
 
 
-def mini_batch_normalizers(batch: RolloutBatch, mini: torch.Tensor) -> dict[str, float]:
-    """What `algorithms.aggregate_loss` divides by, taken from the whole mini-batch."""
-    return {"num_tokens": batch.response_mask[mini].sum().item(), "num_sequences": len(mini),
+def mini_batch_normalizers(batch: RolloutBatch, mini: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """What `algorithms.aggregate_loss` divides by, taken from the whole mini-batch; `mask` (B, R) is the
+    loss's token mask. At least one token, so a mini-batch whose tokens are all masked adds zero, not NaN."""
+    return {"num_tokens": max(1.0, mask[mini].sum().item()), "num_sequences": len(mini),
             "max_length": batch.response_length}
 
 
@@ -64,7 +65,7 @@ def clip_and_step(parameters: list[torch.nn.Parameter], optimizer: torch.optim.O
 
 def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Generator, micro_loss,
                model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float,
-               loss_name: str, check_loss) -> dict[str, float]:
+               loss_name: str, check_loss, loss_mask: torch.Tensor | None = None) -> dict[str, float]:
     """Shuffled mini-batches (one optimizer step each) over `ppo_epochs`, gradients accumulated over
     micro-batches. `micro_loss(part, norm, rows) -> (loss, stats)`; returns stats averaged over micro-batches,
     and the loss and gradient norm summed within a mini-batch and averaged over mini-batches.
@@ -81,7 +82,7 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
     for micros in mini_batches(len(batch), act.mini_batch_size or len(batch), act.micro_batch_size,
                                act.ppo_epochs, generator):
         mini = torch.cat(micros)
-        norm = mini_batch_normalizers(batch, mini)
+        norm = mini_batch_normalizers(batch, mini, batch.response_mask if loss_mask is None else loss_mask)
         micros = distributed.shard_micro_batches(micros, batch.attention_mask.sum(1), parts.setup)
         micros = regroup_by_tokens(batch, micros, act.max_tokens_per_micro_batch)
         micros = distributed.match_micro_batch_count(micros, parts.setup)
@@ -117,7 +118,7 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
         logp, entropy = response_logprobs(parts.actor, part.input_ids, part.attention_mask, part.position_ids,
                                           part.response_length, config.rollout.temperature, with_entropy=True,
                                           real_tokens=sum(lengths[row] for row in rows.tolist()))
-        mask = part.response_mask
+        mask = part.response_mask if part.loss_mask is None else part.loss_mask
         old_logp = part.old_logp
         if reused is not None:
             old_logp = logp.detach()
@@ -140,7 +141,7 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
         check_finite(loss, "actor loss", step, "lower actor.lr, check rewards, or raise actor.max_grad_norm clipping.")
 
     metrics = run_epochs(parts, config, batch, generator, micro_loss, parts.actor, parts.actor_optimizer,
-                         config.actor.max_grad_norm, "policy_loss", check_loss)
+                         config.actor.max_grad_norm, "policy_loss", check_loss, batch.loss_mask)
     if reused is not None:
         batch.old_logp = distributed.all_reduce(reused, parts.setup)  # ranks hold disjoint rows
     parts.actor_scheduler.step()

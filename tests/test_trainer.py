@@ -34,6 +34,32 @@ def test_gspo_with_rollout_correction_trains_and_logs_the_weights(tmp_path):
     assert all(0 < w <= 2.0 for w in weights) and all(0 <= row["actor/rollout_correction_capped"] <= 1 for row in history)
 
 
+def test_mask_truncated_leaves_cut_responses_out_of_the_loss_and_its_normaliser(tmp_path):
+    from hybridrl.batch import build_rollout_batch
+    from hybridrl.rollout.base import Generation
+    from hybridrl.update import mini_batch_normalizers
+
+    trainer = make_trainer(tmp_path, algorithm__mask_truncated=True, rollout__num_samples_per_prompt=2)
+    generations = [Generation(0, [5, 6, 7], [-1.0] * 3, "length"), Generation(0, [5, 2], [-1.0] * 2, "stop"),
+                   Generation(1, [8], [-1.0], "stop"), Generation(1, [9, 9, 9], [-1.0] * 3, "length")]
+    batch = build_rollout_batch([[1, 2], [3]], generations, pad_token_id=0, max_new_tokens=3)
+    batch.scores = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    trainer.compute_advantages(batch)
+    assert batch.loss_mask.tolist() == [[0, 0, 0], [1, 1, 0], [1, 0, 0], [0, 0, 0]]
+    assert batch.advantages[0, 0] > 0  # the cut answer still sets its group's baseline
+    assert mini_batch_normalizers(batch, torch.arange(4), batch.loss_mask)["num_tokens"] == 3
+    assert mini_batch_normalizers(batch, torch.tensor([0, 3]), batch.loss_mask)["num_tokens"] == 1  # none left: 1
+    # Through the trainer: runs, and a step whose responses are all cut changes nothing.
+    run = make_trainer(tmp_path / "run", trainer__total_steps=1, algorithm__mask_truncated=True,
+                       rollout__max_new_tokens=1, actor__lr=1e-2)
+    before = [p.detach().clone() for p in run.parts.actor.parameters()]
+    history = run.train()
+    assert history[-1]["rollout/truncation_rate"] == 1.0 and history[-1]["actor/policy_loss"] == 0.0
+    assert all(torch.equal(b, p) for b, p in zip(before, run.parts.actor.parameters()))
+    with pytest.raises(ConfigError, match="rollout.ignore_eos=true cuts every one of them"):
+        make_trainer(tmp_path, algorithm__mask_truncated=True, rollout__ignore_eos=True)
+
+
 def test_two_steps_change_parameters(tmp_path):
     trainer = make_trainer(tmp_path, trainer__total_steps=2, actor__lr=1e-3)
     before = [p.detach().clone() for p in trainer.parts.actor.parameters()]
