@@ -64,6 +64,14 @@ def _grouped(scores: Tensor, group_size: int) -> Tensor:
     return scores.reshape(-1, group_size)
 
 
+def uniform_groups(scores: Tensor, group_size: int) -> Tensor:
+    """(B,) bool: True for samples whose group scored all alike. Their group-relative advantages are 0,
+    so they teach nothing, yet they count in a token-mean loss's denominator (DAPO's dynamic sampling
+    removes them)."""
+    grouped = _grouped(scores, group_size)
+    return (grouped.amax(dim=-1) == grouped.amin(dim=-1)).repeat_interleave(group_size)
+
+
 def outcome_to_token_rewards(scores: Tensor, mask: Tensor) -> Tensor:
     """Place each sequence's score (B,) on its last valid token -> (B, T); the rest is 0.
 

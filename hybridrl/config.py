@@ -171,6 +171,9 @@ class AlgorithmConfig:
     mask_truncated: bool = False
     """Leave responses cut at rollout.max_new_tokens out of the policy loss (DAPO's overlong filtering,
     TRL's mask_truncated_completions): an unfinished answer is not scored as if it were one."""
+    drop_uniform_groups: bool = False
+    """Leave groups whose samples all scored alike out of the policy loss and its token count (DAPO's
+    dynamic-sampling filter, without re-sampling: the step learns from the informative groups only)."""
     rollout_correction_cap: float | None = None
     """Weight each token's policy loss by min(pi_old / pi_sampler, cap): truncated importance sampling for
     the gap between the sampler's and the trainer's log-probs (TRL's vllm_importance_sampling_cap, verl's
@@ -519,6 +522,9 @@ def validate(config: Config) -> None:
     _require(not (a.mask_truncated and r.ignore_eos),
              "algorithm.mask_truncated leaves responses cut at rollout.max_new_tokens out of the loss, and "
              "rollout.ignore_eos=true cuts every one of them; turn one of the two off.")
+    _require(not a.drop_uniform_groups or r.num_samples_per_prompt > 1,
+             "algorithm.drop_uniform_groups compares the samples of a prompt, so it needs "
+             "rollout.num_samples_per_prompt > 1.")
     _require(a.rollout_correction_cap is None or a.rollout_correction_cap >= 1,
              "algorithm.rollout_correction_cap must be >= 1 (e.g. 2.0) or null.")
     _require(0 <= a.gamma <= 1, "algorithm.gamma must be in [0, 1].")

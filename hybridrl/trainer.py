@@ -179,6 +179,9 @@ class RLTrainer:
         batch.scores = total.to(self.device)
         self.logger.add_samples(prompt_texts, batch.texts, total.tolist())
         metrics = {"reward/mean": total.mean(), "reward/std": total.std() if len(total) > 1 else 0.0}
+        group = self.config.rollout.num_samples_per_prompt
+        if group > 1 and len(total) % group == 0:  # groups that teach nothing (all samples scored alike)
+            metrics["reward/uniform_group_fraction"] = algorithms.uniform_groups(total, group).float().mean()
         metrics.update({f"reward/{name}": sum(v) / len(v) for name, v in per_function.items()})
         return metrics
 
@@ -234,8 +237,13 @@ class RLTrainer:
             scores=batch.scores, token_rewards=token_rewards, values=batch.old_values, mask=mask,
             group_size=self.config.rollout.num_samples_per_prompt, gamma=a.gamma, lam=a.lam,
             normalize_std=a.normalize_std)
+        keep = torch.ones_like(batch.truncated)
         if a.mask_truncated:  # cut answers still count in their group's baseline, not in the loss
-            batch.loss_mask = mask * (~batch.truncated).to(mask.dtype)[:, None]
+            keep &= ~batch.truncated
+        if a.drop_uniform_groups:
+            keep &= ~algorithms.uniform_groups(batch.scores, self.config.rollout.num_samples_per_prompt).to(keep.device)
+        if a.mask_truncated or a.drop_uniform_groups:
+            batch.loss_mask = mask * keep.to(mask.dtype)[:, None]
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         metrics: dict[str, float] = {}

@@ -343,3 +343,10 @@ def test_rollout_correction_cap_below_one_is_refused():
     with pytest.raises(ConfigError, match="algorithm.rollout_correction_cap must be >= 1"):
         load_config(None, ["algorithm.rollout_correction_cap=0.5"])
     assert load_config(None, ["algorithm.ratio_level=sequence"]).algorithm.ratio_level == "sequence"
+
+
+def test_uniform_groups_marks_every_sample_of_a_group_that_scored_alike():
+    from hybridrl.algorithms import uniform_groups
+
+    assert uniform_groups(t([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]), 2).tolist() == [True, True, False, False, True, True]
+    assert uniform_groups(t([0.0, 0.0, 0.0, 1.0]), 4).tolist() == [False] * 4

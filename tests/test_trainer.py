@@ -60,6 +60,25 @@ def test_mask_truncated_leaves_cut_responses_out_of_the_loss_and_its_normaliser(
         make_trainer(tmp_path, algorithm__mask_truncated=True, rollout__ignore_eos=True)
 
 
+def test_drop_uniform_groups_leaves_groups_that_scored_alike_out_of_the_loss(tmp_path):
+    from hybridrl.batch import build_rollout_batch
+    from hybridrl.rollout.base import Generation
+
+    generations = [Generation(0, [5, 6, 7], [-1.0] * 3, "length"), Generation(0, [5, 2], [-1.0] * 2, "stop"),
+                   Generation(1, [8], [-1.0], "stop"), Generation(1, [9, 9, 9], [-1.0] * 3, "length")]
+    for extra, expected in (({}, [[1, 1, 1], [1, 1, 0], [0, 0, 0], [0, 0, 0]]),
+                            ({"algorithm__mask_truncated": True}, [[0, 0, 0], [1, 1, 0], [0, 0, 0], [0, 0, 0]])):
+        trainer = make_trainer(tmp_path, algorithm__drop_uniform_groups=True, rollout__num_samples_per_prompt=2, **extra)
+        batch = build_rollout_batch([[1, 2], [3]], generations, pad_token_id=0, max_new_tokens=3)
+        batch.scores = torch.tensor([1.0, 0.0, 1.0, 1.0])  # prompt 1's two samples scored alike
+        trainer.compute_advantages(batch)
+        assert batch.loss_mask.tolist() == expected
+    history = make_trainer(tmp_path / "run", trainer__total_steps=1, algorithm__drop_uniform_groups=True).train()
+    assert 0.0 <= history[-1]["reward/uniform_group_fraction"] <= 1.0
+    with pytest.raises(ConfigError, match="needs rollout.num_samples_per_prompt > 1"):
+        make_trainer(tmp_path, algorithm__drop_uniform_groups=True, rollout__num_samples_per_prompt=1)
+
+
 def test_two_steps_change_parameters(tmp_path):
     trainer = make_trainer(tmp_path, trainer__total_steps=2, actor__lr=1e-3)
     before = [p.detach().clone() for p in trainer.parts.actor.parameters()]
