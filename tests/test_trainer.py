@@ -30,8 +30,9 @@ def test_gspo_with_rollout_correction_trains_and_logs_the_weights(tmp_path):
                            algorithm__clip_ratio_low=3e-4, algorithm__clip_ratio_high=4e-4,
                            algorithm__rollout_correction_cap=2.0)
     history = trainer.train()
-    weights = [row["actor/rollout_correction_weight"] for row in history]
-    assert all(0 < w <= 2.0 for w in weights) and all(0 <= row["actor/rollout_correction_capped"] <= 1 for row in history)
+    # float32 on CPU: the sampler's log-probs equal the trainer's (1e-7), so the weights are 1 and none is capped.
+    assert all(abs(row["actor/rollout_correction_weight"] - 1.0) < 1e-4 for row in history)
+    assert all(row["actor/rollout_correction_capped"] == 0.0 for row in history)
 
 
 def test_mask_truncated_leaves_cut_responses_out_of_the_loss_and_its_normaliser(tmp_path):
