@@ -390,16 +390,16 @@ def prefill(
     return F.linear(rms_norm(last, w.final_norm, w.rms_eps), w.lm_head).float()
 
 
-def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, mlp_out: torch.Tensor | None,
+def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, pending: tuple[torch.Tensor, ...],
                      cos: torch.Tensor, sin: torch.Tensor):
-    """Decode: the previous layer's MLP residual (`mlp_out`, None before the first layer), input RMSNorm,
-    q/k/v projections, q/k norm, RoPE. h (B, hidden), cos/sin (B, D) -> h with the residual added;
-    q (B, Hkv, group, D) with the query heads of one KV head folded together; kv (B, 2, Hkv, D), keys
-    and values stacked so the cache write is one store (q and kv are views of one buffer, so compiled, the
-    RoPEs and the stack are one kernel, and the residual add fuses into the norm: one kernel fewer per
-    layer than adding it at the end of the layer)."""
-    if mlp_out is not None:
-        h = h + mlp_out
+    """Decode: the previous layer's residuals (`pending`: its attention output and MLP output, added in that
+    order; empty before the first layer), input RMSNorm, q/k/v projections, q/k norm, RoPE. h (B, hidden),
+    cos/sin (B, D) -> h with the residuals added; q (B, Hkv, group, D) with the query heads of one KV head
+    folded together; kv (B, 2, Hkv, D), keys and values stacked so the cache write is one store (q and kv
+    are views of one buffer, so compiled, the RoPEs and the stack are one kernel, and the residual adds fuse
+    into the norm: no kernel of their own)."""
+    for residual in pending:
+        h = h + residual
     q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)
     # One buffer (B, H + 2 Hkv, D) for q and the new K/V: compiled, both RoPEs and the stack are one kernel.
     qkv = torch.cat((q, k, v), dim=-2)
@@ -409,14 +409,18 @@ def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, mlp_out
 
 
 def attention_output_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, attn: torch.Tensor):
-    """Decode: o projection + residual, post-attention RMSNorm, MLP. attn (B, Hkv, group, D) -> h after
-    the attention residual, and the MLP output, which the next piece adds (see `attention_inputs`)."""
-    h = h + _linear(attn.reshape(h.shape[0], -1), lw.o_weight, lw.o_bias, lw.o_lora)
-    return h, _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
+    """Decode: o projection, post-attention RMSNorm of h + o, MLP. attn (B, Hkv, group, D) -> the residuals
+    (o, MLP output), which the next piece adds to h (see `attention_inputs`). h + o is not returned: a
+    matmul + add whose sum leaves the compiled graph becomes cuBLAS addmm, whose beta-add needs h copied
+    into its output first (a device-to-device copy per layer); used only by the norm, the add fuses there."""
+    o = _linear(attn.reshape(h.shape[0], -1), lw.o_weight, lw.o_bias, lw.o_lora)
+    return o, _mlp(lw, rms_norm(h + o, lw.post_norm, w.rms_eps))
 
 
-def final_logits(w: ModelWeights, h: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
-    return F.linear(rms_norm(h + mlp_out, w.final_norm, w.rms_eps), w.lm_head)
+def final_logits(w: ModelWeights, h: torch.Tensor, pending: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    for residual in pending:
+        h = h + residual
+    return F.linear(rms_norm(h, w.final_norm, w.rms_eps), w.lm_head)
 
 
 @dataclass(frozen=True)
@@ -439,10 +443,10 @@ def compiled_decode_functions() -> DecodeFunctions:
 
     def dynamic_batch(fn, activation_arg: int):
         def call(*args):
-            torch._dynamo.maybe_mark_dynamic(args[activation_arg], 0)
-            for extra in args[activation_arg + 1:]:
-                if isinstance(extra, torch.Tensor):
-                    torch._dynamo.maybe_mark_dynamic(extra, 0)
+            for extra in args[activation_arg:]:
+                for tensor in extra if isinstance(extra, tuple) else (extra,):
+                    if isinstance(tensor, torch.Tensor):
+                        torch._dynamo.maybe_mark_dynamic(tensor, 0)
             return fn(*args)
         return call
 
@@ -453,12 +457,12 @@ def _decode_layers(w: ModelWeights, tokens: torch.Tensor, cos: torch.Tensor, sin
                    functions: DecodeFunctions, attend: Callable) -> torch.Tensor:
     """The decode layer stack with the KV write + attention passed in (it is what the cache layouts differ
     in): attend(layer_index, q (B, Hkv, group, D), kv (B, 2, Hkv, D)) -> (B, Hkv, group, D)."""
-    h, mlp_out = F.embedding(tokens, w.embed), None  # (B, hidden)
+    h, pending = F.embedding(tokens, w.embed), ()  # (B, hidden); residuals not yet added to h
     for layer_index, lw in enumerate(w.layers):
         lw = unpacked(lw)
-        h, q, kv = functions.attention_inputs(w, lw, h, mlp_out, cos, sin)
-        h, mlp_out = functions.attention_output_and_mlp(w, lw, h, attend(layer_index, q, kv))
-    return functions.final_logits(w, h, mlp_out)
+        h, q, kv = functions.attention_inputs(w, lw, h, pending, cos, sin)
+        pending = functions.attention_output_and_mlp(w, lw, h, attend(layer_index, q, kv))
+    return functions.final_logits(w, h, pending)
 
 
 def decode_logits(
