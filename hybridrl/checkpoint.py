@@ -28,7 +28,8 @@ Choices:
   would, and on resume every rank reads them and `set_state_dict` keeps its own shard. So a
   checkpoint does not depend on the number of processes (saved on 2 GPUs, resumed on 1 or 4). Each
   rank writes its own RNG state (`rng_rank<r>.safetensors`). The cost: rank 0's CPU must hold the
-  whole model and optimizer state while saving (about 16 bytes per parameter with AdamW).
+  whole model and optimizer state while saving (about 16 bytes per parameter with AdamW). Offloaded
+  optimizer moments (per-rank CPU shards) are gathered and cut back by `sharded_offload.py`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hybridrl.qlora import holds_4bit_weights
+from hybridrl.sharded_offload import gather_optimizer_state, offloaded_shards, scatter_optimizer_state
 
 STEP_PREFIX = "step_"
 MARKER = "COMPLETE"
@@ -117,16 +119,16 @@ def tensor_state(parts: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     state), so `load_tensors_into` restores them in place. With several, every rank must call this (the
     shards are gathered); rank 0 gets full CPU copies and the other ranks get nothing.
     """
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     tensors, plain = {}, {}
     for role, model, optimizer in _roles(parts):
-        if parts.setup.is_distributed and getattr(optimizer, "offload", False):
-            raise CheckpointError(f"cannot checkpoint the {role}: with several processes its offloaded optimizer state "
-                                  "is per-rank shards that are not gathered yet; set actor.optimizer_offload=false "
-                                  "(and critic's) to save checkpoints on several GPUs.")
         options = _state_options(parts)
-        model_sd, optim_state = get_state_dict(model, optimizer, options=options)
+        if offloaded_shards(optimizer, parts.setup.is_distributed):  # moments are plain per-rank shards
+            model_sd = get_model_state_dict(model, options=options)
+            optim_state = gather_optimizer_state(model, optimizer, parts.setup.is_main)
+        else:
+            model_sd, optim_state = get_state_dict(model, optimizer, options=options)
         if options is None:
             model_sd = model_state(model)
         if holds_4bit_weights(model):
@@ -159,7 +161,7 @@ def load_full_state(parts: Any, directory: Path, plain: dict[str, Any]) -> None:
 
     Every rank holds the same full dicts, so the collectives inside `set_state_dict` match on every
     rank (rank 0 reading and broadcasting hung with torch 2.13 when the other ranks passed empty dicts)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     full = read_tensors(directory)
     for role, model, optimizer in _roles(parts):
@@ -172,6 +174,10 @@ def load_full_state(parts: Any, directory: Path, plain: dict[str, Any]) -> None:
                      if key.startswith(prefix) and "." not in key[len(prefix):]}
             if found:
                 slots[name] = found
+        if offloaded_shards(optimizer, True):  # moments are plain per-rank shards: cut them out here
+            set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True))
+            scatter_optimizer_state(model, optimizer, slots, _param_groups(plain[role]))
+            continue
         optim_sd = {"state": slots, "param_groups": _param_groups(plain[role])}
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=StateDictOptions(full_state_dict=True))

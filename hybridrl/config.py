@@ -542,9 +542,6 @@ def validate(config: Config) -> None:
     _require(act.ppo_epochs >= 1, "actor.ppo_epochs must be at least 1.")
     _require(act.micro_batch_size >= 1, "actor.micro_batch_size must be at least 1.")
     _require(act.max_tokens_per_micro_batch >= 0, "actor.max_tokens_per_micro_batch must be >= 0 (0 disables).")
-    _require(not (act.optimizer_offload and config.trainer.num_gpus > 1 and config.trainer.save_every > 0),
-             "actor.optimizer_offload with trainer.num_gpus > 1 cannot save checkpoints yet (the offloaded optimizer "
-             "state stays in per-rank shards); set actor.optimizer_offload=false or trainer.save_every=0.")
     _require(not (act.optimizer_8bit and act.optimizer_offload),
              "actor.optimizer_8bit and actor.optimizer_offload cannot both be true; choose one way to save memory.")
     _require(config.model.lora_rank >= 0, "model.lora_rank must be >= 0 (0 trains all parameters).")

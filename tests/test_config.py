@@ -76,11 +76,6 @@ def test_cli_config_show_and_error_exit(tmp_path, capsys):
     assert "total_steps: 7" in shown and "lr: 0.5" in shown
 
 
-def test_offloaded_optimizer_with_several_gpus_and_checkpoints_is_refused():
-    with pytest.raises(ConfigError, match="optimizer_offload with trainer.num_gpus > 1 cannot save checkpoints"):
-        load_config(None, actor__optimizer_offload=True, trainer__num_gpus=2, trainer__save_every=10)
-
-
 def test_config_show_explain_documents_every_key_and_loads_back(tmp_path, capsys):
     import dataclasses
 

@@ -380,30 +380,43 @@ def _train(tmp_path, overrides: list[str]) -> None:
 
 
 @pytest.mark.skipif(not _wired(), reason="trainer.num_gpus is not wired into config/components/trainer yet")
-def test_two_process_checkpoint_resumes_exactly_and_on_one_process(tmp_path):
+@pytest.mark.parametrize("offload", [False, True], ids=["moments-sharded", "moments-offloaded"])
+def test_two_process_checkpoint_resumes_exactly_and_on_one_process(tmp_path, offload):
     """bf16 parameters, so LeanAdamW with DTensor moments, as on GPUs. Saved by 2 ranks (rank 0 gathers the
-    FSDP shards), resumed by 2 ranks: the same step-3 metrics as a run that never stopped; resumed by 1
-    process: it loads and trains on (the checkpoint is unsharded)."""
+    FSDP shards), resumed by 2 ranks: the same step-3 and step-4 metrics as a run that never stopped (step 4
+    on weights updated with the restored moments); resumed by 1
+    process: it loads and trains on (the checkpoint is unsharded). With `actor.optimizer_offload` the moments
+    are per-rank CPU shards, gathered and cut back by `hybridrl/sharded_offload.py`."""
     import json
     import shutil
 
+    from safetensors import safe_open
+
     from hybridrl.checkpoint import check_checkpoint
 
+    def overrides(out, steps, processes):
+        return _cli_overrides(tmp_path, out, steps, processes) + [f"actor.optimizer_offload={str(offload).lower()}"]
+
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    _train(tmp_path, _cli_overrides(tmp_path, straight, 3, 2))
-    _train(tmp_path, _cli_overrides(tmp_path, stopped, 2, 2))
+    _train(tmp_path, overrides(straight, 4, 2))
+    _train(tmp_path, overrides(stopped, 2, 2))
     step2 = stopped / "checkpoints" / "step_000002"
     assert check_checkpoint(step2) is None
     assert (step2 / "rng.safetensors").is_file() and (step2 / "rng_rank1.safetensors").is_file()
+    with safe_open(str(next((step2 / "state").glob("*.safetensors"))), "pt") as saved:  # full, not one rank's shard
+        weight = [key for key in saved.keys() if key.startswith("actor.") and key.endswith("embed_tokens.weight")][0]
+        moment = saved.get_slice(f"actor_optim.{weight[len('actor.'):]}.exp_avg").get_shape()
+        assert moment == saved.get_slice(weight).get_shape()
     shutil.copytree(stopped, tmp_path / "one")  # the same checkpoint, to resume on one process below
-    _train(tmp_path, _cli_overrides(tmp_path, stopped, 3, 2))
+    _train(tmp_path, overrides(stopped, 4, 2))
 
     def rows(out):
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
     resumed, reference = rows(stopped), rows(straight)
-    assert [row["step"] for row in resumed] == [1, 2, 3]
+    assert [row["step"] for row in resumed] == [1, 2, 3, 4]
     for key in ("actor/policy_loss", "actor/grad_norm", "actor/entropy", "reward/mean"):
-        assert resumed[2][key] == reference[2][key], key
-    _train(tmp_path, _cli_overrides(tmp_path, tmp_path / "one", 3, 1))
+        # Step 4 runs on the weights that step 3's optimizer step made from the restored moments.
+        assert [row[key] for row in resumed[2:]] == [row[key] for row in reference[2:]], key
+    _train(tmp_path, overrides(tmp_path / "one", 3, 1))
     assert [row["step"] for row in rows(tmp_path / "one")] == [1, 2, 3]
