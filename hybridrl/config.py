@@ -147,6 +147,9 @@ class RewardConfig:
     """Hugging Face sequence-classification model scoring decoded text (its own tokenizer)."""
     reward_model_weight: float = 1.0
     """Weight of the reward model's score in the total."""
+    shard_scoring: bool = True
+    """Several processes: each scores whole prompt groups of its share and the scores are gathered;
+    false scores the whole batch on every process (for rewards that need the whole batch at once)."""
 
 
 @dataclass
@@ -169,8 +172,7 @@ class AlgorithmConfig:
     """Importance ratio per token (PPO/GRPO) or per sequence (GSPO: exp of the mean token log-ratio; use
     clip ratios around 3e-4 / 4e-4 with it)."""
     mask_truncated: bool = False
-    """Leave responses cut at rollout.max_new_tokens out of the policy loss (DAPO's overlong filtering,
-    TRL's mask_truncated_completions): an unfinished answer is not scored as if it were one."""
+    """Leave responses cut at rollout.max_new_tokens out of the policy loss (DAPO's overlong filtering)."""
     drop_uniform_groups: bool = False
     """Leave groups whose samples all scored alike out of the policy loss and its token count (DAPO's
     dynamic-sampling filter, without re-sampling: the step learns from the informative groups only)."""

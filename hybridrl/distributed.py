@@ -403,6 +403,41 @@ def generate_sharded(backend: Any, prompts: list[list[int]], params: Any, setup:
     return [generation for part in gathered for generation in part]
 
 
+def score_sharded(score: Any, prompts: list[str], completions: list[str], columns: dict[str, list], group_size: int,
+                  setup: DistributedSetup) -> tuple[torch.Tensor, dict[str, list[float]]]:
+    """`score(prompts, completions, columns, first_index)` (a `RewardSet.score`) over the batch, each rank
+    scoring a contiguous share of whole groups of `group_size` (the samples of one prompt stay together);
+    every rank returns the whole batch's scores. A reward error on any rank is raised on every rank, so
+    no process waits for one that failed."""
+    from hybridrl.rewards import RewardError
+
+    if not setup.is_distributed:
+        return score(prompts, completions, columns)
+    groups, world = len(completions) // group_size, setup.world_size
+    start, stop = (groups * r // world * group_size for r in (setup.rank, setup.rank + 1))
+    if setup.rank == world - 1:
+        stop = len(completions)  # a partial last group (not made by the trainer) stays with the last rank
+    try:
+        if stop > start:
+            total, per_function = score(prompts[start:stop], completions[start:stop],
+                                        {key: values[start:stop] for key, values in columns.items()}, start)
+            outcome: Any = (total.tolist(), per_function)
+        else:
+            outcome = ([], {})
+    except RewardError as error:
+        outcome = str(error)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, outcome)
+    failures = [part for part in gathered if isinstance(part, str)]
+    if failures:
+        raise RewardError(failures[0])
+    per_function: dict[str, list[float]] = {}
+    for _, part in gathered:
+        for name, values in part.items():
+            per_function.setdefault(name, []).extend(values)
+    return torch.tensor([value for total, _ in gathered for value in total], dtype=torch.float32), per_function
+
+
 def full_state_dict(model: nn.Module, setup: DistributedSetup) -> dict[str, torch.Tensor] | None:
     """The whole model's weights on the CPU on rank 0 (None elsewhere), for `save_pretrained(state_dict=...)`.
     Every rank must call it (the shards are gathered)."""

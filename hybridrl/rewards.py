@@ -320,9 +320,11 @@ class RewardComposer:
     def names(self) -> list[str]:
         return [r.name for r in self.rewards]
 
-    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
-              ) -> tuple[torch.Tensor, dict[str, list[float]]]:
-        """Total weighted reward (B,) float32, and each function's unweighted scores keyed by its name."""
+    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None,
+              first_index: int = 0) -> tuple[torch.Tensor, dict[str, list[float]]]:
+        """Total weighted reward (B,) float32, and each function's unweighted scores keyed by its name.
+        `first_index`: the batch position of the first completion, for sample numbers in error messages
+        (a process scoring its share of a larger batch)."""
         columns = columns or {}
         size = len(completions)
         if len(prompts) != size:
@@ -331,14 +333,15 @@ class RewardComposer:
             if len(values) != size:
                 raise ValueError(f"column {key!r} has {len(values)} values for {size} completions; "
                                  "repeat each row once per sample.")
-        per_function = {r.name: _call_checked(r, prompts, completions, columns) for r in self.rewards}
+        per_function = {r.name: _call_checked(r, prompts, completions, columns, first_index) for r in self.rewards}
         total = [sum(r.weight * per_function[r.name][i] for r in self.rewards) for i in range(size)]
         return torch.tensor(total, dtype=torch.float32), per_function
 
 
 def _call_checked(reward: WeightedReward, prompts: list[str], completions: list[str],
-                  columns: dict[str, list]) -> list[float]:
-    """Call one reward on the batch; anything wrong becomes a RewardError naming it and the sample."""
+                  columns: dict[str, list], first_index: int = 0) -> list[float]:
+    """Call one reward on the batch; anything wrong becomes a RewardError naming it and the sample (numbered
+    from `first_index`)."""
     size = len(completions)
     call = lambda p, c, cols: reward.fn(p, c, **{**cols, **reward.kwargs})  # noqa: E731
     try:
@@ -349,8 +352,8 @@ def _call_checked(reward: WeightedReward, prompts: list[str], completions: list[
             raise RewardError(f"reward function {reward.name!r} raised {type(error).__name__}: {error} while scoring "
                               f"a batch of {size}, though each sample alone scored fine.") from error
         raise RewardError(f"reward function {reward.name!r} raised {type(sample_error).__name__}: {sample_error} "
-                          f"on sample {index} (the first failing one of a batch of {size}); fix the function or "
-                          "that sample's data.") from error
+                          f"on sample {first_index + index} (the first failing one of a batch of {size}); fix the "
+                          "function or that sample's data.") from error
     if hasattr(values, "tolist"):  # a tensor or an array
         values = values.tolist()
     if not isinstance(values, Sequence) or isinstance(values, str):
@@ -361,8 +364,8 @@ def _call_checked(reward: WeightedReward, prompts: list[str], completions: list[
                           "completions; it must return one float per completion.")
     for i, value in enumerate(values):
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise RewardError(f"reward function {reward.name!r} returned {value!r} for sample {i}; every reward "
-                              "must be a finite number.")
+            raise RewardError(f"reward function {reward.name!r} returned {value!r} for sample {first_index + i}; "
+                              "every reward must be a finite number.")
     return [float(v) for v in values]
 
 

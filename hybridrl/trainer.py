@@ -175,7 +175,7 @@ class RLTrainer:
         rows = batch.prompt_index.tolist()
         columns = {key: [values[i] for i in rows] for key, values in prompts["columns"].items()}
         prompt_texts = [prompts["raw_prompts"][i] for i in rows]
-        total, per_function = self.parts.rewards.score(prompt_texts, batch.texts, columns)
+        total, per_function = self._score(prompt_texts, batch.texts, columns, self.config.rollout.num_samples_per_prompt)
         batch.scores = total.to(self.device)
         self.logger.add_samples(prompt_texts, batch.texts, total.tolist())
         metrics = {"reward/mean": total.mean(), "reward/std": total.std() if len(total) > 1 else 0.0}
@@ -184,6 +184,13 @@ class RLTrainer:
             metrics["reward/uniform_group_fraction"] = algorithms.uniform_groups(total, group).float().mean()
         metrics.update({f"reward/{name}": sum(v) / len(v) for name, v in per_function.items()})
         return metrics
+
+    def _score(self, prompts: list[str], texts: list[str], columns: dict[str, list], group_size: int):
+        """The rewards of the whole batch: with several processes each scores a share (`reward.shard_scoring`)."""
+        if not self.config.reward.shard_scoring:
+            return self.parts.rewards.score(prompts, texts, columns)
+        return distributed.score_sharded(self.parts.rewards.score, prompts, texts, columns, group_size,
+                                         self.parts.setup)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch) -> None:
@@ -268,7 +275,7 @@ class RLTrainer:
             prompts = dataset.batch(indices[start:start + 256])
             batch = self.rollout(prompts, evaluation=True)
             columns = prompts["columns"]
-            total, per_function = self.parts.rewards.score(prompts["raw_prompts"], batch.texts, columns)
+            total, per_function = self._score(prompts["raw_prompts"], batch.texts, columns, 1)
             scores += total.tolist()
             for name, values in per_function.items():
                 per_fn_sums[name] = per_fn_sums.get(name, 0.0) + sum(values)

@@ -420,3 +420,50 @@ def test_two_process_checkpoint_resumes_exactly_and_on_one_process(tmp_path, off
         assert [row[key] for row in resumed[2:]] == [row[key] for row in reference[2:]], key
     _train(tmp_path, overrides(tmp_path / "one", 3, 1))
     assert [row["step"] for row in rows(tmp_path / "one")] == [1, 2, 3]
+
+
+def _length_reward(prompts, completions, **columns):
+    """Records what this process scored; fails on the completion 'bad'."""
+    if "bad" in completions:
+        raise ValueError("cannot score 'bad'")
+    _length_reward.seen.extend(completions)
+    return [float(len(c)) for c in completions]
+
+
+def _rank_main_scoring(rank: int, port: int, out_dir: str) -> None:
+    from hybridrl.rewards import RewardComposer, RewardError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    setup = distributed.init_from_env("cpu", timeout_s=60, hang_timeout_s=None)
+    rewards = RewardComposer([("length", _length_reward, 2.0)])
+    completions = ["a" * (i + 1) for i in range(12)]  # 3 prompts x 4 samples
+    prompts, columns = [f"p{i // 4}" for i in range(12)], {"answer": [str(i) for i in range(12)]}
+    _length_reward.seen = []
+    total, per_function = distributed.score_sharded(rewards.score, prompts, completions, columns, 4, setup)
+    seen = list(_length_reward.seen)
+    try:
+        distributed.score_sharded(rewards.score, prompts, completions[:9] + ["bad"] + completions[10:], columns, 4,
+                                  setup)
+        error = None
+    except RewardError as raised:
+        error = str(raised)
+    torch.save({"total": total, "per_function": per_function, "seen": seen, "error": error},
+               os.path.join(out_dir, f"scoring{rank}.pt"))
+    distributed.shutdown(setup)
+
+
+def test_rewards_are_scored_in_shares_of_whole_groups_and_gathered(tmp_path):
+    """Two processes: each scores whole prompt groups of its share (3 groups of 4: 4 and 8 samples), both
+    return the whole batch's scores in order; a reward error in rank 1's share is raised on both ranks,
+    naming the sample by its place in the whole batch."""
+    mp.start_processes(_rank_main_scoring, args=(free_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")
+    results = [torch.load(tmp_path / f"scoring{rank}.pt") for rank in range(2)]
+    lengths = [float(i + 1) for i in range(12)]
+    assert results[0]["seen"] == ["a" * (i + 1) for i in range(4)]
+    assert results[1]["seen"] == ["a" * (i + 1) for i in range(4, 12)]
+    for result in results:
+        assert result["total"].tolist() == [2 * n for n in lengths]
+        assert result["per_function"] == {"length": lengths}
+        assert "on sample 9 (the first failing one" in result["error"]
