@@ -72,6 +72,21 @@ def uniform_groups(scores: Tensor, group_size: int) -> Tensor:
     return (grouped.amax(dim=-1) == grouped.amin(dim=-1)).repeat_interleave(group_size)
 
 
+def policy_loss_mask(mask: Tensor, truncated: Tensor, scores: Tensor, group_size: int, mask_truncated: bool,
+                     drop_uniform_groups: bool) -> Tensor | None:
+    """The tokens the policy loss counts (B, T), or None for all of `mask`: without the responses cut at
+    the length limit (`mask_truncated`) and without groups that scored alike (`drop_uniform_groups`).
+    Both still count in their group's baseline, which is computed before."""
+    if not (mask_truncated or drop_uniform_groups):
+        return None
+    keep = torch.ones_like(truncated, dtype=torch.bool)
+    if mask_truncated:
+        keep &= ~truncated.bool()
+    if drop_uniform_groups:
+        keep &= ~uniform_groups(scores, group_size).to(keep.device)
+    return mask * keep.to(mask.dtype)[:, None]
+
+
 def outcome_to_token_rewards(scores: Tensor, mask: Tensor) -> Tensor:
     """Place each sequence's score (B,) on its last valid token -> (B, T); the rest is 0.
 

@@ -244,13 +244,9 @@ class RLTrainer:
             scores=batch.scores, token_rewards=token_rewards, values=batch.old_values, mask=mask,
             group_size=self.config.rollout.num_samples_per_prompt, gamma=a.gamma, lam=a.lam,
             normalize_std=a.normalize_std)
-        keep = torch.ones_like(batch.truncated)
-        if a.mask_truncated:  # cut answers still count in their group's baseline, not in the loss
-            keep &= ~batch.truncated
-        if a.drop_uniform_groups:
-            keep &= ~algorithms.uniform_groups(batch.scores, self.config.rollout.num_samples_per_prompt).to(keep.device)
-        if a.mask_truncated or a.drop_uniform_groups:
-            batch.loss_mask = mask * keep.to(mask.dtype)[:, None]
+        batch.loss_mask = algorithms.policy_loss_mask(mask, batch.truncated, batch.scores,
+                                                      self.config.rollout.num_samples_per_prompt,
+                                                      a.mask_truncated, a.drop_uniform_groups)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         metrics: dict[str, float] = {}
