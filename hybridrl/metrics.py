@@ -249,8 +249,8 @@ def memory_growth_warning(history: list[dict[str, float]], threshold_gib: float 
         return None
     return (f"warning: GPU memory held between steps grew from {low:.2f} GiB (step {low_step:.0f}) to {now:.2f} GiB "
             f"(step {step:.0f}); something keeps GPU tensors from every step alive (a reward function or callback "
-            f"storing them?), and the run will end out of memory; `benchmarks/grpo_step.py --memory-trace` shows "
-            f"how to find what holds them.")
+            f"storing them?), and the run will end out of memory; docs/observability.md says how to find what "
+            f"holds them.")
 
 
 def format_samples(rows: list[dict[str, Any]], width: int = 60) -> str:
