@@ -28,6 +28,27 @@ run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${C
 run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=1 \
     trainer.total_steps=6 trainer.save_every=2 "trainer.output_dir=$WORK/run1"
 python3 -c "import json,sys; [print(r['step'], round(r['timing/step_s'],3), r.get('perf/weight_sync_s')) for r in map(json.loads, open(sys.argv[1]))]" "$T/metrics.jsonl"
+# Offloaded optimizer moments with 2 processes (sharded_offload.py: gathered over NCCL, cut back on resume):
+# stop at step 2, resume to 4, and compare steps 3-4 with a run that never stopped.
+O=$WORK/offload
+VARIED=("reward.functions=[{fn: length_penalty, kwargs: {scale: 10}}]")  # rewards that differ, so gradients are not 0
+run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=2 \
+    actor.optimizer_offload=true model.dtype=bfloat16 trainer.total_steps=4 trainer.save_every=0 "${VARIED[@]}" \
+    "trainer.output_dir=$O-straight"
+run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=2 \
+    actor.optimizer_offload=true model.dtype=bfloat16 trainer.total_steps=2 trainer.save_every=2 "${VARIED[@]}" \
+    "trainer.output_dir=$O"
+run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=2 \
+    actor.optimizer_offload=true model.dtype=bfloat16 trainer.total_steps=4 trainer.save_every=2 "${VARIED[@]}" \
+    "trainer.output_dir=$O"
+python3 -c "
+import json, sys
+rows = lambda path: [json.loads(line) for line in open(path)]
+a, b = rows(sys.argv[1]), rows(sys.argv[2])
+keys = ('actor/policy_loss', 'actor/grad_norm', 'actor/entropy')
+for x, y in zip(a[2:], b[2:]):
+    same = all(x[k] == y[k] for k in keys)
+    print('offload resume step', x['step'], 'equal' if same else 'DIFFERENT', [(x[k], y[k]) for k in keys])" "$O-straight/metrics.jsonl" "$O/metrics.jsonl"
 echo "split-start $(date +%T.%N)"
 run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=1 \
     "trainer.device_mesh={actor: [0], reward: [1]}" "reward.reward_model=$WORK/reward_model" \
