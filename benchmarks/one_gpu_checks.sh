@@ -22,9 +22,9 @@ echo "== gpu tests: exit $? after $(elapsed)"; tail -2 "$OUT/gpu_tests.log"
 # launch, over its launch configurations, then both in the whole engine.
 timeout 90 python3 benchmarks/decode_attention.py --no-sweep --stacked > "$OUT/decode_attention.log" 2>&1
 echo "== decode_attention: exit $? after $(elapsed)"; tail -10 "$OUT/decode_attention.log"
-timeout 170 python3 benchmarks/rollout.py --no-eager-baseline --agreement-sequences 32 \
+timeout 190 python3 benchmarks/rollout.py --no-eager-baseline --agreement-sequences 32 --profile \
     > "$OUT/rollout.log" 2>&1
-echo "== rollout: exit $? after $(elapsed)"; tail -11 "$OUT/rollout.log"
+echo "== rollout: exit $? after $(elapsed)"; grep -A11 "tokens  seconds" "$OUT/rollout.log" | head -14
 
 if ls .bench/trl-*.whl > /dev/null 2>&1 && [ -f .bench/trl_grpo_gpu.py ]; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/hybridrl-site .bench/*.whl > /dev/null 2>&1
@@ -34,7 +34,7 @@ fi
 timeout 300 python3 benchmarks/grpo_step.py --modes "$MODES" --steps 5 --trl-script .bench/trl_grpo_gpu.py \
     --timeout 120 > "$OUT/grpo_step.log" 2>&1
 echo "== grpo_step: exit $? after $(elapsed)"; tail -8 "$OUT/grpo_step.log"
-# The profile of the fast setting: per phase, GPU busy/idle and, for the largest idle gaps, what the host did.
-timeout 100 python3 benchmarks/grpo_step.py --modes grpo-0.5b-fast --profile --steps 3 --timeout 95 \
-    > "$OUT/grpo_profile.log" 2>&1
-echo "== grpo_step --profile: exit $? after $(elapsed)"; grep -E "phase:.*wall|gap |host meanwhile" "$OUT/grpo_profile.log" | head -40
+# From the rollout run's profiles (one per engine): kernels per decode step, and whether the per-layer
+# device-to-device copy of the old o_proj addmm is gone. (The GRPO step profile, with host activity per idle
+# gap: grpo_step.py --modes grpo-0.5b-fast --profile --steps 3.)
+grep -E "^profile:|Memcpy DtoD|Memset|badd|_decode_attention_kernel|_stacked" "$OUT/rollout.log" | cut -c1-60,150-230 | head -30
