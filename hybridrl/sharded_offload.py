@@ -40,8 +40,8 @@ def gather_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, i
                 local = param.to_local()
                 value = DTensor.from_local(value.to(local.device).view(local.shape), param.device_mesh,
                                            param.placements, shape=param.shape, stride=param.stride()).full_tensor()
-            gathered[slot] = value.cpu() if isinstance(value, torch.Tensor) else value
-        if is_main:
+            gathered[slot] = value.cpu() if isinstance(value, torch.Tensor) and is_main else value
+        if is_main:  # every rank took part in the gathers; only the main rank keeps (and copies out) the result
             state[name] = gathered
     groups = [{**{key: value for key, value in group.items() if key != "params"},
                "params": [names[param] for param in group["params"]]} for group in optimizer.param_groups]
