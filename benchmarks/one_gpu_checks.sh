@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # The one-GPU checks of issues 3 and 4 in one device call (nvidia-h200, under 10 minutes): the GPU tests
-# of the kernels and the engine, the decode attention kernels (one-kernel default vs the stacked pair's
-# launch configurations), the rollout table (the triton variants, triton-stacked and HF generate, greedy
-# agreement with HF bf16 and float32), the GRPO step table with TRL beside it (5 steps), then a profile of the fast
-# setting. Each part has its own time limit, so a
-# hang in one still leaves the others' logs; every log goes to $OUT.
+# of the kernels and the engine, the rollout table (the triton variants, fused q/k/v with RoPE in a kernel of
+# its own and inside the attention kernel, HF generate, greedy agreement with HF bf16 and float32, a profile
+# per engine), then the GRPO step table with TRL beside it (5 steps; modes fast and fused). Each part has
+# its own time limit, so a hang in one still leaves the others' logs; every log goes to $OUT.
 #   OUT=/tmp/out bash benchmarks/one_gpu_checks.sh [grpo_step modes]
 # TRL runs when its wheels and script are in .bench/ (see docs/benchmarks.md); otherwise it is skipped.
 set -u -o pipefail
 OUT=${OUT:-/tmp/hybridrl-one-gpu}; mkdir -p "$OUT"
-MODES=${1:-grpo-0.5b-fast}
+MODES=${1:-grpo-0.5b-fast,grpo-0.5b-fused}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 start=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - start )) s"; }
@@ -18,11 +17,9 @@ timeout 120 python3 -m pytest -q -m gpu tests/test_fused_head.py tests/test_deco
     tests/test_stacked_attention.py tests/test_builtin_engine.py > "$OUT/gpu_tests.log" 2>&1
 echo "== gpu tests: exit $? after $(elapsed)"; tail -2 "$OUT/gpu_tests.log"
 
-# The stacked attention (prompt read once per prompt, fused K/V write since 2026-11-30) against the one-kernel
-# launch, over its launch configurations, then both in the whole engine.
-timeout 90 python3 benchmarks/decode_attention.py --no-sweep --stacked > "$OUT/decode_attention.log" 2>&1
-echo "== decode_attention: exit $? after $(elapsed)"; tail -10 "$OUT/decode_attention.log"
-timeout 190 python3 benchmarks/rollout.py --no-eager-baseline --agreement-sequences 32 --profile \
+# The engine variants (triton-stacked was slower in its 2026-11-30 run and is skipped; its launch sweep:
+# decode_attention.py --no-sweep --stacked), fused q/k/v with a RoPE kernel and with RoPE in the attention kernel.
+timeout 190 python3 benchmarks/rollout.py --no-eager-baseline --no-triton-stacked --agreement-sequences 32 --profile \
     > "$OUT/rollout.log" 2>&1
 echo "== rollout: exit $? after $(elapsed)"; grep -A11 "tokens  seconds" "$OUT/rollout.log" | head -14
 
@@ -31,7 +28,7 @@ if ls .bench/trl-*.whl > /dev/null 2>&1 && [ -f .bench/trl_grpo_gpu.py ]; then
     export PYTHONPATH=$PWD:/tmp/hybridrl-site
     MODES="$MODES,trl"
 fi
-timeout 300 python3 benchmarks/grpo_step.py --modes "$MODES" --steps 5 --trl-script .bench/trl_grpo_gpu.py \
+timeout 330 python3 benchmarks/grpo_step.py --modes "$MODES" --steps 5 --trl-script .bench/trl_grpo_gpu.py \
     --timeout 120 > "$OUT/grpo_step.log" 2>&1
 echo "== grpo_step: exit $? after $(elapsed)"; tail -8 "$OUT/grpo_step.log"
 # From the rollout run's profiles (one per engine): kernels per decode step, and whether the per-layer

@@ -15,8 +15,9 @@ attention). When triton is installed, the compiled engine is also timed with `at
 the same run and the same table, with its own log-prob mismatch and greedy agreement; so is the opt-in
 `attention="triton-stacked"` (same layout, a prompt kernel per prompt entry that stacks the n samples'
 queries plus a response kernel per slot; `--no-triton-stacked` skips it), and the triton engine with
-`fuse_qkv=True` (one stacked q/k/v matmul per layer; `--no-fused-qkv` skips it) and with `fuse_qkv` and
-`fuse_gate_up` (also one gate/up matmul; skipped with it). The first `generate` of a fresh engine compiles; it is timed
+`fuse_qkv=True` (one stacked q/k/v matmul per layer, whose raw output the kernel biases and rotates
+itself; also timed with a RoPE kernel, `rope_in_attention=False`; `--no-fused-qkv` skips them) and with
+`fuse_qkv` and `fuse_gate_up` (also one gate/up matmul; skipped with it). The first `generate` of a fresh engine compiles; it is timed
 on its own ("compile + first call") and not in the engine's tokens/s, because the trainer reuses the
 compiled code every step. Each timed run still includes KV allocation and CUDA-graph capture
 (`warmup_s` in its stats).
@@ -221,15 +222,17 @@ def floor(model, num_prompts: int, n: int, prompt_len: int, response_len: int, b
 
 def time_triton(model, prompts, params, args, device: str, attention: str = "triton",
                 float32_tokens: list[list[int]] | None = None, fuse_qkv: bool = False,
-                fuse_gate_up: bool = False) -> dict:
+                fuse_gate_up: bool = False, rope_in_attention: bool = True) -> dict:
     """The compiled engine with a prefix-shared attention ("triton" or "triton-stacked"), timed and checked
-    like the sdpa one; `fuse_qkv` / `fuse_gate_up` add the stacked q/k/v / gate-up projections."""
+    like the sdpa one; `fuse_qkv` / `fuse_gate_up` add the stacked q/k/v / gate-up projections (with fused
+    q/k/v the kernel applies bias and RoPE unless `rope_in_attention` is False)."""
     engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
                             compile=False if args.no_compile else None, attention=attention, fuse_qkv=fuse_qkv,
-                            fuse_gate_up=fuse_gate_up)
+                            fuse_gate_up=fuse_gate_up, rope_in_attention=rope_in_attention)
     result = time_engine(engine, prompts, params, args.repeats)
     result["stats"]["attention"] = (result["stats"].get("attention", "") + (" + fused qkv" if fuse_qkv else "")
-                                    + (" + fused gate/up" if fuse_gate_up else ""))
+                                    + (" + fused gate/up" if fuse_gate_up else "")
+                                    + (" + RoPE in kernel" if result["stats"].get("rope_in_attention") else ""))
     print(f"engine (attention={result['stats'].get('attention')}): {result['seconds']:.3f} s, "
           f"{result['tokens_per_s']:.0f} tok/s, compile + first call {result['first_call_s']:.1f} s, "
           f"stats {result['stats']}", flush=True)
@@ -317,8 +320,10 @@ def main() -> None:
     if not args.no_triton_stacked and triton_available():
         stacked_result = time_triton(model, prompts, params, args, device, attention="triton-stacked",
                                      float32_tokens=float32_tokens)
-    fused_result = fused_all_result = None
+    fused_result = fused_all_result = rope_kernel_result = None
     if not args.no_fused_qkv and triton_available():
+        rope_kernel_result = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens,
+                                         fuse_qkv=True, rope_in_attention=False)
         fused_result = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens, fuse_qkv=True)
         fused_all_result = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens,
                                        fuse_qkv=True, fuse_gate_up=True)
@@ -330,7 +335,8 @@ def main() -> None:
     result = dict(args=vars(args), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   torch=torch.__version__, engine=ours, engine_not_compiled=eager,
                   engine_sdpa_efficient=efficient, engine_triton=triton_result,
-                  engine_triton_stacked=stacked_result, engine_triton_fused_qkv=fused_result,
+                  engine_triton_stacked=stacked_result, engine_triton_fused_qkv_rope_kernel=rope_kernel_result,
+                  engine_triton_fused_qkv=fused_result,
                   engine_triton_fused_qkv_gate_up=fused_all_result, hf_generate=hf, floor=bound,
                   percent_of_floor=100 * bound["seconds"] / ours["seconds"],
                   speedup_vs_hf=ours["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
@@ -347,7 +353,8 @@ def print_table(result: dict) -> None:
     label = "engine (compiled, sdpa)" if ours["stats"].get("compiled") else "engine (sdpa)"
     rows = [(label, f"{ours['tokens']}", f"{ours['seconds']:.3f}", f"{ours['tokens_per_s']:,.0f}", f"{ours['peak_gib']:.1f}")]
     prefix_shared = [r for r in (result["engine_triton"], result.get("engine_triton_stacked"),
-                                 result.get("engine_triton_fused_qkv"), result.get("engine_triton_fused_qkv_gate_up"))
+                                 result.get("engine_triton_fused_qkv_rope_kernel"), result.get("engine_triton_fused_qkv"),
+                                 result.get("engine_triton_fused_qkv_gate_up"))
                       if r]
     for shared in prefix_shared:
         name = shared["stats"].get("attention")

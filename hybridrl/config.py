@@ -117,12 +117,12 @@ class RolloutConfig:
     """Built-in engine decode attention. `triton`: each prompt's KV is stored once and shared by its samples,
     read by a Triton kernel (on CPU by its PyTorch reference); `sdpa`: a full KV copy per sequence and PyTorch
     SDPA; `auto`: triton on CUDA when triton is installed, else sdpa. `triton-stacked` (opt-in; as fast as
-    triton in its one H200 run): the triton layout with a prompt kernel per prompt entry that reads its KV
+    triton in one H200 run, slower in the next): the triton layout with a prompt kernel per prompt entry that reads its KV
     once for all samples, then a response kernel per sequence (on CPU a PyTorch reference of the same two phases)."""
     fuse_qkv: bool = False
     """Built-in engine: copy each layer's q/k/v weights into one matrix while generating, so a decode step
-    runs one projection matmul instead of three small ones. Costs the q/k/v weights again in memory
-    during the rollout (50 MB for Qwen2-0.5B, 0.9 GB for Qwen2.5-7B); LoRA'd projections stay separate."""
+    runs one matmul instead of three, and the triton kernel (no q/k norm) adds bias and RoPE itself. Costs the
+    q/k/v weights again while generating (50 MB for Qwen2-0.5B, 0.9 GB for Qwen2.5-7B); LoRA'd projections stay separate."""
     fuse_gate_up: bool = False
     """Built-in engine: likewise stack each layer's MLP gate and up weights into one matrix while generating
     (one matmul instead of two). Costs those weights again during the rollout: 0.4 GB for Qwen2-0.5B,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridrl.rollout.decode_attention import reference_decode_attention, triton_decode_attention
+from hybridrl.rollout.decode_attention import reference_decode_attention, rotate_projections, triton_decode_attention
 
 # (batch, kv_heads, group, head_dim, entries, prompt_max, response_max): group 7 is Qwen2-0.5B's;
 # lengths above the key block (64 keys for 16-bit dtypes, 32 for float32) run several loop
@@ -63,6 +63,8 @@ def check_kernel_cases() -> None:
     for seed, shape in enumerate(CASES):
         for dtype in (torch.float32, torch.float16):
             check_fused_write(triton_decode_attention, make_case(seed, *shape, dtype=dtype), TOLERANCE[dtype])
+            for bias in (False, True):
+                check_rope(triton_decode_attention, make_case(seed, *shape, dtype=dtype), TOLERANCE[dtype], bias)
     print("kernel cases passed")
 
 
@@ -88,7 +90,37 @@ def check_fused_write(attention, case: dict, tolerance: dict) -> None:
     assert torch.equal(fused["response_k"], written["response_k"]) and torch.equal(fused["response_v"], written["response_v"])
 
 
-def check_engine_with_kernel(attention: str = "triton") -> None:
+def rope_inputs(case: dict, with_bias: bool, seed: int = 11) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """cos and signed sin (B, D) of random positions (as `llama_forward.rope_table` rows), and a q/k/v bias
+    (H*D + 2*Hkv*D,) or None."""
+    batch, kv_heads, group, head_dim = case["q"].shape
+    generator = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 4096, (batch, 1), generator=generator).float()
+    angles = positions * 10000.0 ** (-torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.cat((angles, angles), dim=-1)
+    half = head_dim // 2
+    sin = torch.cat((-angles.sin()[:, :half], angles.sin()[:, half:]), dim=-1)
+    bias = torch.randn((kv_heads * group + 2 * kv_heads) * head_dim, generator=generator) if with_bias else None
+    to = dict(dtype=case["q"].dtype, device=case["q"].device)
+    return angles.cos().to(**to), sin.to(**to), bias.to(**to) if bias is not None else None
+
+
+def check_rope(attention, case: dict, tolerance: dict, with_bias: bool) -> None:
+    """`attention(raw q, new_kv=raw, rope=, qkv_bias=)` equals attending with the projections rotated first
+    (`rotate_projections`, itself checked against transformers' RoPE), in the output and both caches."""
+    cos, sin, bias = rope_inputs(case, with_bias)
+    fused, raw_kv = with_new_kv(case)
+    rotated, _ = with_new_kv(case)
+    rotated["q"], rotated_kv = rotate_projections(case["q"], raw_kv, cos, sin, bias)
+    out = attention(**fused, new_kv=raw_kv, rope=(cos, sin), qkv_bias=bias)
+    expected = reference_decode_attention(**without_table(rotated), new_kv=rotated_kv)
+    torch.testing.assert_close(out, expected, **tolerance)
+    torch.testing.assert_close(fused["response_k"], rotated["response_k"], **tolerance)
+    assert torch.equal(fused["response_v"], rotated["response_v"]) or with_bias
+    torch.testing.assert_close(fused["response_v"], rotated["response_v"], **tolerance)
+
+
+def check_engine_with_kernel(attention: str = "triton", **engine_options) -> None:
     """The engine with the Triton kernel(s) themselves (interpret mode) in place of the CPU reference: greedy
     tokens equal to the sdpa engine's, log-probs within 1e-5, with continuous batching (5 slots)."""
     import sys
@@ -102,14 +134,20 @@ def check_engine_with_kernel(attention: str = "triton") -> None:
     kernel = stacked_decode_attention if attention == "triton-stacked" else triton_decode_attention
     builtin._decode_attention_function = lambda option, device: ("triton-interpret", kernel)
     model, params = make_model("qwen2"), SamplingParams(max_new_tokens=8, temperature=0, n=2)
-    engine = builtin.BuiltinBackend(model, attention=attention, max_num_seqs=5, sync_every=2)
+    engine = builtin.BuiltinBackend(model, attention=attention, max_num_seqs=5, sync_every=2, **engine_options)
     shared = engine.generate(PROMPTS, params)
     assert engine.last_stats["attention"] == "triton-interpret" and engine.last_stats["prefill_waves"] >= 2
+    assert engine.last_stats["rope_in_attention"] == bool(engine_options.get("fuse_qkv"))
     per_slot = builtin.BuiltinBackend(model, attention="sdpa").generate(PROMPTS, params)
     assert [g.token_ids for g in shared] == [g.token_ids for g in per_slot]
     for a, b in zip(shared, per_slot):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
     print("engine with kernel passed", file=sys.stdout)
+
+
+def check_engine_with_kernel_rope() -> None:
+    """fuse_qkv on Qwen2 (q/k/v biases): RoPE and the biases applied inside the kernel."""
+    check_engine_with_kernel(fuse_qkv=True)
 
 
 def check_engine_with_stacked_kernels() -> None:

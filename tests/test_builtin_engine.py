@@ -412,6 +412,22 @@ def test_fused_projections_give_the_same_tokens_and_logprobs(family):
     assert all((layer.gate_up_weight is None) == (family == "qwen2-lora") for layer in layers)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_rope_inside_the_attention_gives_the_same_tokens_and_logprobs(family):
+    """With fused q/k/v and the prefix-shared attention, bias and RoPE move into the attention (its CPU
+    reference here; the kernel in `test_decode_attention.py`); Qwen3's q/k norm keeps them in the step."""
+    model, params = make_model(family), SamplingParams(max_new_tokens=12, temperature=0, n=2)
+    plain = BuiltinBackend(model, attention="sdpa").generate(PROMPTS, params)
+    inside = BuiltinBackend(model, attention="triton", fuse_qkv=True)
+    kept = BuiltinBackend(model, attention="triton", fuse_qkv=True, rope_in_attention=False)
+    for engine in (inside, kept):
+        for mine, reference in zip(engine.generate(PROMPTS, params), plain):
+            assert mine.token_ids == reference.token_ids
+            torch.testing.assert_close(torch.tensor(mine.logprobs), torch.tensor(reference.logprobs), atol=1e-5, rtol=0)
+    assert inside.last_stats["rope_in_attention"] == (family != "qwen3")
+    assert not kept.last_stats["rope_in_attention"]
+
+
 def test_quantized_projection_weights_are_refused():
     """A checkpoint that loads with quantized (integer) projection weights, e.g. bitsandbytes 4-bit, must not
     be read as if it were floating point: `supports` says no and the trainer falls back to `hf`."""

@@ -16,10 +16,11 @@ from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.builtin import BuiltinBackend
 from hybridrl.rollout.kv_cache import CacheGeometry, PrefixSharedKVCache, SlotKVCache, max_slots
 from hybridrl.rollout.scheduler import PromptEntries
-from hybridrl.rollout.decode_attention import reference_decode_attention, triton_decode_attention
+from hybridrl.rollout.decode_attention import reference_decode_attention, rotate_projections, triton_decode_attention
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode_attention_cases import CASES, INTERPRETER_SHIM, TOLERANCE, check_fused_write, make_case  # noqa: E402
+from decode_attention_cases import (  # noqa: E402
+    CASES, INTERPRETER_SHIM, TOLERANCE, check_fused_write, check_rope, make_case, rope_inputs)
 from test_builtin_engine import PROMPTS, hf_greedy, hf_logprobs, make_model  # noqa: E402
 
 HAS_TRITON = decode_attention.triton is not None
@@ -76,6 +77,34 @@ def test_new_kv_is_not_written_for_a_slot_without_response_tokens():
     assert not torch.equal(before_k[0], case["response_k"][0])  # the other slots did write
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rotate_projections_equals_transformers_rope(with_bias):
+    """The attention's RoPE prologue: bias, then HF's `apply_rotary_pos_emb` (rotate_half form, unsigned sin)
+    on q and the new key; the value gets the bias only."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    case = make_case(4, 6, 2, 7, 64, 3, 20, 20)
+    cos, signed, bias = rope_inputs(case, with_bias)
+    sin = torch.cat((-signed[:, :32], signed[:, 32:]), dim=-1)  # undo the sign of the first half
+    new_kv = torch.randn(6, 2, 2, 64)
+    q, kv = rotate_projections(case["q"], new_kv, cos, signed, bias)
+    q_raw, k_raw, v_raw = case["q"].flatten(1, 2), new_kv[:, 0], new_kv[:, 1]  # (B, heads, D)
+    if with_bias:
+        rows = bias.view(-1, 64)
+        q_raw, k_raw, v_raw = q_raw + rows[:14], k_raw + rows[14:16], v_raw + rows[16:]
+    q_hf, k_hf = apply_rotary_pos_emb(q_raw[:, :, None], k_raw[:, :, None], cos[:, None], sin[:, None])
+    torch.testing.assert_close(q, q_hf[:, :, 0].view_as(q), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv[:, 0], k_hf[:, :, 0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv[:, 1], v_raw, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("shape", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_reference_with_rope_equals_rotating_first(shape, dtype, with_bias):
+    check_rope(reference_decode_attention, make_case(5, *shape, dtype=dtype), TOLERANCE[dtype], with_bias)
+
+
 def run_in_interpreter(check: str) -> str:
     """Run `decode_attention_cases.<check>()` in a subprocess with TRITON_INTERPRET=1 (the kernel is built
     in interpret mode only if the variable is set before decode_attention is first imported)."""
@@ -100,36 +129,39 @@ def test_triton_kernel_matches_reference_in_interpret_mode():
                     "runs the kernel in Triton's interpreter)")
 def test_engine_with_triton_kernel_in_interpret_mode_matches_sdpa():
     assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel")
+    assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel_rope")
 
 
-def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int):
+def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False):
     """Compile the kernel ahead of time for sm_90 (Triton's own ptxas; no GPU or driver needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = decode_attention._decode_attention_kernel
     signature = {name: "constexpr" for name in kernel.arg_names}
-    signature.update({name: "*" + dtype for name in ("Q", "PK", "PV", "RK", "RV", "OUT", "NEW_KV")})
+    signature.update({name: "*" + dtype for name in ("Q", "PK", "PV", "RK", "RV", "OUT", "NEW_KV", "COS", "SIN",
+                                                     "BIAS")})
     signature.update({name: "*i64" for name in ("PROMPT_INDEX", "PROMPT_LEN", "RESPONSE_LEN")})
     signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride")}, qk_scale="fp32")
     pad = lambda value: max(decode_attention.MIN_DOT_ROWS, 1 << (value - 1).bit_length())  # noqa: E731
     constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=pad(group), BLOCK_D=pad(head_dim),
                      BLOCK_N=decode_attention.BLOCK_N, IEEE=dtype == "fp32",
-                     WRITE_NEW=True)  # the variant the engine runs
+                     WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope)  # the variants the engine runs
     return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
                                            target=GPUTarget("cuda", 90, 32),
                                            options=dict(num_warps=decode_attention.NUM_WARPS))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
-@pytest.mark.parametrize("dtype, group, head_dim", [("bf16", 7, 64), ("fp32", 2, 16), ("fp32", 4, 128)])
-def test_triton_kernel_compiles_for_hopper(dtype, group, head_dim):
+@pytest.mark.parametrize("dtype, group, head_dim, rope", [("bf16", 7, 64, False), ("bf16", 7, 64, True),
+                                                         ("fp32", 2, 16, True), ("fp32", 4, 128, False)])
+def test_triton_kernel_compiles_for_hopper(dtype, group, head_dim, rope):
     """The interpreter does not lower the kernel; this does (to a cubin), so type errors in the compiled
     path and shared-memory overuse show up on CPU. Cases: the benchmark's (bf16, group 7, head_dim 64),
     the GPU test's tiny float32 model, and the largest float32 tiles (head_dim 128)."""
     if not isinstance(decode_attention._decode_attention_kernel, decode_attention.triton.runtime.JITFunction):
         pytest.skip("the kernel was built in interpret mode (TRITON_INTERPRET is set)")
-    compiled = compile_kernel_for_hopper(dtype, group, head_dim)
+    compiled = compile_kernel_for_hopper(dtype, group, head_dim, rope)
     assert "cubin" in compiled.asm and compiled.metadata.shared < 160 * 1024  # H200: 227 KiB per block
 
 
@@ -244,18 +276,23 @@ def test_triton_kernel_and_engine_on_cuda():
             case = make_case(seed, *shape, dtype=dtype, device="cuda")
             torch.testing.assert_close(triton_decode_attention(**case), reference_decode_attention(**case),
                                        **TOLERANCE[dtype])
+            check_rope(triton_decode_attention, case, TOLERANCE[dtype], with_bias=seed % 2 == 0)
     model = make_model("qwen2").cuda()
     prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(9)]
     for params in (SamplingParams(max_new_tokens=20, temperature=0, n=2),
                    SamplingParams(max_new_tokens=12, temperature=0.9, n=3, seed=5)):
-        triton_engine = BuiltinBackend(model, attention="triton", max_num_seqs=5, sync_every=3)  # compiled + graphs
-        shared = triton_engine.generate(prompts, params)
-        assert triton_engine.last_stats["attention"] == "triton" and triton_engine.last_stats["graphs_captured"] >= 1
-        assert [g.token_ids for g in triton_engine.generate(prompts, params)] == [g.token_ids for g in shared]
         per_slot = BuiltinBackend(model, attention="sdpa", max_num_seqs=5, sync_every=3).generate(prompts, params)
-        assert [g.token_ids for g in shared] == [g.token_ids for g in per_slot]
-        for a, b in zip(shared, per_slot):
-            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        for fuse_qkv in (False, True):  # True: bias and RoPE inside the kernel
+            triton_engine = BuiltinBackend(model, attention="triton", max_num_seqs=5, sync_every=3,
+                                           fuse_qkv=fuse_qkv)  # compiled + graphs
+            shared = triton_engine.generate(prompts, params)
+            stats = triton_engine.last_stats
+            assert stats["attention"] == "triton" and stats["graphs_captured"] >= 1
+            assert stats["rope_in_attention"] == fuse_qkv
+            assert [g.token_ids for g in triton_engine.generate(prompts, params)] == [g.token_ids for g in shared]
+            assert [g.token_ids for g in shared] == [g.token_ids for g in per_slot]
+            for a, b in zip(shared, per_slot):
+                assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     for generation in shared[::3]:  # sampled at T=0.9: log-probs against the HF forward pass
         ids = torch.tensor([prompts[generation.prompt_index] + generation.token_ids], device="cuda")
         with torch.no_grad():

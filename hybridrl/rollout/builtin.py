@@ -39,6 +39,7 @@ from hybridrl.rollout.llama_forward import (
     is_packed_4bit,
     prefill,
     resolve_weights,
+    rotates_projections,
     rope_table,
 )
 from hybridrl.rollout.llama_forward import supports as _supports
@@ -185,7 +186,9 @@ class BuiltinBackend:
         `generate` (one matmul instead of three; extra memory of the q/k/v weights, e.g. 50 MB for
         Qwen2-0.5B, 0.9 GB for Qwen2.5-7B); projections with a LoRA adapter stay separate. fuse_gate_up:
         the same for the MLP's gate and up projections (extra memory of those weights: 0.4 GB for
-        Qwen2-0.5B, 7.6 GB for Qwen2.5-7B).
+        Qwen2-0.5B, 7.6 GB for Qwen2.5-7B). rope_in_attention: with fuse_qkv, attention "triton" and no q/k
+        norm, the decode kernel adds the q/k/v bias and applies RoPE itself (one kernel fewer per layer);
+        False keeps a RoPE kernel (for comparisons). `last_stats["rope_in_attention"]` says which ran.
     """
 
     def __init__(
@@ -202,6 +205,7 @@ class BuiltinBackend:
         attention: str = "auto",
         fuse_qkv: bool = False,
         fuse_gate_up: bool = False,
+        rope_in_attention: bool = True,
     ) -> None:
         ok, reason = _supports(model)
         if not ok:
@@ -215,6 +219,7 @@ class BuiltinBackend:
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
         self.use_cuda_graphs, self.release_after_generate = use_cuda_graphs, release_after_generate
         self.compile, self.attention, self.fuse_qkv, self.fuse_gate_up = compile, attention, fuse_qkv, fuse_gate_up
+        self.rope_in_attention = rope_in_attention
         self._compiled: tuple[DecodeFunctions, object] | None = None  # kept across generate calls
         self.cache: SlotKVCache | PrefixSharedKVCache | None = None
         self._attention_name = ""  # which decode attention the current cache uses, for last_stats
@@ -266,7 +271,9 @@ class BuiltinBackend:
         scheduler = Scheduler([i // params.n for i in range(num_sequences)], [len(p) for p in prompts], num_slots)
         results: list[Generation | None] = [None] * num_sequences
         stats = dict(num_slots=num_slots, decode_steps=0, prefill_waves=0, graphs_captured=0, warmup_s=0.0,
-                     compiled=functions is not EAGER_DECODE, attention=self._attention_name)
+                     compiled=functions is not EAGER_DECODE, attention=self._attention_name,
+                     rope_in_attention=isinstance(self.cache, PrefixSharedKVCache) and self.rope_in_attention
+                     and rotates_projections(self.cache.attention, weights))
         self._stats = stats
         try:
             while scheduler.has_work:
@@ -352,7 +359,8 @@ class BuiltinBackend:
         else:
             self._attention_name, function = _decode_attention_function(attention, device)
             self.cache = PrefixSharedKVCache(geometry, num_slots, device, dtype, function,
-                                             stacked=attention == "triton-stacked")
+                                             stacked=attention == "triton-stacked",
+                                             rope_in_attention=self.rope_in_attention)
         return num_slots
 
     def _kv_len(self, scheduler: Scheduler, steps: int, max_len: int) -> int:

@@ -14,6 +14,11 @@ integer device tensors; `scale` the softmax scale. They return (B, Hkv, group, D
 Optional `new_kv` (B, 2, Hkv, D): this step's keys and values, which both store at response index
 `response_len - 1` before that key counts as visible (a slot with `response_len` 0 stores nothing), so
 the engine needs no cache-write kernel of its own.
+Optional `rope` (cos, signed sin), each (B, D), with `new_kv`: q and new_kv are the raw projections
+(plus `qkv_bias` (H*D + 2*Hkv*D,) when the model has one), and the attention adds the bias and applies
+RoPE to q and the new key itself (`rotate_projections`), in float32, rounding once to q's dtype. With
+q/k/v fused into one matmul, the decode step then needs no RoPE kernel: q and new_kv are views of that
+matmul's output.
 
 - `reference_decode_attention`: gather + concatenate + masked float32 softmax in plain PyTorch. It is
   the oracle of the tests and the engine's attention on CPU (or wherever Triton cannot run).
@@ -80,9 +85,13 @@ def reference_decode_attention(
     response_len: torch.Tensor,
     scale: float,
     new_kv: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    qkv_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch prefix-shared decode attention, computed in float32 (see the module docstring)."""
     batch = q.shape[0]
+    if rope is not None:
+        q, new_kv = rotate_projections(q, new_kv, *rope, qkv_bias)
     if new_kv is not None:
         write_new_kv(response_k, response_v, response_len, new_kv)
     prompt_max = prompt_k.shape[2]
@@ -109,6 +118,24 @@ def write_new_kv(response_k: torch.Tensor, response_v: torch.Tensor, response_le
     response_v[slots, :, write_at] = torch.where(live, new_kv[:, 1], response_v[slots, :, write_at])
 
 
+def rotate_projections(q: torch.Tensor, new_kv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                       qkv_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw projections -> what attention reads: bias added, RoPE on q (B, Hkv, group, D) and the new key of
+    new_kv (B, 2, Hkv, D), as x * cos + roll(x, D/2) * signed sin (cos, sin (B, D)); float32, rounded once."""
+    batch, num_kv_heads, group, head_dim = q.shape
+    q32, kv32 = q.float(), new_kv.float()
+    if qkv_bias is not None:
+        bias = qkv_bias.float().view(-1, head_dim)  # rows: the q heads, then the k heads, then the v heads
+        q32 = q32 + bias[: num_kv_heads * group].view(num_kv_heads, group, head_dim)
+        kv32 = kv32 + bias[num_kv_heads * group:].view(2, num_kv_heads, head_dim)
+    cos, sin = cos.float()[:, None, None, :], sin_signed.float()[:, None, None, :]
+
+    def rotated(x: torch.Tensor) -> torch.Tensor:
+        return x * cos + x.roll(head_dim // 2, dims=-1) * sin
+
+    return rotated(q32).to(q.dtype), torch.cat((rotated(kv32[:, :1]), kv32[:, 1:]), dim=1).to(new_kv.dtype)
+
+
 def _next_power_of_two(value: int) -> int:
     return 1 << (max(value, 1) - 1).bit_length()
 
@@ -124,6 +151,8 @@ def triton_decode_attention(
     response_len: torch.Tensor,
     scale: float,
     new_kv: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    qkv_bias: torch.Tensor | None = None,
     block_n: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int | None = NUM_STAGES,
@@ -142,20 +171,28 @@ def triton_decode_attention(
     if new_kv is not None:
         assert new_kv.shape == (batch, 2, num_kv_heads, head_dim) and new_kv.stride(-1) == 1
     fused = new_kv if new_kv is not None else out  # a placeholder pointer when nothing is written
+    if rope is not None:
+        assert new_kv is not None, "rope needs new_kv: the kernel rotates the new key it stores"
+        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in rope)
+        assert cos.shape == sin.shape == (batch, head_dim) and cos.stride() == sin.stride()
+    else:
+        cos = sin = out  # placeholders
+    bias = qkv_bias if qkv_bias is not None and rope is not None else out  # placeholder without one
     block_n = block_n or BLOCK_N
     stages = {} if num_stages is None else {"num_stages": num_stages}
     _decode_attention_kernel[(batch, num_kv_heads)](
         q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out, fused,
-        scale * math.log2(math.e),
+        cos, sin, bias, scale * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2),
         prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2),
         response_k.stride(0), response_k.stride(1), response_k.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        fused.stride(0), fused.stride(1), fused.stride(2),
+        fused.stride(0), fused.stride(1), fused.stride(2), cos.stride(0),
         GROUP=group, HEAD_DIM=head_dim,
         GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)),
         BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),
         BLOCK_N=block_n, IEEE=q.dtype == torch.float32, WRITE_NEW=new_kv is not None,
+        ROPE=rope is not None, HAS_BIAS=rope is not None and qkv_bias is not None,
         num_warps=num_warps, **stages,
     )
     return out
@@ -163,6 +200,8 @@ def triton_decode_attention(
 
 reference_decode_attention.writes_new_kv = True  # both take `new_kv`: the engine leaves the cache write to them
 triton_decode_attention.writes_new_kv = True
+reference_decode_attention.applies_rope = True  # both take `rope=`: the engine can leave RoPE (and q/k/v bias) to them
+triton_decode_attention.applies_rope = True
 
 
 if triton is not None:
@@ -200,16 +239,36 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
-    def _attend_new(q, k_base, v_base, new, stride_nkv, stride_l, cached, m_i, l_i, acc, qk_scale,
+    def _load_new(new, stride_nkv, write, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+        """This step's key and value of one (slot, KV head) as stored: `new`, `new + stride_nkv` (BLOCK_D,)."""
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = (offs_d < HEAD_DIM) & write
+        return tl.load(new + offs_d, mask=d_mask, other=0.0), tl.load(new + stride_nkv + offs_d, mask=d_mask, other=0.0)
+
+    @triton.jit
+    def _rotated(base, row_offsets, bias, bias_rows, cos, sin, mask,
+                 HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Rows (R, BLOCK_D) of raw projections at base + row_offsets, bias rows added, RoPE'd in float32:
+        x * cos + roll(x, D/2) * signed sin (`rotate_projections`); the roll is a second load."""
+        offs_d = tl.arange(0, BLOCK_D)
+        rolled = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+        x = tl.load(base + row_offsets[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_rolled = tl.load(base + row_offsets[:, None] + rolled[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            x += tl.load(bias + bias_rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+            x_rolled += tl.load(bias + bias_rows[:, None] * HEAD_DIM + rolled[None, :], mask=mask,
+                                other=0.0).to(tl.float32)
+        return x * cos[None, :] + x_rolled * sin[None, :]
+
+    @triton.jit
+    def _attend_new(q, k_base, v_base, k_new, v_new, stride_l, cached, m_i, l_i, acc, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-        """This step's key and value (`new`, `new + stride_nkv`): stored at index `cached` of one slot's
+        """This step's key and value (BLOCK_D,) (see `_load_new`): stored at index `cached` of one slot's
         response cache (k_base, v_base) and folded into (m_i, l_i, acc) from registers, so the program
         never reads what it writes. A slot with no response token (cached = -1) writes and adds nothing."""
         offs_d = tl.arange(0, BLOCK_D)
         write = cached >= 0
         d_mask = (offs_d < HEAD_DIM) & write
-        k_new = tl.load(new + offs_d, mask=d_mask, other=0.0)
-        v_new = tl.load(new + stride_nkv + offs_d, mask=d_mask, other=0.0)
         at = cached.to(tl.int64) * stride_l
         tl.store(k_base + at + offs_d, k_new, mask=d_mask)
         tl.store(v_base + at + offs_d, v_new, mask=d_mask)
@@ -221,26 +280,35 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(
-        Q, PK, PV, RK, RV, PROMPT_INDEX, PROMPT_LEN, RESPONSE_LEN, OUT, NEW_KV, qk_scale,
+        Q, PK, PV, RK, RV, PROMPT_INDEX, PROMPT_LEN, RESPONSE_LEN, OUT, NEW_KV, COS, SIN, BIAS, qk_scale,
         stride_qb, stride_qh, stride_qg,
         stride_pe, stride_ph, stride_pl,
         stride_rb, stride_rh, stride_rl,
         stride_ob, stride_oh, stride_og,
-        stride_nb, stride_nkv, stride_nh,
+        stride_nb, stride_nkv, stride_nh, stride_cb,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr,
+        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr, ROPE: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
     ):
         """One (slot, KV head): the prompt entry's keys, then the slot's response keys, one softmax.
         With WRITE_NEW the last response key/value (index response_len - 1) comes from NEW_KV: it is
         attended from registers and stored into the cache, so the cache write needs no kernel of its own
-        (and this program never reads what it writes)."""
+        (and this program never reads what it writes). With ROPE, Q and NEW_KV are raw projections: the
+        bias rows (BIAS (H + 2 Hkv, D), HAS_BIAS) are added and RoPE applied (COS, SIN (B, D)) on load."""
         slot = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, BLOCK_D)
         row_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
-        q = tl.load(Q + slot * stride_qb + head * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :],
-                    mask=row_mask, other=0.0)  # (GROUP_PAD, BLOCK_D); padded rows are zeros
+        q_base = Q + slot * stride_qb + head * stride_qh
+        if ROPE:
+            cos = tl.load(COS + slot * stride_cb + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
+            sin = tl.load(SIN + slot * stride_cb + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
+            q = _rotated(q_base, offs_g * stride_qg, BIAS, head * GROUP + offs_g, cos, sin, row_mask,
+                         HAS_BIAS, HEAD_DIM, BLOCK_D).to(Q.dtype.element_ty)  # rounded once, as a RoPE kernel would
+        else:
+            q = tl.load(q_base + offs_g[:, None] * stride_qg + offs_d[None, :], mask=row_mask, other=0.0)
+        # q (GROUP_PAD, BLOCK_D); padded rows are zeros
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
@@ -254,8 +322,23 @@ if triton is not None:
         m_i, l_i, acc = _attend(q, RK + response, RV + response, cached,
                                 stride_rl, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
         if WRITE_NEW:
-            m_i, l_i, acc = _attend_new(q, RK + response, RV + response, NEW_KV + slot * stride_nb + head * stride_nh,
-                                        stride_nkv, stride_rl, cached, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D)
+            new = NEW_KV + slot * stride_nb + head * stride_nh
+            write = cached >= 0
+            if ROPE:
+                num_heads = tl.num_programs(1) * GROUP
+                one = tl.arange(0, 1)
+                one_mask = (one[:, None] < 1) & (offs_d[None, :] < HEAD_DIM) & write
+                k_new = tl.sum(_rotated(new, one * 0, BIAS, num_heads + head + one * 0, cos, sin, one_mask,
+                                        HAS_BIAS, HEAD_DIM, BLOCK_D), 0).to(RK.dtype.element_ty)
+                v_new = tl.load(new + stride_nkv + offs_d, mask=(offs_d < HEAD_DIM) & write, other=0.0)
+                if HAS_BIAS:
+                    v_bias = BIAS + (num_heads + tl.num_programs(1) + head) * HEAD_DIM
+                    v_new = (v_new.to(tl.float32) + tl.load(v_bias + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
+                             .to(tl.float32)).to(RV.dtype.element_ty)
+            else:
+                k_new, v_new = _load_new(new, stride_nkv, write, HEAD_DIM, BLOCK_D)
+            m_i, l_i, acc = _attend_new(q, RK + response, RV + response, k_new, v_new, stride_rl, cached,
+                                        m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
         tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_mask)

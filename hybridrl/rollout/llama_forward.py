@@ -397,13 +397,17 @@ def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, pending
     cos/sin (B, D) -> h with the residuals added; q (B, Hkv, group, D) with the query heads of one KV head
     folded together; kv (B, 2, Hkv, D), keys and values stacked so the cache write is one store (q and kv
     are views of one buffer, so compiled, the RoPEs and the stack are one kernel, and the residual adds fuse
-    into the norm: no kernel of their own)."""
+    into the norm: no kernel of their own). cos = sin = None (fused q/k/v, no q/k norm): q and kv are the raw
+    projection, without bias or RoPE, for an attention that applies both (`decode_attention.rotate_projections`)."""
     for residual in pending:
         h = h + residual
-    q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)
-    # One buffer (B, H + 2 Hkv, D) for q and the new K/V: compiled, both RoPEs and the stack are one kernel.
-    qkv = torch.cat((q, k, v), dim=-2)
     batch = h.shape[0]
+    if cos is None:  # RoPE and the q/k/v bias are left to the attention kernel: q and kv are views of one matmul
+        qkv = F.linear(rms_norm(h, lw.input_norm, w.rms_eps), lw.qkv_weight).view(batch, -1, w.head_dim)
+    else:
+        q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)
+        # One buffer (B, H + 2 Hkv, D) for q and the new K/V: compiled, both RoPEs and the stack are one kernel.
+        qkv = torch.cat((q, k, v), dim=-2)
     return h, qkv[:, : w.num_heads].view(batch, w.num_kv_heads, -1, w.head_dim), \
         qkv[:, w.num_heads:].view(batch, 2, w.num_kv_heads, w.head_dim)
 
@@ -453,10 +457,11 @@ def compiled_decode_functions() -> DecodeFunctions:
     return DecodeFunctions(dynamic_batch(compiled[0], 2), dynamic_batch(compiled[1], 2), dynamic_batch(compiled[2], 1))
 
 
-def _decode_layers(w: ModelWeights, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def _decode_layers(w: ModelWeights, tokens: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                    functions: DecodeFunctions, attend: Callable) -> torch.Tensor:
     """The decode layer stack with the KV write + attention passed in (it is what the cache layouts differ
-    in): attend(layer_index, q (B, Hkv, group, D), kv (B, 2, Hkv, D)) -> (B, Hkv, group, D)."""
+    in): attend(layer_index, q (B, Hkv, group, D), kv (B, 2, Hkv, D)) -> (B, Hkv, group, D). cos = sin =
+    None: `attend` gets raw projections and applies RoPE itself (see `attention_inputs`)."""
     h, pending = F.embedding(tokens, w.embed), ()  # (B, hidden); residuals not yet added to h
     for layer_index, lw in enumerate(w.layers):
         lw = unpacked(lw)
@@ -509,6 +514,7 @@ def decode_logits_prefix_shared(
     response_len: torch.Tensor,
     attention: Callable,
     functions: DecodeFunctions = EAGER_DECODE,
+    rope_in_attention: bool = True,
 ) -> torch.Tensor:
     """One decode step over the prefix-shared layout (see `decode_attention.py`) for slots 0..B-1.
 
@@ -519,6 +525,8 @@ def decode_logits_prefix_shared(
     response index response_len - 1, then visible; attentions marked `writes_new_kv` write it themselves
     (`new_kv=`), the others get it written here first. `attention` is `triton_decode_attention` or
     `reference_decode_attention`. No host sync and no length-dependent shape (graph-safe).
+    `rope_in_attention`: when the attention can (`applies_rope`) and every layer has fused q/k/v and no q/k
+    norm, the attention gets the raw projections and applies bias and RoPE itself: one kernel fewer per layer.
     """
     batch = tokens.shape[0]
     slots = torch.arange(batch, device=tokens.device)
@@ -527,14 +535,28 @@ def decode_logits_prefix_shared(
     scale = w.head_dim ** -0.5  # SDPA's default, which the per-slot path uses
 
     writes_new_kv = getattr(attention, "writes_new_kv", False)  # the kernel stores kv itself: one kernel fewer
+    cos, sin = cos_table[positions], sin_table[positions]
+    rotate_inside = rope_in_attention and rotates_projections(attention, w)
 
     def attend(layer_index: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         prompt_k, prompt_v = prompt_cache[layer_index, 0], prompt_cache[layer_index, 1]
         response_k, response_v = response_cache[layer_index, 0], response_cache[layer_index, 1]
+        if rotate_inside:
+            return attention(q, prompt_k, prompt_v, response_k, response_v, prompt_entry, prompt_len, response_len,
+                             scale, new_kv=kv, rope=(cos, sin), qkv_bias=w.layers[layer_index].qkv_bias)
         if writes_new_kv:
             return attention(q, prompt_k, prompt_v, response_k, response_v, prompt_entry, prompt_len, response_len,
                              scale, new_kv=kv)
         response_cache[layer_index][:, slots, :, write_at] = kv  # (B, 2, Hkv, D), as in decode_logits
         return attention(q, prompt_k, prompt_v, response_k, response_v, prompt_entry, prompt_len, response_len, scale)
 
-    return _decode_layers(w, tokens, cos_table[positions], sin_table[positions], functions, attend)
+    if rotate_inside:
+        return _decode_layers(w, tokens, None, None, functions, attend)
+    return _decode_layers(w, tokens, cos, sin, functions, attend)
+
+
+def rotates_projections(attention: Callable, w: ModelWeights) -> bool:
+    """Whether a decode step can leave bias and RoPE to `attention`: it takes `rope=` (`applies_rope`) and every
+    layer's q/k/v is one matmul (`fuse_qkv`) with no q/k norm between projection and RoPE (Qwen3 has one)."""
+    return getattr(attention, "applies_rope", False) and all(
+        lw.qkv_weight is not None and lw.q_norm is None for lw in w.layers)

@@ -217,7 +217,7 @@ stacked_decode_attention.writes_new_kv = True  # both take `new_kv`: the engine 
 stacked_reference_attention.writes_new_kv = True
 
 if triton is not None:
-    _attend, _attend_new = decode_attention._attend, decode_attention._attend_new
+    _attend, _attend_new, _load_new = decode_attention._attend, decode_attention._attend_new, decode_attention._load_new
 
     @triton.jit
     def _stacked_prompt_kernel(
@@ -284,8 +284,10 @@ if triton is not None:
         m_i, l_i, acc = _attend(q, RK + response, RV + response, cached,
                                 stride_rl, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
         if WRITE_NEW:
-            m_i, l_i, acc = _attend_new(q, RK + response, RV + response, NEW_KV + slot * stride_nb + head * stride_nh,
-                                        stride_nkv, stride_rl, cached, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D)
+            k_new, v_new = _load_new(NEW_KV + slot * stride_nb + head * stride_nh, stride_nkv, cached >= 0,
+                                     HEAD_DIM, BLOCK_D)
+            m_i, l_i, acc = _attend_new(q, RK + response, RV + response, k_new, v_new, stride_rl, cached,
+                                        m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
         tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_mask)
