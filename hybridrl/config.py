@@ -119,10 +119,10 @@ class RolloutConfig:
     SDPA; `auto`: triton on CUDA when triton is installed, else sdpa. `triton-stacked` (opt-in; as fast as
     triton in one H200 run, slower in the next): the triton layout with a prompt kernel per prompt entry that reads its KV
     once for all samples, then a response kernel per sequence (on CPU a PyTorch reference of the same two phases)."""
-    fuse_qkv: bool = False
-    """Built-in engine: copy each layer's q/k/v weights into one matrix while generating, so a decode step
-    runs one matmul instead of three, and the triton kernel (no q/k norm) adds bias and RoPE itself. Costs the
-    q/k/v weights again while generating (50 MB for Qwen2-0.5B, 0.9 GB for Qwen2.5-7B); LoRA'd projections stay separate."""
+    fuse_qkv: bool = True
+    """Built-in engine: one matrix of each layer's q/k/v weights while generating: one matmul instead of three, and
+    the triton kernel (no q/k norm) adds bias and RoPE itself (grpo-0.5b rollout on an H200: 0.776 -> 0.657 s).
+    Costs q/k/v again while generating (50 MB for Qwen2-0.5B, 0.9 GB for Qwen2.5-7B); LoRA'd projections stay apart."""
     fuse_gate_up: bool = False
     """Built-in engine: likewise stack each layer's MLP gate and up weights into one matrix while generating
     (one matmul instead of two). Costs those weights again during the rollout: 0.4 GB for Qwen2-0.5B,

@@ -182,7 +182,7 @@ class BuiltinBackend:
         (triton on CUDA when triton imports, else sdpa); opt-in "triton-stacked": the same layout, attention
         split into a prompt kernel per (entry, KV head) that stacks the samples' queries and a response
         kernel per slot (`stacked_attention.py`; on CPU its PyTorch reference). `last_stats["attention"]`
-        says which ran. fuse_qkv: copy each layer's q/k/v weights into one matrix for the duration of a
+        says which ran. fuse_qkv (default on): copy each layer's q/k/v weights into one matrix for the duration of a
         `generate` (one matmul instead of three; extra memory of the q/k/v weights, e.g. 50 MB for
         Qwen2-0.5B, 0.9 GB for Qwen2.5-7B); projections with a LoRA adapter stay separate. fuse_gate_up:
         the same for the MLP's gate and up projections (extra memory of those weights: 0.4 GB for
@@ -203,7 +203,7 @@ class BuiltinBackend:
         release_after_generate: bool = True,
         compile: bool | None = None,
         attention: str = "auto",
-        fuse_qkv: bool = False,
+        fuse_qkv: bool = True,
         fuse_gate_up: bool = False,
         rope_in_attention: bool = True,
     ) -> None:
