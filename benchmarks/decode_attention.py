@@ -6,7 +6,7 @@ Each configuration is checked against the PyTorch reference first, then timed as
 one CUDA graph (as the engine runs it), so launch overhead is not what is measured. Also timed: the
 engine's old unfused path (index_put of the new K/V, then the kernel) against the fused write.
 
-    python3 benchmarks/decode_attention.py [--response-len 128] [--bandwidth-tbs 4.2] [--stacked] [--streams]
+    python3 benchmarks/decode_attention.py [--response-len 128] [--bandwidth-tbs 4.2] [--stacked]
 
 The floor is the bytes a layer must read once (each prompt entry's KV, each slot's response KV, the
 queries) at `--bandwidth-tbs`. JSON goes to $OUT/decode_attention.json when $OUT is set.
@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from decode_attention_cases import TOLERANCE, check_fused_write, check_rope, make_case, rope_inputs  # noqa: E402
+from decode_attention_cases import TOLERANCE, check_fused_write, make_case  # noqa: E402
 
 from hybridrl.rollout.decode_attention import reference_decode_attention, triton_decode_attention  # noqa: E402
 
@@ -74,25 +74,6 @@ def time_stacked(case: dict, new_kv: torch.Tensor, args) -> list[dict]:
     return sorted(rows, key=lambda row: row["us"])
 
 
-def time_streams(case: dict, new_kv: torch.Tensor) -> list[dict]:
-    """The one-kernel launch as the engine calls it with fuse_qkv (new K/V written, bias and RoPE applied in
-    the kernel), with 1, 2 and 3 key streams per program; each checked against the reference first."""
-    cos, sin, bias = rope_inputs(case, with_bias=True)
-    rows = []
-    for streams, block_n, warps in itertools.product((1, 2, 3), (32, 64), (2, 4)):
-        config = dict(streams=streams, block_n=block_n, num_warps=warps)
-        attention = lambda **kw: triton_decode_attention(**kw, **config)  # noqa: E731
-        try:
-            check_rope(attention, case, TOLERANCE[case["q"].dtype], with_bias=True)
-            micros = graph_time_us(lambda: attention(**case, new_kv=new_kv, rope=(cos, sin), qkv_bias=bias))
-        except Exception as error:
-            print(f"{config}: failed: {str(error).splitlines()[0][:100]}", flush=True)
-            continue
-        rows.append(dict(config, us=micros))
-        print(f"{config}: {micros:.1f} us", flush=True)
-    return sorted(rows, key=lambda row: row["us"])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slots", type=int, default=512)
@@ -102,9 +83,6 @@ def main() -> None:
     parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
     parser.add_argument("--no-sweep", action="store_true",
                         help="skip the 45 one-kernel launch configurations (time the default only)")
-    parser.add_argument("--streams", action="store_true",
-                        help="also time the kernel with 1, 2 and 3 key streams per program (fused write and RoPE "
-                             "on, as the engine calls it with fuse_qkv) over a few launch configurations")
     parser.add_argument("--stacked", action="store_true",
                         help="also time attention='triton-stacked' (prompt kernel per entry + response kernel per "
                              "slot) over its launch configurations, with the fused K/V write")
@@ -148,7 +126,6 @@ def main() -> None:
     fused_us = graph_time_us(lambda: triton_decode_attention(**case, new_kv=new_kv))
     unfused_us = graph_time_us(unfused)
     stacked_rows = time_stacked(case, new_kv, args) if args.stacked else []
-    stream_rows = time_streams(case, new_kv) if args.streams else []
     rows.sort(key=lambda row: row["us"])
     print(f"\nshape: {args.slots} slots, {args.entries} prompt entries x {args.prompt_len}, response {args.response_len}, "
           f"bf16, group {group}, head_dim {head_dim}; floor {floor_us:.1f} us ({floor_bytes / 1e6:.1f} MB at "
@@ -163,13 +140,10 @@ def main() -> None:
         print(f"stacked, block_n {row['block_n']}, prompt warps {row['prompt_warps']}, response warps "
               f"{row['response_warps']}, fused write: {row['us']:.1f} us ({100 * floor_us / row['us']:.0f}% of the floor; "
               f"one-kernel launch with the fused write {fused_us:.1f} us)")
-    for row in stream_rows[:10]:
-        print(f"streams {row['streams']}, block_n {row['block_n']}, warps {row['num_warps']}, fused write + RoPE: "
-              f"{row['us']:.1f} us ({100 * floor_us / row['us']:.0f}% of the floor)")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "decode_attention.json"), "w") as handle:
             json.dump(dict(args=vars(args), floor_us=floor_us, configs=rows, default_us=default, fused_us=fused_us,
-                           unfused_us=unfused_us, stacked=stacked_rows, streams=stream_rows, device=torch.cuda.get_device_name()), handle, indent=2)
+                           unfused_us=unfused_us, stacked=stacked_rows, device=torch.cuda.get_device_name()), handle, indent=2)
 
 
 if __name__ == "__main__":

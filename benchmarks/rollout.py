@@ -74,8 +74,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-triton", action="store_true", help="skip the attention='triton' engine")
     parser.add_argument("--no-triton-stacked", action="store_true", help="skip the attention='triton-stacked' engine")
     parser.add_argument("--no-fused-qkv", action="store_true", help="skip the triton engine with fuse_qkv=True")
-    parser.add_argument("--streams", default="", help="comma-separated key streams per attention program (2, 3) to "
-                        "time the fused-qkv engine with as well (decode_attention.STREAMS)")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one engine run (each engine)")
     if "--quick" in sys.argv:  # new defaults; flags given explicitly still win
         parser.set_defaults(prompts=16, response_len=64, hf_sequences=32, agreement_sequences=16)
@@ -224,7 +222,7 @@ def floor(model, num_prompts: int, n: int, prompt_len: int, response_len: int, b
 
 def time_triton(model, prompts, params, args, device: str, attention: str = "triton",
                 float32_tokens: list[list[int]] | None = None, fuse_qkv: bool = False,
-                fuse_gate_up: bool = False, rope_in_attention: bool = True, label: str = "") -> dict:
+                fuse_gate_up: bool = False, rope_in_attention: bool = True) -> dict:
     """The compiled engine with a prefix-shared attention ("triton" or "triton-stacked"), timed and checked
     like the sdpa one; `fuse_qkv` / `fuse_gate_up` add the stacked q/k/v / gate-up projections (with fused
     q/k/v the kernel applies bias and RoPE unless `rope_in_attention` is False)."""
@@ -234,8 +232,7 @@ def time_triton(model, prompts, params, args, device: str, attention: str = "tri
     result = time_engine(engine, prompts, params, args.repeats)
     result["stats"]["attention"] = (result["stats"].get("attention", "") + (" + fused qkv" if fuse_qkv else "")
                                     + (" + fused gate/up" if fuse_gate_up else "")
-                                    + (" + RoPE in kernel" if result["stats"].get("rope_in_attention") else "")
-                                    + label)
+                                    + (" + RoPE in kernel" if result["stats"].get("rope_in_attention") else ""))
     print(f"engine (attention={result['stats'].get('attention')}): {result['seconds']:.3f} s, "
           f"{result['tokens_per_s']:.0f} tok/s, compile + first call {result['first_call_s']:.1f} s, "
           f"stats {result['stats']}", flush=True)
@@ -330,14 +327,6 @@ def main() -> None:
         fused_result = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens, fuse_qkv=True)
         fused_all_result = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens,
                                        fuse_qkv=True, fuse_gate_up=True)
-    stream_results = []
-    for streams in [int(v) for v in args.streams.split(",") if v]:
-        from hybridrl.rollout import decode_attention
-
-        default, decode_attention.STREAMS = decode_attention.STREAMS, streams
-        stream_results.append(time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens,
-                                          fuse_qkv=True, label=f" + {streams} key streams"))
-        decode_attention.STREAMS = default
     hf = time_hf(model, prompts, args.hf_sequences, args.response_len, device) if args.hf_sequences else None
     if hf:
         print(f"hf generate: {hf}", flush=True)
@@ -348,8 +337,7 @@ def main() -> None:
                   engine_sdpa_efficient=efficient, engine_triton=triton_result,
                   engine_triton_stacked=stacked_result, engine_triton_fused_qkv_rope_kernel=rope_kernel_result,
                   engine_triton_fused_qkv=fused_result,
-                  engine_triton_fused_qkv_gate_up=fused_all_result, engine_streams=stream_results,
-                  hf_generate=hf, floor=bound,
+                  engine_triton_fused_qkv_gate_up=fused_all_result, hf_generate=hf, floor=bound,
                   percent_of_floor=100 * bound["seconds"] / ours["seconds"],
                   speedup_vs_hf=ours["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
                   greedy_agreement=agreement, logprob_mismatch=mismatch, hf_bf16_vs_float32_equal_fraction=hf_vs_float32)
@@ -366,7 +354,7 @@ def print_table(result: dict) -> None:
     rows = [(label, f"{ours['tokens']}", f"{ours['seconds']:.3f}", f"{ours['tokens_per_s']:,.0f}", f"{ours['peak_gib']:.1f}")]
     prefix_shared = [r for r in (result["engine_triton"], result.get("engine_triton_stacked"),
                                  result.get("engine_triton_fused_qkv_rope_kernel"), result.get("engine_triton_fused_qkv"),
-                                 result.get("engine_triton_fused_qkv_gate_up"), *result.get("engine_streams", []))
+                                 result.get("engine_triton_fused_qkv_gate_up"))
                       if r]
     for shared in prefix_shared:
         name = shared["stats"].get("attention")

@@ -3,7 +3,6 @@ SDPA, and the built-in engine on the prefix-shared layout vs HF and vs the per-s
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -133,7 +132,7 @@ def test_engine_with_triton_kernel_in_interpret_mode_matches_sdpa():
     assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel_rope")
 
 
-def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False, streams: int = 1):
+def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False):
     """Compile the kernel ahead of time for sm_90 (Triton's own ptxas; no GPU or driver needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -147,23 +146,22 @@ def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool 
     pad = lambda value: max(decode_attention.MIN_DOT_ROWS, 1 << (value - 1).bit_length())  # noqa: E731
     constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=pad(group), BLOCK_D=pad(head_dim),
                      BLOCK_N=decode_attention.BLOCK_N, IEEE=dtype == "fp32",
-                     WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope, STREAMS=streams)  # the variants the engine runs
+                     WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope)  # the variants the engine runs
     return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
                                            target=GPUTarget("cuda", 90, 32),
                                            options=dict(num_warps=decode_attention.NUM_WARPS))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
-@pytest.mark.parametrize("dtype, group, head_dim, rope, streams", [
-    ("bf16", 7, 64, False, 1), ("bf16", 7, 64, True, 1), ("bf16", 7, 64, True, 2), ("bf16", 7, 64, True, 3),
-    ("fp32", 2, 16, True, 1), ("fp32", 4, 128, False, 3)])
-def test_triton_kernel_compiles_for_hopper(dtype, group, head_dim, rope, streams):
+@pytest.mark.parametrize("dtype, group, head_dim, rope", [("bf16", 7, 64, False), ("bf16", 7, 64, True),
+                                                         ("fp32", 2, 16, True), ("fp32", 4, 128, False)])
+def test_triton_kernel_compiles_for_hopper(dtype, group, head_dim, rope):
     """The interpreter does not lower the kernel; this does (to a cubin), so type errors in the compiled
     path and shared-memory overuse show up on CPU. Cases: the benchmark's (bf16, group 7, head_dim 64),
     the GPU test's tiny float32 model, and the largest float32 tiles (head_dim 128)."""
     if not isinstance(decode_attention._decode_attention_kernel, decode_attention.triton.runtime.JITFunction):
         pytest.skip("the kernel was built in interpret mode (TRITON_INTERPRET is set)")
-    compiled = compile_kernel_for_hopper(dtype, group, head_dim, rope, streams)
+    compiled = compile_kernel_for_hopper(dtype, group, head_dim, rope)
     assert "cubin" in compiled.asm and compiled.metadata.shared < 160 * 1024  # H200: 227 KiB per block
 
 
@@ -279,9 +277,6 @@ def test_triton_kernel_and_engine_on_cuda():
             torch.testing.assert_close(triton_decode_attention(**case), reference_decode_attention(**case),
                                        **TOLERANCE[dtype])
             check_rope(triton_decode_attention, case, TOLERANCE[dtype], with_bias=seed % 2 == 0)
-            for streams in (2, 3):
-                check_rope(functools.partial(triton_decode_attention, streams=streams), case, TOLERANCE[dtype],
-                           with_bias=True)
     model = make_model("qwen2").cuda()
     prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(9)]
     for params in (SamplingParams(max_new_tokens=20, temperature=0, n=2),

@@ -70,11 +70,6 @@ NUM_WARPS below, the fastest of 45 launch configurations at the grpo-0.5b shape 
 keys x 4 warps). Float32 tiles of head_dim 128 (32 x 128 x 4 bytes) stay well inside shared memory."""
 NUM_WARPS, NUM_STAGES = 2, None
 """Launch configuration; None leaves the stage count to Triton."""
-STREAMS = 1
-"""Independent online-softmax streams per program, walked side by side in one loop and merged at the end:
-1 (keys in order: prompt, then response), 2 (prompt | response) or 3 (prompt first half | second half |
-response). More streams give a program more loads in flight and fewer dependent iterations; read at launch
-time, so a benchmark can set it."""
 MIN_DOT_ROWS = 16
 """`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
 
@@ -161,10 +156,9 @@ def triton_decode_attention(
     block_n: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int | None = NUM_STAGES,
-    streams: int | None = None,
 ) -> torch.Tensor:
     """Launch the Triton kernel over a (B, Hkv) grid; same contract as `reference_decode_attention`.
-    `block_n`, `num_warps`, `num_stages`, `streams` are the launch configuration (`benchmarks/decode_attention.py`
+    `block_n`, `num_warps`, `num_stages` are the launch configuration (`benchmarks/decode_attention.py`
     times the alternatives); the defaults are the measured best at the grpo-0.5b shape."""
     if triton is None:
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
@@ -184,8 +178,7 @@ def triton_decode_attention(
     else:
         cos = sin = out  # placeholders
     bias = qkv_bias if qkv_bias is not None and rope is not None else out  # placeholder without one
-    block_n, streams = block_n or BLOCK_N, streams or STREAMS
-    assert streams in (1, 2, 3), "streams must be 1, 2 or 3"
+    block_n = block_n or BLOCK_N
     stages = {} if num_stages is None else {"num_stages": num_stages}
     _decode_attention_kernel[(batch, num_kv_heads)](
         q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out, fused,
@@ -199,7 +192,7 @@ def triton_decode_attention(
         GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)),
         BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),
         BLOCK_N=block_n, IEEE=q.dtype == torch.float32, WRITE_NEW=new_kv is not None,
-        ROPE=rope is not None, HAS_BIAS=rope is not None and qkv_bias is not None, STREAMS=streams,
+        ROPE=rope is not None, HAS_BIAS=rope is not None and qkv_bias is not None,
         num_warps=num_warps, **stages,
     )
     return out
@@ -214,85 +207,35 @@ triton_decode_attention.applies_rope = True
 if triton is not None:
 
     @triton.jit
-    def _attend_block(q, k_base, v_base, start, length, stride_l, m_i, l_i, acc, qk_scale,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-        """Online-softmax update of (m_i, l_i, acc) over keys [start, min(start + BLOCK_N, length)) of one
-        (entry or slot, KV head); the caller guarantees start < length, so the block has a visible key.
+    def _attend(q, k_base, v_base, length, stride_l, m_i, l_i, acc, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """Online-softmax update of (m_i, l_i, acc) over keys [0, length) of one (entry or slot, KV head).
 
         q (GROUP_PAD, BLOCK_D); m_i, l_i (GROUP_PAD,) float32 in log2 units; acc (GROUP_PAD, BLOCK_D) float32.
         """
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        cols = start + offs_n
-        kv_mask = (cols[:, None] < length) & (offs_d[None, :] < HEAD_DIM)
-        offsets = cols[:, None] * stride_l + offs_d[None, :]
-        k = tl.load(k_base + offsets, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        v = tl.load(v_base + offsets, mask=kv_mask, other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        # Column `start` is visible, so every row's max below is finite (padded rows score 0).
-        scores = tl.where(cols[None, :] < length, scores * qk_scale, float("-inf"))  # (GROUP_PAD, BLOCK_N)
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.math.exp2(m_i - m_new)  # 0 on the first block (m_i = -inf)
-        p = tl.math.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        return m_new, l_i, acc
-
-    @triton.jit
-    def _attend(q, k_base, v_base, length, stride_l, m_i, l_i, acc, qk_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-        """Online-softmax update of (m_i, l_i, acc) over keys [0, length) of one (entry or slot, KV head)."""
         for start in range(0, length, BLOCK_N):  # device-side bound: only the slot's own keys are read
-            m_i, l_i, acc = _attend_block(q, k_base, v_base, start, length, stride_l, m_i, l_i, acc, qk_scale,
-                                          HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
-        return m_i, l_i, acc
-
-    @triton.jit
-    def _merge(m_a, l_a, acc_a, m_b, l_b, acc_b):
-        """Two online-softmax states over disjoint keys -> one (a stream that saw no key has m = -inf)."""
-        m = tl.maximum(m_a, m_b)
-        alpha_a = tl.where(m_a == float("-inf"), 0.0, tl.math.exp2(m_a - m))
-        alpha_b = tl.where(m_b == float("-inf"), 0.0, tl.math.exp2(m_b - m))
-        return m, l_a * alpha_a + l_b * alpha_b, acc_a * alpha_a[:, None] + acc_b * alpha_b[:, None]
-
-    @triton.jit
-    def _attend_streams(q, pk, pv, prompt_len, stride_pl, rk, rv, response_len, stride_rl, qk_scale,
-                        GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, STREAMS: tl.constexpr):
-        """The prompt keys [0, prompt_len) and response keys [0, response_len) of one program as 2 or 3
-        streams (STREAMS 3 splits the prompt at a block boundary), one block of each per iteration."""
-        first = prompt_len
-        if STREAMS == 3:
-            first = tl.cdiv(tl.cdiv(prompt_len, BLOCK_N), 2) * BLOCK_N  # stream a: [0, first); c: [first, len)
-            first = tl.minimum(first, prompt_len)
-        second = prompt_len - first
-        m_a = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_a = tl.zeros([GROUP_PAD], tl.float32)
-        acc_a = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        m_b, l_b, acc_b = m_a, l_a, acc_a
-        m_c, l_c, acc_c = m_a, l_a, acc_a
-        pc_k, pc_v = pk + first.to(tl.int64) * stride_pl, pv + first.to(tl.int64) * stride_pl
-        steps = tl.maximum(tl.maximum(first, second), response_len)
-        for start in range(0, steps, BLOCK_N):
-            if start < first:
-                m_a, l_a, acc_a = _attend_block(q, pk, pv, start, first, stride_pl, m_a, l_a, acc_a, qk_scale,
-                                                HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
-            if start < response_len:
-                m_b, l_b, acc_b = _attend_block(q, rk, rv, start, response_len, stride_rl, m_b, l_b, acc_b,
-                                                qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
-            if STREAMS == 3:
-                if start < second:
-                    m_c, l_c, acc_c = _attend_block(q, pc_k, pc_v, start, second, stride_pl, m_c, l_c, acc_c,
-                                                    qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
-        m_i, l_i, acc = _merge(m_a, l_a, acc_a, m_b, l_b, acc_b)
-        if STREAMS == 3:
-            m_i, l_i, acc = _merge(m_i, l_i, acc, m_c, l_c, acc_c)
+            cols = start + offs_n
+            kv_mask = (cols[:, None] < length) & (offs_d[None, :] < HEAD_DIM)
+            offsets = cols[:, None] * stride_l + offs_d[None, :]
+            k = tl.load(k_base + offsets, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+            v = tl.load(v_base + offsets, mask=kv_mask, other=0.0)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            # Column `start` is visible, so every row's max below is finite (padded rows score 0).
+            scores = tl.where(cols[None, :] < length, scores * qk_scale, float("-inf"))  # (GROUP_PAD, BLOCK_N)
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            alpha = tl.math.exp2(m_i - m_new)  # 0 on the first block (m_i = -inf)
+            p = tl.math.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
         return m_i, l_i, acc
 
     @triton.jit
@@ -345,7 +288,7 @@ if triton is not None:
         stride_nb, stride_nkv, stride_nh, stride_cb,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr, ROPE: tl.constexpr,
-        HAS_BIAS: tl.constexpr, STREAMS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
     ):
         """One (slot, KV head): the prompt entry's keys, then the slot's response keys, one softmax.
         With WRITE_NEW the last response key/value (index response_len - 1) comes from NEW_KV: it is
@@ -366,24 +309,18 @@ if triton is not None:
         else:
             q = tl.load(q_base + offs_g[:, None] * stride_qg + offs_d[None, :], mask=row_mask, other=0.0)
         # q (GROUP_PAD, BLOCK_D); padded rows are zeros
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
         entry = tl.load(PROMPT_INDEX + slot).to(tl.int64)
         prompt = entry * stride_pe + head * stride_ph
-        prompt_len = tl.load(PROMPT_LEN + slot).to(tl.int32)
+        m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, tl.load(PROMPT_LEN + slot).to(tl.int32), stride_pl,
+                                m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
         response = slot * stride_rb + head * stride_rh
         response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
         cached = response_len - 1 if WRITE_NEW else response_len
-        if STREAMS == 1:
-            m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-            l_i = tl.zeros([GROUP_PAD], tl.float32)
-            acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-            m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, prompt_len, stride_pl,
-                                    m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
-            m_i, l_i, acc = _attend(q, RK + response, RV + response, cached,
-                                    stride_rl, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
-        else:
-            m_i, l_i, acc = _attend_streams(q, PK + prompt, PV + prompt, prompt_len, stride_pl, RK + response,
-                                            RV + response, cached, stride_rl, qk_scale, GROUP_PAD, HEAD_DIM,
-                                            BLOCK_D, BLOCK_N, IEEE, STREAMS)
+        m_i, l_i, acc = _attend(q, RK + response, RV + response, cached,
+                                stride_rl, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
         if WRITE_NEW:
             new = NEW_KV + slot * stride_nb + head * stride_nh
             write = cached >= 0
