@@ -132,8 +132,8 @@ def test_engine_with_triton_kernel_in_interpret_mode_matches_sdpa():
     assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel_rope")
 
 
-def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False):
-    """Compile the kernel ahead of time for sm_90 (Triton's own ptxas; no GPU or driver needed)."""
+def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False, arch: int = 90):
+    """Compile the kernel ahead of time for sm_<arch> (Triton's own ptxas; no GPU or driver needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -148,7 +148,7 @@ def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool 
                      BLOCK_N=decode_attention.BLOCK_N, IEEE=dtype == "fp32",
                      WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope)  # the variants the engine runs
     return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
-                                           target=GPUTarget("cuda", 90, 32),
+                                           target=GPUTarget("cuda", arch, 32),
                                            options=dict(num_warps=decode_attention.NUM_WARPS))
 
 
@@ -163,6 +163,22 @@ def test_triton_kernel_compiles_for_hopper(dtype, group, head_dim, rope):
         pytest.skip("the kernel was built in interpret mode (TRITON_INTERPRET is set)")
     compiled = compile_kernel_for_hopper(dtype, group, head_dim, rope)
     assert "cubin" in compiled.asm and compiled.metadata.shared < 160 * 1024  # H200: 227 KiB per block
+
+
+SHARED_MEMORY_PER_BLOCK = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024}
+"""Opt-in shared memory per block (CUDA programming guide): T4, A100, RTX 30xx/A6000, RTX 40xx/L4."""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
+@pytest.mark.parametrize("arch, dtype", [(75, "fp16"), (80, "bf16"), (86, "bf16"), (89, "bf16"), (89, "fp16")])
+def test_triton_kernel_compiles_for_smaller_gpus(arch, dtype):
+    """The small-team cards (a 24 GB RTX 4090 or A5000, an A100, a T4 in float16): the engine's kernel
+    variants (with and without RoPE inside) lower for each and fit its shared memory."""
+    if not isinstance(decode_attention._decode_attention_kernel, decode_attention.triton.runtime.JITFunction):
+        pytest.skip("the kernel was built in interpret mode (TRITON_INTERPRET is set)")
+    for group, head_dim, rope in ((7, 64, False), (7, 64, True), (4, 128, True)):  # Qwen2-0.5B; Llama/Qwen-7B
+        compiled = compile_kernel_for_hopper(dtype, group, head_dim, rope, arch)
+        assert "cubin" in compiled.asm and compiled.metadata.shared <= SHARED_MEMORY_PER_BLOCK[arch]
 
 
 def test_prompt_entries_are_refcounted_and_reused():
