@@ -74,6 +74,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-triton", action="store_true", help="skip the attention='triton' engine")
     parser.add_argument("--no-triton-stacked", action="store_true", help="skip the attention='triton-stacked' engine")
     parser.add_argument("--no-fused-qkv", action="store_true", help="skip the triton engine with fuse_qkv=True")
+    parser.add_argument("--autotune", action="store_true",
+                        help="also time the fused engine with compile='max-autotune-no-cudagraphs' (Inductor picks "
+                             "Triton or cuBLAS per projection shape; compiling takes minutes)")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one engine run (each engine)")
     if "--quick" in sys.argv:  # new defaults; flags given explicitly still win
         parser.set_defaults(prompts=16, response_len=64, hf_sequences=32, agreement_sequences=16)
@@ -222,17 +225,18 @@ def floor(model, num_prompts: int, n: int, prompt_len: int, response_len: int, b
 
 def time_triton(model, prompts, params, args, device: str, attention: str = "triton",
                 float32_tokens: list[list[int]] | None = None, fuse_qkv: bool = False,
-                fuse_gate_up: bool = False, rope_in_attention: bool = True) -> dict:
+                fuse_gate_up: bool = False, rope_in_attention: bool = True, compile_mode: str | None = None) -> dict:
     """The compiled engine with a prefix-shared attention ("triton" or "triton-stacked"), timed and checked
     like the sdpa one; `fuse_qkv` / `fuse_gate_up` add the stacked q/k/v / gate-up projections (with fused
     q/k/v the kernel applies bias and RoPE unless `rope_in_attention` is False)."""
     engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
-                            compile=False if args.no_compile else None, attention=attention, fuse_qkv=fuse_qkv,
+                            compile=False if args.no_compile else compile_mode, attention=attention, fuse_qkv=fuse_qkv,
                             fuse_gate_up=fuse_gate_up, rope_in_attention=rope_in_attention)
     result = time_engine(engine, prompts, params, args.repeats)
     result["stats"]["attention"] = (result["stats"].get("attention", "") + (" + fused qkv" if fuse_qkv else "")
                                     + (" + fused gate/up" if fuse_gate_up else "")
-                                    + (" + RoPE in kernel" if result["stats"].get("rope_in_attention") else ""))
+                                    + (" + RoPE in kernel" if result["stats"].get("rope_in_attention") else "")
+                                    + (f" + {compile_mode}" if compile_mode and result["stats"].get("compiled") else ""))
     print(f"engine (attention={result['stats'].get('attention')}): {result['seconds']:.3f} s, "
           f"{result['tokens_per_s']:.0f} tok/s, compile + first call {result['first_call_s']:.1f} s, "
           f"stats {result['stats']}", flush=True)
@@ -316,6 +320,10 @@ def main() -> None:
     del engine
     triton_result = None if args.no_triton or not triton_available() else \
         time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens)
+    autotuned = None
+    if args.autotune and triton_available():
+        autotuned = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens, fuse_qkv=True,
+                                fuse_gate_up=True, compile_mode="max-autotune-no-cudagraphs")
     stacked_result = None
     if not args.no_triton_stacked and triton_available():
         stacked_result = time_triton(model, prompts, params, args, device, attention="triton-stacked",
@@ -337,7 +345,8 @@ def main() -> None:
                   engine_sdpa_efficient=efficient, engine_triton=triton_result,
                   engine_triton_stacked=stacked_result, engine_triton_fused_qkv_rope_kernel=rope_kernel_result,
                   engine_triton_fused_qkv=fused_result,
-                  engine_triton_fused_qkv_gate_up=fused_all_result, hf_generate=hf, floor=bound,
+                  engine_triton_fused_qkv_gate_up=fused_all_result, engine_autotuned=autotuned,
+                  hf_generate=hf, floor=bound,
                   percent_of_floor=100 * bound["seconds"] / ours["seconds"],
                   speedup_vs_hf=ours["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
                   greedy_agreement=agreement, logprob_mismatch=mismatch, hf_bf16_vs_float32_equal_fraction=hf_vs_float32)
@@ -354,7 +363,7 @@ def print_table(result: dict) -> None:
     rows = [(label, f"{ours['tokens']}", f"{ours['seconds']:.3f}", f"{ours['tokens_per_s']:,.0f}", f"{ours['peak_gib']:.1f}")]
     prefix_shared = [r for r in (result["engine_triton"], result.get("engine_triton_stacked"),
                                  result.get("engine_triton_fused_qkv_rope_kernel"), result.get("engine_triton_fused_qkv"),
-                                 result.get("engine_triton_fused_qkv_gate_up"))
+                                 result.get("engine_triton_fused_qkv_gate_up"), result.get("engine_autotuned"))
                       if r]
     for shared in prefix_shared:
         name = shared["stats"].get("attention")

@@ -428,6 +428,15 @@ def test_rope_inside_the_attention_gives_the_same_tokens_and_logprobs(family):
     assert not kept.last_stats["rope_in_attention"]
 
 
+def test_compile_mode_reaches_torch_compile(monkeypatch):
+    """`compile="max-autotune-no-cudagraphs"` (a torch.compile mode) is what the decode pieces compile with."""
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: modes.append(options.get("mode")) or fn)
+    engine = BuiltinBackend(make_model("llama"), compile="max-autotune-no-cudagraphs")
+    engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=3, temperature=0))
+    assert engine.last_stats["compiled"] and modes.count("max-autotune-no-cudagraphs") == 3
+
+
 def test_quantized_projection_weights_are_refused():
     """A checkpoint that loads with quantized (integer) projection weights, e.g. bitsandbytes 4-bit, must not
     be read as if it were floating point: `supports` says no and the trainer falls back to `hf`."""

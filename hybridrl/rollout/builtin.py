@@ -175,7 +175,8 @@ class BuiltinBackend:
         sync_every: decode steps between host checks for finished sequences. tokenizer: needed only
         for stop strings. release_after_generate: free the KV cache at the end of each `generate`.
         compile: `torch.compile` the decode step's per-layer pieces and the sampler (None: on CUDA
-        only). The first step of each new shape compiles (seconds); `last_stats["warmup_s"]` reports
+        only; a string: that compile mode for the per-layer pieces, e.g. "max-autotune-no-cudagraphs").
+        The first step of each new shape compiles (seconds); `last_stats["warmup_s"]` reports
         the time of such first steps (compilation and CUDA-graph capture) apart from the rest.
         attention: "sdpa" (per-slot KV, SDPA decode attention), "triton" (prefix-shared KV: each prompt's
         KV stored once; the Triton decode kernel on CUDA, its PyTorch reference on CPU) or "auto"
@@ -201,7 +202,7 @@ class BuiltinBackend:
         use_cuda_graphs: bool = True,
         sync_every: int = 16,
         release_after_generate: bool = True,
-        compile: bool | None = None,
+        compile: bool | str | None = None,
         attention: str = "auto",
         fuse_qkv: bool = True,
         fuse_gate_up: bool = False,
@@ -312,7 +313,8 @@ class BuiltinBackend:
         if not (self.compile if self.compile is not None else device.type == "cuda"):
             return EAGER_DECODE, sample_and_record
         if self._compiled is None:
-            self._compiled = (compiled_decode_functions(), compiled_sample_and_record())
+            mode = self.compile if isinstance(self.compile, str) else None
+            self._compiled = (compiled_decode_functions(mode), compiled_sample_and_record())
         return self._compiled
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:

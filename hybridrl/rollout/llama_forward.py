@@ -439,11 +439,14 @@ class DecodeFunctions:
 EAGER_DECODE = DecodeFunctions(attention_inputs, attention_output_and_mlp, final_logits)
 
 
-def compiled_decode_functions() -> DecodeFunctions:
+def compiled_decode_functions(mode: str | None = None) -> DecodeFunctions:
     """`torch.compile`d decode pieces. The batch dimension is marked dynamic on the first call, so one
     compilation covers every batch bucket; weights are arguments, never constants, so in-place
-    updates are seen. Compilation happens on the first call of each piece (the caller's warm-up)."""
-    compiled = [torch.compile(fn, fullgraph=True) for fn in (attention_inputs, attention_output_and_mlp, final_logits)]
+    updates are seen. Compilation happens on the first call of each piece (the caller's warm-up).
+    `mode`: torch.compile's, e.g. "max-autotune-no-cudagraphs" (Inductor times Triton matmul templates
+    against cuBLAS for each projection shape; minutes of compilation; the engine captures graphs itself)."""
+    compiled = [torch.compile(fn, fullgraph=True, mode=mode)
+                for fn in (attention_inputs, attention_output_and_mlp, final_logits)]
 
     def dynamic_batch(fn, activation_arg: int):
         def call(*args):
