@@ -376,7 +376,7 @@ class BuiltinBackend:
 
     def _prefill(self, prompts: list[list[int]], admitted: list[SequenceSlot]) -> None:
         """Prefill each distinct admitted prompt once (chunked by token budget), then draw first tokens."""
-        run, state = self._run, self._run["state"]
+        state = self._run["state"]
         device = state.done.device
         by_prompt: dict[int, list[SequenceSlot]] = {}
         for sequence in admitted:

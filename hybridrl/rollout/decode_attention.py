@@ -41,7 +41,7 @@ KV head) are launched back to back and the repeated reads of it should mostly hi
 scattered; the result is still right, only the L2 reuse is lost. A grid over (prompt entry, KV head)
 that stacks the n samples' queries reads the prompt from HBM once by construction, at the cost of a
 log-sum-exp merge with the response part and an entry -> slots table: `stacked_attention.py`
-(opt-in `attention="triton-stacked"`; as fast as this kernel in its one H200 run), which reuses `_attend` below.
+(opt-in `attention="triton-stacked"`; as fast as this kernel in one H200 run, slower in the engine in the next), which reuses `_attend` below.
 
 Sliding windows are not applied here: the engine refuses prompt + max_new_tokens longer than the
 model's window (in both layouts), so inside the engine a window never hides a key.
@@ -122,7 +122,7 @@ def rotate_projections(q: torch.Tensor, new_kv: torch.Tensor, cos: torch.Tensor,
                        qkv_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw projections -> what attention reads: bias added, RoPE on q (B, Hkv, group, D) and the new key of
     new_kv (B, 2, Hkv, D), as x * cos + roll(x, D/2) * signed sin (cos, sin (B, D)); float32, rounded once."""
-    batch, num_kv_heads, group, head_dim = q.shape
+    _, num_kv_heads, group, head_dim = q.shape
     q32, kv32 = q.float(), new_kv.float()
     if qkv_bias is not None:
         bias = qkv_bias.float().view(-1, head_dim)  # rows: the q heads, then the k heads, then the v heads

@@ -322,7 +322,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 def _qkv(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos, sin):
     """Projections + q/k norm + RoPE. h: (..., hidden) -> q (..., H, D), k/v (..., Hkv, D)."""
-    shape = h.shape[:-1]
     if lw.qkv_weight is not None:
         q_size, kv_size = w.num_heads * w.head_dim, w.num_kv_heads * w.head_dim
         q, k, v = F.linear(h, lw.qkv_weight, lw.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
