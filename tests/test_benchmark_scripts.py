@@ -1,0 +1,42 @@
+"""The GPU benchmark scripts still run, on CPU with tiny shapes, so an edit cannot break them unnoticed
+and waste a device call (their figures come only from GPU runs; these tests check the code paths)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(args: list[str], out_dir: Path, timeout: int = 300) -> str:
+    env = dict(os.environ, OUT=str(out_dir), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_grpo_step_quick_runs_and_writes_its_table(tmp_path):
+    """The recommended mode (compiled layers, offloaded moments, fused projections) for two steps."""
+    stdout = run_script(["benchmarks/grpo_step.py", "--quick", "--modes", "grpo-0.5b-fused", "--steps", "2"], tmp_path)
+    assert "mode                 step s" in stdout and "grpo-0.5b-fused" in stdout.split("mode                 step s")[1]
+    result = json.loads((tmp_path / "grpo_step.json").read_text())
+    assert "grpo-0.5b-fused" in json.dumps(result)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~1 min)")
+def test_rollout_benchmark_runs_every_engine_variant(tmp_path):
+    """Every engine variant of `rollout.py` (on CPU the attention kernels' PyTorch references) and HF generate."""
+    stdout = run_script(["benchmarks/rollout.py", "--quick", "--prompts", "2", "--n", "2", "--prompt-len", "8",
+                         "--response-len", "4", "--hf-sequences", "2", "--agreement-sequences", "2",
+                         "--agreement-tokens", "4", "--repeats", "1", "--no-eager-baseline"], tmp_path)
+    assert "floor (computed)" in stdout and "+ RoPE in kernel" in stdout
+    assert json.loads((tmp_path / "rollout_benchmark.json").read_text())["engine_triton_fused_qkv_gate_up"]
