@@ -173,7 +173,8 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
                        if module is not None and not isinstance(module, AdapterDisabled))
         logger.info("model.compile: %d decoder layers compile during the first step (tens of seconds on a GPU)", compiled)
     actor_optimizer = build_optimizer(model.parameters(), a.lr, a.weight_decay, state_dtype=a.optimizer_state_dtype,
-                                      offload=a.optimizer_offload, eight_bit=a.optimizer_8bit, seed=config.trainer.seed)
+                                      offload=a.optimizer_offload_fraction if a.optimizer_offload else False,
+                                      eight_bit=a.optimizer_8bit, seed=config.trainer.seed)
     critic_optimizer = critic_scheduler = None
     if critic is not None:
         critic_optimizer = build_optimizer(critic.parameters(), config.critic.lr, seed=config.trainer.seed + 1)

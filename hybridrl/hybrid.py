@@ -17,8 +17,12 @@ import torch
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """Move every tensor of the optimizer's state (Adam moments, step counters) to `device`."""
-    for state in optimizer.state.values():
+    """Move every tensor of the optimizer's state (Adam moments, step counters) to `device`, except state
+    that the optimizer itself keeps in CPU memory (`actor.optimizer_offload`), which stays there."""
+    is_offloaded = getattr(optimizer, "is_offloaded", lambda param: False)
+    for param, state in optimizer.state.items():
+        if is_offloaded(param):
+            continue
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.device != torch.device(device):
                 state[key] = value.to(device, non_blocking=True)

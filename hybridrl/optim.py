@@ -24,10 +24,11 @@ SCHEDULES = {
 
 
 def build_optimizer(parameters: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
-                    betas: tuple[float, float] = (0.9, 0.999), state_dtype: str = "float32", offload: bool = False,
-                    eight_bit: bool = False, seed: int = 0) -> torch.optim.Optimizer:
+                    betas: tuple[float, float] = (0.9, 0.999), state_dtype: str = "float32",
+                    offload: bool | float = False, eight_bit: bool = False, seed: int = 0) -> torch.optim.Optimizer:
     """AdamW: torch's fused one for float32 parameters; `LeanAdamW` for bf16 parameters (float32 state,
-    no float32 weight copy) or CPU-offloaded state; bitsandbytes' 8-bit AdamW when `eight_bit`."""
+    no float32 weight copy) or CPU-offloaded state (`offload`: True, or the share offloaded);
+    bitsandbytes' 8-bit AdamW when `eight_bit`."""
     params = [p for p in parameters if p.requires_grad]
     if eight_bit:
         try:
@@ -117,19 +118,42 @@ def _noise(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Te
     return None if generator is None else rounding_noise(weights.shape, generator, weights.device)
 
 
+def offloaded_parameters(params: list[torch.Tensor], fraction: float) -> set[int]:
+    """The ids of the parameters whose moments live in CPU memory: the last ones in order, covering `fraction`
+    of all elements (whole parameters, global sizes, so every rank of a sharded model picks the same ones)."""
+    resident_budget, used, resident = (1 - fraction) * sum(p.numel() for p in params), 0, set()
+    for param in params:
+        if used + param.numel() > resident_budget:
+            break
+        resident.add(id(param))
+        used += param.numel()
+    return {id(p) for p in params if id(p) not in resident}
+
+
 class LeanAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected) with float32 moments for parameters of any dtype.
 
     bf16 parameters are updated in float32 chunk by chunk and stored back with stochastic rounding
     (fp16 with nearest rounding); float32 parameters match `torch.optim.AdamW`. `offload=True` keeps
-    the moments in pinned CPU memory and copies each chunk in and out around its update.
+    the moments in pinned CPU memory and copies each chunk in and out around its update; a fraction
+    offloads that share of the parameter elements (the last parameters in order) and keeps the first
+    ones' moments on the device, where they are updated while the first offloaded chunk is in flight.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, offload: bool = False, chunk_elements: int = 2**24, seed: int = 0):
+                 weight_decay: float = 0.0, offload: bool | float = False, chunk_elements: int = 2**24,
+                 seed: int = 0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.offload, self.chunk_elements, self.seed = offload, chunk_elements, seed
+        fraction = float(offload)
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"offload must be a bool or a fraction in [0, 1]; got {offload!r}.")
+        self.offload, self.chunk_elements, self.seed = fraction > 0, chunk_elements, seed
+        self._offloaded_ids = offloaded_parameters([p for g in self.param_groups for p in g["params"]], fraction)
         self._copy_streams = None
+
+    def is_offloaded(self, param: torch.Tensor) -> bool:
+        """Whether `param`'s moments live in CPU memory (this rank's shard, as a plain tensor)."""
+        return id(param) in self._offloaded_ids
 
     def _rounding_generator(self, param: torch.Tensor, index: int, step: int, device: torch.device) -> torch.Generator:
         """The stochastic-rounding noise of one parameter at one step: seeded by (seed, step, parameter,
@@ -153,7 +177,7 @@ class LeanAdamW(torch.optim.Optimizer):
         if not state:
             state["step"] = 0
             for key in ("exp_avg", "exp_avg_sq"):
-                if self.offload:
+                if self.is_offloaded(param):
                     state[key] = torch.zeros(local.shape, dtype=torch.float32, device="cpu", pin_memory=local.is_cuda)
                 else:
                     state[key] = torch.zeros_like(param.detach(), dtype=torch.float32)
@@ -170,7 +194,7 @@ class LeanAdamW(torch.optim.Optimizer):
         for saved_id, param in zip(saved_ids, params):
             for key, value in moments[saved_id].items():
                 home = self.state[param][key]
-                if self.offload:
+                if self.is_offloaded(param):
                     local = value.to_local() if hasattr(value, "to_local") else value
                     self.state[param][key] = local.to("cpu", torch.float32).pin_memory() if param.is_cuda \
                         else local.to("cpu", torch.float32, copy=True)
@@ -180,7 +204,9 @@ class LeanAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        chunks = []  # (weights, grads, exp_avg, exp_avg_sq, noise generator or None, hyper), flat views
+        # (weights, grads, exp_avg, exp_avg_sq, noise generator or None, hyper), flat views; moments in CPU
+        # memory (streamed through the device) or on it (resident)
+        streamed, resident = [], []
         index, hypers = -1, {}
         for group in self.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
@@ -203,25 +229,26 @@ class LeanAdamW(torch.optim.Optimizer):
                 weights, grads = data.view(-1), grad_full.view(-1)
                 for start in range(0, weights.numel(), self.chunk_elements):
                     chunk = slice(start, start + self.chunk_elements)
-                    chunks.append((weights[chunk], grads[chunk], _flat(state["exp_avg"])[chunk],
-                                   _flat(state["exp_avg_sq"])[chunk], noise, hyper))
-        if not chunks:
+                    (streamed if self.is_offloaded(param) else resident).append(
+                        (weights[chunk], grads[chunk], _flat(state["exp_avg"])[chunk],
+                         _flat(state["exp_avg_sq"])[chunk], noise, hyper))
+        if not (streamed or resident):
             return loss
-        update = chunk_update_function(chunks[0][0].device)
-        if self.offload and chunks[0][0].is_cuda:
-            self._streamed(chunks, update)
-        else:
-            for weights, grads, m, v, noise, hyper in chunks:
-                if self.offload:  # CPU parameters: the "offloaded" moments are already where they are used
-                    m, v = m.to(weights.device), v.to(weights.device)
-                weights.copy_(update(weights, grads, m, v, _noise(weights, noise), hyper))
+        update = chunk_update_function((streamed or resident)[0][0].device)
+        if streamed and streamed[0][0].is_cuda:
+            self._streamed(streamed, update, resident)
+        else:  # on CPU the "offloaded" moments are already where they are used
+            for weights, grads, m, v, noise, hyper in resident + streamed:
+                weights.copy_(update(weights, grads, m.to(weights.device), v.to(weights.device),
+                                     _noise(weights, noise), hyper))
         return loss
 
-    def _streamed(self, chunks, update) -> None:
+    def _streamed(self, chunks, update, resident=()) -> None:
         """Offloaded moments through a pipeline: chunk i+1's moments are copied in on one stream and
         chunk i-1's copied back on another while chunk i is updated, so the two PCIe directions and the
         arithmetic overlap instead of running one after another. At most three chunks' moments are on
-        the GPU at once."""
+        the GPU at once. The `resident` chunks (moments on the GPU) are updated while the first offloaded
+        chunk is copied in."""
         main = torch.cuda.current_stream()
         if self._copy_streams is None:  # made once, not per step
             self._copy_streams = (torch.cuda.Stream(), torch.cuda.Stream())
@@ -235,6 +262,8 @@ class LeanAdamW(torch.optim.Optimizer):
             return fetched, inbound.record_event()
 
         upcoming = fetch(0)
+        for weights, grads, m, v, noise, hyper in resident:
+            weights.copy_(update(weights, grads, m, v, _noise(weights, noise), hyper))
         for i, (weights, grads, m_home, v_home, noise, hyper) in enumerate(chunks):
             (m, v), ready = upcoming
             if i + 1 < len(chunks):

@@ -1,7 +1,8 @@
 """Offloaded optimizer state of sharded parameters, in and out of checkpoints.
 
-With several processes and `actor.optimizer_offload=true`, LeanAdamW keeps each FSDP2 parameter's
-moments as this rank's shard in (pinned) CPU memory: plain tensors, not DTensors, so
+With several processes and `actor.optimizer_offload=true`, LeanAdamW keeps each offloaded FSDP2 parameter's
+moments as this rank's shard in (pinned) CPU memory (the others', with `actor.optimizer_offload_fraction`
+< 1, stay DTensors on the device): plain tensors, not DTensors, so
 `torch.distributed.checkpoint.state_dict` cannot gather them as it gathers the weights. Here each moment
 is wrapped as a DTensor sharded like its parameter and gathered one at a time (at most one full moment
 is on the device at once); on resume each rank cuts its own shard out of the full tensor that every rank
@@ -36,7 +37,9 @@ def gather_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, i
             continue
         gathered = {}
         for slot, value in slots.items():
-            if isinstance(value, torch.Tensor) and isinstance(param, DTensor):
+            if isinstance(value, DTensor):  # kept on the device (actor.optimizer_offload_fraction < 1)
+                value = value.full_tensor()
+            elif isinstance(value, torch.Tensor) and isinstance(param, DTensor):
                 local = param.to_local()
                 value = DTensor.from_local(value.to(local.device).view(local.shape), param.device_mesh,
                                            param.placements, shape=param.shape, stride=param.stride()).full_tensor()
@@ -58,9 +61,17 @@ def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, 
         state = optimizer.state[param]
         for slot, value in slots.get(name, {}).items():
             if isinstance(value, torch.Tensor):
+                resident = not optimizer.is_offloaded(param)  # with actor.optimizer_offload_fraction < 1
                 if isinstance(param, DTensor):  # every rank has the full tensor: cut the shard, no communication
                     value = distribute_tensor(value.to(param.to_local().device, torch.float32), param.device_mesh,
-                                              param.placements, src_data_rank=None).to_local()
+                                              param.placements, src_data_rank=None)
+                    if resident:
+                        state[slot] = value  # a DTensor moment like the parameter, as LeanAdamW makes it
+                        continue
+                    value = value.to_local()
+                if resident:
+                    state[slot] = value.to(param.device, torch.float32, copy=True)
+                    continue
                 value = value.to("cpu", torch.float32).contiguous()
                 state[slot] = value.pin_memory() if param.is_cuda else value
             else:

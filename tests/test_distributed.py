@@ -380,13 +380,14 @@ def _train(tmp_path, overrides: list[str]) -> None:
 
 
 @pytest.mark.skipif(not _wired(), reason="trainer.num_gpus is not wired into config/components/trainer yet")
-@pytest.mark.parametrize("offload", [False, True], ids=["moments-sharded", "moments-offloaded"])
+@pytest.mark.parametrize("offload", [False, True, 0.5], ids=["moments-sharded", "moments-offloaded", "half-offloaded"])
 def test_two_process_checkpoint_resumes_exactly_and_on_one_process(tmp_path, offload):
     """bf16 parameters, so LeanAdamW with DTensor moments, as on GPUs. Saved by 2 ranks (rank 0 gathers the
     FSDP shards), resumed by 2 ranks: the same step-3 and step-4 metrics as a run that never stopped (step 4
     on weights updated with the restored moments); resumed by 1
     process: it loads and trains on (the checkpoint is unsharded). With `actor.optimizer_offload` the moments
-    are per-rank CPU shards, gathered and cut back by `hybridrl/sharded_offload.py`."""
+    are per-rank CPU shards, gathered and cut back by `hybridrl/sharded_offload.py`; with a fraction, some
+    moments are CPU shards and the others DTensors."""
     import json
     import shutil
 
@@ -395,7 +396,9 @@ def test_two_process_checkpoint_resumes_exactly_and_on_one_process(tmp_path, off
     from hybridrl.checkpoint import check_checkpoint
 
     def overrides(out, steps, processes):
-        return _cli_overrides(tmp_path, out, steps, processes) + [f"actor.optimizer_offload={str(offload).lower()}"]
+        fraction = [f"actor.optimizer_offload_fraction={offload}"] if not isinstance(offload, bool) else []
+        return _cli_overrides(tmp_path, out, steps, processes) + [f"actor.optimizer_offload={str(bool(offload)).lower()}"] \
+            + fraction
 
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     _train(tmp_path, overrides(straight, 4, 2))

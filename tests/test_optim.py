@@ -19,10 +19,37 @@ def run(optimizer_cls, params, steps=3, **kwargs):
 def test_float32_matches_torch_adamw_also_offloaded_and_chunked():
     start = [torch.randn(7, 5), torch.randn(11)]
     want = run(torch.optim.AdamW, [p.clone().requires_grad_() for p in start])
-    for kwargs in ({}, {"offload": True, "chunk_elements": 4}):
+    for kwargs in ({}, {"offload": True, "chunk_elements": 4}, {"offload": 0.5, "chunk_elements": 4}):
         got = run(LeanAdamW, [p.clone().requires_grad_() for p in start], **kwargs)
         for mine, reference in zip(got, want):
             assert torch.allclose(mine, reference, atol=1e-6)
+
+
+def test_offload_fraction_keeps_the_first_parameters_resident():
+    """`offload=f` puts the last parameters (whole ones) covering f of the elements in CPU memory; every rank
+    of a sharded model picks the same ones because the choice uses global sizes in parameter order."""
+    params = [torch.zeros(n, requires_grad=True) for n in (50, 30, 20)]
+    chosen = lambda fraction: [LeanAdamW(params, offload=fraction).is_offloaded(p) for p in params]  # noqa: E731
+    assert chosen(True) == chosen(1.0) == [True, True, True] and chosen(False) == [False, False, False]
+    assert chosen(0.5) == [False, True, True]  # 50 resident; 30 more would exceed the 50 allowed
+    assert chosen(0.2) == [False, False, True] and chosen(0.1) == [False, False, True]
+    with pytest.raises(ValueError, match="fraction in \\[0, 1\\]"):
+        LeanAdamW(params, offload=1.5)
+
+
+def test_phase_switch_leaves_offloaded_moments_in_cpu_memory():
+    """`actor.offload_during_rollout` moves optimizer state off and back to the device around a rollout; state
+    the optimizer offloads itself must stay in CPU memory, not come back to the device afterwards."""
+    from hybridrl.hybrid import move_optimizer_state
+
+    params = [torch.zeros(4, requires_grad=True), torch.zeros(6, requires_grad=True)]
+    optimizer = LeanAdamW(params, offload=0.6)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    home = optimizer.state[params[1]]["exp_avg"]
+    move_optimizer_state(optimizer, "meta")  # a device other than the CPU, on any machine
+    assert optimizer.state[params[1]]["exp_avg"] is home and optimizer.state[params[0]]["exp_avg"].is_meta
 
 
 def test_bf16_state_is_float32_and_tiny_updates_survive_on_average():
@@ -117,12 +144,13 @@ def test_cuda_compiled_and_streamed_offload_equal_cpu():
     small tensors sharing a staging group."""
     start = [torch.randn(7, 50), torch.randn(301), torch.randn(3), torch.randn(5, 4), torch.randn(20)]
     want = run(LeanAdamW, [p.clone().requires_grad_() for p in start])
-    for kwargs in ({}, {"offload": True, "chunk_elements": 64}):
+    for kwargs in ({}, {"offload": True, "chunk_elements": 64}, {"offload": 0.5, "chunk_elements": 64}):
         got = run(LeanAdamW, [p.cuda().requires_grad_() for p in start], **kwargs)
         for mine, reference in zip(got, want):
             torch.testing.assert_close(mine.cpu(), reference, atol=1e-6, rtol=1e-5)
     bf16 = [p.to(torch.bfloat16) for p in start]
     resident = run(LeanAdamW, [p.cuda().requires_grad_() for p in bf16], chunk_elements=64)
     streamed = run(LeanAdamW, [p.cuda().requires_grad_() for p in bf16], offload=True, chunk_elements=64)
-    assert all(torch.equal(a, b) for a, b in zip(resident, streamed))
+    partly = run(LeanAdamW, [p.cuda().requires_grad_() for p in bf16], offload=0.5, chunk_elements=64)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(resident, streamed, partly))
 
