@@ -96,7 +96,8 @@ def test_config_show_explain_documents_every_key_and_loads_back(tmp_path, capsys
     assert load_config(path).to_dict() == load_config(None, ["rollout.temperature=0.5"]).to_dict()
 
 
-@pytest.mark.parametrize("name", ["arithmetic_grpo", "arithmetic_ppo", "arithmetic_sft", "gsm8k_grpo"])
+@pytest.mark.parametrize("name", ["arithmetic_grpo", "arithmetic_ppo", "arithmetic_sft", "gsm8k_grpo",
+                                  "gsm8k_grpo_1.5b_24gb", "gsm8k_grpo_7b_lora_24gb"])
 def test_example_configs_load_and_validate(name):
     from pathlib import Path
 
