@@ -131,6 +131,7 @@ def check_engine_with_kernel(attention: str = "triton", **engine_options) -> Non
     from test_builtin_engine import PROMPTS, make_model
 
     torch.set_num_threads(1)
+    engine_options.setdefault("fuse_qkv", False)  # without: RoPE in a compiled step piece, the kernel plain
     kernel = stacked_decode_attention if attention == "triton-stacked" else triton_decode_attention
     builtin._decode_attention_function = lambda option, device: ("triton-interpret", kernel)
     model, params = make_model("qwen2"), SamplingParams(max_new_tokens=8, temperature=0, n=2)
@@ -138,6 +139,7 @@ def check_engine_with_kernel(attention: str = "triton", **engine_options) -> Non
     shared = engine.generate(PROMPTS, params)
     assert engine.last_stats["attention"] == "triton-interpret" and engine.last_stats["prefill_waves"] >= 2
     assert engine.last_stats["rope_in_attention"] == bool(engine_options.get("fuse_qkv"))
+    assert engine.last_stats["fused_norms"] == bool(engine_options.get("fuse_norms"))
     per_slot = builtin.BuiltinBackend(model, attention="sdpa").generate(PROMPTS, params)
     assert [g.token_ids for g in shared] == [g.token_ids for g in per_slot]
     for a, b in zip(shared, per_slot):
@@ -150,8 +152,29 @@ def check_engine_with_kernel_rope() -> None:
     check_engine_with_kernel(fuse_qkv=True)
 
 
+def check_engine_with_kernel_fused_norms() -> None:
+    """fuse_norms on Qwen2: the norm + linear kernel and the attention kernel, both in interpret mode."""
+    check_engine_with_kernel(fuse_qkv=True, fuse_gate_up=True, fuse_norms=True)
+
+
 def check_engine_with_stacked_kernels() -> None:
     check_engine_with_kernel("triton-stacked")
+
+
+def run_in_interpreter(module: str, check: str, timeout: int = 300) -> str:
+    """Run `<module>.<check>()` (a module in tests/) in a subprocess with TRITON_INTERPRET=1, which must be set
+    before a kernel module is first imported for its kernels to be built in interpret mode; its stdout."""
+    import os
+    import subprocess
+    import sys
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {tests_dir!r})\n{INTERPRETER_SHIM}\nimport {module} as cases; cases.{check}()"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(tests_dir), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
 
 
 INTERPRETER_SHIM = """

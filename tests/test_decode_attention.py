@@ -4,7 +4,6 @@ SDPA, and the built-in engine on the prefix-shared layout vs HF and vs the per-s
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,8 +18,9 @@ from hybridrl.rollout.scheduler import PromptEntries
 from hybridrl.rollout.decode_attention import reference_decode_attention, rotate_projections, triton_decode_attention
 
 sys.path.insert(0, os.path.dirname(__file__))
+import decode_attention_cases as cases  # noqa: E402
 from decode_attention_cases import (  # noqa: E402
-    CASES, INTERPRETER_SHIM, TOLERANCE, check_fused_write, check_rope, make_case, rope_inputs)
+    CASES, TOLERANCE, check_fused_write, check_rope, make_case, rope_inputs)
 from test_builtin_engine import PROMPTS, hf_greedy, hf_logprobs, make_model  # noqa: E402
 
 HAS_TRITON = decode_attention.triton is not None
@@ -106,16 +106,8 @@ def test_reference_with_rope_equals_rotating_first(shape, dtype, with_bias):
 
 
 def run_in_interpreter(check: str) -> str:
-    """Run `decode_attention_cases.<check>()` in a subprocess with TRITON_INTERPRET=1 (the kernel is built
-    in interpret mode only if the variable is set before decode_attention is first imported)."""
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {tests_dir!r})\n{INTERPRETER_SHIM}\n" \
-           f"import decode_attention_cases as cases; cases.{check}()"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(tests_dir), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+    """`decode_attention_cases.<check>()` with the kernels built in Triton's interpreter."""
+    return cases.run_in_interpreter("decode_attention_cases", check)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
@@ -130,6 +122,7 @@ def test_triton_kernel_matches_reference_in_interpret_mode():
 def test_engine_with_triton_kernel_in_interpret_mode_matches_sdpa():
     assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel")
     assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel_rope")
+    assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel_fused_norms")
 
 
 def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False, arch: int = 90):
@@ -298,13 +291,13 @@ def test_triton_kernel_and_engine_on_cuda():
     for params in (SamplingParams(max_new_tokens=20, temperature=0, n=2),
                    SamplingParams(max_new_tokens=12, temperature=0.9, n=3, seed=5)):
         per_slot = BuiltinBackend(model, attention="sdpa", max_num_seqs=5, sync_every=3).generate(prompts, params)
-        for fuse_qkv in (False, True):  # True: bias and RoPE inside the kernel
-            triton_engine = BuiltinBackend(model, attention="triton", max_num_seqs=5, sync_every=3,
-                                           fuse_qkv=fuse_qkv)  # compiled + graphs
+        for fuse_qkv, fuse_norms in ((False, False), (True, False), (True, True)):  # RoPE, then norms in kernels
+            triton_engine = BuiltinBackend(model, attention="triton", max_num_seqs=5, sync_every=3, fuse_qkv=fuse_qkv,
+                                           fuse_gate_up=fuse_norms, fuse_norms=fuse_norms)  # compiled + graphs
             shared = triton_engine.generate(prompts, params)
             stats = triton_engine.last_stats
             assert stats["attention"] == "triton" and stats["graphs_captured"] >= 1
-            assert stats["rope_in_attention"] == fuse_qkv
+            assert stats["rope_in_attention"] == fuse_qkv and stats["fused_norms"] == fuse_norms
             assert [g.token_ids for g in triton_engine.generate(prompts, params)] == [g.token_ids for g in shared]
             assert [g.token_ids for g in shared] == [g.token_ids for g in per_slot]
             for a, b in zip(shared, per_slot):

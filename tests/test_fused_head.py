@@ -4,7 +4,6 @@ equals autograd's (float64)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,7 +13,7 @@ from hybridrl import fused_head
 from hybridrl.logprobs import token_logprobs
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode_attention_cases import INTERPRETER_SHIM  # noqa: E402
+from decode_attention_cases import run_in_interpreter  # noqa: E402
 from fused_head_cases import check_kernel_cases, make_case  # noqa: E402
 
 HAS_TRITON = fused_head.triton is not None
@@ -41,13 +40,7 @@ def test_cpu_tensors_use_the_reference():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
 def test_triton_kernels_match_reference_in_interpret_mode():
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {tests_dir!r})\n{INTERPRETER_SHIM}\n" \
-           "import fused_head_cases as cases; cases.check_kernel_cases()"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(tests_dir), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "fused head cases passed" in result.stdout, result.stdout + result.stderr
+    assert "fused head cases passed" in run_in_interpreter("fused_head_cases", "check_kernel_cases")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")

@@ -1,0 +1,125 @@
+"""Residual adds + RMSNorm + a linear layer as one kernel for the decode step (opt-in, `fuse_norms`).
+
+    x = h + r1 + r2                     (the residual stream; written back once, by the first column block)
+    y = rmsnorm(x) * g @ W.T            computed as  (x @ (W * g).T) / rms(x)
+
+The norm weight g is folded into the engine's own fused copy of W (`fold_norm`), and the row's 1/rms(x)
+scales the accumulator at the end, so the normalized input never exists and the norm needs no kernel of
+its own. With `swiglu`, W stacks the gate rows over the up rows (2I, K) and the result is
+silu(x̂ Wgᵀ) * (x̂ Wuᵀ) (x̂ the normalized input): the MLP's activation comes out of the same kernel.
+
+A decode step's kernels are small and the gap between two kernels (~1.8 µs on an H200) is a large part
+of their time, so two kernels fewer per layer (the two norms) and one fewer (SiLU·mul) is the point.
+Everything is computed in float32 and rounded once; the reference below is the oracle of the tests and
+the engine's path on CPU. Not yet timed on a GPU (2026-11-30); `benchmarks/rollout.py` times it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference is all there is
+    triton = None
+
+BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 64, 64, 4, 3
+"""Launch configuration: fixed (graph capture needs one kernel per shape), not yet tuned on a GPU."""
+
+
+def fold_norm(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """W * g along the input dimension, in W's dtype: a new tensor (the engine folds into its fused copies)."""
+    return weight * norm_weight[None, :].to(weight.dtype)
+
+
+def reference_norm_linear(h: torch.Tensor, residuals: tuple[torch.Tensor, ...], folded_weight: torch.Tensor,
+                          eps: float, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, x): y (M, N) as described in the module docstring, in h's dtype; x = h + residuals (M, K)."""
+    x = h.float()
+    for residual in residuals:
+        x = x + residual.float()
+    x = x.to(h.dtype)
+    inv_rms = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    y = (x.float() @ folded_weight.float().t()) * inv_rms
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y.to(h.dtype), x
+
+
+def triton_norm_linear(h: torch.Tensor, residuals: tuple[torch.Tensor, ...], folded_weight: torch.Tensor,
+                       eps: float, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference_norm_linear` as one Triton kernel over an (M / BLOCK_M, N / BLOCK_N) grid."""
+    if triton is None:
+        raise ImportError("triton_norm_linear needs the triton package (pip install triton).")
+    assert len(residuals) <= 2 and h.dim() == 2 and h.stride(-1) == 1 and folded_weight.stride(-1) == 1
+    rows, inner = h.shape
+    outputs = folded_weight.shape[0] // (2 if swiglu else 1)
+    out = torch.empty(rows, outputs, dtype=h.dtype, device=h.device)
+    x = torch.empty_like(h) if residuals else h
+    r1 = residuals[0] if residuals else h  # placeholders when absent
+    r2 = residuals[1] if len(residuals) > 1 else h
+    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(outputs, BLOCK_N))
+    _norm_linear_kernel[grid](
+        h, r1, r2, folded_weight, out, x, rows, outputs, inner, eps,
+        h.stride(0), r1.stride(0), r2.stride(0), folded_weight.stride(0), out.stride(0), x.stride(0),
+        NUM_RESIDUALS=len(residuals), SWIGLU=swiglu, IEEE=h.dtype == torch.float32,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return out, x
+
+
+if triton is not None:
+
+    @triton.jit
+    def _norm_linear_kernel(H, R1, R2, W, OUT, X_OUT, M, N, K, eps,
+                            stride_h, stride_r1, stride_r2, stride_w, stride_o, stride_x,
+                            NUM_RESIDUALS: tl.constexpr, SWIGLU: tl.constexpr, IEEE: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One (row block, output block): x = h + residuals loaded block by block along K (written back by
+        the first output block only), the sum of squares kept per row, x @ W.T accumulated (two accumulators,
+        gate and up, with SWIGLU), then scaled by 1/rms and stored."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask, n_mask = offs_m < M, offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        squares = tl.zeros((BLOCK_M,), tl.float32)
+        for start in range(0, K, BLOCK_K):
+            offs_k = start + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            a_mask = m_mask[:, None] & k_mask[None, :]
+            x = tl.load(H + offs_m[:, None] * stride_h + offs_k[None, :], mask=a_mask, other=0.0)
+            if NUM_RESIDUALS > 0:
+                total = x.to(tl.float32) + tl.load(R1 + offs_m[:, None] * stride_r1 + offs_k[None, :], mask=a_mask,
+                                                   other=0.0).to(tl.float32)
+                if NUM_RESIDUALS > 1:
+                    total += tl.load(R2 + offs_m[:, None] * stride_r2 + offs_k[None, :], mask=a_mask,
+                                     other=0.0).to(tl.float32)
+                x = total.to(H.dtype.element_ty)
+                if pid_n == 0:
+                    tl.store(X_OUT + offs_m[:, None] * stride_x + offs_k[None, :], x, mask=a_mask)
+            x32 = x.to(tl.float32)
+            squares += tl.sum(x32 * x32, 1)
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(W + offs_n[:, None] * stride_w + offs_k[None, :], mask=w_mask, other=0.0)
+            if IEEE:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+            if SWIGLU:
+                w_up = tl.load(W + (N + offs_n)[:, None] * stride_w + offs_k[None, :], mask=w_mask, other=0.0)
+                if IEEE:
+                    acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision="ieee")
+                else:
+                    acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+        inv_rms = tl.math.rsqrt(squares / K + eps)
+        y = acc * inv_rms[:, None]
+        if SWIGLU:
+            y = y * tl.sigmoid(y) * (acc_up * inv_rms[:, None])
+        tl.store(OUT + offs_m[:, None] * stride_o + offs_n[None, :], y.to(OUT.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
