@@ -270,12 +270,23 @@ def _supervise(ray: Any, workers: list[Any], runs: list[Any], hang_timeout_s: fl
     pending = list(runs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=poll_s)
+        failures: dict[int, Exception] = {}
         for run in done:
-            rank = rank_of[run]
             try:
-                results[rank] = ray.get(run)
+                results[rank_of[run]] = ray.get(run)
             except Exception as error:
-                raise LaunchError(f"rank {rank} of {len(runs)} failed: {_first_line(error)}") from None
+                failures[rank_of[run]] = error
+        if failures:
+            # A rank that dies takes its peers' collectives down with it, and their errors may arrive first:
+            # give the others a moment, then name the one that died before the ones that lost it.
+            settled, _ = ray.wait(pending, num_returns=len(pending), timeout=FAILURE_SETTLE_S)
+            for run in settled:
+                try:
+                    ray.get(run)
+                except Exception as error:
+                    failures[rank_of[run]] = error
+            rank, error = root_failure(failures, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError))
+            raise LaunchError(f"rank {rank} of {len(runs)} failed: {_first_line(error)}") from None
         running = [rank_of[run] for run in pending]
         probes = {worker.progress.remote(): rank for rank, worker in enumerate(workers) if rank in running}
         answered, _ = ray.wait(list(probes), num_returns=len(probes), timeout=poll_s)
@@ -293,6 +304,18 @@ def _supervise(ray: Any, workers: list[Any], runs: list[Any], hang_timeout_s: fl
         if message:
             raise LaunchError(message + "; the run was stopped (trainer.hang_timeout_s).")
     return [results[rank] for rank in range(len(runs))]
+
+
+FAILURE_SETTLE_S = 3.0
+"""After a first failure, how long the other ranks' results are awaited to find the rank that failed first."""
+
+
+def root_failure(failures: dict[int, Exception], death_types: tuple[type, ...]) -> tuple[int, Exception]:
+    """The failure to report: a rank whose worker died (`death_types`) before ranks whose collectives broke
+    because of it; otherwise the lowest rank that failed."""
+    died = [rank for rank in sorted(failures) if isinstance(failures[rank], death_types)]
+    rank = died[0] if died else min(failures)
+    return rank, failures[rank]
 
 
 def _first_line(error: BaseException) -> str:

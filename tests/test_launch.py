@@ -73,6 +73,17 @@ def test_torchrun_hang_ends_the_run_naming_the_rank(tmp_path):
     assert time.monotonic() - start < 60
 
 
+def test_root_failure_names_the_rank_that_died_not_its_peers():
+    """When rank 1 dies, rank 0's collective fails too and its error may reach the driver first."""
+
+    class Died(Exception):
+        pass
+
+    peer_error, death = RuntimeError("Connection closed by peer"), Died("the actor died unexpectedly")
+    assert launch.root_failure({0: peer_error, 1: death}, (Died,)) == (1, death)
+    assert launch.root_failure({2: peer_error, 1: ValueError("bad reward")}, (Died,))[0] == 1
+
+
 # ----------------------------------------------------------------------------------------------
 # Ray (local cluster on the CPU)
 
