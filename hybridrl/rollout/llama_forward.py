@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from hybridrl.rollout.norm_linear import fold_norm
+from hybridrl.rollout.norm_linear import decode_layers_fused_norms, fold_norm
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE types whose frequencies do not depend on the current sequence length (dynamic NTK and
@@ -552,7 +552,7 @@ def decode_logits_prefix_shared(
     `rope_in_attention`: when the attention can (`applies_rope`) and every layer has fused q/k/v and no q/k
     norm, the attention gets the raw projections and applies bias and RoPE itself: one kernel fewer per layer.
     `norm_linear` (`norm_linear.py`), with folded norms in every layer: residual adds, norms and SiLU·mul go
-    into two kernels per layer as well (`_decode_layers_fused_norms`).
+    into two kernels per layer as well (`norm_linear.decode_layers_fused_norms`).
     """
     batch = tokens.shape[0]
     slots = torch.arange(batch, device=tokens.device)
@@ -577,28 +577,10 @@ def decode_logits_prefix_shared(
         return attention(q, prompt_k, prompt_v, response_k, response_v, prompt_entry, prompt_len, response_len, scale)
 
     if rotate_inside and norm_linear is not None and all(lw.norms_folded for lw in w.layers):
-        return _decode_layers_fused_norms(w, tokens, attend, norm_linear, functions.final_logits)
+        return decode_layers_fused_norms(w, tokens, attend, norm_linear, functions.final_logits)
     if rotate_inside:
         return _decode_layers(w, tokens, None, None, functions, attend)
     return _decode_layers(w, tokens, cos, sin, functions, attend)
-
-
-def _decode_layers_fused_norms(w: ModelWeights, tokens: torch.Tensor, attend: Callable, norm_linear: Callable,
-                               final_logits: Callable) -> torch.Tensor:
-    """The decode layer stack with residual adds, RMSNorms and the SiLU·mul inside two `norm_linear` kernels
-    per layer (folded norm weights), attention applying bias and RoPE, and cuBLAS for the o and down
-    projections: five kernels per layer."""
-    batch = tokens.shape[0]
-    h, pending = F.embedding(tokens, w.embed), ()
-    for layer_index, lw in enumerate(w.layers):
-        raw, h = norm_linear(h, pending, lw.qkv_weight, w.rms_eps)
-        raw = raw.view(batch, -1, w.head_dim)
-        attn = attend(layer_index, raw[:, : w.num_heads].view(batch, w.num_kv_heads, -1, w.head_dim),
-                      raw[:, w.num_heads:].view(batch, 2, w.num_kv_heads, w.head_dim))
-        o = F.linear(attn.reshape(batch, -1), lw.o_weight, lw.o_bias)
-        activation, h = norm_linear(h, (o,), lw.gate_up_weight, w.rms_eps, swiglu=True)
-        pending = (F.linear(activation, lw.down_weight),)
-    return final_logits(w, h, pending)
 
 
 def rotates_projections(attention: Callable, w: ModelWeights) -> bool:

@@ -16,8 +16,13 @@ the engine's path on CPU. Not yet timed on a GPU (2026-11-30); `benchmarks/rollo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:  # llama_forward imports this module
+    from hybridrl.rollout.llama_forward import ModelWeights
 
 try:
     import triton
@@ -69,6 +74,24 @@ def triton_norm_linear(h: torch.Tensor, residuals: tuple[torch.Tensor, ...], fol
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out, x
+
+
+def decode_layers_fused_norms(w: ModelWeights, tokens: torch.Tensor, attend: Callable, norm_linear: Callable,
+                               final_logits: Callable) -> torch.Tensor:
+    """The decode layer stack with residual adds, RMSNorms and the SiLU·mul inside two `norm_linear` kernels
+    per layer (folded norm weights), attention applying bias and RoPE, and cuBLAS for the o and down
+    projections: five kernels per layer."""
+    batch = tokens.shape[0]
+    h, pending = F.embedding(tokens, w.embed), ()
+    for layer_index, lw in enumerate(w.layers):
+        raw, h = norm_linear(h, pending, lw.qkv_weight, w.rms_eps)
+        raw = raw.view(batch, -1, w.head_dim)
+        attn = attend(layer_index, raw[:, : w.num_heads].view(batch, w.num_kv_heads, -1, w.head_dim),
+                      raw[:, w.num_heads:].view(batch, 2, w.num_kv_heads, w.head_dim))
+        o = F.linear(attn.reshape(batch, -1), lw.o_weight, lw.o_bias)
+        activation, h = norm_linear(h, (o,), lw.gate_up_weight, w.rms_eps, swiglu=True)
+        pending = (F.linear(activation, lw.down_weight),)
+    return final_logits(w, h, pending)
 
 
 if triton is not None:
