@@ -49,6 +49,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from hybridrl.rollout import norm_linear
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.builtin import BuiltinBackend, triton_available
 
@@ -79,6 +80,8 @@ def parse_args() -> argparse.Namespace:
                         help="also time the fused-qkv engine with compile='max-autotune-no-cudagraphs' (Inductor picks "
                              "Triton or cuBLAS per projection shape; compiling takes minutes), with gate/up fused and not")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one engine run (each engine)")
+    parser.add_argument("--norm-linear-launch", default=None,
+                        help="JSON from benchmarks/norm_linear.py --out: the fused-norms kernels' launch to use")
     if "--quick" in sys.argv:  # new defaults; flags given explicitly still win
         parser.set_defaults(prompts=16, response_len=64, hf_sequences=32, agreement_sequences=16)
     return parser.parse_args()
@@ -279,6 +282,12 @@ def profile(engine: BuiltinBackend, prompts, params) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.norm_linear_launch:
+        with open(args.norm_linear_launch) as file:
+            for swiglu, launch in json.load(file).items():
+                if launch:
+                    norm_linear.set_launch(swiglu == "True", launch)
+        print(f"fused-norms launch (block m, n, k, warps, stages) by swiglu: {norm_linear.LAUNCH}", flush=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(device)
     generator = torch.Generator().manual_seed(1)

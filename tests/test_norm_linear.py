@@ -80,12 +80,13 @@ def test_kernel_lowers_for_our_gpus(arch, shared_limit):
     signature.update({name: "i32" for name in ("M", "N", "K", "stride_h", "stride_r1", "stride_r2", "stride_w",
                                                 "stride_o", "stride_x")}, eps="fp32")
     for residuals, swiglu in ((0, False), (2, False), (1, True)):
-        constants = dict(NUM_RESIDUALS=residuals, SWIGLU=swiglu, IEEE=False, BLOCK_M=norm_linear.BLOCK_M,
-                         BLOCK_N=norm_linear.BLOCK_N, BLOCK_K=norm_linear.BLOCK_K)
+        launch = norm_linear.LAUNCH[swiglu]
+        constants = dict(NUM_RESIDUALS=residuals, SWIGLU=swiglu, IEEE=False, BLOCK_M=launch.block_m,
+                         BLOCK_N=launch.block_n, BLOCK_K=launch.block_k)
         full = {name: signature.get(name, "constexpr") for name in kernel.arg_names}
         compiled = norm_linear.triton.compile(ASTSource(kernel, full, constants), target=GPUTarget("cuda", arch, 32),
-                                              options=dict(num_warps=norm_linear.NUM_WARPS,
-                                                           num_stages=norm_linear.NUM_STAGES))
+                                              options=dict(num_warps=launch.num_warps,
+                                                           num_stages=launch.num_stages))
         assert "cubin" in compiled.asm and compiled.metadata.shared <= shared_limit
 
 

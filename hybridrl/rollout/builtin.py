@@ -167,6 +167,7 @@ def sample_and_record(logits: torch.Tensor, settings: SamplerSettings, uniforms:
 
 def compiled_sample_and_record():
     """`sample_and_record` under `torch.compile`, the batch dimension dynamic (one compilation per setting)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # see llama_forward
     compiled = torch.compile(sample_and_record, fullgraph=True)
 
     def call(logits, settings, uniforms, *state_and_limits):

@@ -465,6 +465,10 @@ def compiled_decode_functions(mode: str | None = None) -> DecodeFunctions:
     updates are seen. Compilation happens on the first call of each piece (the caller's warm-up).
     `mode`: torch.compile's, e.g. "max-autotune-no-cudagraphs" (Inductor times Triton matmul templates
     against cuBLAS for each projection shape; minutes of compilation; the engine captures graphs itself)."""
+    # Dynamo caches compilations per code object (8 by default); every engine variant (model shape, LoRA,
+    # fused copies, bias) adds one, and a process that builds many engines (a benchmark, a test suite)
+    # would otherwise fail with "recompile limit exceeded" under fullgraph=True.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = [torch.compile(fn, fullgraph=True, mode=mode)
                 for fn in (attention_inputs, attention_output_and_mlp, final_logits)]
 

@@ -11,12 +11,13 @@ silu(x̂ Wgᵀ) * (x̂ Wuᵀ) (x̂ the normalized input): the MLP's activation c
 A decode step's kernels are small and the gap between two kernels (~1.8 µs on an H200) is a large part
 of their time, so two kernels fewer per layer (the two norms) and one fewer (SiLU·mul) is the point.
 Everything is computed in float32 and rounded once; the reference below is the oracle of the tests and
-the engine's path on CPU. Not yet timed on a GPU (2026-11-30); `benchmarks/rollout.py` times it.
+the engine's path on CPU. First timed on an H200 on 2026-11-30 (docs/benchmarks.md): with 64×64×64 blocks
+1.75× slower than the unfused step; `benchmarks/norm_linear.py` sweeps the launch against cuBLAS.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +31,23 @@ try:
 except ImportError:  # CPU-only installs: the reference is all there is
     triton = None
 
-BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 64, 64, 4, 3
-"""Launch configuration: fixed (graph capture needs one kernel per shape), not yet tuned on a GPU."""
+
+
+class Launch(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+LAUNCH = {False: Launch(64, 64, 64, 4, 3), True: Launch(64, 64, 64, 4, 3)}
+"""Launch configuration by `swiglu` (the q/k/v kernel, the gate/up kernel): fixed, since graph capture needs
+one kernel per shape; `benchmarks/norm_linear.py` sweeps them (`set_launch` takes its choice)."""
+
+
+def set_launch(swiglu: bool, launch: Launch | tuple) -> None:
+    LAUNCH[swiglu] = Launch(*launch)
 
 
 def fold_norm(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
@@ -55,8 +71,10 @@ def reference_norm_linear(h: torch.Tensor, residuals: tuple[torch.Tensor, ...], 
 
 
 def triton_norm_linear(h: torch.Tensor, residuals: tuple[torch.Tensor, ...], folded_weight: torch.Tensor,
-                       eps: float, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference_norm_linear` as one Triton kernel over an (M / BLOCK_M, N / BLOCK_N) grid."""
+                       eps: float, swiglu: bool = False, launch: Launch | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference_norm_linear` as one Triton kernel over an (M / block_m, N / block_n) grid; `launch`
+    defaults to `LAUNCH[swiglu]`."""
     if triton is None:
         raise ImportError("triton_norm_linear needs the triton package (pip install triton).")
     assert len(residuals) <= 2 and h.dim() == 2 and h.stride(-1) == 1 and folded_weight.stride(-1) == 1
@@ -66,12 +84,14 @@ def triton_norm_linear(h: torch.Tensor, residuals: tuple[torch.Tensor, ...], fol
     x = torch.empty_like(h) if residuals else h
     r1 = residuals[0] if residuals else h  # placeholders when absent
     r2 = residuals[1] if len(residuals) > 1 else h
-    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(outputs, BLOCK_N))
+    launch = launch or LAUNCH[swiglu]
+    grid = (triton.cdiv(rows, launch.block_m), triton.cdiv(outputs, launch.block_n))
     _norm_linear_kernel[grid](
         h, r1, r2, folded_weight, out, x, rows, outputs, inner, eps,
         h.stride(0), r1.stride(0), r2.stride(0), folded_weight.stride(0), out.stride(0), x.stride(0),
         NUM_RESIDUALS=len(residuals), SWIGLU=swiglu, IEEE=h.dtype == torch.float32,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     return out, x
 
@@ -124,8 +144,8 @@ if triton is not None:
                     total += tl.load(R2 + offs_m[:, None] * stride_r2 + offs_k[None, :], mask=a_mask,
                                      other=0.0).to(tl.float32)
                 x = total.to(H.dtype.element_ty)
-                if pid_n == 0:
-                    tl.store(X_OUT + offs_m[:, None] * stride_x + offs_k[None, :], x, mask=a_mask)
+                # A masked store, not a branch: a branch inside the loop keeps Triton from pipelining it.
+                tl.store(X_OUT + offs_m[:, None] * stride_x + offs_k[None, :], x, mask=a_mask & (pid_n == 0))
             x32 = x.to(tl.float32)
             squares += tl.sum(x32 * x32, 1)
             w_mask = n_mask[:, None] & k_mask[None, :]
