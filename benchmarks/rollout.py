@@ -17,8 +17,7 @@ the same run and the same table, with its own log-prob mismatch and greedy agree
 queries plus a response kernel per slot; `--no-triton-stacked` skips it), and the triton engine with
 `fuse_qkv=True` (one stacked q/k/v matmul per layer, whose raw output the kernel biases and rotates
 itself; also timed with a RoPE kernel, `rope_in_attention=False`; `--no-fused-qkv` skips them) and with
-`fuse_qkv` and `fuse_gate_up` (also one gate/up matmul; skipped with it), and with `fuse_norms` on top
-(residual adds + RMSNorm + projection, and SiLU·mul, as one kernel each: `hybridrl/rollout/norm_linear.py`). The first `generate` of a fresh engine compiles; it is timed
+`fuse_qkv` and `fuse_gate_up` (also one gate/up matmul; skipped with it). The first `generate` of a fresh engine compiles; it is timed
 on its own ("compile + first call") and not in the engine's tokens/s, because the trainer reuses the
 compiled code every step. Each timed run still includes KV allocation and CUDA-graph capture
 (`warmup_s` in its stats).
@@ -49,7 +48,6 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from hybridrl.rollout import norm_linear
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.builtin import BuiltinBackend, triton_available
 
@@ -80,8 +78,6 @@ def parse_args() -> argparse.Namespace:
                         help="also time the fused-qkv engine with compile='max-autotune-no-cudagraphs' (Inductor picks "
                              "Triton or cuBLAS per projection shape; compiling takes minutes), with gate/up fused and not")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one engine run (each engine)")
-    parser.add_argument("--norm-linear-launch", default=None,
-                        help="JSON from benchmarks/norm_linear.py --out: the fused-norms kernels' launch to use")
     if "--quick" in sys.argv:  # new defaults; flags given explicitly still win
         parser.set_defaults(prompts=16, response_len=64, hf_sequences=32, agreement_sequences=16)
     return parser.parse_args()
@@ -229,19 +225,17 @@ def floor(model, num_prompts: int, n: int, prompt_len: int, response_len: int, b
 
 def time_triton(model, prompts, params, args, device: str, attention: str = "triton",
                 float32_tokens: list[list[int]] | None = None, fuse_qkv: bool = False,
-                fuse_gate_up: bool = False, rope_in_attention: bool = True, compile_mode: str | None = None,
-                fuse_norms: bool = False) -> dict:
+                fuse_gate_up: bool = False, rope_in_attention: bool = True, compile_mode: str | None = None) -> dict:
     """The compiled engine with a prefix-shared attention ("triton" or "triton-stacked"), timed and checked
     like the sdpa one; `fuse_qkv` / `fuse_gate_up` add the stacked q/k/v / gate-up projections (with fused
     q/k/v the kernel applies bias and RoPE unless `rope_in_attention` is False)."""
     engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
                             compile=False if args.no_compile else compile_mode, attention=attention, fuse_qkv=fuse_qkv,
-                            fuse_gate_up=fuse_gate_up, rope_in_attention=rope_in_attention, fuse_norms=fuse_norms)
+                            fuse_gate_up=fuse_gate_up, rope_in_attention=rope_in_attention)
     result = time_engine(engine, prompts, params, args.repeats)
     result["stats"]["attention"] = (result["stats"].get("attention", "") + (" + fused qkv" if fuse_qkv else "")
                                     + (" + fused gate/up" if fuse_gate_up else "")
                                     + (" + RoPE in kernel" if result["stats"].get("rope_in_attention") else "")
-                                    + (" + fused norms" if result["stats"].get("fused_norms") else "")
                                     + (f" + {compile_mode}" if compile_mode and result["stats"].get("compiled") else ""))
     print(f"engine (attention={result['stats'].get('attention')}): {result['seconds']:.3f} s, "
           f"{result['tokens_per_s']:.0f} tok/s, compile + first call {result['first_call_s']:.1f} s, "
@@ -282,12 +276,6 @@ def profile(engine: BuiltinBackend, prompts, params) -> None:
 
 def main() -> None:
     args = parse_args()
-    if args.norm_linear_launch:
-        with open(args.norm_linear_launch) as file:
-            for swiglu, launch in json.load(file).items():
-                if launch:
-                    norm_linear.set_launch(swiglu == "True", launch)
-        print(f"fused-norms launch (block m, n, k, warps, stages) by swiglu: {norm_linear.LAUNCH}", flush=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(device)
     generator = torch.Generator().manual_seed(1)
@@ -342,15 +330,13 @@ def main() -> None:
     if not args.no_triton_stacked and triton_available():
         stacked_result = time_triton(model, prompts, params, args, device, attention="triton-stacked",
                                      float32_tokens=float32_tokens)
-    fused_result = fused_all_result = rope_kernel_result = fused_norms_result = None
+    fused_result = fused_all_result = rope_kernel_result = None
     if not args.no_fused_qkv and triton_available():
         rope_kernel_result = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens,
                                          fuse_qkv=True, rope_in_attention=False)
         fused_result = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens, fuse_qkv=True)
         fused_all_result = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens,
                                        fuse_qkv=True, fuse_gate_up=True)
-        fused_norms_result = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens,
-                                         fuse_qkv=True, fuse_gate_up=True, fuse_norms=True)
     hf = time_hf(model, prompts, args.hf_sequences, args.response_len, device) if args.hf_sequences else None
     if hf:
         print(f"hf generate: {hf}", flush=True)
@@ -361,8 +347,7 @@ def main() -> None:
                   engine_sdpa_efficient=efficient, engine_triton=triton_result,
                   engine_triton_stacked=stacked_result, engine_triton_fused_qkv_rope_kernel=rope_kernel_result,
                   engine_triton_fused_qkv=fused_result,
-                  engine_triton_fused_qkv_gate_up=fused_all_result, engine_fused_norms=fused_norms_result,
-                  engine_autotuned=autotuned,
+                  engine_triton_fused_qkv_gate_up=fused_all_result, engine_autotuned=autotuned,
                   hf_generate=hf, floor=bound,
                   percent_of_floor=100 * bound["seconds"] / ours["seconds"],
                   speedup_vs_hf=ours["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
@@ -380,8 +365,7 @@ def print_table(result: dict) -> None:
     rows = [(label, f"{ours['tokens']}", f"{ours['seconds']:.3f}", f"{ours['tokens_per_s']:,.0f}", f"{ours['peak_gib']:.1f}")]
     prefix_shared = [r for r in (result["engine_triton"], result.get("engine_triton_stacked"),
                                  result.get("engine_triton_fused_qkv_rope_kernel"), result.get("engine_triton_fused_qkv"),
-                                 result.get("engine_triton_fused_qkv_gate_up"), result.get("engine_fused_norms"),
-                                 *result.get("engine_autotuned", []))
+                                 result.get("engine_triton_fused_qkv_gate_up"), *result.get("engine_autotuned", []))
                       if r]
     for shared in prefix_shared:
         name = shared["stats"].get("attention")

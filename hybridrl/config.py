@@ -127,10 +127,6 @@ class RolloutConfig:
     """Built-in engine: likewise stack each layer's MLP gate and up weights into one matrix while generating
     (one matmul instead of two). Costs those weights again during the rollout: 0.4 GB for Qwen2-0.5B,
     7.6 GB for Qwen2.5-7B, so it suits small models; LoRA'd projections stay separate."""
-    fuse_norms: bool = False
-    """Built-in engine, with fuse_qkv and fuse_gate_up: fold the RMSNorm weights into those copies and run the
-    residual adds + norm + projection (and SiLU·mul) as one Triton kernel each (`rollout/norm_linear.py`);
-    three kernels fewer per layer and decode step. Opt-in: not yet timed on a GPU."""
 
 
 @dataclass

@@ -26,9 +26,6 @@ def validate(config: Config) -> None:
     _require(r.kv_cache_memory > 0, "rollout.kv_cache_memory must be > 0.")
     _require(r.attention in ("auto", "triton", "triton-stacked", "sdpa"),
              f"rollout.attention must be auto, triton, triton-stacked or sdpa; got {r.attention!r}.")
-    _require(not r.fuse_norms or (r.fuse_qkv and r.fuse_gate_up),
-             "rollout.fuse_norms folds the norm weights into the fused q/k/v and gate/up copies; set "
-             "rollout.fuse_qkv=true and rollout.fuse_gate_up=true as well.")
     _require(config.data.max_prompt_length >= 1, "data.max_prompt_length must be at least 1.")
     _require(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low must be in [0, 1).")
     _require(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high must be >= 0.")

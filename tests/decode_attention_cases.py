@@ -139,7 +139,6 @@ def check_engine_with_kernel(attention: str = "triton", **engine_options) -> Non
     shared = engine.generate(PROMPTS, params)
     assert engine.last_stats["attention"] == "triton-interpret" and engine.last_stats["prefill_waves"] >= 2
     assert engine.last_stats["rope_in_attention"] == bool(engine_options.get("fuse_qkv"))
-    assert engine.last_stats["fused_norms"] == bool(engine_options.get("fuse_norms"))
     per_slot = builtin.BuiltinBackend(model, attention="sdpa").generate(PROMPTS, params)
     assert [g.token_ids for g in shared] == [g.token_ids for g in per_slot]
     for a, b in zip(shared, per_slot):
@@ -150,11 +149,6 @@ def check_engine_with_kernel(attention: str = "triton", **engine_options) -> Non
 def check_engine_with_kernel_rope() -> None:
     """fuse_qkv on Qwen2 (q/k/v biases): RoPE and the biases applied inside the kernel."""
     check_engine_with_kernel(fuse_qkv=True)
-
-
-def check_engine_with_kernel_fused_norms() -> None:
-    """fuse_norms on Qwen2: the norm + linear kernel and the attention kernel, both in interpret mode."""
-    check_engine_with_kernel(fuse_qkv=True, fuse_gate_up=True, fuse_norms=True)
 
 
 def check_engine_with_stacked_kernels() -> None:

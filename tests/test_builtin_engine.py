@@ -428,23 +428,6 @@ def test_rope_inside_the_attention_gives_the_same_tokens_and_logprobs(family):
     assert not kept.last_stats["rope_in_attention"]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_fused_norms_give_the_same_tokens_and_logprobs(family):
-    """`fuse_norms`: norm weights folded into the fused copies, residual + norm + projection (+ SiLU·mul) as one
-    function (here its PyTorch reference; the kernel in `test_norm_linear.py`). Same greedy tokens and
-    log-probs as the plain engine; Qwen3 (q/k norm) keeps the plain decode step but its folded weights
-    still serve prefill and decode correctly."""
-    model, params = make_model(family), SamplingParams(max_new_tokens=12, temperature=0, n=2)
-    plain = BuiltinBackend(model, attention="sdpa", fuse_qkv=False).generate(PROMPTS, params)
-    engine = BuiltinBackend(model, attention="triton", fuse_qkv=True, fuse_gate_up=True, fuse_norms=True)
-    for mine, reference in zip(engine.generate(PROMPTS, params), plain):
-        assert mine.token_ids == reference.token_ids
-        torch.testing.assert_close(torch.tensor(mine.logprobs), torch.tensor(reference.logprobs), atol=1e-5, rtol=0)
-    assert engine.last_stats["fused_norms"] == (family != "qwen3")
-    with pytest.raises(ValueError, match="fuse_gate_up=True"):
-        BuiltinBackend(model, fuse_norms=True)
-
-
 def test_compile_mode_reaches_torch_compile(monkeypatch):
     """`compile="max-autotune-no-cudagraphs"` (a torch.compile mode) is what the decode pieces compile with."""
     modes = []

@@ -114,9 +114,3 @@ def test_stacked_attention_that_cannot_fit_is_refused_before_any_rollout():
     with pytest.raises(ConfigError, match="rollout.attention=triton-stacked stacks 200 samples x 2 query heads"):
         check_stacked_attention(load_config(None, rollout__attention="triton-stacked",
                                             rollout__num_samples_per_prompt=200), actor)
-
-
-def test_fused_norms_need_both_fused_copies():
-    with pytest.raises(ConfigError, match="rollout.fuse_gate_up=true"):
-        load_config(None, ["rollout.fuse_norms=true"])
-    assert load_config(None, ["rollout.fuse_norms=true", "rollout.fuse_gate_up=true"]).rollout.fuse_norms

@@ -77,17 +77,6 @@ def resolve_attention(option: str, device: torch.device) -> str:
     return option
 
 
-def _norm_linear_function(fuse_norms: bool, attention: Callable) -> Callable | None:
-    """`fuse_norms`: the Triton norm + linear kernel beside the Triton attention, else its reference."""
-    if not fuse_norms:
-        return None
-    from hybridrl.rollout import decode_attention, norm_linear
-
-    if attention is decode_attention.triton_decode_attention:
-        return norm_linear.triton_norm_linear
-    return norm_linear.reference_norm_linear
-
-
 def _decode_attention_function(attention: str, device: torch.device) -> tuple[str, Callable]:
     """The prefix-shared attention (`triton` or `triton-stacked`) for this device, and its name for
     `last_stats`. Imported here so that the per-slot path never imports triton."""
@@ -202,9 +191,6 @@ class BuiltinBackend:
         Qwen2-0.5B, 7.6 GB for Qwen2.5-7B). rope_in_attention: with fuse_qkv, attention "triton" and no q/k
         norm, the decode kernel adds the q/k/v bias and applies RoPE itself (one kernel fewer per layer);
         False keeps a RoPE kernel (for comparisons). `last_stats["rope_in_attention"]` says which ran.
-        fuse_norms (opt-in, needs fuse_qkv and fuse_gate_up; not yet timed on a GPU): fold the RMSNorm
-        weights into those copies and run residual adds + norm + projection (+ SiLU·mul) as one kernel each
-        (`norm_linear.py`); with RoPE in the attention kernel. `last_stats["fused_norms"]` says if it ran.
     """
 
     def __init__(
@@ -222,7 +208,6 @@ class BuiltinBackend:
         fuse_qkv: bool = True,
         fuse_gate_up: bool = False,
         rope_in_attention: bool = True,
-        fuse_norms: bool = False,
     ) -> None:
         ok, reason = _supports(model)
         if not ok:
@@ -231,15 +216,12 @@ class BuiltinBackend:
             raise ValueError("kv_cache_memory must be > 0 and max_num_seqs, max_prefill_tokens, sync_every >= 1.")
         if attention not in ATTENTION_OPTIONS:
             raise ValueError(f"attention must be one of {ATTENTION_OPTIONS}; got {attention!r}.")
-        if fuse_norms and not (fuse_qkv and fuse_gate_up):
-            raise ValueError("fuse_norms folds the norm weights into the fused q/k/v and gate/up copies; "
-                             "set fuse_qkv=True and fuse_gate_up=True as well.")
         self.model, self.tokenizer = model, tokenizer
         self.kv_cache_memory, self.max_num_seqs = kv_cache_memory, max_num_seqs
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
         self.use_cuda_graphs, self.release_after_generate = use_cuda_graphs, release_after_generate
         self.compile, self.attention, self.fuse_qkv, self.fuse_gate_up = compile, attention, fuse_qkv, fuse_gate_up
-        self.rope_in_attention, self.fuse_norms = rope_in_attention, fuse_norms
+        self.rope_in_attention = rope_in_attention
         self._compiled: tuple[DecodeFunctions, object] | None = None  # kept across generate calls
         self.cache: SlotKVCache | PrefixSharedKVCache | None = None
         self._attention_name = ""  # which decode attention the current cache uses, for last_stats
@@ -257,8 +239,7 @@ class BuiltinBackend:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         self._validate(prompts, params)
-        weights = resolve_weights(self.model, self.fuse_qkv, self.fuse_gate_up,  # fused copies are remade every call
-                                  fold_norms=self.fuse_norms)
+        weights = resolve_weights(self.model, self.fuse_qkv, self.fuse_gate_up)  # fused copies are remade every call
         key = _weights_key(weights)
         if key != self._weights_key:  # modules replaced or LoRA switched on/off: kept graphs point at old tensors
             self._graphs, self._graph_pool, self._weights_key = {}, None, key
@@ -295,8 +276,6 @@ class BuiltinBackend:
                      compiled=functions is not EAGER_DECODE, attention=self._attention_name,
                      rope_in_attention=isinstance(self.cache, PrefixSharedKVCache) and self.rope_in_attention
                      and rotates_projections(self.cache.attention, weights))
-        stats["fused_norms"] = stats["rope_in_attention"] and self.cache.norm_linear is not None \
-            and all(lw.norms_folded for lw in weights.layers)
         self._stats = stats
         try:
             while scheduler.has_work:
@@ -384,8 +363,7 @@ class BuiltinBackend:
             self._attention_name, function = _decode_attention_function(attention, device)
             self.cache = PrefixSharedKVCache(geometry, num_slots, device, dtype, function,
                                              stacked=attention == "triton-stacked",
-                                             rope_in_attention=self.rope_in_attention,
-                                             norm_linear=_norm_linear_function(self.fuse_norms, function))
+                                             rope_in_attention=self.rope_in_attention)
         return num_slots
 
     def _kv_len(self, scheduler: Scheduler, steps: int, max_len: int) -> int:

@@ -118,14 +118,13 @@ class PrefixSharedKVCache:
     prompt_kv (layers, 2, entries, Hkv, prompt_max_len, D); response_kv (layers, 2, slots, Hkv,
     response_max_len, D). `attention` is `triton_decode_attention` or `reference_decode_attention`, or with
     `stacked` `stacked_decode_attention` or `stacked_reference_attention`, which also get `entry_slots`.
-    `rope_in_attention`: let an attention that can apply RoPE do so (see `decode_logits_prefix_shared`);
-    `norm_linear`: the fused residual + norm + linear kernel or its reference (`fuse_norms`), else None.
+    `rope_in_attention`: let an attention that can apply RoPE do so (see `decode_logits_prefix_shared`).
     """
 
     reads_kv_len = False  # the attention stops at each slot's own lengths
 
     def __init__(self, geometry: CacheGeometry, num_slots: int, device, dtype, attention: Callable,
-                 stacked: bool = False, rope_in_attention: bool = True, norm_linear: Callable | None = None) -> None:
+                 stacked: bool = False, rope_in_attention: bool = True) -> None:
         g = geometry
         entries = prompt_entries_needed(g.num_prompts, num_slots)
         shape = (g.num_layers, 2)
@@ -134,7 +133,6 @@ class PrefixSharedKVCache:
         self.response_kv = torch.zeros(*shape, num_slots, g.num_kv_heads, _round_up(g.max_new_tokens), g.head_dim,
                                        dtype=dtype, device=device)
         self.attention, self.entry_slots, self.rope_in_attention = attention, None, rope_in_attention
-        self.norm_linear = norm_linear
         if stacked:  # one address for the whole generate call: graphs captured with it stay valid
             width = min(g.samples_per_prompt, num_slots)
             self.entry_slots = torch.full((entries, width), -1, dtype=torch.int32, device=device)  # (entries, width)
@@ -161,8 +159,7 @@ class PrefixSharedKVCache:
                functions: DecodeFunctions) -> torch.Tensor:
         """Logits (B, V) of one decode step; `kv_len` is unused (the engine passes 0)."""
         return decode_logits_prefix_shared(w, self.prompt_kv, self.response_kv, cos, sin, tokens, prompt_entry,
-                                           prompt_len, gen_len, self.attention, functions, self.rope_in_attention,
-                                           self.norm_linear)
+                                           prompt_len, gen_len, self.attention, functions, self.rope_in_attention)
 
     def move(self, source: torch.Tensor, destination: torch.Tensor) -> None:
         """Compaction moves response KV only; the slot's prompt entry index moves with the per-slot state."""

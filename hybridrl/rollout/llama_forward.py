@@ -42,8 +42,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from hybridrl.rollout.norm_linear import decode_layers_fused_norms, fold_norm
-
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE types whose frequencies do not depend on the current sequence length (dynamic NTK and
 # longrope rescale as the sequence grows, which a precomputed table cannot reproduce).
@@ -85,17 +83,6 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None = None
     # `fuse_gate_up`: gate and up weights stacked into one (2 * intermediate, hidden) matrix, likewise a copy.
     gate_up_weight: torch.Tensor | None = None
-    # `fuse_norms`: input_norm is folded into qkv_weight and post_norm into gate_up_weight (both copies), so
-    # the norms before them normalize only (`input_scale` / `post_scale` give None then).
-    norms_folded: bool = False
-
-    @property
-    def input_scale(self) -> torch.Tensor | None:
-        return None if self.norms_folded else self.input_norm
-
-    @property
-    def post_scale(self) -> torch.Tensor | None:
-        return None if self.norms_folded else self.post_norm
 
 
 @dataclass
@@ -254,15 +241,14 @@ def fused_gate_up(lw: LayerWeights) -> torch.Tensor | None:
     return torch.cat((lw.gate_weight, lw.up_weight))
 
 
-def resolve_weights(model, fuse_qkv: bool = False, fuse_gate_up: bool = False, fold_norms: bool = False) -> ModelWeights:
+def resolve_weights(model, fuse_qkv: bool = False, fuse_gate_up: bool = False) -> ModelWeights:
     """Collect references to the model's tensors; call again whenever modules may have been replaced.
 
     `fuse_qkv` adds, per layer, a copy of q/k/v stacked into one matrix, so a decode step runs one
     projection matmul instead of three (the k and v ones are tiny and launch-bound); `fuse_gate_up`
     likewise for the MLP's gate and up. A decode step is bound by kernel launches and the gaps between
     them, so one kernel fewer per layer is time saved. The copies are made here, so they reflect the
-    weights as they are now: resolve again after every optimizer step. `fold_norms` (with both fused copies
-    in a layer) folds input_norm into the q/k/v copy and post_norm into the gate/up copy (`norm_linear.py`)."""
+    weights as they are now: resolve again after every optimizer step."""
     ok, reason = supports(model)
     if not ok:
         raise ValueError(f"the built-in rollout engine cannot run this model: {reason}; use rollout.backend=hf.")
@@ -289,11 +275,6 @@ def resolve_weights(model, fuse_qkv: bool = False, fuse_gate_up: bool = False, f
             layers[-1].qkv_weight, layers[-1].qkv_bias = fused
         if fuse_gate_up:
             layers[-1].gate_up_weight = fused_gate_up(layers[-1])
-        lw = layers[-1]
-        if fold_norms and lw.qkv_weight is not None and lw.gate_up_weight is not None:
-            lw.qkv_weight = fold_norm(lw.qkv_weight, lw.input_norm)
-            lw.gate_up_weight = fold_norm(lw.gate_up_weight, lw.post_norm)
-            lw.norms_folded = True
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return ModelWeights(
         embed=inner.embed_tokens.weight, layers=layers, final_norm=inner.norm.weight,
@@ -313,11 +294,9 @@ def rope_table(model, max_len: int, device, dtype) -> tuple[torch.Tensor, torch.
     return cos[0].contiguous(), signed_sin(sin[0]).contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Same arithmetic as HF's LlamaRMSNorm (normalize in float32, cast back, then scale), fewer kernels.
-    weight None: normalize only (the scale is folded into the next matmul's weights, `fuse_norms`)."""
-    normalized = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-    return normalized if weight is None else weight * normalized
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same arithmetic as HF's LlamaRMSNorm (normalize in float32, cast back, then scale), fewer kernels."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -395,7 +374,7 @@ def prefill(
     for layer_index, lw in enumerate(w.layers):
         lw = unpacked(lw)
         residual = h
-        q, k, v = _qkv(w, lw, rms_norm(h, lw.input_scale, w.rms_eps), cos, sin)
+        q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (P, heads, L, D)
         kv_cache[layer_index, 0, dest_slots, :, :length] = k[source_rows]
         kv_cache[layer_index, 1, dest_slots, :, :length] = v[source_rows]
@@ -405,7 +384,7 @@ def prefill(
         )
         attn = attn.transpose(1, 2).reshape(num_prompts, length, w.num_heads * w.head_dim)
         h = residual + _linear(attn, lw.o_weight, lw.o_bias, lw.o_lora)
-        h = h + _mlp(lw, rms_norm(h, lw.post_scale, w.rms_eps))
+        h = h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
     last = h[torch.arange(num_prompts, device=h.device), lengths - 1]  # (P, hidden)
     return F.linear(rms_norm(last, w.final_norm, w.rms_eps), w.lm_head).float()
 
@@ -423,9 +402,9 @@ def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, pending
         h = h + residual
     batch = h.shape[0]
     if cos is None:  # RoPE and the q/k/v bias are left to the attention kernel: q and kv are views of one matmul
-        qkv = F.linear(rms_norm(h, lw.input_scale, w.rms_eps), lw.qkv_weight).view(batch, -1, w.head_dim)
+        qkv = F.linear(rms_norm(h, lw.input_norm, w.rms_eps), lw.qkv_weight).view(batch, -1, w.head_dim)
     else:
-        q, k, v = _qkv(w, lw, rms_norm(h, lw.input_scale, w.rms_eps), cos, sin)
+        q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)
         # One buffer (B, H + 2 Hkv, D) for q and the new K/V: compiled, both RoPEs and the stack are one kernel.
         qkv = torch.cat((q, k, v), dim=-2)
     return h, qkv[:, : w.num_heads].view(batch, w.num_kv_heads, -1, w.head_dim), \
@@ -438,7 +417,7 @@ def attention_output_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor,
     matmul + add whose sum leaves the compiled graph becomes cuBLAS addmm, whose beta-add needs h copied
     into its output first (a device-to-device copy per layer); used only by the norm, the add fuses there."""
     o = _linear(attn.reshape(h.shape[0], -1), lw.o_weight, lw.o_bias, lw.o_lora)
-    return o, _mlp(lw, rms_norm(h + o, lw.post_scale, w.rms_eps))
+    return o, _mlp(lw, rms_norm(h + o, lw.post_norm, w.rms_eps))
 
 
 def final_logits(w: ModelWeights, h: torch.Tensor, pending: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -542,7 +521,6 @@ def decode_logits_prefix_shared(
     attention: Callable,
     functions: DecodeFunctions = EAGER_DECODE,
     rope_in_attention: bool = True,
-    norm_linear: Callable | None = None,
 ) -> torch.Tensor:
     """One decode step over the prefix-shared layout (see `decode_attention.py`) for slots 0..B-1.
 
@@ -555,8 +533,6 @@ def decode_logits_prefix_shared(
     `reference_decode_attention`. No host sync and no length-dependent shape (graph-safe).
     `rope_in_attention`: when the attention can (`applies_rope`) and every layer has fused q/k/v and no q/k
     norm, the attention gets the raw projections and applies bias and RoPE itself: one kernel fewer per layer.
-    `norm_linear` (`norm_linear.py`), with folded norms in every layer: residual adds, norms and SiLU·mul go
-    into two kernels per layer as well (`norm_linear.decode_layers_fused_norms`).
     """
     batch = tokens.shape[0]
     slots = torch.arange(batch, device=tokens.device)
@@ -580,8 +556,6 @@ def decode_logits_prefix_shared(
         response_cache[layer_index][:, slots, :, write_at] = kv  # (B, 2, Hkv, D), as in decode_logits
         return attention(q, prompt_k, prompt_v, response_k, response_v, prompt_entry, prompt_len, response_len, scale)
 
-    if rotate_inside and norm_linear is not None and all(lw.norms_folded for lw in w.layers):
-        return decode_layers_fused_norms(w, tokens, attend, norm_linear, functions.final_logits)
     if rotate_inside:
         return _decode_layers(w, tokens, None, None, functions, attend)
     return _decode_layers(w, tokens, cos, sin, functions, attend)
