@@ -40,3 +40,15 @@ def test_rollout_benchmark_runs_every_engine_variant(tmp_path):
                          "--agreement-tokens", "4", "--repeats", "1", "--no-eager-baseline"], tmp_path)
     assert "floor (computed)" in stdout and "+ RoPE in kernel" in stdout
     assert json.loads((tmp_path / "rollout_benchmark.json").read_text())["engine_triton_fused_qkv_gate_up"]
+
+
+def test_decode_gaps_sums_idle_time_by_size_and_kernel_pair(capsys):
+    """`decode_gaps.gap_report` on a hand-made timeline (µs): overlapping kernels leave no gap."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from decode_gaps import gap_report
+
+    gap_report([(0, 10, "gemm"), (11.5, 20, "attn"), (19, 25, "norm"), (125, 130, "gemm"), (131, 140, "attn")])
+    out = capsys.readouterr().out
+    assert "idle between kernels: 0.1 ms in 3 gaps" in out
+    assert "gaps    1-2    us:     0.0 ms in      2" in out and "gaps  100-inf  us:     0.1 ms in      1" in out
+    assert out.index("norm") < out.index("gemm                                   -> attn")
