@@ -437,6 +437,15 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
     assert engine.last_stats["compiled"] and modes.count("max-autotune-no-cudagraphs") == 3
 
 
+def test_compiling_raises_dynamos_recompile_limit(monkeypatch):
+    """Every engine variant (shape, LoRA, fused copies) adds a compilation of the same decode functions; at
+    Dynamo's default limit of 8 the ninth failed under fullgraph=True (seen on an H200, 2026-11-30)."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    BuiltinBackend(make_model("llama"), compile=True).generate(PROMPTS[:2], SamplingParams(max_new_tokens=2))
+    assert torch._dynamo.config.recompile_limit >= 64
+
+
 def test_quantized_projection_weights_are_refused():
     """A checkpoint that loads with quantized (integer) projection weights, e.g. bitsandbytes 4-bit, must not
     be read as if it were floating point: `supports` says no and the trainer falls back to `hf`."""
