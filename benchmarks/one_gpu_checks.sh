@@ -2,14 +2,14 @@
 # The one-GPU checks of issues 3 and 4 in one device call (nvidia-h200, under 10 minutes): the GPU tests
 # of the kernels and the engine, the rollout table (the triton variants, fused q/k/v with RoPE in a kernel of
 # its own and inside the attention kernel, HF generate, greedy agreement with HF bf16 and float32, a profile
-# per engine), then the GRPO step table with TRL beside it (5 steps; the fused mode, and it with 40% of the
-# AdamW state kept on the GPU). Each part has
-# its own time limit, so a hang in one still leaves the others' logs; every log goes to $OUT.
+# per engine), where the default engine's GPU idle time goes (decode_gaps.py), then the GRPO step table with
+# TRL beside it (5 steps, the fused mode). Each part has its own time limit, so a hang in one still leaves
+# the others' logs; every log goes to $OUT.
 #   OUT=/tmp/out bash benchmarks/one_gpu_checks.sh [grpo_step modes]
 # TRL runs when its wheels and script are in .bench/ (see docs/benchmarks.md); otherwise it is skipped.
 set -u -o pipefail
 OUT=${OUT:-/tmp/hybridrl-one-gpu}; mkdir -p "$OUT"
-MODES=${1:-grpo-0.5b-fused,grpo-0.5b-fused-offload60}
+MODES=${1:-grpo-0.5b-fused}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 start=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - start )) s"; }
@@ -23,6 +23,9 @@ echo "== gpu tests: exit $? after $(elapsed)"; tail -2 "$OUT/gpu_tests.log"
 timeout 190 python3 benchmarks/rollout.py --no-eager-baseline --no-triton-stacked --agreement-sequences 32 --profile \
     > "$OUT/rollout.log" 2>&1
 echo "== rollout: exit $? after $(elapsed)"; grep -A11 "tokens  seconds" "$OUT/rollout.log" | head -14
+
+timeout 90 python3 benchmarks/decode_gaps.py --sync-every 16,64 > "$OUT/decode_gaps.log" 2>&1
+echo "== decode_gaps: exit $? after $(elapsed)"; grep -A8 "^idle between" "$OUT/decode_gaps.log"; tail -3 "$OUT/decode_gaps.log"
 
 if ls .bench/trl-*.whl > /dev/null 2>&1 && [ -f .bench/trl_grpo_gpu.py ]; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/hybridrl-site .bench/*.whl > /dev/null 2>&1
