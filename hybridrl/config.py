@@ -127,6 +127,11 @@ class RolloutConfig:
     """Built-in engine: likewise stack each layer's MLP gate and up weights into one matrix while generating
     (one matmul instead of two). Costs those weights again during the rollout: 0.4 GB for Qwen2-0.5B,
     7.6 GB for Qwen2.5-7B, so it suits small models; LoRA'd projections stay separate."""
+    empty_cuda_cache: bool = True
+    """At each train <-> generate switch, and when the KV cache is released, hand the CUDA allocator's cached
+    memory back to the driver (`torch.cuda.empty_cache`). false keeps it cached for the next phase to reuse:
+    no cudaFree / cudaMalloc of the KV cache and training buffers every step, the same peak allocated
+    memory, but nvidia-smi shows the high-water mark and other processes cannot use it. Not yet timed."""
 
 
 @dataclass

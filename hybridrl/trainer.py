@@ -162,7 +162,8 @@ class RLTrainer:
     def rollout(self, prompts: dict[str, Any], evaluation: bool = False) -> RolloutBatch:
         params = self.sampling_params(evaluation)
         with rollout_phase(self.parts.actor, self.parts.actor_optimizer, self.device,
-                           self.config.actor.offload_during_rollout, self.switch_seconds), \
+                           self.config.actor.offload_during_rollout, self.switch_seconds,
+                           self.config.rollout.empty_cuda_cache), \
                 distributed.gather_for_rollout(self.parts.actor) as sync:
             generations = distributed.generate_sharded(self.parts.rollout, prompts["prompt_ids"], params, self.parts.setup)
             self.parts.rollout.release_memory()

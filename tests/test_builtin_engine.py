@@ -440,10 +440,10 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
 def test_compiling_raises_dynamos_recompile_limit(monkeypatch):
     """Every engine variant (shape, LoRA, fused copies) adds a compilation of the same decode functions; at
     Dynamo's default limit of 8 the ninth failed under fullgraph=True (seen on an H200, 2026-11-30)."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
-    BuiltinBackend(make_model("llama"), compile=True).generate(PROMPTS[:2], SamplingParams(max_new_tokens=2))
-    assert torch._dynamo.config.recompile_limit >= 64
+    with torch._dynamo.config.patch(recompile_limit=8):  # restored on exit
+        BuiltinBackend(make_model("llama"), compile=True).generate(PROMPTS[:2], SamplingParams(max_new_tokens=2))
+        assert torch._dynamo.config.recompile_limit >= 64
 
 
 def test_quantized_projection_weights_are_refused():
@@ -454,3 +454,27 @@ def test_quantized_projection_weights_are_refused():
     proj.weight = torch.nn.Parameter(torch.zeros(proj.weight.shape, dtype=torch.uint8), requires_grad=False)
     ok, reason = BuiltinBackend.supports(model)
     assert not ok and "torch.uint8 (quantized?)" in reason
+
+
+@pytest.mark.parametrize("empty_cache", [True, False])
+def test_empty_cache_option_decides_whether_cached_memory_goes_back(monkeypatch, empty_cache):
+    """`rollout.empty_cuda_cache`: the engine's release and both phase switches call `torch.cuda.empty_cache`
+    only when it is on (CUDA faked: the calls are what is checked, not memory)."""
+    from hybridrl.components import build_rollout
+    from hybridrl.config import load_config
+    from hybridrl.hybrid import rollout_phase
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    engine = BuiltinBackend(make_model("llama"), empty_cache=empty_cache)
+    engine.release_memory()
+    model = torch.nn.Linear(2, 2)
+    timings = {}
+    with rollout_phase(model, torch.optim.AdamW(model.parameters()), torch.device("cuda"), True, timings,
+                       empty_cache=empty_cache):
+        pass
+    assert calls == (["empty"] * 3 if empty_cache else []) and timings["weight_sync"] >= 0
+    config = load_config(None, ["rollout.backend=builtin", f"rollout.empty_cuda_cache={str(empty_cache).lower()}"])
+    assert build_rollout(config, make_model("llama"), None, torch.device("cpu")).empty_cache is empty_cache

@@ -191,6 +191,9 @@ class BuiltinBackend:
         Qwen2-0.5B, 7.6 GB for Qwen2.5-7B). rope_in_attention: with fuse_qkv, attention "triton" and no q/k
         norm, the decode kernel adds the q/k/v bias and applies RoPE itself (one kernel fewer per layer);
         False keeps a RoPE kernel (for comparisons). `last_stats["rope_in_attention"]` says which ran.
+        empty_cache (default on): when the KV cache is released, and before it is sized, hand the CUDA
+        allocator's cached memory back to the driver; False leaves it cached for the next phase to reuse
+        (no cudaFree / cudaMalloc of the KV cache every rollout; nvidia-smi then shows the high-water mark).
     """
 
     def __init__(
@@ -208,6 +211,7 @@ class BuiltinBackend:
         fuse_qkv: bool = True,
         fuse_gate_up: bool = False,
         rope_in_attention: bool = True,
+        empty_cache: bool = True,
     ) -> None:
         ok, reason = _supports(model)
         if not ok:
@@ -221,7 +225,7 @@ class BuiltinBackend:
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
         self.use_cuda_graphs, self.release_after_generate = use_cuda_graphs, release_after_generate
         self.compile, self.attention, self.fuse_qkv, self.fuse_gate_up = compile, attention, fuse_qkv, fuse_gate_up
-        self.rope_in_attention = rope_in_attention
+        self.rope_in_attention, self.empty_cache = rope_in_attention, empty_cache
         self._compiled: tuple[DecodeFunctions, object] | None = None  # kept across generate calls
         self.cache: SlotKVCache | PrefixSharedKVCache | None = None
         self._attention_name = ""  # which decode attention the current cache uses, for last_stats
@@ -305,7 +309,7 @@ class BuiltinBackend:
     def release_memory(self) -> None:
         self.cache, self._run = None, None
         self._graphs, self._graph_pool = {}, None
-        if torch.cuda.is_available():
+        if self.empty_cache and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     # ---- phases -----------------------------------------------------------------------------------
@@ -347,7 +351,9 @@ class BuiltinBackend:
         layout = SlotKVCache if attention == "sdpa" else PrefixSharedKVCache
         self.release_memory()
         if device.type == "cuda":
-            free_bytes = torch.cuda.mem_get_info(device)[0]
+            # Free to this process: the driver's free memory plus what the allocator holds cached, unused.
+            free_bytes = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
+                - torch.cuda.memory_allocated(device)
             budget = self.kv_cache_memory * _GIB if self.kv_cache_memory > 1 else self.kv_cache_memory * free_bytes
         else:
             budget = self.kv_cache_memory * _GIB * (1 if self.kv_cache_memory > 1 else CPU_MEMORY_REFERENCE_GIB)
