@@ -32,7 +32,8 @@ if ls .bench/trl-*.whl > /dev/null 2>&1 && [ -f .bench/trl_grpo_gpu.py ]; then
     export PYTHONPATH=$PWD:/tmp/hybridrl-site
     MODES="$MODES,trl"
 fi
-timeout 360 python3 benchmarks/grpo_step.py --modes "$MODES" --steps 5 --trl-script .bench/trl_grpo_gpu.py \
+left=$(( 585 - $(date +%s) + start ))  # what the device call's 600 s leave
+timeout $left python3 benchmarks/grpo_step.py --modes "$MODES" --steps 5 --trl-script .bench/trl_grpo_gpu.py \
     --timeout 200 > "$OUT/grpo_step.log" 2>&1
 echo "== grpo_step: exit $? after $(elapsed)"; tail -8 "$OUT/grpo_step.log"
 # From the rollout run's profiles (one per engine): kernels per decode step, and whether the per-layer
