@@ -294,6 +294,26 @@ def test_repeated_rollouts_hold_no_more_memory():
     assert engine.last_stats["graphs_captured"] >= 1
     assert held[1] == held[2] == held[3], held
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_keeping_the_cuda_cache_gives_the_same_tokens_and_keeps_it():
+    """`empty_cache=False` captures its graphs without `torch.cuda.graph` (which would empty the cache):
+    same greedy and seeded-sampled tokens as the default, and the allocator still holds the rollout's
+    memory after it."""
+    model = make_model("qwen2").cuda()
+    prompts = [[i + 1, i + 2, i + 3][: 1 + i % 3] for i in range(7)]
+    for params in (SamplingParams(max_new_tokens=12, temperature=0, n=2),
+                   SamplingParams(max_new_tokens=10, temperature=0.9, n=3, seed=4)):
+        default = BuiltinBackend(model, max_num_seqs=4, sync_every=3).generate(prompts, params)
+        torch.cuda.empty_cache()
+        keeping = BuiltinBackend(model, max_num_seqs=4, sync_every=3, empty_cache=False)
+        for _ in range(2):  # the second call captures again, from the cached memory
+            kept = keeping.generate(prompts, params)
+            assert keeping.last_stats["graphs_captured"] >= 1
+            assert [g.token_ids for g in kept] == [g.token_ids for g in default]
+        assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() > 0
+
 def test_freed_slot_of_a_long_prompt_does_not_break_shorter_key_buckets(monkeypatch):
     model = make_model("qwen2")
     long_prompt, short_prompts = list(range(1, 41)), [[5], [6, 7], [8]]  # 4 slots: no compaction

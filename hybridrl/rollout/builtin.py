@@ -233,7 +233,7 @@ class BuiltinBackend:
         self._graph_pool = None
         # One warm-up stream for the engine's life: cuBLAS keeps a workspace (32 MiB on Hopper) per stream
         # it has run on, so a new stream per rollout would hold 33 MiB more after every step.
-        self._warmup_stream = None
+        self._warmup_stream = self._capture_stream = None
         self._weights_key: tuple = ()
         self.last_stats: dict[str, float] = {}
 
@@ -460,12 +460,29 @@ class BuiltinBackend:
             self._decode_step(batch, kv_len)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            self._decode_step(batch, kv_len)
+        self._capture(graph, batch, kv_len)
         self._graph_pool = graph.pool()
         self._graphs[(batch, kv_len)] = graph
         torch.cuda.synchronize()
         self._stats["warmup_s"] += time.perf_counter() - start
+
+    def _capture(self, graph: torch.cuda.CUDAGraph, batch: int, kv_len: int) -> None:
+        """Record one decode step into `graph`. `torch.cuda.graph` empties the allocator's cache on entry,
+        which would hand back the memory `empty_cache=False` keeps, so that setting captures the way it
+        does minus that call (a side stream of the engine's own: a new stream costs cuBLAS workspaces)."""
+        if self.empty_cache:
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                self._decode_step(batch, kv_len)
+            return
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(self._capture_stream):
+            graph.capture_begin(pool=self._graph_pool)
+            try:
+                self._decode_step(batch, kv_len)
+            finally:
+                graph.capture_end()
 
     def _sync(self, scheduler: Scheduler, params: SamplingParams, results: list) -> None:
         """Harvest finished sequences (and those cut by a stop string) and free their slots."""
