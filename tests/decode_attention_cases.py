@@ -68,6 +68,37 @@ def check_kernel_cases() -> None:
     print("kernel cases passed")
 
 
+def engine_like(case: dict, seed: int = 3) -> dict:
+    """`case` with one prompt length per entry, as the engine keeps them (adjacent slots of an entry then
+    share their prompt), except slot 1, freed: prompt length 0 under its old entry."""
+    generator = torch.Generator().manual_seed(seed)
+    entries, prompt_max = case["prompt_k"].shape[0], case["prompt_k"].shape[2]
+    per_entry = torch.randint(1, prompt_max + 1, (entries,), generator=generator).to(case["prompt_len"])
+    prompt_len = per_entry[case["prompt_index"]]
+    if len(prompt_len) > 2:
+        prompt_len[1] = 0
+    return dict(case, prompt_len=prompt_len)
+
+
+def check_slot_group_cases() -> None:
+    """Run with TRITON_INTERPRET=1: `slot_group_decode_attention` with 1, 2 and 4 slots per program equals the
+    reference (float32, float16): random per-slot lengths (the per-slot prompt passes), engine-like ones
+    (the shared pass, and a freed slot beside its entry's samples), the fused write, RoPE with and without bias."""
+    import functools
+
+    from hybridrl.rollout.slot_group_attention import slot_group_decode_attention
+
+    for slots in (2, 4):  # 1 runs the same code with one slot's rows
+        attention = functools.partial(slot_group_decode_attention, slots=slots)
+        for seed, shape in enumerate(CASES[:2] + [(9, 2, 7, 64, 2, 70, 40)]):
+            for dtype in (torch.float32, torch.float16):
+                for case in (make_case(seed, *shape, dtype=dtype), engine_like(make_case(seed, *shape, dtype=dtype))):
+                    torch.testing.assert_close(attention(**case), reference_decode_attention(**case), **TOLERANCE[dtype])
+                    check_fused_write(attention, case, TOLERANCE[dtype])
+                    check_rope(attention, case, TOLERANCE[dtype], with_bias=seed % 2 == 0)
+    print("slot group cases passed")
+
+
 def with_new_kv(case: dict, seed: int = 7) -> tuple[dict, torch.Tensor]:
     """A copy of `case` with its own response caches, and random new keys/values (B, 2, Hkv, D)."""
     case = dict(case, response_k=case["response_k"].clone(), response_v=case["response_v"].clone())
