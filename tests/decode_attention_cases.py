@@ -164,7 +164,15 @@ def check_engine_with_kernel(attention: str = "triton", **engine_options) -> Non
     torch.set_num_threads(1)
     engine_options.setdefault("fuse_qkv", False)  # without: RoPE in a compiled step piece, the kernel plain
     kernel = stacked_decode_attention if attention == "triton-stacked" else triton_decode_attention
-    builtin._decode_attention_function = lambda option, device: ("triton-interpret", kernel)
+    slots = engine_options.pop("kernel_slots", 1)
+    if slots > 1:  # the engine's slots_per_program choice, with the kernel in interpret mode
+        import functools
+
+        from hybridrl.rollout.slot_group_attention import slot_group_decode_attention
+
+        kernel = functools.partial(slot_group_decode_attention, slots=slots)
+        kernel.writes_new_kv = kernel.applies_rope = True
+    builtin._decode_attention_function = lambda option, device, *rest: ("triton-interpret", kernel)
     model, params = make_model("qwen2"), SamplingParams(max_new_tokens=8, temperature=0, n=2)
     engine = builtin.BuiltinBackend(model, attention=attention, max_num_seqs=5, sync_every=2, **engine_options)
     shared = engine.generate(PROMPTS, params)
@@ -180,6 +188,14 @@ def check_engine_with_kernel(attention: str = "triton", **engine_options) -> Non
 def check_engine_with_kernel_rope() -> None:
     """fuse_qkv on Qwen2 (q/k/v biases): RoPE and the biases applied inside the kernel."""
     check_engine_with_kernel(fuse_qkv=True)
+
+
+def check_engine_with_slot_groups() -> None:
+    """The slot-group kernel (2 and 4 slots per program) in the engine: continuous batching and compaction
+    leave some programs with slots of different prompts; with and without RoPE inside the kernel."""
+    for slots in (2, 4):
+        for fuse_qkv in (False, True):
+            check_engine_with_kernel(kernel_slots=slots, fuse_qkv=fuse_qkv)
 
 
 def check_engine_with_stacked_kernels() -> None:

@@ -26,6 +26,12 @@ def test_slot_groups_match_reference_in_interpret_mode():
 
 
 @needs_triton
+def test_engine_with_slot_groups_in_interpret_mode_matches_sdpa():
+    output = cases.run_in_interpreter("decode_attention_cases", "check_engine_with_slot_groups", timeout=600)
+    assert output.count("engine with kernel passed") == 4
+
+
+@needs_triton
 @pytest.mark.parametrize("slots, rope", [(2, False), (2, True), (4, True)])
 def test_slot_group_kernel_compiles_for_hopper(slots, rope):
     """bf16 at Qwen2-0.5B's group (7 query heads per KV head) and head_dim 64, lowered to a cubin on CPU."""
@@ -70,3 +76,17 @@ def test_slot_groups_on_cuda_at_the_benchmark_shape(slots):
                                reference_decode_attention(**case), **cases.BF16_TOLERANCE)
     attention = lambda **kwargs: slot_group_attention.slot_group_decode_attention(**kwargs, slots=slots)  # noqa: E731
     cases.check_rope(attention, engine_case(1), cases.BF16_TOLERANCE, True)
+
+
+def test_slots_per_program_is_validated_in_config_and_engine():
+    from hybridrl.config import ConfigError, load_config
+    from hybridrl.rollout.builtin import BuiltinBackend
+    from test_builtin_engine import make_model
+
+    with pytest.raises(ConfigError, match="rollout.slots_per_program must be 1, 2 or 4; got 3"):
+        load_config(None, ["rollout.slots_per_program=3"])
+    with pytest.raises(ConfigError, match="set rollout.attention=triton"):
+        load_config(None, ["rollout.slots_per_program=2", "rollout.attention=sdpa"])
+    assert load_config(None, ["rollout.slots_per_program=4", "rollout.attention=triton"]).rollout.slots_per_program == 4
+    with pytest.raises(ValueError, match="slots_per_program must be 1, 2 or 4"):
+        BuiltinBackend(make_model("llama"), slots_per_program=8)
