@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The one-GPU checks of issues 3 and 4 in one device call (nvidia-h200, under 10 minutes): the GPU tests
-# of the kernels and the engine, the rollout table (the triton variants, fused q/k/v with RoPE in a kernel of
-# its own and inside the attention kernel, HF generate, greedy agreement with HF bf16 and float32, a profile
+# of the kernels and the engine, the rollout table (the engine variants below, HF generate, greedy agreement with HF bf16 and float32, a profile
 # per engine), where the default engine's GPU idle time goes (decode_gaps.py), then the GRPO step table with
 # TRL beside it (5 steps, the fused mode). Each part has its own time limit, so a hang in one still leaves
 # the others' logs; every log goes to $OUT.
@@ -15,12 +14,14 @@ start=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - start )) s"; }
 
 timeout 150 python3 -m pytest -q -m gpu tests/test_fused_head.py tests/test_decode_attention.py \
-    tests/test_stacked_attention.py tests/test_builtin_engine.py tests/test_optim.py > "$OUT/gpu_tests.log" 2>&1
+    tests/test_stacked_attention.py tests/test_builtin_engine.py tests/test_optim.py tests/test_slot_group_attention.py \
+    > "$OUT/gpu_tests.log" 2>&1
 echo "== gpu tests: exit $? after $(elapsed)"; tail -2 "$OUT/gpu_tests.log"
 
-# The engine variants (triton-stacked was slower in its 2026-11-30 run and is skipped; its launch sweep:
-# decode_attention.py --no-sweep --stacked), fused q/k/v with a RoPE kernel and with RoPE in the attention kernel.
-timeout 190 python3 benchmarks/rollout.py --no-eager-baseline --no-triton-stacked --agreement-sequences 32 --profile \
+# The engine variants: sdpa, fused q/k/v with a RoPE kernel and with RoPE in the attention kernel, + fused gate/up,
+# and that with 2 and 4 slots per attention program (slot_group_attention.py). Skipped: plain triton (unfused
+# q/k/v) and triton-stacked, slower in earlier runs (its launch sweep: decode_attention.py --no-sweep --stacked).
+timeout 190 python3 benchmarks/rollout.py --no-eager-baseline --no-triton --no-triton-stacked --slot-groups --agreement-sequences 32 --profile \
     > "$OUT/rollout.log" 2>&1
 echo "== rollout: exit $? after $(elapsed)"; grep -A11 "tokens  seconds" "$OUT/rollout.log" | head -14
 
