@@ -75,7 +75,8 @@ def time_stacked(case: dict, new_kv: torch.Tensor, args) -> list[dict]:
 
 
 def time_slot_groups(case: dict, new_kv: torch.Tensor) -> list[dict]:
-    """`slot_group_decode_attention` (2 and 4 slots per program, a few launches) and the one-slot kernel, each
+    """`slot_group_decode_attention` (2 and 4 slots per program, per-slot or block-diagonal passes over their own
+    keys, a few launches) and the one-slot kernel, each
     with the fused write, q/k/v bias and RoPE (the engine's default call); each group launch checked against
     the one-slot kernel's output on copies of the caches first. Fastest first, the one-slot kernel included."""
     from decode_attention_cases import rope_inputs, with_new_kv
@@ -87,9 +88,9 @@ def time_slot_groups(case: dict, new_kv: torch.Tensor) -> list[dict]:
     expected = triton_decode_attention(**with_new_kv(case)[0], **extra)
     rows = [dict(name="one slot per program (default launch)",
                  us=graph_time_us(lambda: triton_decode_attention(**case, **extra)))]
-    for slots, block_n, warps in itertools.product((2, 4), (32, 64), (2, 4)):
-        name = f"{slots} slots per program, block_n {block_n}, {warps} warps"
-        launch = dict(slots=slots, block_n=block_n, num_warps=warps)
+    for slots, diagonal, block_n, warps in itertools.product((2, 4), (False, True), (32, 64), (2, 4)):
+        name = f"{slots} slots per program{', diagonal' if diagonal else ''}, block_n {block_n}, {warps} warps"
+        launch = dict(slots=slots, diagonal=diagonal, block_n=block_n, num_warps=warps)
         try:
             torch.testing.assert_close(slot_group_decode_attention(**with_new_kv(case)[0], **extra, **launch), expected,
                                        **TOLERANCE[torch.bfloat16])

@@ -88,8 +88,8 @@ def check_slot_group_cases() -> None:
 
     from hybridrl.rollout.slot_group_attention import slot_group_decode_attention
 
-    for slots in (2, 4):  # 1 runs the same code with one slot's rows
-        attention = functools.partial(slot_group_decode_attention, slots=slots)
+    for slots, diagonal in ((2, False), (4, False), (2, True), (4, True)):  # 1 slot: the same code, one slot's rows
+        attention = functools.partial(slot_group_decode_attention, slots=slots, diagonal=diagonal)
         for seed, shape in enumerate(CASES[:2] + [(9, 2, 7, 64, 2, 70, 40)]):
             for dtype in (torch.float32, torch.float16):
                 for case in (make_case(seed, *shape, dtype=dtype), engine_like(make_case(seed, *shape, dtype=dtype))):
@@ -164,13 +164,13 @@ def check_engine_with_kernel(attention: str = "triton", **engine_options) -> Non
     torch.set_num_threads(1)
     engine_options.setdefault("fuse_qkv", False)  # without: RoPE in a compiled step piece, the kernel plain
     kernel = stacked_decode_attention if attention == "triton-stacked" else triton_decode_attention
-    slots = engine_options.pop("kernel_slots", 1)
+    slots, diagonal = engine_options.pop("kernel_slots", 1), engine_options.pop("kernel_diagonal", None)
     if slots > 1:  # the engine's slots_per_program choice, with the kernel in interpret mode
         import functools
 
         from hybridrl.rollout.slot_group_attention import slot_group_decode_attention
 
-        kernel = functools.partial(slot_group_decode_attention, slots=slots)
+        kernel = functools.partial(slot_group_decode_attention, slots=slots, diagonal=diagonal)
         kernel.writes_new_kv = kernel.applies_rope = True
     builtin._decode_attention_function = lambda option, device, *rest: ("triton-interpret", kernel)
     model, params = make_model("qwen2"), SamplingParams(max_new_tokens=8, temperature=0, n=2)
@@ -193,9 +193,9 @@ def check_engine_with_kernel_rope() -> None:
 def check_engine_with_slot_groups() -> None:
     """The slot-group kernel (2 and 4 slots per program) in the engine: continuous batching and compaction
     leave some programs with slots of different prompts; with and without RoPE inside the kernel."""
-    for slots in (2, 4):
-        for fuse_qkv in (False, True):
-            check_engine_with_kernel(kernel_slots=slots, fuse_qkv=fuse_qkv)
+    for slots, diagonal, fuse_qkv in ((2, False, False), (2, False, True), (4, False, True), (2, True, True),
+                                      (4, True, False)):
+        check_engine_with_kernel(kernel_slots=slots, kernel_diagonal=diagonal, fuse_qkv=fuse_qkv)
 
 
 def check_engine_with_stacked_kernels() -> None:

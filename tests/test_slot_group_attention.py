@@ -28,12 +28,13 @@ def test_slot_groups_match_reference_in_interpret_mode():
 @needs_triton
 def test_engine_with_slot_groups_in_interpret_mode_matches_sdpa():
     output = cases.run_in_interpreter("decode_attention_cases", "check_engine_with_slot_groups", timeout=600)
-    assert output.count("engine with kernel passed") == 4
+    assert output.count("engine with kernel passed") == 5
 
 
 @needs_triton
-@pytest.mark.parametrize("slots, rope", [(2, False), (2, True), (4, True)])
-def test_slot_group_kernel_compiles_for_hopper(slots, rope):
+@pytest.mark.parametrize("slots, rope, diagonal", [(2, False, False), (2, True, False), (4, True, False),
+                                                   (2, True, True), (4, True, True)])
+def test_slot_group_kernel_compiles_for_hopper(slots, rope, diagonal):
     """bf16 at Qwen2-0.5B's group (7 query heads per KV head) and head_dim 64, lowered to a cubin on CPU."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -48,7 +49,7 @@ def test_slot_group_kernel_compiles_for_hopper(slots, rope):
                      batch="i32")
     constants = dict(GROUP=7, HEAD_DIM=64, SLOTS=slots, ROWS_PAD=max(16, 1 << (7 * slots - 1).bit_length()),
                      BLOCK_D=64, BLOCK_N=slot_group_attention.BLOCK_N, IEEE=False, WRITE_NEW=True, ROPE=rope,
-                     HAS_BIAS=rope)
+                     HAS_BIAS=rope, DIAGONAL=diagonal)
     compiled = slot_group_attention.triton.compile(ASTSource(kernel, signature, constants),
                                                    target=GPUTarget("cuda", 90, 32),
                                                    options=dict(num_warps=slot_group_attention.NUM_WARPS))
@@ -63,8 +64,8 @@ def test_slot_counts_other_than_1_2_4_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and triton")
-@pytest.mark.parametrize("slots", [2, 4])
-def test_slot_groups_on_cuda_at_the_benchmark_shape(slots):
+@pytest.mark.parametrize("slots, diagonal", [(2, False), (4, False), (2, True), (4, True)])
+def test_slot_groups_on_cuda_at_the_benchmark_shape(slots, diagonal):
     """bf16, 512 slots of 64 entries (8 adjacent samples each), group 7, head_dim 64, with RoPE and bias."""
     def engine_case(seed: int) -> dict:
         case = cases.make_case(seed, 512, 2, 7, 64, 64, 256, 256, dtype=torch.bfloat16, device="cuda")
@@ -72,9 +73,9 @@ def test_slot_groups_on_cuda_at_the_benchmark_shape(slots):
         return cases.engine_like(case)
 
     case = engine_case(0)
-    torch.testing.assert_close(slot_group_attention.slot_group_decode_attention(**case, slots=slots),
-                               reference_decode_attention(**case), **cases.BF16_TOLERANCE)
-    attention = lambda **kwargs: slot_group_attention.slot_group_decode_attention(**kwargs, slots=slots)  # noqa: E731
+    attention = lambda **kwargs: slot_group_attention.slot_group_decode_attention(**kwargs, slots=slots,  # noqa: E731
+                                                                                    diagonal=diagonal)
+    torch.testing.assert_close(attention(**case), reference_decode_attention(**case), **cases.BF16_TOLERANCE)
     cases.check_rope(attention, engine_case(1), cases.BF16_TOLERANCE, True)
 
 

@@ -22,6 +22,9 @@ import torch
 
 from hybridrl.rollout.decode_attention import BLOCK_N, MIN_DOT_ROWS, NUM_WARPS, _next_power_of_two
 
+DIAGONAL = False
+"""Default of `diagonal`: which of the two ways to attend the slots' own keys the engine uses (not yet timed)."""
+
 try:
     import triton
     import triton.language as tl
@@ -43,10 +46,14 @@ def slot_group_decode_attention(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     qkv_bias: torch.Tensor | None = None,
     slots: int = 2,
+    diagonal: bool | None = None,
     block_n: int | None = None,
     num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
-    """`triton_decode_attention` over a (B / slots, Hkv) grid, `slots` (1, 2 or 4) adjacent slots per program."""
+    """`triton_decode_attention` over a (B / slots, Hkv) grid, `slots` (1, 2 or 4) adjacent slots per program.
+    `diagonal`: attend all the slots' response keys (and prompts they do not share) in one loop whose tiles
+    hold a block of keys of every slot, masked block-diagonally, instead of one loop per slot (default
+    `DIAGONAL`)."""
     if triton is None:
         raise ImportError("slot_group_decode_attention needs the triton package (pip install triton).")
     if slots not in (1, 2, 4):
@@ -78,7 +85,9 @@ def slot_group_decode_attention(
         ROWS_PAD=max(MIN_DOT_ROWS, _next_power_of_two(slots * group)),
         BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),
         BLOCK_N=block_n or BLOCK_N, IEEE=q.dtype == torch.float32, WRITE_NEW=new_kv is not None,
-        ROPE=rope is not None, HAS_BIAS=rope is not None and qkv_bias is not None, num_warps=num_warps,
+        ROPE=rope is not None, HAS_BIAS=rope is not None and qkv_bias is not None,
+        DIAGONAL=DIAGONAL if diagonal is None else diagonal,
+        num_warps=num_warps,
     )
     return out
 
@@ -110,6 +119,39 @@ if triton is not None:
             scores = tl.where(visible, scores * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet: no NaN
+            alpha = tl.math.exp2(m_i - m_safe)
+            p = tl.math.exp2(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _attend_slots(q, k_base, v_base, key_rows, key_lengths, same_slot, max_length, stride_l,
+                      m_i, l_i, acc, qk_scale, KEYS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """`_attend_rows` over all the program's slots at once: a tile holds BLOCK_N keys of each slot (key
+        row i: slot i // BLOCK_N, at offset key_rows[i] with length key_lengths[i]) and `same_slot` (rows,
+        keys) lets a row see only its own slot's keys: one loop of wider tiles instead of one loop per slot."""
+        offs_k = tl.arange(0, KEYS)
+        offs_d = tl.arange(0, BLOCK_D)
+        for start in range(0, max_length, BLOCK_N):
+            pos = start + offs_k % BLOCK_N
+            valid = pos < key_lengths
+            kv_mask = valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+            offsets = key_rows[:, None] + pos[:, None] * stride_l + offs_d[None, :]
+            k = tl.load(k_base + offsets, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + offsets, mask=kv_mask, other=0.0)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(same_slot & valid[None, :], scores * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.math.exp2(m_i - m_safe)
             p = tl.math.exp2(scores - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -153,7 +195,7 @@ if triton is not None:
         stride_nb, stride_nkv, stride_nh, stride_cb,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SLOTS: tl.constexpr, ROWS_PAD: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr,
-        ROPE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, DIAGONAL: tl.constexpr,
     ):
         """SLOTS adjacent slots x one KV head. Row r holds query head r % GROUP of slot first + r // GROUP."""
         first = tl.program_id(0) * SLOTS
@@ -192,6 +234,16 @@ if triton is not None:
             base = entry0.to(tl.int64) * stride_pe + head * stride_ph
             m_i, l_i, acc = _attend_rows(q, PK + base, PV + base, length0, stride_pl, m_i, l_i, acc, qk_scale,
                                          row_live, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
+        elif DIAGONAL:
+            key_slot = first + tl.arange(0, SLOTS * BLOCK_N) // BLOCK_N
+            key_in = key_slot < batch
+            key_entry = tl.load(PROMPT_INDEX + key_slot, mask=key_in, other=0).to(tl.int64)
+            key_len = tl.load(PROMPT_LEN + key_slot, mask=key_in, other=0).to(tl.int32)
+            same = (row_slot[:, None] == key_slot[None, :]) & row_live[:, None]
+            base = head * stride_ph
+            m_i, l_i, acc = _attend_slots(q, PK + base, PV + base, key_entry * stride_pe, key_len, same,
+                                          tl.max(key_len, 0), stride_pl, m_i, l_i, acc, qk_scale,
+                                          SLOTS * BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
         else:
             for s in tl.static_range(SLOTS):
                 if first + s < batch:
@@ -201,7 +253,17 @@ if triton is not None:
                                                  m_i, l_i, acc, qk_scale, row_live & (local == s),
                                                  HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
 
-        # Each slot's response keys, then (WRITE_NEW) the key/value of this step, for that slot's rows only.
+        # Each slot's response keys (DIAGONAL: all slots in one loop), then (WRITE_NEW) the key/value of this
+        # step, for that slot's rows only.
+        if DIAGONAL:
+            key_slot = first + tl.arange(0, SLOTS * BLOCK_N) // BLOCK_N
+            key_in = key_slot < batch
+            key_len = tl.load(RESPONSE_LEN + key_slot, mask=key_in, other=0).to(tl.int32) - (1 if WRITE_NEW else 0)
+            same = (row_slot[:, None] == key_slot[None, :]) & row_live[:, None]
+            base = head * stride_rh
+            m_i, l_i, acc = _attend_slots(q, RK + base, RV + base, key_slot.to(tl.int64) * stride_rb, key_len,
+                                          same, tl.max(key_len, 0), stride_rl, m_i, l_i, acc, qk_scale,
+                                          SLOTS * BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
         for s in tl.static_range(SLOTS):
             slot = (first + s).to(tl.int64)
             if slot < batch:
@@ -209,8 +271,9 @@ if triton is not None:
                 response = slot * stride_rb + head * stride_rh
                 response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
                 cached = response_len - 1 if WRITE_NEW else response_len
-                m_i, l_i, acc = _attend_rows(q, RK + response, RV + response, cached, stride_rl,
-                                             m_i, l_i, acc, qk_scale, rows_on, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
+                if not DIAGONAL:
+                    m_i, l_i, acc = _attend_rows(q, RK + response, RV + response, cached, stride_rl,
+                                                 m_i, l_i, acc, qk_scale, rows_on, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
                 if WRITE_NEW:
                     new = NEW_KV + slot * stride_nb + head * stride_nh
                     write = cached >= 0
