@@ -140,6 +140,30 @@ def _next_power_of_two(value: int) -> int:
     return 1 << (max(value, 1) - 1).bit_length()
 
 
+def launch_arguments(q, prompt_k, prompt_v, response_k, response_v, new_kv, rope, qkv_bias) -> tuple:
+    """Checks and arguments shared by the prefix-shared kernels (this one and `slot_group_attention`): q made
+    contiguous in head_dim, the output, the new K/V, cos, sin and bias pointers (the output stands in for
+    absent ones) and the strides, in the kernels' order."""
+    batch, num_kv_heads, _, head_dim = q.shape
+    assert prompt_k.stride() == prompt_v.stride() and response_k.stride() == response_v.stride()
+    assert prompt_k.stride(-1) == 1 and response_k.stride(-1) == 1, "head_dim must be contiguous"
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty_like(q)  # (B, Hkv, group, D)
+    if new_kv is not None:
+        assert new_kv.shape == (batch, 2, num_kv_heads, head_dim) and new_kv.stride(-1) == 1
+    fused = new_kv if new_kv is not None else out  # a placeholder pointer when nothing is written
+    if rope is not None:
+        assert new_kv is not None, "rope needs new_kv: the kernel rotates the new key it stores"
+        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in rope)
+        assert cos.shape == sin.shape == (batch, head_dim) and cos.stride() == sin.stride()
+    else:
+        cos = sin = out  # placeholders
+    bias = qkv_bias if qkv_bias is not None and rope is not None else out  # placeholder without one
+    strides = (*q.stride()[:3], *prompt_k.stride()[:3], *response_k.stride()[:3], *out.stride()[:3],
+               *fused.stride()[:3], cos.stride(0))
+    return q, out, fused, cos, sin, bias, strides
+
+
 def triton_decode_attention(
     q: torch.Tensor,
     prompt_k: torch.Tensor,
@@ -164,30 +188,13 @@ def triton_decode_attention(
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
                           "use attention='sdpa' or the reference on machines without it.")
     batch, num_kv_heads, group, head_dim = q.shape
-    assert prompt_k.stride() == prompt_v.stride() and response_k.stride() == response_v.stride()
-    assert prompt_k.stride(-1) == 1 and response_k.stride(-1) == 1, "head_dim must be contiguous"
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.empty_like(q)  # (B, Hkv, group, D)
-    if new_kv is not None:
-        assert new_kv.shape == (batch, 2, num_kv_heads, head_dim) and new_kv.stride(-1) == 1
-    fused = new_kv if new_kv is not None else out  # a placeholder pointer when nothing is written
-    if rope is not None:
-        assert new_kv is not None, "rope needs new_kv: the kernel rotates the new key it stores"
-        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in rope)
-        assert cos.shape == sin.shape == (batch, head_dim) and cos.stride() == sin.stride()
-    else:
-        cos = sin = out  # placeholders
-    bias = qkv_bias if qkv_bias is not None and rope is not None else out  # placeholder without one
+    q, out, fused, cos, sin, bias, strides = launch_arguments(q, prompt_k, prompt_v, response_k, response_v,
+                                                              new_kv, rope, qkv_bias)
     block_n = block_n or BLOCK_N
     stages = {} if num_stages is None else {"num_stages": num_stages}
     _decode_attention_kernel[(batch, num_kv_heads)](
         q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out, fused,
-        cos, sin, bias, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), q.stride(2),
-        prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2),
-        response_k.stride(0), response_k.stride(1), response_k.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        fused.stride(0), fused.stride(1), fused.stride(2), cos.stride(0),
+        cos, sin, bias, scale * math.log2(math.e), *strides,
         GROUP=group, HEAD_DIM=head_dim,
         GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)),
         BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from hybridrl.rollout.decode_attention import BLOCK_N, MIN_DOT_ROWS, NUM_WARPS, _next_power_of_two
+from hybridrl.rollout.decode_attention import BLOCK_N, MIN_DOT_ROWS, NUM_WARPS, _next_power_of_two, launch_arguments
 
 DIAGONAL = False
 """Default of `diagonal`: which of the two ways to attend the slots' own keys the engine uses (not yet timed)."""
@@ -59,28 +59,11 @@ def slot_group_decode_attention(
     if slots not in (1, 2, 4):
         raise ValueError(f"slots must be 1, 2 or 4; got {slots}.")
     batch, num_kv_heads, group, head_dim = q.shape
-    assert prompt_k.stride() == prompt_v.stride() and response_k.stride() == response_v.stride()
-    assert prompt_k.stride(-1) == 1 and response_k.stride(-1) == 1, "head_dim must be contiguous"
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.empty_like(q)
-    if new_kv is not None:
-        assert new_kv.shape == (batch, 2, num_kv_heads, head_dim) and new_kv.stride(-1) == 1
-    fused = new_kv if new_kv is not None else out
-    if rope is not None:
-        assert new_kv is not None, "rope needs new_kv: the kernel rotates the new key it stores"
-        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in rope)
-        assert cos.shape == sin.shape == (batch, head_dim) and cos.stride() == sin.stride()
-    else:
-        cos = sin = out
-    bias = qkv_bias if qkv_bias is not None and rope is not None else out
+    q, out, fused, cos, sin, bias, strides = launch_arguments(q, prompt_k, prompt_v, response_k, response_v,
+                                                              new_kv, rope, qkv_bias)
     _slot_group_kernel[(triton.cdiv(batch, slots), num_kv_heads)](
         q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out, fused,
-        cos, sin, bias, scale * math.log2(math.e), batch,
-        q.stride(0), q.stride(1), q.stride(2),
-        prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2),
-        response_k.stride(0), response_k.stride(1), response_k.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        fused.stride(0), fused.stride(1), fused.stride(2), cos.stride(0),
+        cos, sin, bias, scale * math.log2(math.e), batch, *strides,
         GROUP=group, HEAD_DIM=head_dim, SLOTS=slots,
         ROWS_PAD=max(MIN_DOT_ROWS, _next_power_of_two(slots * group)),
         BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),
@@ -116,18 +99,23 @@ if triton is not None:
             else:
                 scores = tl.dot(q, tl.trans(k))
             visible = rows_on[:, None] & (cols[None, :] < length)
-            scores = tl.where(visible, scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet: no NaN
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(tl.where(visible, scores * qk_scale, float("-inf")), v,
+                                                 m_i, l_i, acc, IEEE)
         return m_i, l_i, acc
+
+    @triton.jit
+    def _online_softmax_step(scores, v, m_i, l_i, acc, IEEE: tl.constexpr):
+        """Fold one tile of masked scores (rows, keys; -inf where hidden) and its values into (m_i, l_i, acc);
+        rows with nothing visible yet (m = -inf) stay empty instead of turning NaN."""
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(scores - m_safe[:, None])
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i * alpha + tl.sum(p, 1), acc
 
     @triton.jit
     def _attend_slots(q, k_base, v_base, key_rows, key_lengths, same_slot, max_length, stride_l,
@@ -149,17 +137,8 @@ if triton is not None:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 scores = tl.dot(q, tl.trans(k))
-            scores = tl.where(same_slot & valid[None, :], scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(tl.where(same_slot & valid[None, :], scores * qk_scale, float("-inf")),
+                                                 v, m_i, l_i, acc, IEEE)
         return m_i, l_i, acc
 
     @triton.jit
