@@ -114,10 +114,14 @@ def init_from_env(device: torch.device | str = "auto", device_indices: Sequence[
 
 
 def shutdown(setup: DistributedSetup) -> None:
-    """Stop the watchdog and leave the process group (a no-op with one process)."""
+    """Stop the watchdog and leave the process group (a no-op with one process). Called at the end of a
+    run that went well: the ranks first wait for each other (rank 0 may still be saving the model), so
+    none tears its connections down under a peer that still uses them (a CPU CI run once ended with one
+    gloo rank aborting: "terminate called without an active exception")."""
     if setup.watchdog is not None:
         setup.watchdog.stop()
     if setup.is_distributed and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

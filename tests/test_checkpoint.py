@@ -149,11 +149,12 @@ def test_sigterm_finishes_step_saves_and_returns(tmp_path, capsys):
     actor = tiny_actor()
     trainer = RLTrainer(actor=actor, reward_fn=reward, dataset=PromptDataset(toy_prompts(), actor.tokenizer, max_length=16),
                         trainer__output_dir=str(tmp_path), **{**SETTINGS, "trainer__save_every": 0})
+    before = signal.getsignal(signal.SIGTERM)  # SIG_DFL, or e.g. Ray's handler if a Ray test ran earlier in this process
     history = trainer.train()
     assert trainer.step_count == 2 and len(history) == 2
     assert "stopped by SIGTERM after step 2" in capsys.readouterr().out
     assert find_checkpoint(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step_000002"
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers are put back
+    assert signal.getsignal(signal.SIGTERM) == before  # handlers are put back
 
 
 def test_resume_off_and_bad_paths(killed_run, tmp_path):
