@@ -22,6 +22,8 @@ Choices:
 
 from __future__ import annotations
 
+import atexit
+
 import dataclasses
 import datetime
 import functools
@@ -110,14 +112,14 @@ def init_from_env(device: torch.device | str = "auto", device_indices: Sequence[
 
         setup.watchdog = Watchdog.from_env(rank, world_size, hang_timeout_s)
         setup.watchdog.start()
+        atexit.register(setup.watchdog.stop)  # also when the run ends with an error: see `Watchdog.stop`
     return setup
 
 
 def shutdown(setup: DistributedSetup) -> None:
-    """Stop the watchdog and leave the process group (a no-op with one process). Called at the end of a
-    run that went well: the ranks first wait for each other (rank 0 may still be saving the model), so
-    none tears its connections down under a peer that still uses them (a CPU CI run once ended with one
-    gloo rank aborting: "terminate called without an active exception")."""
+    """Stop the watchdog (and wait for its thread: see `Watchdog.stop`) and leave the process group (a no-op
+    with one process). Called at the end of a run that went well: the ranks first wait for each other (rank
+    0 may still be saving the model), so none tears its connections down under a peer that still uses them."""
     if setup.watchdog is not None:
         setup.watchdog.stop()
     if setup.is_distributed and dist.is_initialized():

@@ -132,8 +132,14 @@ class Watchdog(threading.Thread):
                                timeout=datetime.timedelta(seconds=max(30.0, timeout_s)))
         return cls(dist.PrefixStore("hybridrl/heartbeat/", client), rank, world_size, timeout_s, **kwargs)
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 10.0) -> None:
+        """Stop and wait for the thread to finish the store call it may be in. A daemon thread still running
+        when the interpreter finalizes is ended with pthread_exit as it re-takes the GIL after a store call;
+        unwinding through the binding's noexcept GIL guard then aborts the process ("terminate called without
+        an active exception": 2-process CPU runs in CI that had otherwise finished). Runs at exit too."""
         self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(wait_s)
 
     def run(self) -> None:
         from hybridrl.distributed import progress, waiting_in_collective

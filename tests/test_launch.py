@@ -30,6 +30,37 @@ for step in range(200):
 """
 
 
+def test_watchdog_stop_waits_for_the_store_call_in_flight():
+    """`stop` returns only once the thread is out of its store call (a daemon thread left inside TCPStore's
+    C++ code at interpreter exit can abort the process)."""
+    import threading
+    import time
+
+    from hybridrl.launch import Watchdog
+
+    class SlowStore:
+        def __init__(self):
+            self.entered, self.values = threading.Event(), {}
+
+        def set(self, key, value):
+            self.entered.set()
+            time.sleep(0.3)  # the call in flight when stop() comes
+            self.values[key] = value
+
+        def check(self, keys):
+            return all(key in self.values for key in keys)
+
+        def get(self, key):
+            return self.values[key].encode()
+
+    store = SlowStore()
+    watchdog = Watchdog(store, rank=0, world_size=1, timeout_s=60.0, interval_s=0.01, on_stall=lambda message: None)
+    watchdog.start()
+    assert store.entered.wait(5.0)
+    watchdog.stop()
+    assert not watchdog.is_alive() and "0" in store.values
+
+
 def test_find_stalled_blames_the_rank_outside_the_collective():
     counts, changed = {0: 5, 1: 5, 2: 4}, {0: 0.0, 1: 0.0, 2: 0.0}
     assert find_stalled(counts, changed, now=5.0, timeout_s=10.0) is None
