@@ -25,7 +25,6 @@ A slot that finishes between syncs idles until the next one. Prompt-major output
 from __future__ import annotations
 
 import functools
-
 import time
 from typing import Callable
 
