@@ -249,7 +249,11 @@ def test_cuda_graphs_match_eager_and_hf(family):
     graphed_engine = BuiltinBackend(model, max_num_seqs=5, sync_every=3)  # compiled by default on CUDA
     graphed = graphed_engine.generate(prompts, greedy)
     assert graphed_engine.last_stats["graphs_captured"] >= 1 and graphed_engine.last_stats["compiled"]
-    assert [g.token_ids for g in graphed_engine.generate(prompts, greedy)] == [g.token_ids for g in graphed]  # reuse
+    assert graphed_engine.last_stats["captures_without_warmup"] == 0
+    # The same shapes again: every graph is captured without a warm-up step, while the prefill still runs.
+    assert [g.token_ids for g in graphed_engine.generate(prompts, greedy)] == [g.token_ids for g in graphed]
+    stats = graphed_engine.last_stats
+    assert stats["captures_without_warmup"] == stats["graphs_captured"] >= 1
     eager = BuiltinBackend(model, use_cuda_graphs=False, compile=False).generate(prompts, greedy)
     assert [g.token_ids for g in graphed] == [g.token_ids for g in eager]
     for generation in graphed[::2]:
@@ -258,9 +262,13 @@ def test_cuda_graphs_match_eager_and_hf(family):
                                 pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"))
         assert generation.token_ids == output[0, len(prompt):].tolist()
     sampled = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, n=3, seed=5)
-    graphed = BuiltinBackend(model, max_num_seqs=4).generate(prompts, sampled)
+    sampling_engine = BuiltinBackend(model, max_num_seqs=4)
+    graphed = sampling_engine.generate(prompts, sampled)
     eager = BuiltinBackend(model, max_num_seqs=4, use_cuda_graphs=False, compile=False).generate(prompts, sampled)
     assert [g.token_ids for g in graphed] == [g.token_ids for g in eager]
+    again = sampling_engine.generate(prompts, sampled)  # captured without warm-up: the same draws
+    assert sampling_engine.last_stats["captures_without_warmup"] >= 1
+    assert [g.token_ids for g in again] == [g.token_ids for g in graphed]
     for generation in graphed[:6]:
         prompt = prompts[generation.prompt_index]
         with torch.no_grad():
@@ -298,9 +306,8 @@ def test_repeated_rollouts_hold_no_more_memory():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_keeping_the_cuda_cache_gives_the_same_tokens_and_keeps_it():
-    """`empty_cache=False` captures its graphs without `torch.cuda.graph` (which would empty the cache):
-    same greedy and seeded-sampled tokens as the default, and the allocator still holds the rollout's
-    memory after it."""
+    """`empty_cache=False`: same greedy and seeded-sampled tokens as the default, and the allocator still
+    holds the rollout's memory after it."""
     model = make_model("qwen2").cuda()
     prompts = [[i + 1, i + 2, i + 3][: 1 + i % 3] for i in range(7)]
     for params in (SamplingParams(max_new_tokens=12, temperature=0, n=2),
