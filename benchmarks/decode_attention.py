@@ -6,7 +6,7 @@ Each configuration is checked against the PyTorch reference first, then timed as
 one CUDA graph (as the engine runs it), so launch overhead is not what is measured. Also timed: the
 engine's old unfused path (index_put of the new K/V, then the kernel) against the fused write.
 
-    python3 benchmarks/decode_attention.py [--response-len 128] [--bandwidth-tbs 4.2] [--stacked] [--slot-groups]
+    python3 benchmarks/decode_attention.py [--response-len 128] [--bandwidth-tbs 4.2] [--stacked]
 
 The floor is the bytes a layer must read once (each prompt entry's KV, each slot's response KV, the
 queries) at `--bandwidth-tbs`. JSON goes to $OUT/decode_attention.json when $OUT is set.
@@ -74,32 +74,6 @@ def time_stacked(case: dict, new_kv: torch.Tensor, args) -> list[dict]:
     return sorted(rows, key=lambda row: row["us"])
 
 
-def time_slot_groups(case: dict, new_kv: torch.Tensor) -> list[dict]:
-    """`slot_group_decode_attention` (2 and 4 slots per program, per-slot or block-diagonal passes over their own
-    keys, a few launches) and the one-slot kernel, each
-    with the fused write, q/k/v bias and RoPE (the engine's default call); each group launch checked against
-    the one-slot kernel's output on copies of the caches first. Fastest first, the one-slot kernel included."""
-    from decode_attention_cases import rope_inputs, with_new_kv
-
-    from hybridrl.rollout.slot_group_attention import slot_group_decode_attention
-
-    cos, sin, bias = rope_inputs(case, with_bias=True)
-    extra = dict(new_kv=new_kv, rope=(cos, sin), qkv_bias=bias)
-    expected = triton_decode_attention(**with_new_kv(case)[0], **extra)
-    rows = [dict(name="one slot per program (default launch)",
-                 us=graph_time_us(lambda: triton_decode_attention(**case, **extra)))]
-    for slots, diagonal, block_n, warps in itertools.product((2, 4), (False, True), (32, 64), (2, 4)):
-        name = f"{slots} slots per program{', diagonal' if diagonal else ''}, block_n {block_n}, {warps} warps"
-        launch = dict(slots=slots, diagonal=diagonal, block_n=block_n, num_warps=warps)
-        try:
-            torch.testing.assert_close(slot_group_decode_attention(**with_new_kv(case)[0], **extra, **launch), expected,
-                                       **TOLERANCE[torch.bfloat16])
-            rows.append(dict(name=name, us=graph_time_us(lambda: slot_group_decode_attention(**case, **extra, **launch))))
-        except Exception as error:  # report it, go on
-            print(f"{name}: failed: {str(error).splitlines()[0][:100]}", flush=True)
-    return sorted(rows, key=lambda row: row["us"])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slots", type=int, default=512)
@@ -109,9 +83,6 @@ def main() -> None:
     parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
     parser.add_argument("--no-sweep", action="store_true",
                         help="skip the 45 one-kernel launch configurations (time the default only)")
-    parser.add_argument("--slot-groups", action="store_true",
-                        help="also time slot_group_attention.py (2 or 4 adjacent slots per program) against the "
-                             "one-slot kernel, both as the engine calls them (fused write, bias and RoPE)")
     parser.add_argument("--stacked", action="store_true",
                         help="also time attention='triton-stacked' (prompt kernel per entry + response kernel per "
                              "slot) over its launch configurations, with the fused K/V write")
@@ -155,7 +126,6 @@ def main() -> None:
     fused_us = graph_time_us(lambda: triton_decode_attention(**case, new_kv=new_kv))
     unfused_us = graph_time_us(unfused)
     stacked_rows = time_stacked(case, new_kv, args) if args.stacked else []
-    group_rows = time_slot_groups(case, new_kv) if args.slot_groups else []
     rows.sort(key=lambda row: row["us"])
     print(f"\nshape: {args.slots} slots, {args.entries} prompt entries x {args.prompt_len}, response {args.response_len}, "
           f"bf16, group {group}, head_dim {head_dim}; floor {floor_us:.1f} us ({floor_bytes / 1e6:.1f} MB at "
@@ -170,13 +140,10 @@ def main() -> None:
         print(f"stacked, block_n {row['block_n']}, prompt warps {row['prompt_warps']}, response warps "
               f"{row['response_warps']}, fused write: {row['us']:.1f} us ({100 * floor_us / row['us']:.0f}% of the floor; "
               f"one-kernel launch with the fused write {fused_us:.1f} us)")
-    for row in group_rows:
-        print(f"{row['name']}: {row['us']:.1f} us ({100 * floor_us / row['us']:.0f}% of the floor)")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "decode_attention.json"), "w") as handle:
             json.dump(dict(args=vars(args), floor_us=floor_us, configs=rows, default_us=default, fused_us=fused_us,
-                           unfused_us=unfused_us, stacked=stacked_rows,
-                           slot_groups=group_rows, device=torch.cuda.get_device_name()), handle, indent=2)
+                           unfused_us=unfused_us, stacked=stacked_rows, device=torch.cuda.get_device_name()), handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,6 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
 - `grpo-0.5b-fast-replicated`: `grpo-0.5b-fast` with `trainer.fsdp_shard_size=1`: on several GPUs every
   GPU holds whole weights (no gathers), gradients are all-reduced; on one GPU it is `grpo-0.5b-fast`.
 - `grpo-0.5b-fused`: `grpo-0.5b-fast` plus the stacked gate/up projection (`rollout.fuse_gate_up`).
-- `grpo-0.5b-fused-slots2`: `grpo-0.5b-fused` with two sequences per decode-attention program
-  (`rollout.slots_per_program=2`, `slot_group_attention.py`).
 - `grpo-0.5b-fused-keepcache`: `grpo-0.5b-fused` without `torch.cuda.empty_cache` at the phase switches
   (`rollout.empty_cuda_cache=false`): the KV cache and training buffers stay in the allocator's cache.
 - `grpo-0.5b-fused-replicated`: `grpo-0.5b-fused` with `trainer.fsdp_shard_size=1` (for 1 vs 2 GPUs).
@@ -105,9 +103,6 @@ MODES = {
                                                 model__gradient_checkpointing=False)),
     "grpo-0.5b-fused": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
                             settings=dict(model__compile=True, rollout__fuse_qkv=True, rollout__fuse_gate_up=True)),
-    "grpo-0.5b-fused-slots2": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
-                                   settings=dict(model__compile=True, rollout__fuse_gate_up=True,
-                                                 rollout__slots_per_program=2)),
     "grpo-0.5b-fused-keepcache": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
                                       offload=True, settings=dict(model__compile=True, rollout__fuse_gate_up=True,
                                                                   rollout__empty_cuda_cache=False)),

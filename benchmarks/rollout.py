@@ -77,9 +77,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--autotune", action="store_true",
                         help="also time the fused-qkv engine with compile='max-autotune-no-cudagraphs' (Inductor picks "
                              "Triton or cuBLAS per projection shape; compiling takes minutes), with gate/up fused and not")
-    parser.add_argument("--slot-groups", action="store_true",
-                        help="also time the fused q/k/v + gate/up engine with 2 and 4 slots per decode-kernel program "
-                             "(slots_per_program, slot_group_attention.py)")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one engine run (each engine)")
     if "--quick" in sys.argv:  # new defaults; flags given explicitly still win
         parser.set_defaults(prompts=16, response_len=64, hf_sequences=32, agreement_sequences=16)
@@ -228,15 +225,13 @@ def floor(model, num_prompts: int, n: int, prompt_len: int, response_len: int, b
 
 def time_triton(model, prompts, params, args, device: str, attention: str = "triton",
                 float32_tokens: list[list[int]] | None = None, fuse_qkv: bool = False,
-                fuse_gate_up: bool = False, rope_in_attention: bool = True, compile_mode: str | None = None,
-                slots_per_program: int = 1) -> dict:
+                fuse_gate_up: bool = False, rope_in_attention: bool = True, compile_mode: str | None = None) -> dict:
     """The compiled engine with a prefix-shared attention ("triton" or "triton-stacked"), timed and checked
     like the sdpa one; `fuse_qkv` / `fuse_gate_up` add the stacked q/k/v / gate-up projections (with fused
     q/k/v the kernel applies bias and RoPE unless `rope_in_attention` is False)."""
     engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
                             compile=False if args.no_compile else compile_mode, attention=attention, fuse_qkv=fuse_qkv,
-                            fuse_gate_up=fuse_gate_up, rope_in_attention=rope_in_attention,
-                            slots_per_program=slots_per_program)
+                            fuse_gate_up=fuse_gate_up, rope_in_attention=rope_in_attention)
     result = time_engine(engine, prompts, params, args.repeats)
     result["stats"]["attention"] = (result["stats"].get("attention", "") + (" + fused qkv" if fuse_qkv else "")
                                     + (" + fused gate/up" if fuse_gate_up else "")
@@ -342,9 +337,6 @@ def main() -> None:
         fused_result = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens, fuse_qkv=True)
         fused_all_result = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens,
                                        fuse_qkv=True, fuse_gate_up=True)
-    slot_groups = [time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens, fuse_qkv=True,
-                               fuse_gate_up=True, slots_per_program=slots)
-                   for slots in ((2, 4) if args.slot_groups and triton_available() else ())]
     hf = time_hf(model, prompts, args.hf_sequences, args.response_len, device) if args.hf_sequences else None
     if hf:
         print(f"hf generate: {hf}", flush=True)
@@ -356,7 +348,6 @@ def main() -> None:
                   engine_triton_stacked=stacked_result, engine_triton_fused_qkv_rope_kernel=rope_kernel_result,
                   engine_triton_fused_qkv=fused_result,
                   engine_triton_fused_qkv_gate_up=fused_all_result, engine_autotuned=autotuned,
-                  engine_slot_groups=slot_groups,
                   hf_generate=hf, floor=bound,
                   percent_of_floor=100 * bound["seconds"] / ours["seconds"],
                   speedup_vs_hf=ours["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
@@ -374,8 +365,7 @@ def print_table(result: dict) -> None:
     rows = [(label, f"{ours['tokens']}", f"{ours['seconds']:.3f}", f"{ours['tokens_per_s']:,.0f}", f"{ours['peak_gib']:.1f}")]
     prefix_shared = [r for r in (result["engine_triton"], result.get("engine_triton_stacked"),
                                  result.get("engine_triton_fused_qkv_rope_kernel"), result.get("engine_triton_fused_qkv"),
-                                 result.get("engine_triton_fused_qkv_gate_up"), *result.get("engine_autotuned", []),
-                                 *result.get("engine_slot_groups", []))
+                                 result.get("engine_triton_fused_qkv_gate_up"), *result.get("engine_autotuned", []))
                       if r]
     for shared in prefix_shared:
         name = shared["stats"].get("attention")

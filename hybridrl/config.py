@@ -127,10 +127,6 @@ class RolloutConfig:
     """Built-in engine: likewise stack each layer's MLP gate and up weights into one matrix while generating
     (one matmul instead of two). Costs those weights again during the rollout: 0.4 GB for Qwen2-0.5B,
     7.6 GB for Qwen2.5-7B, so it suits small models; LoRA'd projections stay separate."""
-    slots_per_program: int = 1
-    """Built-in engine, attention triton on CUDA: 2 or 4 stacks that many adjacent sequences' queries in one program
-    of the decode kernel, so the prompt they share is read once (`rollout/slot_group_attention.py`). Opt-in, not
-    yet timed on a GPU."""
     empty_cuda_cache: bool = True
     """At each train <-> generate switch, and when the KV cache is released, hand the CUDA allocator's cached
     memory back to the driver (`torch.cuda.empty_cache`). false keeps it cached for the next phase to reuse:

@@ -26,10 +26,6 @@ def validate(config: Config) -> None:
     _require(r.kv_cache_memory > 0, "rollout.kv_cache_memory must be > 0.")
     _require(r.attention in ("auto", "triton", "triton-stacked", "sdpa"),
              f"rollout.attention must be auto, triton, triton-stacked or sdpa; got {r.attention!r}.")
-    _require(r.slots_per_program in (1, 2, 4), f"rollout.slots_per_program must be 1, 2 or 4; got {r.slots_per_program!r}.")
-    _require(r.slots_per_program == 1 or r.attention in ("auto", "triton"),
-             "rollout.slots_per_program applies to the triton decode kernel; set rollout.attention=triton (or auto) "
-             "or leave slots_per_program at 1.")
     _require(config.data.max_prompt_length >= 1, "data.max_prompt_length must be at least 1.")
     _require(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low must be in [0, 1).")
     _require(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high must be >= 0.")

@@ -68,37 +68,6 @@ def check_kernel_cases() -> None:
     print("kernel cases passed")
 
 
-def engine_like(case: dict, seed: int = 3) -> dict:
-    """`case` with one prompt length per entry, as the engine keeps them (adjacent slots of an entry then
-    share their prompt), except slot 1, freed: prompt length 0 under its old entry."""
-    generator = torch.Generator().manual_seed(seed)
-    entries, prompt_max = case["prompt_k"].shape[0], case["prompt_k"].shape[2]
-    per_entry = torch.randint(1, prompt_max + 1, (entries,), generator=generator).to(case["prompt_len"])
-    prompt_len = per_entry[case["prompt_index"]]
-    if len(prompt_len) > 2:
-        prompt_len[1] = 0
-    return dict(case, prompt_len=prompt_len)
-
-
-def check_slot_group_cases() -> None:
-    """Run with TRITON_INTERPRET=1: `slot_group_decode_attention` with 1, 2 and 4 slots per program equals the
-    reference (float32, float16): random per-slot lengths (the per-slot prompt passes), engine-like ones
-    (the shared pass, and a freed slot beside its entry's samples), the fused write, RoPE with and without bias."""
-    import functools
-
-    from hybridrl.rollout.slot_group_attention import slot_group_decode_attention
-
-    for slots, diagonal in ((2, False), (4, False), (2, True), (4, True)):  # 1 slot: the same code, one slot's rows
-        attention = functools.partial(slot_group_decode_attention, slots=slots, diagonal=diagonal)
-        for seed, shape in enumerate(CASES[:2] + [(9, 2, 7, 64, 2, 70, 40)]):
-            for dtype in (torch.float32, torch.float16):
-                for case in (make_case(seed, *shape, dtype=dtype), engine_like(make_case(seed, *shape, dtype=dtype))):
-                    torch.testing.assert_close(attention(**case), reference_decode_attention(**case), **TOLERANCE[dtype])
-                    check_fused_write(attention, case, TOLERANCE[dtype])
-                    check_rope(attention, case, TOLERANCE[dtype], with_bias=seed % 2 == 0)
-    print("slot group cases passed")
-
-
 def with_new_kv(case: dict, seed: int = 7) -> tuple[dict, torch.Tensor]:
     """A copy of `case` with its own response caches, and random new keys/values (B, 2, Hkv, D)."""
     case = dict(case, response_k=case["response_k"].clone(), response_v=case["response_v"].clone())
@@ -164,15 +133,7 @@ def check_engine_with_kernel(attention: str = "triton", **engine_options) -> Non
     torch.set_num_threads(1)
     engine_options.setdefault("fuse_qkv", False)  # without: RoPE in a compiled step piece, the kernel plain
     kernel = stacked_decode_attention if attention == "triton-stacked" else triton_decode_attention
-    slots, diagonal = engine_options.pop("kernel_slots", 1), engine_options.pop("kernel_diagonal", None)
-    if slots > 1:  # the engine's slots_per_program choice, with the kernel in interpret mode
-        import functools
-
-        from hybridrl.rollout.slot_group_attention import slot_group_decode_attention
-
-        kernel = functools.partial(slot_group_decode_attention, slots=slots, diagonal=diagonal)
-        kernel.writes_new_kv = kernel.applies_rope = True
-    builtin._decode_attention_function = lambda option, device, *rest: ("triton-interpret", kernel)
+    builtin._decode_attention_function = lambda option, device: ("triton-interpret", kernel)
     model, params = make_model("qwen2"), SamplingParams(max_new_tokens=8, temperature=0, n=2)
     engine = builtin.BuiltinBackend(model, attention=attention, max_num_seqs=5, sync_every=2, **engine_options)
     shared = engine.generate(PROMPTS, params)
@@ -188,14 +149,6 @@ def check_engine_with_kernel(attention: str = "triton", **engine_options) -> Non
 def check_engine_with_kernel_rope() -> None:
     """fuse_qkv on Qwen2 (q/k/v biases): RoPE and the biases applied inside the kernel."""
     check_engine_with_kernel(fuse_qkv=True)
-
-
-def check_engine_with_slot_groups() -> None:
-    """The slot-group kernel (2 and 4 slots per program) in the engine: continuous batching and compaction
-    leave some programs with slots of different prompts; with and without RoPE inside the kernel."""
-    for slots, diagonal, fuse_qkv in ((2, False, False), (2, False, True), (4, False, True), (2, True, True),
-                                      (4, True, False)):
-        check_engine_with_kernel(kernel_slots=slots, kernel_diagonal=diagonal, fuse_qkv=fuse_qkv)
 
 
 def check_engine_with_stacked_kernels() -> None:

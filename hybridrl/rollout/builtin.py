@@ -24,7 +24,6 @@ A slot that finishes between syncs idles until the next one. Prompt-major output
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Callable
 
@@ -78,23 +77,15 @@ def resolve_attention(option: str, device: torch.device) -> str:
     return option
 
 
-def _decode_attention_function(attention: str, device: torch.device, slots_per_program: int = 1
-                               ) -> tuple[str, Callable]:
+def _decode_attention_function(attention: str, device: torch.device) -> tuple[str, Callable]:
     """The prefix-shared attention (`triton` or `triton-stacked`) for this device, and its name for
-    `last_stats`. Imported here so that the per-slot path never imports triton. `slots_per_program` > 1:
-    the triton kernel that stacks adjacent slots' queries (`slot_group_attention.py`; CPU: the reference)."""
+    `last_stats`. Imported here so that the per-slot path never imports triton."""
     from hybridrl.rollout import decode_attention, stacked_attention
 
     if attention == "triton-stacked":
         if device.type == "cuda":
             return "triton-stacked", stacked_attention.stacked_decode_attention
         return "stacked-reference", stacked_attention.stacked_reference_attention
-    if device.type == "cuda" and slots_per_program > 1:
-        from hybridrl.rollout.slot_group_attention import slot_group_decode_attention
-
-        function = functools.partial(slot_group_decode_attention, slots=slots_per_program)
-        function.writes_new_kv = function.applies_rope = True
-        return f"triton ({slots_per_program} slots per program)", function
     if device.type == "cuda":
         return "triton", decode_attention.triton_decode_attention
     return "reference", decode_attention.reference_decode_attention
@@ -217,8 +208,6 @@ class BuiltinBackend:
         empty_cache (default on): when the KV cache is released, and before it is sized, hand the CUDA
         allocator's cached memory back to the driver; False leaves it cached for the next phase to reuse
         (no cudaFree / cudaMalloc of the KV cache every rollout; nvidia-smi then shows the high-water mark).
-        slots_per_program (opt-in, 2 or 4; attention "triton" on CUDA; not yet timed): the decode kernel
-        takes that many adjacent slots per program and reads a prompt they share once (`slot_group_attention.py`).
     """
 
     def __init__(
@@ -237,7 +226,6 @@ class BuiltinBackend:
         fuse_gate_up: bool = False,
         rope_in_attention: bool = True,
         empty_cache: bool = True,
-        slots_per_program: int = 1,
     ) -> None:
         ok, reason = _supports(model)
         if not ok:
@@ -246,15 +234,12 @@ class BuiltinBackend:
             raise ValueError("kv_cache_memory must be > 0 and max_num_seqs, max_prefill_tokens, sync_every >= 1.")
         if attention not in ATTENTION_OPTIONS:
             raise ValueError(f"attention must be one of {ATTENTION_OPTIONS}; got {attention!r}.")
-        if slots_per_program not in (1, 2, 4):
-            raise ValueError(f"slots_per_program must be 1, 2 or 4; got {slots_per_program!r}.")
         self.model, self.tokenizer = model, tokenizer
         self.kv_cache_memory, self.max_num_seqs = kv_cache_memory, max_num_seqs
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
         self.use_cuda_graphs, self.release_after_generate = use_cuda_graphs, release_after_generate
         self.compile, self.attention, self.fuse_qkv, self.fuse_gate_up = compile, attention, fuse_qkv, fuse_gate_up
         self.rope_in_attention, self.empty_cache = rope_in_attention, empty_cache
-        self.slots_per_program = slots_per_program
         self._compiled: tuple[DecodeFunctions, object] | None = None  # kept across generate calls
         self.cache: SlotKVCache | PrefixSharedKVCache | None = None
         self._attention_name = ""  # which decode attention the current cache uses, for last_stats
@@ -397,7 +382,7 @@ class BuiltinBackend:
         if layout is SlotKVCache:
             self.cache, self._attention_name = SlotKVCache(geometry, num_slots, device, dtype), "sdpa"
         else:
-            self._attention_name, function = _decode_attention_function(attention, device, self.slots_per_program)
+            self._attention_name, function = _decode_attention_function(attention, device)
             self.cache = PrefixSharedKVCache(geometry, num_slots, device, dtype, function,
                                              stacked=attention == "triton-stacked",
                                              rope_in_attention=self.rope_in_attention)

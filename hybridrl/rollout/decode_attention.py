@@ -141,9 +141,9 @@ def _next_power_of_two(value: int) -> int:
 
 
 def launch_arguments(q, prompt_k, prompt_v, response_k, response_v, new_kv, rope, qkv_bias) -> tuple:
-    """Checks and arguments shared by the prefix-shared kernels (this one and `slot_group_attention`): q made
-    contiguous in head_dim, the output, the new K/V, cos, sin and bias pointers (the output stands in for
-    absent ones) and the strides, in the kernels' order."""
+    """Checks and arguments of `triton_decode_attention`'s kernel: q made contiguous in head_dim, the output,
+    the new K/V, cos, sin and bias pointers (the output stands in for absent ones) and the strides, in the
+    kernel's order."""
     batch, num_kv_heads, _, head_dim = q.shape
     assert prompt_k.stride() == prompt_v.stride() and response_k.stride() == response_v.stride()
     assert prompt_k.stride(-1) == 1 and response_k.stride(-1) == 1, "head_dim must be contiguous"
