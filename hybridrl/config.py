@@ -131,7 +131,8 @@ class RolloutConfig:
     """At each train <-> generate switch, and when the KV cache is released, hand the CUDA allocator's cached
     memory back to the driver (`torch.cuda.empty_cache`). false keeps it cached for the next phase to reuse:
     no cudaFree / cudaMalloc of the KV cache and training buffers every step, the same peak allocated
-    memory, but nvidia-smi shows the high-water mark and other processes cannot use it. Not yet timed."""
+    memory, but nvidia-smi shows the high-water mark and other processes cannot use it. Measured on grpo-0.5b:
+    no gain beyond the run-to-run spread (docs/rollout.md)."""
 
 
 @dataclass
