@@ -23,6 +23,11 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
 - `grpo-0.5b-fast-replicated`: `grpo-0.5b-fast` with `trainer.fsdp_shard_size=1`: on several GPUs every
   GPU holds whole weights (no gathers), gradients are all-reduced; on one GPU it is `grpo-0.5b-fast`.
 - `grpo-0.5b-fused`: `grpo-0.5b-fast` plus the stacked gate/up projection (`rollout.fuse_gate_up`).
+- `grpo-0.5b-fused-shared`: `grpo-0.5b-fused` with `actor.share_prompt_tokens` (each prompt once per micro-batch
+  in the update, its 8 responses after it, under a FlexAttention block mask): 64 x (256 + 8 x 256) = 147k
+  tokens computed instead of 262k. Its update MFU counts the tokens computed, not the 262k they stand for.
+- `grpo-0.5b-fused-flex`: `grpo-0.5b-fused` with the model's attention set to flex_attention and one row per
+  sequence, to separate what the attention kernel changes from what sharing saves.
 - `grpo-0.5b-fused-keepcache`: `grpo-0.5b-fused` without `torch.cuda.empty_cache` at the phase switches
   (`rollout.empty_cuda_cache=false`): the KV cache and training buffers stay in the allocator's cache.
 - `grpo-0.5b-fused-replicated`: `grpo-0.5b-fused` with `trainer.fsdp_shard_size=1` (for 1 vs 2 GPUs).
@@ -103,6 +108,11 @@ MODES = {
                                                 model__gradient_checkpointing=False)),
     "grpo-0.5b-fused": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
                             settings=dict(model__compile=True, rollout__fuse_qkv=True, rollout__fuse_gate_up=True)),
+    "grpo-0.5b-fused-shared": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
+                                   attn="flex_attention", settings=dict(model__compile=True, rollout__fuse_gate_up=True,
+                                                                        actor__share_prompt_tokens=True)),
+    "grpo-0.5b-fused-flex": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
+                                 attn="flex_attention", settings=dict(model__compile=True, rollout__fuse_gate_up=True)),
     "grpo-0.5b-fused-keepcache": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
                                       offload=True, settings=dict(model__compile=True, rollout__fuse_gate_up=True,
                                                                   rollout__empty_cuda_cache=False)),
@@ -173,7 +183,7 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-                                                 attn_implementation="sdpa")
+                                                 attn_implementation=spec.get("attn", "sdpa"))
     params = sum(p.numel() for p in model.parameters())
     tokenizer = build_tokenizer(shape["vocab_size"])
     rng = random.Random(0)
@@ -218,7 +228,8 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
     steady = (steps[1:-1] if profiled_last else steps[1:]) or steps
     mean = {key: sum(s[key] for s in steady) / len(steady) for key in steady[0]}
     tokens = spec["prompts"] * spec["n"] * (prompt_len + response_len)
-    train_flops = 6 * params * tokens
+    shared = spec.get("settings", {}).get("actor__share_prompt_tokens", False)  # each prompt computed once
+    train_flops = 6 * params * (spec["prompts"] * (prompt_len + spec["n"] * response_len) if shared else tokens)
     result = dict(mode=name if world == 1 else f"{name} x{world}", gpus=world, params=params, trainable_params=trainable, tokens_per_step=tokens,
                   generated_per_step=spec["prompts"] * spec["n"] * response_len, steps=steps, mean=mean,
                   step_s=mean["timing/step_s"],
@@ -449,7 +460,7 @@ def main() -> None:
         if os.environ.get("HYBRIDRL_BENCH_STEPS"):
             spec = {**spec, "steps": int(os.environ["HYBRIDRL_BENCH_STEPS"])}
         if args.quick:
-            spec = {**spec, "shape": "tiny", "prompts": 4, "n": 2, "max_tokens": 48}
+            spec = {**spec, "shape": "tiny", "prompts": 4, "n": 2, "max_tokens": 48, "attn": "sdpa"}  # flex: no CPU backward
         result = run_mode(args.child, spec, prompt_len, response_len, device)
         if os.environ.get("RANK", "0") == "0":
             print("RESULT " + json.dumps(result), flush=True)

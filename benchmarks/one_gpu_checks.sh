@@ -14,7 +14,7 @@ start=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - start )) s"; }
 
 timeout 200 python3 -m pytest -q -m gpu tests/test_fused_head.py tests/test_decode_attention.py \
-    tests/test_stacked_attention.py tests/test_builtin_engine.py tests/test_optim.py > "$OUT/gpu_tests.log" 2>&1
+    tests/test_stacked_attention.py tests/test_builtin_engine.py tests/test_optim.py tests/test_shared_prompt.py > "$OUT/gpu_tests.log" 2>&1
 echo "== gpu tests: exit $? after $(elapsed)"; tail -2 "$OUT/gpu_tests.log"
 
 # The engine variants: sdpa, fused q/k/v with a RoPE kernel and with RoPE in the attention kernel, + fused gate/up.

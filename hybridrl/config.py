@@ -226,6 +226,12 @@ class ActorConfig:
     max_tokens_per_micro_batch: int = 0
     """Token budget per forward/backward: each mini-batch is regrouped into micro-batches of at most this many
     real (unpadded) tokens and packed without padding; 0 uses micro_batch_size sequences instead."""
+    share_prompt_tokens: bool = False
+    """The responses to one prompt go through the log-prob and update passes with that prompt once (one row:
+    the prompt, then each response, masked so that no response sees another): (P + nR) tokens instead of
+    n(P + R), the same values and gradients. Micro-batches keep a prompt's responses together. Needs an
+    attention that takes a mask: model.attn_implementation=flex_attention on GPU (block mask); sdpa/eager
+    get a dense mask, which computes every block. Not yet timed on a GPU."""
     optimizer_state_dtype: Literal["float32", "param"] = "float32"
     """AdamW moments for bf16/fp16 parameters: float32 (no float32 copy of the weights; the update is applied
     with stochastic rounding so small steps are not rounded away) or `param` (torch AdamW, state in the

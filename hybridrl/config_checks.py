@@ -53,6 +53,9 @@ def validate(config: Config) -> None:
     _require(act.ppo_epochs >= 1, "actor.ppo_epochs must be at least 1.")
     _require(act.micro_batch_size >= 1, "actor.micro_batch_size must be at least 1.")
     _require(act.max_tokens_per_micro_batch >= 0, "actor.max_tokens_per_micro_batch must be >= 0 (0 disables).")
+    _require(not (act.share_prompt_tokens and "flash" in config.model.attn_implementation),
+             f"actor.share_prompt_tokens needs an attention that takes a mask, and model.attn_implementation="
+             f"{config.model.attn_implementation!r} takes none; use flex_attention (or sdpa).")
     _require(0 < act.optimizer_offload_fraction <= 1, "actor.optimizer_offload_fraction must be in (0, 1] "
              "(the share of the AdamW state kept in CPU memory; actor.optimizer_offload=false keeps none there).")
     _require(act.optimizer_offload or act.optimizer_offload_fraction == 1,

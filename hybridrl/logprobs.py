@@ -29,6 +29,7 @@ from torch import nn
 
 from hybridrl.fused_head import reference_softmax_stats, softmax_grad_, softmax_stats
 from hybridrl.packing import pack_rows, row_capacity_for
+from hybridrl.shared_prompt import attention_mask_for, pack_shared_prompts
 
 CHUNK_ELEMENTS = 64 * 2**20
 """Logit elements per chunk: 64 Mi values (128 MiB in bf16; ~440 positions for a 152k vocabulary). The
@@ -151,33 +152,40 @@ def _model_and_context(model: nn.Module):
 def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       position_ids: torch.Tensor, response_length: int, temperature: float = 1.0,
                       with_entropy: bool = False, chunk_tokens: int | None = None,
-                      pack: bool | None = None, real_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      pack: bool | None = None, real_tokens: int | None = None,
+                      prompt_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(response token t | prefix) for the last `response_length` columns: (B, R) float32, and entropy.
 
     `pack`: remove padding by packing sequences into rows (None: when at least 1/8 of the tokens are padding).
     `real_tokens`: the attention mask's sum when the caller knows it on the host; it spares a device sync,
     and rows without any padding then run with no mask at all (causal attention, no mask checks).
+    `prompt_ids`: which prompt each row answers; rows of one prompt then share one pass over it
+    (`shared_prompt.py`, `actor.share_prompt_tokens`).
     Values at padded response positions are 0.
     """
     model, context = _model_and_context(model)
     num_rows, width = input_ids.shape
     prompt_width = width - response_length
-    if real_tokens is None:
-        real_tokens = int(attention_mask.sum().item())
-    if pack is None:
-        pack = real_tokens < 0.875 * attention_mask.numel()
-    if not pack and real_tokens == attention_mask.numel():  # no padding: positions are 0..width-1 in every row
-        attention_mask = position_ids = None
-    if pack:
-        capacity = row_capacity_for(model, attention_mask)
-        packed = pack_rows(input_ids, attention_mask, prompt_width, capacity)
-        inputs = (packed.input_ids, None, packed.position_ids)
-        positions, targets = packed.logit_positions, packed.targets
+    if prompt_ids is not None:
+        packed = pack_shared_prompts(input_ids, attention_mask, prompt_width, prompt_ids)
+        inputs = (packed.input_ids, attention_mask_for(model, packed), packed.position_ids)
+        positions, targets, pack = packed.logit_positions, packed.targets, True
     else:
-        inputs = (input_ids, attention_mask, position_ids)
-        columns = torch.arange(prompt_width - 1, width - 1, device=input_ids.device)
-        positions = (torch.arange(num_rows, device=input_ids.device)[:, None] * width + columns).flatten()
-        targets = input_ids[:, prompt_width:].flatten()
+        if real_tokens is None:
+            real_tokens = int(attention_mask.sum().item())
+        if pack is None:
+            pack = real_tokens < 0.875 * attention_mask.numel()
+        if not pack and real_tokens == attention_mask.numel():  # no padding: positions are 0..width-1 in every row
+            attention_mask = position_ids = None
+        if pack:
+            packed = pack_rows(input_ids, attention_mask, prompt_width, row_capacity_for(model, attention_mask))
+            inputs = (packed.input_ids, None, packed.position_ids)
+            positions, targets = packed.logit_positions, packed.targets
+        else:
+            inputs = (input_ids, attention_mask, position_ids)
+            columns = torch.arange(prompt_width - 1, width - 1, device=input_ids.device)
+            positions = (torch.arange(num_rows, device=input_ids.device)[:, None] * width + columns).flatten()
+            targets = input_ids[:, prompt_width:].flatten()
     scale = 1.0 / temperature if temperature > 0 else 1.0
     with context:
         head = plain_head(model)

@@ -202,9 +202,12 @@ class RLTrainer:
         temperature = self.config.rollout.temperature
         actor, reference, critic = self.parts.actor, self.parts.reference, self.parts.critic
 
+        share = self.config.actor.share_prompt_tokens  # rows of a prompt are adjacent (prompt-major rollouts)
+
         def logprobs_of(model):
             return lambda part: response_logprobs(model, part.input_ids, part.attention_mask, part.position_ids,
-                                                  part.response_length, temperature)[0]
+                                                  part.response_length, temperature,
+                                                  prompt_ids=part.prompt_index.tolist() if share else None)[0]
 
         passes = {  # batch field -> (model, what it computes per micro-batch)
             "old_logp": None if self.reuses_update_logprobs(len(batch)) else (actor, logprobs_of(actor)),

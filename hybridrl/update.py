@@ -18,6 +18,7 @@ from hybridrl.batch import RolloutBatch
 from hybridrl.config import Config
 from hybridrl.logprobs import response_logprobs
 from hybridrl.packing import group_by_tokens
+from hybridrl.shared_prompt import prompt_groups
 
 
 class TrainingError(RuntimeError):
@@ -33,13 +34,21 @@ def mini_batches(batch_size: int, mini_size: int, micro_size: int, epochs: int,
             yield list(mini.split(micro_size))
 
 
-def regroup_by_tokens(batch: RolloutBatch, micros: list[torch.Tensor], max_tokens: int) -> list[torch.Tensor]:
-    """The mini-batch's micro-batches as given, or (max_tokens > 0) regrouped to at most max_tokens real tokens."""
+def regroup_by_tokens(batch: RolloutBatch, micros: list[torch.Tensor], max_tokens: int,
+                      share_prompts: bool = False) -> list[torch.Tensor]:
+    """The mini-batch's micro-batches as given, or (max_tokens > 0) regrouped to at most max_tokens real tokens.
+    `share_prompts`: the rows of one prompt stay together and count its tokens once (`shared_prompt.py`)."""
     if max_tokens <= 0:
         return micros
     mini = torch.cat(micros)
-    lengths = batch.attention_mask[mini.to(batch.attention_mask.device)].sum(1).tolist()
-    return [mini[group] for group in group_by_tokens(lengths, max_tokens)]
+    mask = batch.attention_mask[mini.to(batch.attention_mask.device)]
+    lengths = mask.sum(1).tolist()
+    if not share_prompts:
+        return [mini[group] for group in group_by_tokens(lengths, max_tokens)]
+    prompt_lengths = mask[:, :mask.shape[1] - batch.response_length].sum(1).tolist()
+    units = prompt_groups(batch.prompt_index[mini.to(batch.prompt_index.device)].tolist())
+    costs = [sum(lengths[i] for i in unit) - (len(unit) - 1) * prompt_lengths[unit[0]] for unit in units]
+    return [mini[sorted(i for u in group for i in units[u])] for group in group_by_tokens(costs, max_tokens)]
 
 
 def mini_batch_normalizers(batch: RolloutBatch, mini: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -65,7 +74,8 @@ def clip_and_step(parameters: list[torch.nn.Parameter], optimizer: torch.optim.O
 
 def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Generator, micro_loss,
                model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float,
-               loss_name: str, check_loss, loss_mask: torch.Tensor | None = None) -> dict[str, float]:
+               loss_name: str, check_loss, loss_mask: torch.Tensor | None = None,
+               share_prompts: bool = False) -> dict[str, float]:
     """Shuffled mini-batches (one optimizer step each) over `ppo_epochs`, gradients accumulated over
     micro-batches. `micro_loss(part, norm, rows) -> (loss, stats)`; returns stats averaged over micro-batches,
     and the loss and gradient norm summed within a mini-batch and averaged over mini-batches.
@@ -84,7 +94,7 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
         mini = torch.cat(micros)
         norm = mini_batch_normalizers(batch, mini, batch.response_mask if loss_mask is None else loss_mask)
         micros = distributed.shard_micro_batches(micros, batch.attention_mask.sum(1), parts.setup)
-        micros = regroup_by_tokens(batch, micros, act.max_tokens_per_micro_batch)
+        micros = regroup_by_tokens(batch, micros, act.max_tokens_per_micro_batch, share_prompts)
         micros = distributed.match_micro_batch_count(micros, parts.setup)
         mini_loss = None
         with distributed.gathered_for_micro_batches(model, gather_once):
@@ -113,11 +123,14 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
     # detached log-probs in the one update pass; kept to fill batch.old_logp for the rollout metrics.
     reused = torch.zeros_like(batch.response_mask, dtype=torch.float32) if batch.old_logp is None else None
     lengths = batch.attention_mask.sum(1).tolist()  # on the host once, so micro-batches need no device sync
+    share = config.actor.share_prompt_tokens
+    prompt_of = batch.prompt_index.tolist() if share else None
 
     def micro_loss(part: RolloutBatch, norm: dict[str, float], rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         logp, entropy = response_logprobs(parts.actor, part.input_ids, part.attention_mask, part.position_ids,
                                           part.response_length, config.rollout.temperature, with_entropy=True,
-                                          real_tokens=sum(lengths[row] for row in rows.tolist()))
+                                          real_tokens=sum(lengths[row] for row in rows.tolist()),
+                                          prompt_ids=[prompt_of[row] for row in rows.tolist()] if share else None)
         mask = part.response_mask if part.loss_mask is None else part.loss_mask
         old_logp = part.old_logp
         if reused is not None:
@@ -141,7 +154,7 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
         check_finite(loss, "actor loss", step, "lower actor.lr, check rewards, or raise actor.max_grad_norm clipping.")
 
     metrics = run_epochs(parts, config, batch, generator, micro_loss, parts.actor, parts.actor_optimizer,
-                         config.actor.max_grad_norm, "policy_loss", check_loss, batch.loss_mask)
+                         config.actor.max_grad_norm, "policy_loss", check_loss, batch.loss_mask, share_prompts=share)
     if reused is not None:
         batch.old_logp = distributed.all_reduce(reused, parts.setup)  # ranks hold disjoint rows
     parts.actor_scheduler.step()

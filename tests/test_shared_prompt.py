@@ -1,0 +1,160 @@
+"""Shared prompts (`shared_prompt.py`): the rows of one prompt in one pass give each row's own log-probs,
+entropies and gradients (float32, every attention implementation that takes the mask)."""
+
+import pytest
+import torch
+
+from conftest import tiny_actor
+from hybridrl.batch import RolloutBatch
+from hybridrl.logprobs import response_logprobs
+from hybridrl.shared_prompt import PADDING, PROMPT, attention_mask_for, pack_shared_prompts
+
+TOL = dict(atol=2e-5, rtol=1e-5)
+
+
+def grouped_batch(seed=0, prompt_width=6, response_width=5, vocab=90):
+    """Rows 0, 2, 5 answer prompt A (4 tokens), rows 1, 4 prompt B (6 tokens), row 3 prompt C (1 token);
+    responses of several lengths, one empty; rows deliberately interleaved."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = {7: torch.randint(3, vocab, (4,), generator=generator), 3: torch.randint(3, vocab, (6,), generator=generator),
+               9: torch.randint(3, vocab, (1,), generator=generator)}
+    prompt_ids = [7, 3, 7, 9, 3, 7]
+    response_lengths = [5, 2, 0, 3, 5, 1]
+    ids = torch.zeros(len(prompt_ids), prompt_width + response_width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (prompt, length) in enumerate(zip(prompt_ids, response_lengths)):
+        tokens = prompts[prompt]
+        ids[row, prompt_width - len(tokens):prompt_width] = tokens
+        ids[row, prompt_width:prompt_width + length] = torch.randint(3, vocab, (length,), generator=generator)
+        mask[row, prompt_width - len(tokens):prompt_width + length] = 1
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    return ids, mask, positions, response_width, prompt_ids
+
+
+def test_packing_layout_positions_and_targets():
+    ids, mask, _, response, prompt_ids = grouped_batch()
+    rows = pack_shared_prompts(ids, mask, ids.shape[1] - response, prompt_ids)
+    assert rows.input_ids.shape == (3, 6 + 2 + 5)  # groups in order of first appearance: A, B, C; B is widest
+    assert rows.segments[0].tolist() == [PROMPT] * 4 + [1] * 5 + [3] + [PADDING] * 3
+    assert rows.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 4, 10, 11, 12]
+    assert rows.segments[2].tolist()[:4] == [PROMPT, 1, 1, 1] and rows.position_ids[2].tolist()[:4] == [0, 1, 2, 3]
+    # row 5's single response token is predicted at prompt A's last position, like row 0's first
+    flat = rows.input_ids.flatten()
+    assert rows.targets.tolist() == [ids[r, 6 + t].item() for r in (0, 5, 1, 4, 3) for t in range(mask[r, 6:].sum())]
+    assert rows.logit_positions.tolist()[:7] == [3, 4, 5, 6, 7, 3, 13 + 6 - 1]
+    assert flat[rows.logit_positions[0]] == ids[0, 5]  # the prompt's last token
+
+
+def test_visibility_rules():
+    ids, mask, _, response, prompt_ids = grouped_batch()
+    rows = pack_shared_prompts(ids, mask, ids.shape[1] - response, prompt_ids)
+    model, _ = tiny_actor()
+    dense = attention_mask_for(model, rows)[0, 0]  # group A: prompt 0-3, response 1 at 4-8, response 3 at 9
+    assert dense[9].tolist() == [True] * 4 + [False] * 5 + [True] + [False] * 3  # the prompt and itself, not response 1
+    assert dense[6].tolist() == [True] * 7 + [False] * 6
+    assert dense[2].tolist() == [True] * 3 + [False] * 10
+    group_c = attention_mask_for(model, rows)[2, 0]  # prompt 0, response at 1-3, padding from 4
+    assert group_c[-1, 4:].all() and not group_c[-1, :4].any()  # a padding query sees only padding
+
+
+def shared_and_separate(model, implementation: str, device: str = "cpu", gradients: bool = True):
+    """(log-probs, entropies, parameter gradients) with shared prompts under `implementation`, and with one
+    row per sequence under sdpa."""
+    ids, mask, positions, response, prompt_ids = (t.to(device) if torch.is_tensor(t) else t for t in grouped_batch())
+    weights = torch.randn(ids.shape[0], response, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def run(implementation, **kwargs):
+        model.config._attn_implementation = implementation
+        model.zero_grad()
+        with torch.set_grad_enabled(gradients):
+            logp, entropy = response_logprobs(model, ids, mask, positions, response, temperature=0.7,
+                                              with_entropy=True, chunk_tokens=5, **kwargs)
+        if gradients:
+            ((logp * weights).sum() + 0.3 * (entropy * weights).sum()).backward()
+        return logp.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()] if gradients else []
+
+    return run(implementation, prompt_ids=prompt_ids), run("sdpa", pack=False)
+
+
+def assert_same(shared, separate):
+    assert torch.allclose(shared[0], separate[0], **TOL)
+    assert torch.allclose(shared[1], separate[1], **TOL)
+    assert (shared[0][2] == 0).all() and (shared[0][0] != 0).all()  # the empty response stays empty
+    for mine, reference in zip(shared[2], separate[2]):
+        assert torch.allclose(mine, reference, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_shared_prompts_equal_separate_rows_values_and_gradients(implementation):
+    model, _ = tiny_actor()
+    assert_same(*shared_and_separate(model, implementation))
+
+
+def test_flex_attention_block_mask_gives_the_same_values():
+    """FlexAttention has no backward on CPU; its gradients are checked on CUDA below."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    model, _ = tiny_actor()
+    assert_same(*shared_and_separate(model, "flex_attention", gradients=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_attention_on_cuda_values_and_gradients():
+    model, _ = tiny_actor()
+    assert_same(*shared_and_separate(model.cuda(), "flex_attention", device="cuda"))
+
+
+def test_flash_attention_is_refused_with_the_fix():
+    ids, mask, _, response, prompt_ids = grouped_batch()
+    rows = pack_shared_prompts(ids, mask, ids.shape[1] - response, prompt_ids)
+    model, _ = tiny_actor()
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="model.attn_implementation=flex_attention"):
+        attention_mask_for(model, rows)
+
+
+def test_regrouping_keeps_a_prompts_rows_together_and_counts_the_prompt_once():
+    from hybridrl.update import regroup_by_tokens
+
+    ids, mask, positions, response, prompt_ids = grouped_batch()
+    batch = RolloutBatch(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         response_mask=mask[:, -response:].float(), sampler_logp=torch.zeros(6, response),
+                         truncated=torch.zeros(6, dtype=torch.bool), prompt_index=torch.tensor(prompt_ids))
+    micros = [torch.tensor([4, 0, 3]), torch.tensor([5, 1, 2])]
+    # costs with the prompt once: A 4 + 5 + 0 + 1 = 10, B 6 + 2 + 5 = 13, C 1 + 3 = 4
+    groups = regroup_by_tokens(batch, micros, max_tokens=14, share_prompts=True)
+    assert sorted(sorted(g.tolist()) for g in groups) == [[0, 2, 3, 5], [1, 4]]
+    assert len(regroup_by_tokens(batch, micros, max_tokens=14)) > 2  # per row, A's rows alone need 27 tokens
+
+
+@pytest.mark.parametrize("extra", [{}, {"actor__reuse_logprobs_on_policy": False, "algorithm__kl_coef": 0.1}])
+def test_training_with_shared_prompts_equals_separate_rows(tmp_path, extra, monkeypatch):
+    """Same parameters after one update (float32, lr 1e-3, atol 1e-6), also through the old-policy and
+    reference passes."""
+    from test_trainer import make_trainer
+
+    from hybridrl import logprobs
+
+    groups_per_pass = []
+    packer = logprobs.pack_shared_prompts
+    monkeypatch.setattr(logprobs, "pack_shared_prompts", lambda *args: groups_per_pass.append(
+        len(set(args[3])) / len(args[3])) or packer(*args))
+    params = []
+    for share in (False, True):
+        trainer = make_trainer(tmp_path / str(share), trainer__total_steps=1, actor__lr=1e-3, actor__max_grad_norm=0.0,
+                               rollout__max_new_tokens=6, actor__max_tokens_per_micro_batch=60,
+                               actor__share_prompt_tokens=share, **extra)
+        history = trainer.train()
+        params.append(torch.cat([p.detach().flatten() for p in trainer.parts.actor.parameters()]))
+        assert history[-1]["actor/policy_loss"] == history[-1]["actor/policy_loss"]
+    assert not torch.equal(params[0], torch.cat([p.detach().flatten() for p in make_trainer(
+        tmp_path / "fresh", trainer__total_steps=1).parts.actor.parameters()]))  # the update moved the weights
+    assert torch.allclose(params[0], params[1], atol=1e-6)
+    assert len(groups_per_pass) >= (4 if extra else 2) and max(groups_per_pass) <= 0.25  # 4 samples per prompt
+
+
+def test_flash_attention_with_shared_prompts_is_refused_in_the_config():
+    from hybridrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="actor.share_prompt_tokens needs an attention that takes a mask"):
+        load_config(None, ["actor.share_prompt_tokens=true", "model.attn_implementation=flash_attention_2"])
