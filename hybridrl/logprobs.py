@@ -29,7 +29,7 @@ from torch import nn
 
 from hybridrl.fused_head import reference_softmax_stats, softmax_grad_, softmax_stats
 from hybridrl.packing import pack_rows, row_capacity_for
-from hybridrl.shared_prompt import attention_mask_for, pack_shared_prompts
+from hybridrl.shared_prompt import FLEX_BLOCK, attention_mask_for, pack_shared_prompts, uses_flex_attention
 
 CHUNK_ELEMENTS = 64 * 2**20
 """Logit elements per chunk: 64 Mi values (128 MiB in bf16; ~440 positions for a 152k vocabulary). The
@@ -167,7 +167,8 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     num_rows, width = input_ids.shape
     prompt_width = width - response_length
     if prompt_ids is not None:
-        packed = pack_shared_prompts(input_ids, attention_mask, prompt_width, prompt_ids)
+        packed = pack_shared_prompts(input_ids, attention_mask, prompt_width, prompt_ids,
+                                     multiple=FLEX_BLOCK if uses_flex_attention(model) else 1)
         inputs = (packed.input_ids, attention_mask_for(model, packed), packed.position_ids)
         positions, targets, pack = packed.logit_positions, packed.targets, True
     else:

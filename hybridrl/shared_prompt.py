@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 PROMPT, PADDING = 0, -1  # segment ids; response k of a row is segment k (1, 2, ...)
+FLEX_BLOCK = 128  # FlexAttention's default block size
 
 
 @dataclass
@@ -49,15 +50,17 @@ def prompt_groups(prompt_ids: list[int]) -> list[list[int]]:
 
 
 def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                        prompt_ids: list[int], pad_token_id: int = 0) -> SharedPromptRows:
+                        prompt_ids: list[int], pad_token_id: int = 0, multiple: int = 1) -> SharedPromptRows:
     """One row per prompt of a padded batch (B, P + R) (prompts left-padded, responses right-padded);
-    rows with equal `prompt_ids` must hold the same prompt tokens (the first one's are used)."""
+    rows with equal `prompt_ids` must hold the same prompt tokens (the first one's are used). Rows are
+    padded to a multiple of `multiple` tokens (FlexAttention's block: fewer shapes to compile for)."""
     device = input_ids.device
     mask = attention_mask.bool().cpu()
     prompt_lengths = mask[:, :prompt_width].sum(1).tolist()
     response_lengths = mask[:, prompt_width:].sum(1).tolist()
     groups = prompt_groups(prompt_ids)
     width = max(prompt_lengths[rows[0]] + sum(response_lengths[r] for r in rows) for rows in groups)
+    width = -(-width // multiple) * multiple
     ids = torch.full((len(groups), width), pad_token_id, dtype=input_ids.dtype)
     positions = torch.zeros(len(groups), width, dtype=torch.long)
     segments = torch.full((len(groups), width), PADDING, dtype=torch.long)
@@ -99,13 +102,17 @@ def visible(segments_q: torch.Tensor, segments_kv: torch.Tensor, q: torch.Tensor
     return (kv <= q) & (same | prompt_for_response)
 
 
+def uses_flex_attention(model: torch.nn.Module) -> bool:
+    return "flex" in str(getattr(getattr(model, "config", None), "_attn_implementation", "sdpa"))
+
+
 def attention_mask_for(model: torch.nn.Module, rows: SharedPromptRows):
     """The mask the model's attention implementation takes for these rows (transformers passes a 4-D mask,
     dense or block, through unchanged)."""
     implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", "sdpa"))
     segments = rows.segments
     num_rows, length = segments.shape
-    if "flex" in implementation:
+    if uses_flex_attention(model):
         from torch.nn.attention.flex_attention import create_block_mask
 
         def mask_mod(b, h, q, kv):

@@ -137,8 +137,8 @@ def test_training_with_shared_prompts_equals_separate_rows(tmp_path, extra, monk
 
     groups_per_pass = []
     packer = logprobs.pack_shared_prompts
-    monkeypatch.setattr(logprobs, "pack_shared_prompts", lambda *args: groups_per_pass.append(
-        len(set(args[3])) / len(args[3])) or packer(*args))
+    monkeypatch.setattr(logprobs, "pack_shared_prompts", lambda *args, **kwargs: groups_per_pass.append(
+        len(set(args[3])) / len(args[3])) or packer(*args, **kwargs))
     params = []
     for share in (False, True):
         trainer = make_trainer(tmp_path / str(share), trainer__total_steps=1, actor__lr=1e-3, actor__max_grad_norm=0.0,
@@ -158,3 +158,10 @@ def test_flash_attention_with_shared_prompts_is_refused_in_the_config():
 
     with pytest.raises(ConfigError, match="actor.share_prompt_tokens needs an attention that takes a mask"):
         load_config(None, ["actor.share_prompt_tokens=true", "model.attn_implementation=flash_attention_2"])
+
+
+def test_rows_pad_to_a_multiple_for_flex_attention():
+    ids, mask, _, response, prompt_ids = grouped_batch()
+    rows = pack_shared_prompts(ids, mask, ids.shape[1] - response, prompt_ids, multiple=8)
+    assert rows.input_ids.shape == (3, 16) and (rows.segments[:, 13:] == PADDING).all()
+    assert rows.position_ids[1].tolist()[13:] == [13, 14, 15]
