@@ -29,7 +29,8 @@ from torch import nn
 
 from hybridrl.fused_head import reference_softmax_stats, softmax_grad_, softmax_stats
 from hybridrl.packing import pack_rows, row_capacity_for
-from hybridrl.shared_prompt import FLEX_BLOCK, attention_mask_for, pack_shared_prompts, uses_flex_attention
+from hybridrl.shared_prompt import (FLEX_BLOCK, PromptLayout, attention_mask_for, pack_shared_prompts,
+                                    uses_flex_attention)
 
 CHUNK_ELEMENTS = 64 * 2**20
 """Logit elements per chunk: 64 Mi values (128 MiB in bf16; ~440 positions for a 152k vocabulary). The
@@ -153,21 +154,21 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
                       position_ids: torch.Tensor, response_length: int, temperature: float = 1.0,
                       with_entropy: bool = False, chunk_tokens: int | None = None,
                       pack: bool | None = None, real_tokens: int | None = None,
-                      prompt_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      prompt_layout: PromptLayout | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(response token t | prefix) for the last `response_length` columns: (B, R) float32, and entropy.
 
     `pack`: remove padding by packing sequences into rows (None: when at least 1/8 of the tokens are padding).
     `real_tokens`: the attention mask's sum when the caller knows it on the host; it spares a device sync,
     and rows without any padding then run with no mask at all (causal attention, no mask checks).
-    `prompt_ids`: which prompt each row answers; rows of one prompt then share one pass over it
-    (`shared_prompt.py`, `actor.share_prompt_tokens`).
+    `prompt_layout`: which prompt each row answers (and its lengths, on the host); rows of one prompt then
+    share one pass over it (`shared_prompt.py`, `actor.share_prompt_tokens`).
     Values at padded response positions are 0.
     """
     model, context = _model_and_context(model)
     num_rows, width = input_ids.shape
     prompt_width = width - response_length
-    if prompt_ids is not None:
-        packed = pack_shared_prompts(input_ids, attention_mask, prompt_width, prompt_ids,
+    if prompt_layout is not None:
+        packed = pack_shared_prompts(input_ids, prompt_width, prompt_layout,
                                      multiple=FLEX_BLOCK if uses_flex_attention(model) else 1)
         inputs = (packed.input_ids, attention_mask_for(model, packed), packed.position_ids)
         positions, targets, pack = packed.logit_positions, packed.targets, True

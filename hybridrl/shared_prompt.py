@@ -49,48 +49,72 @@ def prompt_groups(prompt_ids: list[int]) -> list[list[int]]:
     return list(groups.values())
 
 
-def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                        prompt_ids: list[int], pad_token_id: int = 0, multiple: int = 1) -> SharedPromptRows:
+@dataclass
+class PromptLayout:
+    """Which prompt each row of a padded batch answers, and its rows' prompt and response lengths, on the host
+    (so packing needs no device sync while earlier micro-batches still run)."""
+
+    prompt_ids: list[int]
+    prompt_lengths: list[int]
+    response_lengths: list[int]
+
+    @classmethod
+    def of(cls, attention_mask: torch.Tensor, prompt_width: int, prompt_ids: list[int]) -> "PromptLayout":
+        """From the attention mask (one device sync)."""
+        lengths = torch.stack((attention_mask[:, :prompt_width].sum(1), attention_mask[:, prompt_width:].sum(1)))
+        prompt_lengths, response_lengths = lengths.tolist()
+        return cls(list(prompt_ids), prompt_lengths, response_lengths)
+
+    def select(self, rows: list[int]) -> "PromptLayout":
+        return PromptLayout(*([values[r] for r in rows] for values in
+                              (self.prompt_ids, self.prompt_lengths, self.response_lengths)))
+
+
+def pack_shared_prompts(input_ids: torch.Tensor, prompt_width: int, layout: PromptLayout, pad_token_id: int = 0,
+                        multiple: int = 1) -> SharedPromptRows:
     """One row per prompt of a padded batch (B, P + R) (prompts left-padded, responses right-padded);
-    rows with equal `prompt_ids` must hold the same prompt tokens (the first one's are used). Rows are
-    padded to a multiple of `multiple` tokens (FlexAttention's block: fewer shapes to compile for)."""
-    device = input_ids.device
-    mask = attention_mask.bool().cpu()
-    prompt_lengths = mask[:, :prompt_width].sum(1).tolist()
-    response_lengths = mask[:, prompt_width:].sum(1).tolist()
-    groups = prompt_groups(prompt_ids)
-    width = max(prompt_lengths[rows[0]] + sum(response_lengths[r] for r in rows) for rows in groups)
+    rows with equal prompt ids must hold the same prompt tokens (the first one's are used). Rows are
+    padded to a multiple of `multiple` tokens (FlexAttention's block: fewer shapes to compile for).
+    Index tensors are built on the host and the tokens gathered on the device."""
+    device, batch_width = input_ids.device, input_ids.shape[1]
+    p_len, r_len = layout.prompt_lengths, layout.response_lengths
+    groups = prompt_groups(layout.prompt_ids)
+    width = max(p_len[rows[0]] + sum(r_len[r] for r in rows) for rows in groups)
     width = -(-width // multiple) * multiple
-    ids = torch.full((len(groups), width), pad_token_id, dtype=input_ids.dtype)
-    positions = torch.zeros(len(groups), width, dtype=torch.long)
+    positions = torch.arange(width).repeat(len(groups), 1)  # padding continues the count
     segments = torch.full((len(groups), width), PADDING, dtype=torch.long)
-    host_ids = input_ids.cpu()
-    logit_positions, target_rows, target_columns = [], [], []
+    source, destination, logit_positions, target_rows, target_columns = [], [], [], [], []
     for g, rows in enumerate(groups):
-        p = prompt_lengths[rows[0]]
-        ids[g, :p] = host_ids[rows[0], prompt_width - p:prompt_width]
-        positions[g, :p] = torch.arange(p)
+        p, row_start = p_len[rows[0]], g * width
+        source.append(rows[0] * batch_width + torch.arange(prompt_width - p, prompt_width))
+        destination.append(row_start + torch.arange(p))
         segments[g, :p] = PROMPT
         start = p
         for k, row in enumerate(rows, 1):
-            r = response_lengths[row]
+            r = r_len[row]
             steps = torch.arange(r)
-            ids[g, start:start + r] = host_ids[row, prompt_width:prompt_width + r]
+            source.append(row * batch_width + prompt_width + steps)
+            destination.append(row_start + start + steps)
             positions[g, start:start + r] = p + steps
             segments[g, start:start + r] = k
-            predicted_at = g * width + start - 1 + steps  # token t is predicted at the position before it,
-            predicted_at[:1] = g * width + p - 1  # which for the first is the prompt's last
+            predicted_at = row_start + start - 1 + steps  # token t is predicted at the position before it,
+            predicted_at[:1] = row_start + p - 1  # which for the first is the prompt's last
             logit_positions.append(predicted_at)
             target_rows.append(torch.full((r,), row))
             target_columns.append(prompt_width + steps)
             start += r
-        positions[g, start:] = torch.arange(start, width)  # tail padding continues the count
-    target_rows, target_columns = torch.cat(target_rows).to(device), torch.cat(target_columns).to(device)
+
+    def to_device(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts).to(device)
+
+    ids = torch.full((len(groups) * width,), pad_token_id, dtype=input_ids.dtype, device=device)
+    ids[to_device(destination)] = input_ids.flatten()[to_device(source)]
+    target_rows, target_columns = to_device(target_rows), to_device(target_columns)
     return SharedPromptRows(
-        input_ids=ids.to(device), position_ids=positions.to(device), segments=segments.to(device),
-        logit_positions=torch.cat(logit_positions).to(device),
+        input_ids=ids.view(len(groups), width), position_ids=positions.to(device),
+        segments=segments.to(device), logit_positions=to_device(logit_positions),
         targets=input_ids[target_rows, target_columns],
-        response_index=target_rows * (input_ids.shape[1] - prompt_width) + target_columns - prompt_width,
+        response_index=target_rows * (batch_width - prompt_width) + target_columns - prompt_width,
     )
 
 

@@ -25,6 +25,7 @@ from hybridrl.logprobs import response_logprobs
 from hybridrl.metrics import MetricsLogger
 from hybridrl.models import HFModel, save_hf_model
 from hybridrl.rollout.base import SamplingParams
+from hybridrl.shared_prompt import PromptLayout
 from hybridrl.update import update_actor, update_critic
 
 
@@ -202,17 +203,19 @@ class RLTrainer:
         temperature = self.config.rollout.temperature
         actor, reference, critic = self.parts.actor, self.parts.reference, self.parts.critic
 
-        share = self.config.actor.share_prompt_tokens  # rows of a prompt are adjacent (prompt-major rollouts)
+        # Rows of one prompt are adjacent (prompt-major rollouts), so micro-batches mostly hold whole prompts.
+        layout = PromptLayout.of(batch.attention_mask, batch.input_ids.shape[1] - batch.response_length,
+                                 batch.prompt_index.tolist()) if self.config.actor.share_prompt_tokens else None
 
         def logprobs_of(model):
-            return lambda part: response_logprobs(model, part.input_ids, part.attention_mask, part.position_ids,
-                                                  part.response_length, temperature,
-                                                  prompt_ids=part.prompt_index.tolist() if share else None)[0]
+            return lambda part, rows: response_logprobs(
+                model, part.input_ids, part.attention_mask, part.position_ids, part.response_length, temperature,
+                prompt_layout=layout.select(rows.tolist()) if layout else None)[0]
 
         passes = {  # batch field -> (model, what it computes per micro-batch)
             "old_logp": None if self.reuses_update_logprobs(len(batch)) else (actor, logprobs_of(actor)),
             "ref_logp": None if reference is None else (reference, logprobs_of(reference)),
-            "old_values": None if critic is None else (critic, lambda part: critic(
+            "old_values": None if critic is None else (critic, lambda part, rows: critic(
                 part.input_ids, part.attention_mask, part.position_ids)[:, -part.response_length - 1:-1]),
         }
         setup = self.parts.setup
@@ -226,7 +229,7 @@ class RLTrainer:
             offloaded = self.parts.reference_offload if field == "ref_logp" else None
             with distributed.gathered_for_micro_batches(model, gather_once), \
                     (offloaded.on_device() if offloaded is not None else nullcontext()):
-                outputs = [compute(batch.select(index)) for index in rows.split(self.config.actor.micro_batch_size)]
+                outputs = [compute(batch.select(index), index) for index in rows.split(self.config.actor.micro_batch_size)]
             setattr(batch, field, distributed.gather_rows(torch.cat(outputs), rows, len(batch), setup))
 
     def reuses_update_logprobs(self, batch_size: int) -> bool:

@@ -18,7 +18,7 @@ from hybridrl.batch import RolloutBatch
 from hybridrl.config import Config
 from hybridrl.logprobs import response_logprobs
 from hybridrl.packing import group_by_tokens
-from hybridrl.shared_prompt import prompt_groups
+from hybridrl.shared_prompt import PromptLayout, prompt_groups
 
 
 class TrainingError(RuntimeError):
@@ -124,13 +124,14 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
     reused = torch.zeros_like(batch.response_mask, dtype=torch.float32) if batch.old_logp is None else None
     lengths = batch.attention_mask.sum(1).tolist()  # on the host once, so micro-batches need no device sync
     share = config.actor.share_prompt_tokens
-    prompt_of = batch.prompt_index.tolist() if share else None
+    layout = PromptLayout.of(batch.attention_mask, batch.input_ids.shape[1] - batch.response_length,
+                             batch.prompt_index.tolist()) if share else None
 
     def micro_loss(part: RolloutBatch, norm: dict[str, float], rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         logp, entropy = response_logprobs(parts.actor, part.input_ids, part.attention_mask, part.position_ids,
                                           part.response_length, config.rollout.temperature, with_entropy=True,
                                           real_tokens=sum(lengths[row] for row in rows.tolist()),
-                                          prompt_ids=[prompt_of[row] for row in rows.tolist()] if share else None)
+                                          prompt_layout=layout.select(rows.tolist()) if share else None)
         mask = part.response_mask if part.loss_mask is None else part.loss_mask
         old_logp = part.old_logp
         if reused is not None:

@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_actor
 from hybridrl.batch import RolloutBatch
 from hybridrl.logprobs import response_logprobs
-from hybridrl.shared_prompt import PADDING, PROMPT, attention_mask_for, pack_shared_prompts
+from hybridrl.shared_prompt import PADDING, PROMPT, PromptLayout, attention_mask_for, pack_shared_prompts
 
 TOL = dict(atol=2e-5, rtol=1e-5)
 
@@ -33,7 +33,7 @@ def grouped_batch(seed=0, prompt_width=6, response_width=5, vocab=90):
 
 def test_packing_layout_positions_and_targets():
     ids, mask, _, response, prompt_ids = grouped_batch()
-    rows = pack_shared_prompts(ids, mask, ids.shape[1] - response, prompt_ids)
+    rows = pack_shared_prompts(ids, ids.shape[1] - response, PromptLayout.of(mask, ids.shape[1] - response, prompt_ids))
     assert rows.input_ids.shape == (3, 6 + 2 + 5)  # groups in order of first appearance: A, B, C; B is widest
     assert rows.segments[0].tolist() == [PROMPT] * 4 + [1] * 5 + [3] + [PADDING] * 3
     assert rows.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 4, 10, 11, 12]
@@ -47,7 +47,7 @@ def test_packing_layout_positions_and_targets():
 
 def test_visibility_rules():
     ids, mask, _, response, prompt_ids = grouped_batch()
-    rows = pack_shared_prompts(ids, mask, ids.shape[1] - response, prompt_ids)
+    rows = pack_shared_prompts(ids, ids.shape[1] - response, PromptLayout.of(mask, ids.shape[1] - response, prompt_ids))
     model, _ = tiny_actor()
     dense = attention_mask_for(model, rows)[0, 0]  # group A: prompt 0-3, response 1 at 4-8, response 3 at 9
     assert dense[9].tolist() == [True] * 4 + [False] * 5 + [True] + [False] * 3  # the prompt and itself, not response 1
@@ -73,7 +73,8 @@ def shared_and_separate(model, implementation: str, device: str = "cpu", gradien
             ((logp * weights).sum() + 0.3 * (entropy * weights).sum()).backward()
         return logp.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()] if gradients else []
 
-    return run(implementation, prompt_ids=prompt_ids), run("sdpa", pack=False)
+    layout = PromptLayout.of(mask, ids.shape[1] - response, prompt_ids)
+    return run(implementation, prompt_layout=layout), run("sdpa", pack=False)
 
 
 def assert_same(shared, separate):
@@ -106,7 +107,7 @@ def test_flex_attention_on_cuda_values_and_gradients():
 
 def test_flash_attention_is_refused_with_the_fix():
     ids, mask, _, response, prompt_ids = grouped_batch()
-    rows = pack_shared_prompts(ids, mask, ids.shape[1] - response, prompt_ids)
+    rows = pack_shared_prompts(ids, ids.shape[1] - response, PromptLayout.of(mask, ids.shape[1] - response, prompt_ids))
     model, _ = tiny_actor()
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="model.attn_implementation=flex_attention"):
@@ -138,7 +139,7 @@ def test_training_with_shared_prompts_equals_separate_rows(tmp_path, extra, monk
     groups_per_pass = []
     packer = logprobs.pack_shared_prompts
     monkeypatch.setattr(logprobs, "pack_shared_prompts", lambda *args, **kwargs: groups_per_pass.append(
-        len(set(args[3])) / len(args[3])) or packer(*args, **kwargs))
+        len(set(args[2].prompt_ids)) / len(args[2].prompt_ids)) or packer(*args, **kwargs))
     params = []
     for share in (False, True):
         trainer = make_trainer(tmp_path / str(share), trainer__total_steps=1, actor__lr=1e-3, actor__max_grad_norm=0.0,
@@ -162,6 +163,7 @@ def test_flash_attention_with_shared_prompts_is_refused_in_the_config():
 
 def test_rows_pad_to_a_multiple_for_flex_attention():
     ids, mask, _, response, prompt_ids = grouped_batch()
-    rows = pack_shared_prompts(ids, mask, ids.shape[1] - response, prompt_ids, multiple=8)
+    rows = pack_shared_prompts(ids, ids.shape[1] - response, PromptLayout.of(mask, ids.shape[1] - response, prompt_ids),
+                               multiple=8)
     assert rows.input_ids.shape == (3, 16) and (rows.segments[:, 13:] == PADDING).all()
     assert rows.position_ids[1].tolist()[13:] == [13, 14, 15]
