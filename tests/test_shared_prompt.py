@@ -4,7 +4,7 @@ entropies and gradients (float32, every attention implementation that takes the 
 import pytest
 import torch
 
-from conftest import tiny_actor
+from conftest import tiny_actor, toy_prompts
 from hybridrl.batch import RolloutBatch
 from hybridrl.logprobs import response_logprobs
 from hybridrl.shared_prompt import PADDING, PROMPT, PromptLayout, attention_mask_for, pack_shared_prompts
@@ -167,3 +167,30 @@ def test_rows_pad_to_a_multiple_for_flex_attention():
                                multiple=8)
     assert rows.input_ids.shape == (3, 16) and (rows.segments[:, 13:] == PADDING).all()
     assert rows.position_ids[1].tolist()[13:] == [13, 14, 15]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_trainer_step_with_flex_compiled_layers_and_checkpointing_on_cuda(tmp_path):
+    """The path grpo_step.py's shared mode takes: FlexAttention block masks through torch.compiled decoder
+    layers under gradient checkpointing, one update; parameters as with separate rows (float32, 1e-4)."""
+    from test_trainer import FAST, contains_seven
+
+    from hybridrl.data import PromptDataset
+    from hybridrl.trainer import RLTrainer
+
+    params = []
+    for share in (False, True):
+        actor = tiny_actor()
+        initial = torch.cat([p.detach().flatten() for p in actor.model.parameters()]).cuda()
+        actor.model.config._attn_implementation = "flex_attention"
+        dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
+        trainer = RLTrainer(actor=actor, reward_fn=contains_seven, dataset=dataset, **{
+            **FAST, "trainer__device": "cuda", "model__dtype": "float32", "trainer__output_dir": str(tmp_path / str(share)),
+            "trainer__total_steps": 1, "actor__lr": 1e-3, "actor__max_grad_norm": 0.0, "rollout__max_new_tokens": 6,
+            "actor__max_tokens_per_micro_batch": 60, "model__compile": True,
+            "model__gradient_checkpointing": True, "actor__share_prompt_tokens": share})
+        trainer.train()
+        params.append(torch.cat([p.detach().flatten() for p in trainer.parts.actor.parameters()]))
+        assert (params[-1] - initial).abs().max() > 1e-4  # the update moved the weights
+    assert torch.allclose(params[0], params[1], atol=1e-4)
