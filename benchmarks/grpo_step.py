@@ -379,6 +379,7 @@ def run_trl(script: str, timeout: int) -> dict:
     if done.returncode or not lines:
         return {"mode": "trl", "error": (done.stderr or done.stdout)[-2000:]}
     out = json.loads(lines[-1])
+    print("trl", json.dumps(out), flush=True)  # in the log at once, in case a later mode runs out of time
     return {"mode": "trl", "step_s": out["steady_step_s"], "peak_alloc_gib": out["peak_alloc_GiB"], "raw": out}
 
 
@@ -478,17 +479,22 @@ def main() -> None:
     except ValueError:
         parser.error(f"--gpus takes process counts separated by commas, e.g. 1,2; got {args.gpus!r}.")
     results = []
+
+    def save() -> None:  # after every mode, so a run cut short keeps what finished
+        report = dict(date=time.strftime("%Y-%m-%d"), modes=results, peak_flops=PEAK_FLOPS, bandwidth=BANDWIDTH)
+        if os.environ.get("OUT"):
+            name = "grpo_step_profile.json" if args.profile else "grpo_step.json"  # a profile run keeps the timed run's file
+            Path(os.environ["OUT"], name).write_text(json.dumps(report, indent=1))
+
     for mode in args.modes.split(","):
         if mode == "trl":
             if not args.quick:
                 results.append(run_trl(args.trl_script, args.timeout))
+                save()
             continue
         for gpus in gpu_counts:
             results.append(child(mode, args.timeout, args.quick, gpus))
-    report = dict(date=time.strftime("%Y-%m-%d"), modes=results, peak_flops=PEAK_FLOPS, bandwidth=BANDWIDTH)
-    if os.environ.get("OUT"):
-        name = "grpo_step_profile.json" if args.profile else "grpo_step.json"  # a profile run keeps the timed run's file
-        Path(os.environ["OUT"], name).write_text(json.dumps(report, indent=1))
+            save()
     print_table(results)
 
 
