@@ -23,22 +23,18 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridrl.packing import PackedRows
+
 PROMPT, PADDING = 0, -1  # segment ids; response k of a row is segment k (1, 2, ...)
 FLEX_BLOCK = 128  # FlexAttention's default block size
 
 
 @dataclass
-class SharedPromptRows:
-    input_ids: torch.Tensor  # (G, L): one row per prompt group
-    position_ids: torch.Tensor  # (G, L)
-    segments: torch.Tensor  # (G, L): PROMPT, the response's number from 1, or PADDING
-    logit_positions: torch.Tensor  # (N,) flat index into G * L: the position predicting each target
-    targets: torch.Tensor  # (N,) the response tokens, sequence by sequence
-    response_index: torch.Tensor  # (N,) flat index into the (B, R) response grid
+class SharedPromptRows(PackedRows):
+    """`PackedRows` with one row per prompt group: (G, L) ids and position ids restarting at the prompt's
+    length for every response, plus each position's segment."""
 
-    def unpack(self, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-        """Per-target values (N,) back into the padded (B, R) grid, zeros elsewhere (differentiable)."""
-        return values.new_zeros(shape[0] * shape[1]).scatter(0, self.response_index, values).view(shape)
+    segments: torch.Tensor  # (G, L): PROMPT, the response's number from 1, or PADDING
 
 
 def prompt_groups(prompt_ids: list[int]) -> list[list[int]]:
