@@ -229,7 +229,8 @@ class ActorConfig:
     share_prompt_tokens: bool = False
     """The responses to one prompt go through the log-prob and update passes with that prompt once (one row:
     the prompt, then each response, masked so that no response sees another): (P + nR) tokens instead of
-    n(P + R), the same values and gradients. Micro-batches keep a prompt's responses together. Needs an
+    n(P + R), the same values and gradients. Micro-batches keep a prompt's responses together (a prompt whose
+    responses exceed max_tokens_per_micro_batch together gets a micro-batch of its own). Needs an
     attention that takes a mask: model.attn_implementation=flex_attention on GPU (block mask); sdpa/eager
     get a dense mask, which computes every block. Not yet timed on a GPU."""
     optimizer_state_dtype: Literal["float32", "param"] = "float32"

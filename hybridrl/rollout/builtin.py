@@ -291,9 +291,8 @@ class BuiltinBackend:
                          functions=functions, sampler=sampler, graphs=self.use_cuda_graphs and not packed)
         scheduler = Scheduler([i // params.n for i in range(num_sequences)], [len(p) for p in prompts], num_slots)
         results: list[Generation | None] = [None] * num_sequences
-        stats = dict(num_slots=num_slots, decode_steps=0, prefill_waves=0, graphs_captured=0, captures_without_warmup=0,
-                     warmup_s=0.0,
-                     compiled=functions is not EAGER_DECODE, attention=self._attention_name,
+        stats = dict(num_slots=num_slots, decode_steps=0, prefill_waves=0, graphs_captured=0,
+                     captures_without_warmup=0, warmup_s=0.0, compiled=functions is not EAGER_DECODE, attention=self._attention_name,
                      rope_in_attention=isinstance(self.cache, PrefixSharedKVCache) and self.rope_in_attention
                      and rotates_projections(self.cache.attention, weights))
         self._stats = stats
