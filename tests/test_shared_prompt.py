@@ -194,3 +194,31 @@ def test_trainer_step_with_flex_compiled_layers_and_checkpointing_on_cuda(tmp_pa
         params.append(torch.cat([p.detach().flatten() for p in trainer.parts.actor.parameters()]))
         assert (params[-1] - initial).abs().max() > 1e-4  # the update moved the weights
     assert torch.allclose(params[0], params[1], atol=1e-4)
+
+
+def test_compiled_layers_take_block_masks_without_recompiling():
+    """`model.compile` with FlexAttention (forward; CPU has no FlexAttention backward): the values of separate
+    rows, and a new block mask (another grouping, new segments) reuses the compiled layer."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    import torch._dynamo
+
+    from hybridrl.models import compile_layers
+
+    model, _ = tiny_actor()
+    compile_layers(model)
+    ids, mask, positions, response, prompt_ids = grouped_batch()
+    torch._dynamo.utils.counters.clear()
+    model.config._attn_implementation = "flex_attention"
+    results = []
+    # the second grouping is wrong for these rows (row 1 has another prompt); it only brings other segments
+    for grouping in (prompt_ids, [7, 7, 7, 9, 3, 7]):
+        with torch.no_grad():
+            results.append(response_logprobs(model, ids, mask, positions, response,
+                                             prompt_layout=PromptLayout.of(mask, ids.shape[1] - response, grouping))[0])
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    model.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        separate, _ = response_logprobs(model, ids, mask, positions, response, pack=False)
+    assert frames == 1
+    assert torch.allclose(results[0], separate, **TOL)
+    assert not torch.allclose(results[1][1], separate[1])  # the mask did change
