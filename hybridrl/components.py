@@ -144,6 +144,10 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
                               trust_remote_code=m.trust_remote_code, device=device,
                               tokenizer_path=m.tokenizer_path, seed=config.trainer.seed, load_in_4bit=m.load_in_4bit)
     model, tokenizer = actor
+    attention = str(getattr(model.config, "_attn_implementation", ""))
+    if config.actor.share_prompt_tokens and "flash" in attention:  # e.g. model.attn_implementation=auto picked it
+        raise ConfigError(f"actor.share_prompt_tokens needs an attention that takes a mask, and the actor runs "
+                          f"{attention!r}, which takes none; set model.attn_implementation=flex_attention (or sdpa).")
     model.to(device)
     if m.load_in_4bit:  # a model passed in Python (or the benchmark's) is quantized here; a loaded one already is
         quantize_4bit(model)

@@ -222,3 +222,20 @@ def test_compiled_layers_take_block_masks_without_recompiling():
     assert frames == 1
     assert torch.allclose(results[0], separate, **TOL)
     assert not torch.allclose(results[1][1], separate[1])  # the mask did change
+
+
+def test_an_actor_loaded_with_flash_attention_is_refused_before_training(tmp_path):
+    """`model.attn_implementation=auto` picks flash-attention where installed: the trainer stops at set-up with
+    one sentence, not in the first update after a rollout."""
+    from test_trainer import FAST, contains_seven
+
+    from hybridrl.config import ConfigError
+    from hybridrl.data import PromptDataset
+    from hybridrl.trainer import RLTrainer
+
+    actor = tiny_actor()
+    actor.model.config._attn_implementation = "flash_attention_2"
+    dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
+    with pytest.raises(ConfigError, match="set model.attn_implementation=flex_attention"):
+        RLTrainer(actor=actor, reward_fn=contains_seven, dataset=dataset, actor__share_prompt_tokens=True,
+                  **{**FAST, "trainer__output_dir": str(tmp_path)})
