@@ -27,6 +27,7 @@ from hybridrl.qlora import quantize_4bit
 from hybridrl.rewards import RewardComposer, WeightedReward, load_reward_function
 from hybridrl.rollout.base import RolloutBackend
 from hybridrl.rollout.hf import HFBackend
+from hybridrl.shared_prompt import attention_problem
 
 logger = logging.getLogger(__name__)
 
@@ -144,10 +145,8 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
                               trust_remote_code=m.trust_remote_code, device=device,
                               tokenizer_path=m.tokenizer_path, seed=config.trainer.seed, load_in_4bit=m.load_in_4bit)
     model, tokenizer = actor
-    attention = str(getattr(model.config, "_attn_implementation", ""))
-    if config.actor.share_prompt_tokens and "flash" in attention:  # e.g. model.attn_implementation=auto picked it
-        raise ConfigError(f"actor.share_prompt_tokens needs an attention that takes a mask, and the actor runs "
-                          f"{attention!r}, which takes none; set model.attn_implementation=flex_attention (or sdpa).")
+    if config.actor.share_prompt_tokens and (problem := attention_problem(model, device)):
+        raise ConfigError(problem)
     model.to(device)
     if m.load_in_4bit:  # a model passed in Python (or the benchmark's) is quantized here; a loaded one already is
         quantize_4bit(model)

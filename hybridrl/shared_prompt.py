@@ -126,6 +126,21 @@ def uses_flex_attention(model: torch.nn.Module) -> bool:
     return "flex" in str(getattr(getattr(model, "config", None), "_attn_implementation", "sdpa"))
 
 
+def attention_problem(model: torch.nn.Module, device: torch.device) -> str | None:
+    """Why this actor's attention cannot run shared prompts on `device` (one sentence), or None."""
+    implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
+    if "flash" in implementation:  # e.g. model.attn_implementation=auto picked it
+        return (f"actor.share_prompt_tokens needs an attention that takes a mask, and the actor runs {implementation!r}, "
+                "which takes none; set model.attn_implementation=flex_attention (or sdpa).")
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", 0) or 1
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+    if "flex" in implementation and device.type == "cuda" and head_dim < 16:
+        return (f"FlexAttention on CUDA needs attention heads of at least 16 dimensions and this model's have {head_dim}; "
+                "set model.attn_implementation=sdpa for actor.share_prompt_tokens with this model.")
+    return None
+
+
 def attention_mask_for(model: torch.nn.Module, rows: SharedPromptRows):
     """The mask the model's attention implementation takes for these rows (transformers passes a 4-D mask,
     dense or block, through unchanged)."""

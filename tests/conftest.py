@@ -10,8 +10,9 @@ from hybridrl.models import build_tiny_model
 torch.set_num_threads(2)
 
 
-def tiny_actor(family: str = "llama", seed: int = 0):
-    return build_tiny_model(family, seed=seed, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+def tiny_actor(family: str = "llama", seed: int = 0, hidden_size: int = 32):
+    """hidden_size=64 gives heads of 16, the least FlexAttention compiles for on CUDA."""
+    return build_tiny_model(family, seed=seed, hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, **({"head_dim": 8} if family == "qwen3" else {}))
 
 

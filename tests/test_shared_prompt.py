@@ -101,7 +101,7 @@ def test_flex_attention_block_mask_gives_the_same_values():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flex_attention_on_cuda_values_and_gradients():
-    model, _ = tiny_actor()
+    model, _ = tiny_actor(hidden_size=64)
     assert_same(*shared_and_separate(model.cuda(), "flex_attention", device="cuda"))
 
 
@@ -112,6 +112,18 @@ def test_flash_attention_is_refused_with_the_fix():
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="model.attn_implementation=flex_attention"):
         attention_mask_for(model, rows)
+
+
+def test_heads_too_small_for_flex_attention_on_cuda_are_refused_with_the_fix():
+    from hybridrl.shared_prompt import attention_problem
+
+    model, _ = tiny_actor()  # heads of 8
+    model.config._attn_implementation = "flex_attention"
+    assert "at least 16 dimensions" in attention_problem(model, torch.device("cuda"))
+    assert attention_problem(model, torch.device("cpu")) is None  # CPU FlexAttention takes them
+    wider, _ = tiny_actor(hidden_size=64)  # heads of 16
+    wider.config._attn_implementation = "flex_attention"
+    assert attention_problem(wider, torch.device("cuda")) is None
 
 
 def test_regrouping_keeps_a_prompts_rows_together_and_counts_the_prompt_once():
@@ -181,7 +193,7 @@ def test_trainer_step_with_flex_compiled_layers_and_checkpointing_on_cuda(tmp_pa
 
     params = []
     for share in (False, True):
-        actor = tiny_actor()
+        actor = tiny_actor(hidden_size=64)
         initial = torch.cat([p.detach().flatten() for p in actor.model.parameters()]).cuda()
         actor.model.config._attn_implementation = "flex_attention"
         dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
