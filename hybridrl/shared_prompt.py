@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hybridrl.packing import PackedRows
@@ -77,40 +78,42 @@ def pack_shared_prompts(input_ids: torch.Tensor, prompt_width: int, layout: Prom
     groups = prompt_groups(layout.prompt_ids)
     width = max(p_len[rows[0]] + sum(r_len[r] for r in rows) for rows in groups)
     width = -(-width // multiple) * multiple
-    positions = torch.arange(width).repeat(len(groups), 1)  # padding continues the count
-    segments = torch.full((len(groups), width), PADDING, dtype=torch.long)
-    source, destination, logit_positions, target_rows, target_columns = [], [], [], [], []
+    # One piece per prompt and per response: (source offset in the flat batch, destination offset in the
+    # flat rows, length, first position id, segment); then every token's indices at once, with numpy.
+    pieces = []
     for g, rows in enumerate(groups):
-        p, row_start = p_len[rows[0]], g * width
-        source.append(rows[0] * batch_width + torch.arange(prompt_width - p, prompt_width))
-        destination.append(row_start + torch.arange(p))
-        segments[g, :p] = PROMPT
-        start = p
+        p, start = p_len[rows[0]], g * width
+        pieces.append((rows[0] * batch_width + prompt_width - p, start, p, 0, PROMPT))
+        start += p
         for k, row in enumerate(rows, 1):
-            r = r_len[row]
-            steps = torch.arange(r)
-            source.append(row * batch_width + prompt_width + steps)
-            destination.append(row_start + start + steps)
-            positions[g, start:start + r] = p + steps
-            segments[g, start:start + r] = k
-            predicted_at = row_start + start - 1 + steps  # token t is predicted at the position before it,
-            predicted_at[:1] = row_start + p - 1  # which for the first is the prompt's last
-            logit_positions.append(predicted_at)
-            target_rows.append(torch.full((r,), row))
-            target_columns.append(prompt_width + steps)
-            start += r
+            pieces.append((row * batch_width + prompt_width, start, r_len[row], p, k))
+            start += r_len[row]
+    source, destination, length, first_position, segment = np.array(pieces, dtype=np.int64).reshape(-1, 5).T
+    piece = np.repeat(np.arange(len(pieces)), length)
+    step = np.arange(piece.size) - np.repeat(np.cumsum(length) - length, length)  # index within the piece
+    source, destination = source[piece] + step, destination[piece] + step
+    positions = np.tile(np.arange(width), len(groups))  # padding continues the count
+    segments = np.full(len(groups) * width, PADDING, dtype=np.int64)
+    positions[destination], segments[destination] = first_position[piece] + step, segment[piece]
+    response = segment[piece] != PROMPT
+    # token t of a response is predicted at the position before it, its first token at the prompt's last:
+    # position first_position - 1 of its row (the row starts at a multiple of width)
+    predicted_at = destination[response] - 1
+    first = step[response] == 0
+    predicted_at[first] = (destination[response] // width * width + first_position[piece[response]] - 1)[first]
+    target_source = source[response]  # flat index of the response token in the padded batch
 
-    def to_device(parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts).to(device)
+    def to_device(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values).to(device)
 
     ids = torch.full((len(groups) * width,), pad_token_id, dtype=input_ids.dtype, device=device)
     ids[to_device(destination)] = input_ids.flatten()[to_device(source)]
-    target_rows, target_columns = to_device(target_rows), to_device(target_columns)
+    target_rows, target_columns = target_source // batch_width, target_source % batch_width
     return SharedPromptRows(
-        input_ids=ids.view(len(groups), width), position_ids=positions.to(device),
-        segments=segments.to(device), logit_positions=to_device(logit_positions),
-        targets=input_ids[target_rows, target_columns],
-        response_index=target_rows * (batch_width - prompt_width) + target_columns - prompt_width,
+        input_ids=ids.view(len(groups), width), position_ids=to_device(positions).view(len(groups), width),
+        segments=to_device(segments).view(len(groups), width), logit_positions=to_device(predicted_at),
+        targets=input_ids.flatten()[to_device(target_source)],
+        response_index=to_device(target_rows * (batch_width - prompt_width) + target_columns - prompt_width),
     )
 
 

@@ -186,10 +186,13 @@ def test_rows_pad_to_a_multiple_for_flex_attention():
 def test_trainer_step_with_flex_compiled_layers_and_checkpointing_on_cuda(tmp_path):
     """The path grpo_step.py's shared mode takes: FlexAttention block masks through torch.compiled decoder
     layers under gradient checkpointing, one update; parameters as with separate rows (float32, 1e-4)."""
-    from test_trainer import FAST, contains_seven
+    from test_trainer import FAST
 
     from hybridrl.data import PromptDataset
     from hybridrl.trainer import RLTrainer
+
+    def varied(prompts, completions, **columns):  # differs within a group almost surely, so advantages are not 0
+        return [float(sum(map(ord, c)) % 5) for c in completions]
 
     params = []
     for share in (False, True):
@@ -197,7 +200,7 @@ def test_trainer_step_with_flex_compiled_layers_and_checkpointing_on_cuda(tmp_pa
         initial = torch.cat([p.detach().flatten() for p in actor.model.parameters()]).cuda()
         actor.model.config._attn_implementation = "flex_attention"
         dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
-        trainer = RLTrainer(actor=actor, reward_fn=contains_seven, dataset=dataset, **{
+        trainer = RLTrainer(actor=actor, reward_fn=varied, dataset=dataset, **{
             **FAST, "trainer__device": "cuda", "model__dtype": "float32", "trainer__output_dir": str(tmp_path / str(share)),
             "trainer__total_steps": 1, "actor__lr": 1e-3, "actor__max_grad_norm": 0.0, "rollout__max_new_tokens": 6,
             "actor__max_tokens_per_micro_batch": 60, "model__compile": True,
