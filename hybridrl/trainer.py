@@ -26,7 +26,7 @@ from hybridrl.metrics import MetricsLogger
 from hybridrl.models import HFModel, save_hf_model
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.shared_prompt import PromptLayout
-from hybridrl.update import update_actor, update_critic
+from hybridrl.update import shard_by_prompt, update_actor, update_critic
 
 
 class PhaseTimer:
@@ -219,7 +219,8 @@ class RLTrainer:
                 part.input_ids, part.attention_mask, part.position_ids)[:, -part.response_length - 1:-1]),
         }
         setup = self.parts.setup
-        rows = distributed.shard_rows(torch.arange(len(batch)), batch.attention_mask.sum(1), setup)
+        rows = (shard_by_prompt(batch, torch.arange(len(batch)), setup, equal_rows=True) if layout else
+                distributed.shard_rows(torch.arange(len(batch)), batch.attention_mask.sum(1), setup))
         gather_once = not self.config.trainer.fsdp_reshard_every_micro_batch
         for field, job in passes.items():
             setattr(batch, field, None)  # None for old_logp means: the update provides it

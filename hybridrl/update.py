@@ -34,6 +34,30 @@ def mini_batches(batch_size: int, mini_size: int, micro_size: int, epochs: int,
             yield list(mini.split(micro_size))
 
 
+def prompt_units(batch: RolloutBatch, rows: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+    """`rows` grouped by the prompt they answer (positions into `rows`) and each group's tokens with the
+    prompt counted once: what one shared-prompt pass computes for it (`shared_prompt.py`)."""
+    mask = batch.attention_mask[rows.to(batch.attention_mask.device)]
+    lengths = mask.sum(1).tolist()
+    prompt_lengths = mask[:, :mask.shape[1] - batch.response_length].sum(1).tolist()
+    units = prompt_groups(batch.prompt_index[rows.to(batch.prompt_index.device)].tolist())
+    return units, [sum(lengths[i] for i in unit) - (len(unit) - 1) * prompt_lengths[unit[0]] for unit in units]
+
+
+def shard_by_prompt(batch: RolloutBatch, rows: torch.Tensor, setup, equal_rows: bool = False) -> torch.Tensor:
+    """This rank's share of `rows` with each prompt's rows on one rank (balanced by shared-prompt tokens),
+    so no prompt is computed on two ranks. Row sharding (`distributed.shard_rows`) where there are fewer
+    prompts than ranks, or where `equal_rows` (fixed micro-batch counts) and the prompts do not split evenly."""
+    if not setup.is_distributed:
+        return rows
+    units, costs = prompt_units(batch, rows)
+    if len(units) >= setup.world_size:
+        parts = [[i for u in part for i in units[u]] for part in distributed.balanced_partition(costs, setup.world_size)]
+        if not equal_rows or len({len(part) for part in parts}) == 1:
+            return rows[sorted(parts[setup.rank])]
+    return distributed.shard_rows(rows, batch.attention_mask.sum(1), setup)
+
+
 def regroup_by_tokens(batch: RolloutBatch, micros: list[torch.Tensor], max_tokens: int,
                       share_prompts: bool = False) -> list[torch.Tensor]:
     """The mini-batch's micro-batches as given, or (max_tokens > 0) regrouped to at most max_tokens real tokens.
@@ -41,13 +65,10 @@ def regroup_by_tokens(batch: RolloutBatch, micros: list[torch.Tensor], max_token
     if max_tokens <= 0:
         return micros
     mini = torch.cat(micros)
-    mask = batch.attention_mask[mini.to(batch.attention_mask.device)]
-    lengths = mask.sum(1).tolist()
     if not share_prompts:
+        lengths = batch.attention_mask[mini.to(batch.attention_mask.device)].sum(1).tolist()
         return [mini[group] for group in group_by_tokens(lengths, max_tokens)]
-    prompt_lengths = mask[:, :mask.shape[1] - batch.response_length].sum(1).tolist()
-    units = prompt_groups(batch.prompt_index[mini.to(batch.prompt_index.device)].tolist())
-    costs = [sum(lengths[i] for i in unit) - (len(unit) - 1) * prompt_lengths[unit[0]] for unit in units]
+    units, costs = prompt_units(batch, mini)
     return [mini[sorted(i for u in group for i in units[u])] for group in group_by_tokens(costs, max_tokens)]
 
 
@@ -93,7 +114,10 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
                                act.ppo_epochs, generator):
         mini = torch.cat(micros)
         norm = mini_batch_normalizers(batch, mini, batch.response_mask if loss_mask is None else loss_mask)
-        micros = distributed.shard_micro_batches(micros, batch.attention_mask.sum(1), parts.setup)
+        if share_prompts:  # then regrouped by tokens, and the micro-batch counts matched below
+            micros = list(shard_by_prompt(batch, mini, parts.setup).split(len(micros[0])))
+        else:
+            micros = distributed.shard_micro_batches(micros, batch.attention_mask.sum(1), parts.setup)
         micros = regroup_by_tokens(batch, micros, act.max_tokens_per_micro_batch, share_prompts)
         micros = distributed.match_micro_batch_count(micros, parts.setup)
         mini_loss = None

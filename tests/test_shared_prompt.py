@@ -140,6 +140,33 @@ def test_regrouping_keeps_a_prompts_rows_together_and_counts_the_prompt_once():
     assert len(regroup_by_tokens(batch, micros, max_tokens=14)) > 2  # per row, A's rows alone need 27 tokens
 
 
+def test_ranks_get_whole_prompts_balanced_by_shared_tokens():
+    """Data parallelism with shared prompts: each prompt's rows on one rank (else both ranks compute it);
+    row sharding where prompts cannot be dealt out (fewer prompts than ranks, or unequal rows when required)."""
+    from hybridrl.distributed import DistributedSetup
+    from hybridrl.update import shard_by_prompt
+
+    ids, mask, positions, response, prompt_ids = grouped_batch()  # A: rows 0, 2, 5; B: 1, 4; C: 3
+    batch = RolloutBatch(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         response_mask=mask[:, -response:].float(), sampler_logp=torch.zeros(6, response),
+                         truncated=torch.zeros(6, dtype=torch.bool), prompt_index=torch.tensor(prompt_ids))
+    rows = torch.arange(6)
+    shards = [shard_by_prompt(batch, rows, DistributedSetup(rank=rank, world_size=2)).tolist() for rank in (0, 1)]
+    assert sorted(shards[0] + shards[1]) == list(range(6))
+    # prompt counts per rank differ by at most one: B (13 tokens) + C (4) against A (10)
+    assert sorted(map(sorted, shards)) == [[0, 2, 5], [1, 3, 4]]
+    uneven = torch.tensor([0, 2, 5, 1])  # A's 3 rows and B's 1
+    by_rows = [shard_by_prompt(batch, uneven, DistributedSetup(rank=rank, world_size=2), equal_rows=True).tolist()
+               for rank in (0, 1)]
+    assert [len(shard) for shard in by_rows] == [2, 2] and sorted(sum(by_rows, [])) == [0, 1, 2, 5]
+    assert len(shard_by_prompt(batch, uneven, DistributedSetup(rank=0, world_size=2)).tolist()) in (1, 3)
+    first_four = torch.arange(4)  # 3 prompts for 4 ranks: rows are dealt, one each
+    four = [shard_by_prompt(batch, first_four, DistributedSetup(rank=rank, world_size=4)).tolist() for rank in range(4)]
+    assert sorted(sum(four, [])) == [0, 1, 2, 3] and all(len(shard) == 1 for shard in four)
+    one = torch.tensor([4, 0, 3])
+    assert shard_by_prompt(batch, one, DistributedSetup()) is one
+
+
 @pytest.mark.parametrize("extra", [{}, {"actor__reuse_logprobs_on_policy": False, "algorithm__kl_coef": 0.1}])
 def test_training_with_shared_prompts_equals_separate_rows(tmp_path, extra, monkeypatch):
     """Same parameters after one update (float32, lr 1e-3, atol 1e-6), also through the old-policy and
