@@ -167,10 +167,12 @@ def test_ranks_get_whole_prompts_balanced_by_shared_tokens():
     assert shard_by_prompt(batch, one, DistributedSetup()) is one
 
 
-@pytest.mark.parametrize("extra", [{}, {"actor__reuse_logprobs_on_policy": False, "algorithm__kl_coef": 0.1}])
+@pytest.mark.parametrize("extra", [{}, {"actor__reuse_logprobs_on_policy": False, "algorithm__kl_coef": 0.1},
+                                   {"model__lora_rank": 4, "actor__reuse_logprobs_on_policy": False,
+                                    "algorithm__kl_coef": 0.1}])
 def test_training_with_shared_prompts_equals_separate_rows(tmp_path, extra, monkeypatch):
     """Same parameters after one update (float32, lr 1e-3, atol 1e-6), also through the old-policy and
-    reference passes."""
+    reference passes, and with LoRA (whose reference is the actor with its adapter disabled)."""
     from test_trainer import make_trainer
 
     from hybridrl import logprobs
@@ -188,7 +190,7 @@ def test_training_with_shared_prompts_equals_separate_rows(tmp_path, extra, monk
         params.append(torch.cat([p.detach().flatten() for p in trainer.parts.actor.parameters()]))
         assert history[-1]["actor/policy_loss"] == history[-1]["actor/policy_loss"]
     assert not torch.equal(params[0], torch.cat([p.detach().flatten() for p in make_trainer(
-        tmp_path / "fresh", trainer__total_steps=1).parts.actor.parameters()]))  # the update moved the weights
+        tmp_path / "fresh", trainer__total_steps=1, **extra).parts.actor.parameters()]))  # the update moved the weights
     assert torch.allclose(params[0], params[1], atol=1e-6)
     assert len(groups_per_pass) >= (4 if extra else 2) and max(groups_per_pass) <= 0.25  # 4 samples per prompt
 
