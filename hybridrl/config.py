@@ -232,7 +232,8 @@ class ActorConfig:
     n(P + R), the same values and gradients. Micro-batches keep a prompt's responses together (a prompt whose
     responses exceed max_tokens_per_micro_batch together gets a micro-batch of its own). Needs an
     attention that takes a mask: model.attn_implementation=flex_attention on GPU (block mask); sdpa/eager
-    get a dense mask, which computes every block. With several ranks, each prompt's rows go to one rank.
+    get a dense mask, which computes every block. Mini-batches are then drawn as whole prompts, and with
+    several ranks each prompt's rows go to one rank.
     Measured on grpo-0.5b (one H200, flex_attention): update 2.28 -> 1.62-1.67 s, step 3.10 -> 2.37-2.50 s."""
     optimizer_state_dtype: Literal["float32", "param"] = "float32"
     """AdamW moments for bf16/fp16 parameters: float32 (no float32 copy of the weights; the update is applied

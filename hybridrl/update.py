@@ -25,11 +25,17 @@ class TrainingError(RuntimeError):
     """The run cannot continue safely (e.g. a NaN loss); weights were left as they were."""
 
 
-def mini_batches(batch_size: int, mini_size: int, micro_size: int, epochs: int,
-                 generator: torch.Generator) -> Iterator[list[torch.Tensor]]:
-    """For each epoch, a fresh permutation cut into mini-batches, each a list of micro-batch indices."""
+def mini_batches(batch_size: int, mini_size: int, micro_size: int, epochs: int, generator: torch.Generator,
+                 groups: list[list[int]] | None = None) -> Iterator[list[torch.Tensor]]:
+    """For each epoch, a fresh permutation cut into mini-batches, each a list of micro-batch indices.
+    `groups` (the rows of each prompt) are permuted as wholes, so mini-batches hold whole prompts where
+    mini_size allows (as verl's GRPO mini-batches do): shared prompts then save in every mini-batch."""
     for _ in range(epochs):
-        order = torch.randperm(batch_size, generator=generator)
+        if groups is None:
+            order = torch.randperm(batch_size, generator=generator)
+        else:
+            order = torch.tensor([row for g in torch.randperm(len(groups), generator=generator).tolist()
+                                  for row in groups[g]], dtype=torch.long)
         for mini in order.split(mini_size):
             yield list(mini.split(micro_size))
 
@@ -110,8 +116,9 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
     sums: dict[str, torch.Tensor] = {}
     per_mini: dict[str, float] = {}
     count = num_minis = 0
+    groups = prompt_groups(batch.prompt_index.tolist()) if share_prompts else None
     for micros in mini_batches(len(batch), act.mini_batch_size or len(batch), act.micro_batch_size,
-                               act.ppo_epochs, generator):
+                               act.ppo_epochs, generator, groups):
         mini = torch.cat(micros)
         norm = mini_batch_normalizers(batch, mini, batch.response_mask if loss_mask is None else loss_mask)
         if share_prompts:  # then regrouped by tokens, and the micro-batch counts matched below

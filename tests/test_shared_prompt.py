@@ -195,6 +195,37 @@ def test_training_with_shared_prompts_equals_separate_rows(tmp_path, extra, monk
     assert len(groups_per_pass) >= (4 if extra else 2) and max(groups_per_pass) <= 0.25  # 4 samples per prompt
 
 
+def test_mini_batches_hold_whole_prompts_with_shared_prompts():
+    from hybridrl.update import mini_batches
+
+    groups = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    epochs = list(mini_batches(16, 8, 4, 2, torch.Generator().manual_seed(0), groups))
+    assert len(epochs) == 4  # 2 epochs x 2 mini-batches
+    for minis in (epochs[:2], epochs[2:]):
+        rows = [torch.cat(micros).tolist() for micros in minis]
+        assert sorted(sum(rows, [])) == list(range(16))  # every row once per epoch
+        assert all(len(mini) == 8 and len({row // 4 for row in mini}) == 2 for mini in rows)  # 2 whole prompts each
+    orders = {tuple(torch.cat(m).tolist()) for m in epochs}
+    assert len(orders) > 1  # shuffled
+
+
+def test_shared_prompts_with_several_mini_batches_share_every_prompt(tmp_path, monkeypatch):
+    """Two optimizer steps per rollout: each mini-batch holds whole prompts, so each pass sees every prompt's
+    4 samples together (rows dealt at random would leave ~1-2 per prompt and little to share)."""
+    from test_trainer import make_trainer
+
+    from hybridrl import logprobs
+
+    rows_per_prompt = []
+    packer = logprobs.pack_shared_prompts
+    monkeypatch.setattr(logprobs, "pack_shared_prompts", lambda *args, **kwargs: rows_per_prompt.append(
+        len(args[2].prompt_ids) / len(set(args[2].prompt_ids))) or packer(*args, **kwargs))
+    trainer = make_trainer(tmp_path, trainer__total_steps=1, actor__mini_batch_size=16, actor__share_prompt_tokens=True,
+                           rollout__max_new_tokens=6, actor__max_tokens_per_micro_batch=60)
+    trainer.train()
+    assert rows_per_prompt and min(rows_per_prompt) == 4  # FAST: 4 samples per prompt, 8 prompts, 32 rows
+
+
 def test_flash_attention_with_shared_prompts_is_refused_in_the_config():
     from hybridrl.config import ConfigError, load_config
 
