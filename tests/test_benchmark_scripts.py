@@ -22,6 +22,18 @@ def run_script(args: list[str], out_dir: Path, timeout: int = 300) -> str:
     return result.stdout
 
 
+def test_flex_layouts_quick_times_every_layout(tmp_path):
+    stdout = run_script(["benchmarks/flex_layouts.py", "--quick"], tmp_path)
+    results = json.loads((tmp_path / "flex_layouts.json").read_text())["results"]
+    assert {(r["layout"], r["kv"]) for r in results} == {(layout, kv) for layout in ("separate", "shared", "causal")
+                                                         for kv in ("gqa", "repeat")}
+    pairs = {r["layout"]: r["visible_pairs"] for r in results}
+    # 2 prompts x 2 samples, P = R = 8: separate rows 4 x 16*17/2; shared 2 x (8*9/2 + 2 (8*8 + 8*9/2)) + padding
+    assert pairs["separate"] == pairs["causal"] == 4 * 136
+    assert pairs["shared"] == 2 * (36 + 2 * (64 + 36)) + 2 * (128 - 24) * (128 - 24 + 1) // 2  # padding sees padding
+    assert "fwd floor" in stdout
+
+
 @pytest.mark.slow
 def test_grpo_step_quick_runs_and_writes_its_table(tmp_path):
     """The recommended mode (compiled layers, offloaded moments, fused projections) for two steps."""
