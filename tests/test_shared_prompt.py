@@ -7,7 +7,8 @@ import torch
 from conftest import tiny_actor, toy_prompts
 from hybridrl.batch import RolloutBatch
 from hybridrl.logprobs import response_logprobs
-from hybridrl.shared_prompt import PADDING, PROMPT, PromptLayout, attention_mask_for, pack_shared_prompts
+from hybridrl.shared_prompt import (GROUP_STRIDE, PADDING, PROMPT, PromptLayout, attention_mask_for, pack_shared_prompts,
+                                    visible)
 
 TOL = dict(atol=2e-5, rtol=1e-5)
 
@@ -54,7 +55,7 @@ def test_visibility_rules():
     assert dense[6].tolist() == [True] * 7 + [False] * 6
     assert dense[2].tolist() == [True] * 3 + [False] * 10
     group_c = attention_mask_for(model, rows)[2, 0]  # prompt 0, response at 1-3, padding from 4
-    assert group_c[-1, 4:].all() and not group_c[-1, :4].any()  # a padding query sees only padding
+    assert group_c[-1, -1] and not group_c[-1, :-1].any()  # a padding query sees itself only
 
 
 def shared_and_separate(model, implementation: str, device: str = "cpu", gradients: bool = True):
@@ -233,12 +234,29 @@ def test_flash_attention_with_shared_prompts_is_refused_in_the_config():
         load_config(None, ["actor.share_prompt_tokens=true", "model.attn_implementation=flash_attention_2"])
 
 
-def test_rows_pad_to_a_multiple_for_flex_attention():
+def test_rows_pad_to_a_multiple_and_short_groups_share_a_row():
+    """Rows 16 wide (13 rounded up to 8s): A (10 tokens) then C (4) in row 0, B (13) in row 1."""
     ids, mask, _, response, prompt_ids = grouped_batch()
     rows = pack_shared_prompts(ids, ids.shape[1] - response, PromptLayout.of(mask, ids.shape[1] - response, prompt_ids),
                                multiple=8)
-    assert rows.input_ids.shape == (3, 16) and (rows.segments[:, 13:] == PADDING).all()
+    second = GROUP_STRIDE  # the second group of a row
+    assert rows.input_ids.shape == (2, 16)
+    assert rows.segments[0].tolist() == [PROMPT] * 4 + [1] * 5 + [3] + [second] + [second + 1] * 3 + [PADDING] * 2
+    assert rows.position_ids[0].tolist()[10:] == [0, 1, 2, 3, 14, 15]  # C's prompt and response, then padding
+    assert rows.segments[1].tolist() == [PROMPT] * 6 + [1] * 2 + [2] * 5 + [PADDING] * 3
     assert rows.position_ids[1].tolist()[13:] == [13, 14, 15]
+    dense = visible(rows.segments[0][:, None], rows.segments[0][None, :], torch.arange(16)[:, None], torch.arange(16)[None, :])
+    assert dense[12].tolist() == [False] * 10 + [True, True, True] + [False] * 3  # C's response: C's prompt, itself
+    assert dense[10].tolist() == [False] * 10 + [True] + [False] * 5  # C's prompt sees nothing of A
+
+
+def test_groups_sharing_a_row_give_the_values_and_gradients_of_separate_rows(monkeypatch):
+    from hybridrl import logprobs
+
+    packer = logprobs.pack_shared_prompts
+    monkeypatch.setattr(logprobs, "pack_shared_prompts", lambda *args, **kwargs: packer(*args, **{**kwargs, "multiple": 8}))
+    model, _ = tiny_actor()
+    assert_same(*shared_and_separate(model, "sdpa"))
 
 
 @pytest.mark.gpu
