@@ -41,6 +41,8 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
   1.8 GiB for 64 prompts x 8 x 512 tokens).
 - `grpo-0.5b-nockpt`: compiled, no gradient checkpointing, 4k-token micro-batches.
 - `1.5b-full`: Qwen2.5-1.5B shape, full-parameter, optimizer state offloaded, 3 GiB KV cache.
+- `1.5b-full-shared`: the same, compiled, with flex attention and shared prompts (its peak against the 20 GiB
+  bar of a 24 GB card; not yet run on a GPU).
 - `7b-lora`: Qwen2.5-7B shape (untied head), LoRA rank 16 on all linear layers, built-in engine applying
   the adapter in place, 16 prompts x 4 to keep the run short.
 - `7b-qlora`: `7b-lora` with the base's linear layers in 4-bit NF4 (`model.load_in_4bit`, needs bitsandbytes),
@@ -132,6 +134,8 @@ MODES = {
     "grpo-0.5b-nockpt": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=2.0, max_tokens=4096,
                              settings=dict(model__compile=True, model__gradient_checkpointing=False)),
     "1.5b-full": dict(shape="1.5b", prompts=64, n=8, steps=2, kv_gib=3.0, max_tokens=16384, offload=True),
+    "1.5b-full-shared": dict(shape="1.5b", prompts=64, n=8, steps=3, kv_gib=3.0, max_tokens=16384, offload=True,
+                             attn="flex_attention", settings=dict(model__compile=True, actor__share_prompt_tokens=True)),
     "7b-full": dict(shape="7b", prompts=64, n=8, steps=3, kv_gib=8.0, max_tokens=16384, offload=False,
                     settings=dict(model__compile=True, rollout__fuse_qkv=True)),  # issue 7: 8 GPUs (FSDP2)
     "7b-lora": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16),
