@@ -27,7 +27,7 @@ from hybridrl.qlora import quantize_4bit
 from hybridrl.rewards import RewardComposer, WeightedReward, load_reward_function
 from hybridrl.rollout.base import RolloutBackend
 from hybridrl.rollout.hf import HFBackend
-from hybridrl.shared_prompt import attention_problem
+from hybridrl.shared_prompt import attention_problem, uses_flex_attention
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,10 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
     model, tokenizer = actor
     if config.actor.share_prompt_tokens and (problem := attention_problem(model, device)):
         raise ConfigError(problem)
+    if config.actor.share_prompt_tokens and device.type == "cuda" and not uses_flex_attention(model):
+        logger.warning("actor.share_prompt_tokens with %s attention builds a dense mask and computes every block of "
+                       "the long shared rows; model.attn_implementation=flex_attention skips them (docs/training.md)",
+                       getattr(model.config, "_attn_implementation", "?"))
     if device.type == "cuda" and config.rollout.num_samples_per_prompt >= 4 and not config.actor.share_prompt_tokens:
         logger.info("tip: actor.share_prompt_tokens=true with model.attn_implementation=flex_attention trains each "
                     "prompt once for its %d samples (grpo-0.5b on an H200: step 3.10 -> 2.37-2.50 s; docs/training.md)",

@@ -31,6 +31,7 @@ from hybridrl.packing import PackedRows
 PROMPT, PADDING = 0, -1  # segment ids within a group; response k of a group is segment k (1, 2, ...)
 GROUP_STRIDE = 1 << 16  # a row's j-th group has segments j * GROUP_STRIDE + (PROMPT, 1, 2, ...)
 FLEX_BLOCK = 128  # FlexAttention's default block size
+DENSE_MASK_LIMIT = 1 << 30  # mask elements (rows x L x L) sdpa/eager may get; beyond, flex_attention is the way
 
 
 @dataclass
@@ -173,6 +174,10 @@ def attention_mask_for(model: torch.nn.Module, rows: SharedPromptRows):
     if "flash" in implementation:
         raise ValueError(f"actor.share_prompt_tokens needs a masked attention; attn_implementation={implementation!r} "
                          "takes none. Use model.attn_implementation=flex_attention (or sdpa).")
+    if num_rows * length * length > DENSE_MASK_LIMIT:
+        raise ValueError(f"actor.share_prompt_tokens: {num_rows} rows of {length} tokens need a dense "
+                         f"{num_rows}x{length}x{length} attention mask under {implementation!r}; set "
+                         "model.attn_implementation=flex_attention (a block mask) or lower actor.max_tokens_per_micro_batch.")
     index = torch.arange(length, device=segments.device)
     dense = visible(segments[:, :, None], segments[:, None, :], index[:, None], index[None, :])[:, None]
     if implementation == "eager":  # eager adds the mask to the scores

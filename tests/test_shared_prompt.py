@@ -115,6 +115,19 @@ def test_flash_attention_is_refused_with_the_fix():
         attention_mask_for(model, rows)
 
 
+def test_an_oversized_dense_mask_is_refused_with_the_fix(monkeypatch):
+    from hybridrl import shared_prompt
+
+    ids, mask, _, response, prompt_ids = grouped_batch()
+    rows = pack_shared_prompts(ids, ids.shape[1] - response, PromptLayout.of(mask, ids.shape[1] - response, prompt_ids))
+    model, _ = tiny_actor()
+    monkeypatch.setattr(shared_prompt, "DENSE_MASK_LIMIT", 3 * 13 * 13 - 1)  # one element short of these rows
+    with pytest.raises(ValueError, match="set model.attn_implementation=flex_attention"):
+        attention_mask_for(model, rows)
+    monkeypatch.setattr(shared_prompt, "DENSE_MASK_LIMIT", 3 * 13 * 13)
+    assert attention_mask_for(model, rows).shape == (3, 1, 13, 13)
+
+
 def test_heads_too_small_for_flex_attention_on_cuda_are_refused_with_the_fix():
     from hybridrl.shared_prompt import attention_problem
 
