@@ -104,8 +104,10 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
                loss_name: str, check_loss, loss_mask: torch.Tensor | None = None,
                share_prompts: bool = False) -> dict[str, float]:
     """Shuffled mini-batches (one optimizer step each) over `ppo_epochs`, gradients accumulated over
-    micro-batches. `micro_loss(part, norm, rows) -> (loss, stats)`; returns stats averaged over micro-batches,
-    and the loss and gradient norm summed within a mini-batch and averaged over mini-batches.
+    micro-batches. `micro_loss(part, norm, rows) -> (loss, stats)` with stats that are means over the loss's
+    tokens; returns them averaged over every rank's loss tokens (so they do not depend on how the batch was
+    cut into micro-batches or ranks), and the loss and gradient norm summed within a mini-batch and averaged
+    over mini-batches.
 
     Nothing here waits for the device inside a mini-batch: losses and stats are summed as tensors and
     `check_loss(mini-batch loss)` (which raises on NaN/inf) runs once, before the optimizer step, so a
@@ -113,14 +115,16 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
     act = config.actor
     params = [p for p in model.parameters() if p.requires_grad]
     gather_once = not config.trainer.fsdp_reshard_every_micro_batch
-    sums: dict[str, torch.Tensor] = {}
+    sums: dict[str, torch.Tensor] = {}  # stat * loss tokens, summed over micro-batches
     per_mini: dict[str, float] = {}
-    count = num_minis = 0
+    num_minis = 0
+    token_mask = batch.response_mask if loss_mask is None else loss_mask
+    tokens = torch.zeros((), dtype=torch.float32, device=token_mask.device)
     groups = prompt_groups(batch.prompt_index.tolist()) if share_prompts else None
     for micros in mini_batches(len(batch), act.mini_batch_size or len(batch), act.micro_batch_size,
                                act.ppo_epochs, generator, groups):
         mini = torch.cat(micros)
-        norm = mini_batch_normalizers(batch, mini, batch.response_mask if loss_mask is None else loss_mask)
+        norm = mini_batch_normalizers(batch, mini, token_mask)
         if share_prompts:  # then regrouped by tokens, and the micro-batch counts matched below
             micros = list(shard_by_prompt(batch, mini, parts.setup).split(len(micros[0])))
         else:
@@ -135,15 +139,17 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
                 loss.backward()
                 loss_value = loss.detach().float()
                 mini_loss = loss_value if mini_loss is None else mini_loss + loss_value.to(mini_loss.device)
+                weight = token_mask[micro.to(token_mask.device)].sum().float()
+                tokens = tokens + weight
                 for key, value in stats.items():
-                    value = torch.as_tensor(value, dtype=torch.float32).detach()
-                    sums[key] = sums[key] + value.to(sums[key].device) if key in sums else value
-                count += 1
+                    value = torch.as_tensor(value, dtype=torch.float32, device=tokens.device).detach() * weight
+                    sums[key] = sums[key] + value if key in sums else value
         check_loss(mini_loss)
         per_mini[loss_name] = per_mini.get(loss_name, 0.0) + mini_loss.item()
         per_mini["grad_norm"] = per_mini.get("grad_norm", 0.0) + clip_and_step(params, optimizer, max_grad_norm)
         num_minis += 1
-    return {**{key: value.item() / count for key, value in sums.items()},
+    totals = distributed.all_reduce(torch.stack([*sums.values(), tokens]), parts.setup).tolist()
+    return {**{key: total / max(totals[-1], 1e-8) for key, total in zip(sums, totals)},
             **{key: value / num_minis for key, value in per_mini.items()}}
 
 

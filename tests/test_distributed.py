@@ -353,6 +353,25 @@ def test_cli_trains_with_two_processes(tmp_path):
     assert (out / "model" / "model.safetensors").is_file()
 
 
+@pytest.mark.skipif(not _wired(), reason="trainer.num_gpus is not wired into config/components/trainer yet")
+def test_shared_prompts_on_two_processes_match_separate_rows(tmp_path):
+    """`actor.share_prompt_tokens` with 2 processes (each prompt's rows on one rank, in the update and in the
+    old-policy and reference passes): the losses and gradient norms of the same run without sharing (float32)."""
+    import json
+
+    metrics = []
+    for share in ("false", "true"):
+        out = tmp_path / f"share_{share}"
+        _train(tmp_path, [*_cli_overrides(tmp_path, out, steps=2, num_gpus=2), "model.dtype=float32",
+                          "trainer.save_every=0", f"actor.share_prompt_tokens={share}", "algorithm.kl_coef=0.05",
+                          "actor.reuse_logprobs_on_policy=false", "actor.max_tokens_per_micro_batch=64"])
+        metrics.append([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
+    assert any(row["actor/grad_norm"] > 0 for row in metrics[0])
+    for separate, shared in zip(*metrics):
+        for key in ("actor/policy_loss", "actor/grad_norm", "actor/kl"):
+            assert shared[key] == pytest.approx(separate[key], rel=1e-4, abs=1e-7), key
+
+
 def _cli_overrides(tmp_path, out, steps: int, num_gpus: int) -> list[str]:
     import json
 

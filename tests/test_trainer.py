@@ -122,14 +122,18 @@ def test_same_seed_same_numbers(tmp_path):
 
 
 def test_micro_batches_match_one_batch(tmp_path):
-    """Gradient accumulation over micro-batches gives the same update as one big batch."""
-    params = []
+    """Gradient accumulation over micro-batches gives the same update as one big batch, and the same logged
+    token means (entropy, KL, clip fraction: weighted by each micro-batch's tokens, not averaged per micro-batch)."""
+    params, logged = [], []
     for micro in (32, 4):
-        trainer = make_trainer(tmp_path / str(micro), trainer__total_steps=1, actor__lr=1e-3,
+        trainer = make_trainer(tmp_path / str(micro), trainer__total_steps=2, actor__lr=1e-3, algorithm__kl_coef=0.1,
                                actor__micro_batch_size=micro, actor__max_grad_norm=0.0)
-        trainer.train()
+        logged.append(trainer.train())
         params.append(torch.cat([p.detach().flatten() for p in trainer.parts.actor.parameters()]))
     assert torch.allclose(params[0], params[1], atol=1e-6)
+    assert logged[0][-1]["actor/kl"] > 0
+    for key in ("actor/entropy", "actor/kl", "actor/clipfrac", "actor/approx_kl"):
+        assert logged[1][-1][key] == pytest.approx(logged[0][-1][key], rel=1e-4, abs=1e-7), key
 
 
 def test_eval_runs_before_and_after(tmp_path):
