@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hybridrl.config import ConfigError
 from hybridrl.packing import PackedRows
 
 PROMPT, PADDING = 0, -1  # segment ids within a group; response k of a group is segment k (1, 2, ...)
@@ -172,10 +173,10 @@ def attention_mask_for(model: torch.nn.Module, rows: SharedPromptRows):
 
         return create_block_mask(mask_mod, B=num_rows, H=None, Q_LEN=length, KV_LEN=length, device=segments.device)
     if "flash" in implementation:
-        raise ValueError(f"actor.share_prompt_tokens needs a masked attention; attn_implementation={implementation!r} "
+        raise ConfigError(f"actor.share_prompt_tokens needs a masked attention; attn_implementation={implementation!r} "
                          "takes none. Use model.attn_implementation=flex_attention (or sdpa).")
     if num_rows * length * length > DENSE_MASK_LIMIT:
-        raise ValueError(f"actor.share_prompt_tokens: {num_rows} rows of {length} tokens need a dense "
+        raise ConfigError(f"actor.share_prompt_tokens: {num_rows} rows of {length} tokens need a dense "
                          f"{num_rows}x{length}x{length} attention mask under {implementation!r}; set "
                          "model.attn_implementation=flex_attention (a block mask) or lower actor.max_tokens_per_micro_batch.")
     index = torch.arange(length, device=segments.device)

@@ -121,8 +121,10 @@ def test_an_oversized_dense_mask_is_refused_with_the_fix(monkeypatch):
     ids, mask, _, response, prompt_ids = grouped_batch()
     rows = pack_shared_prompts(ids, ids.shape[1] - response, PromptLayout.of(mask, ids.shape[1] - response, prompt_ids))
     model, _ = tiny_actor()
+    from hybridrl.config import ConfigError
+
     monkeypatch.setattr(shared_prompt, "DENSE_MASK_LIMIT", 3 * 13 * 13 - 1)  # one element short of these rows
-    with pytest.raises(ValueError, match="set model.attn_implementation=flex_attention"):
+    with pytest.raises(ConfigError, match="set model.attn_implementation=flex_attention"):  # a CLI user error
         attention_mask_for(model, rows)
     monkeypatch.setattr(shared_prompt, "DENSE_MASK_LIMIT", 3 * 13 * 13)
     assert attention_mask_for(model, rows).shape == (3, 1, 13, 13)
