@@ -19,6 +19,13 @@ time of building the block mask.
 
     python benchmarks/flex_layouts.py                      # grpo-0.5b's micro-batch: 14 prompts x 8, P = R = 256
     python benchmarks/flex_layouts.py --quick              # CPU, tiny shapes, forward only, not compiled
+    python benchmarks/flex_layouts.py --sweep              # + kernel options at the shared layout, SDPA beside
+
+`--sweep` then times the shared layout (K/V repeated, as transformers runs Qwen2) under FlexAttention kernel
+options (tile sizes, warps and stages of the forward and the backward, TMA, the safe-rows and pre-scaled QK
+flags) and under `mode="max-autotune-no-cudagraphs"` (inductor's own search; its tables go to stderr), with
+SDPA's causal kernel on the separate layout as the peer: 2026-11-30's first call measured FlexAttention at
+62-79 TFLOP/s, a sixth of what this head size allows.
 """
 
 from __future__ import annotations
@@ -32,7 +39,26 @@ from types import SimpleNamespace
 
 import torch
 
-from hybridrl.shared_prompt import PromptLayout, attention_mask_for, pack_shared_prompts, visible
+from hybridrl.shared_prompt import TUNED_FLEX_TILES, PromptLayout, attention_mask_for, pack_shared_prompts, visible
+
+SWEEP = {  # name: FlexAttention kernel_options ("fwd_"/"bwd_" prefixes reach only that pass)
+    "default": {},
+    "tuned (trainer)": TUNED_FLEX_TILES[(9, 0), 64],
+    "safe+prescale": dict(ROWS_GUARANTEED_SAFE=True, PRESCALE_QK=True),
+    "tma": dict(USE_TMA=True),
+    "fwd 128x64 w4 s3": dict(fwd_BLOCK_M=128, fwd_BLOCK_N=64, fwd_num_warps=4, fwd_num_stages=3),
+    "fwd 128x128 w8 s2": dict(fwd_BLOCK_M=128, fwd_BLOCK_N=128, fwd_num_warps=8, fwd_num_stages=2),
+    "fwd 64x128 w4 s3": dict(fwd_BLOCK_M=64, fwd_BLOCK_N=128, fwd_num_warps=4, fwd_num_stages=3),
+    "fwd 64x64 w4 s3": dict(fwd_BLOCK_M=64, fwd_BLOCK_N=64, fwd_num_warps=4, fwd_num_stages=3),
+    "bwd 32x64 w4 s3": dict(bwd_BLOCK_M1=32, bwd_BLOCK_N1=64, bwd_BLOCK_M2=64, bwd_BLOCK_N2=32,
+                            bwd_num_warps=4, bwd_num_stages=3),
+    "bwd 64x64 w4 s3": dict(bwd_BLOCK_M1=64, bwd_BLOCK_N1=64, bwd_BLOCK_M2=64, bwd_BLOCK_N2=64,
+                            bwd_num_warps=4, bwd_num_stages=3),
+    "bwd 64x128 w4 s3": dict(bwd_BLOCK_M1=64, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=64,
+                             bwd_num_warps=4, bwd_num_stages=3),
+    "bwd 32x128 w4 s3": dict(bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32,
+                             bwd_num_warps=4, bwd_num_stages=3),
+}
 
 PEAK_FLOPS = 989e12
 """Dense bf16 peak of an H100/H200 SXM (tensor cores, no sparsity): the floor's denominator."""
@@ -96,6 +122,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="CPU, tiny shapes, forward only, eager")
+    parser.add_argument("--sweep", action="store_true", help="then kernel options at the shared layout (GPU)")
     args = parser.parse_args()
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -105,8 +132,10 @@ def main() -> None:
     device = "cpu" if args.quick else "cuda"
     dtype = torch.float32 if args.quick else torch.bfloat16
     attend = flex_attention if args.quick else torch.compile(flex_attention, dynamic=False)
+    torch._dynamo.config.recompile_limit = 64  # one compile per layout, K/V form and grad mode (the causal row hit 8)
     results = []
-    for name, (segments, mask, mask_ms) in layouts(args.prompts, args.n, args.prompt_len, args.response_len, device).items():
+    built = layouts(args.prompts, args.n, args.prompt_len, args.response_len, device)
+    for name, (segments, mask, mask_ms) in built.items():
         rows, length = segments.shape
         pairs = visible_pairs(segments)
         flops = 4 * pairs * args.heads * args.head_dim  # QK^T and PV, 2 FLOPs per multiply-add
@@ -140,8 +169,50 @@ def main() -> None:
               f"{r['training_floor_ms']:>7.3f} {r['mask_ms']:>8.2f}")
     print(f"floor: visible pairs x {args.heads} heads x {args.head_dim} x 4 FLOPs at {PEAK_FLOPS / 1e12:.0f} TFLOP/s "
           "(forward; forward + backward counts 3.5x: the backward recomputes QK^T and does 4 more matmuls)")
+    swept = sweep(args, built) if args.sweep and not args.quick else []
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "flex_layouts.json").write_text(json.dumps(dict(args=vars(args), results=results), indent=1))
+        Path(os.environ["OUT"], "flex_layouts.json").write_text(
+            json.dumps(dict(args=vars(args), results=results, sweep=swept), indent=1))
+
+
+def sweep(args, built: dict) -> list[dict]:
+    """Forward and forward + backward ms of the shared layout per kernel option set, then SDPA's causal kernel on
+    the separate rows; each printed as it finishes (a compile that fails costs one line, not the table)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    segments, mask, _ = built["shared"]
+    rows, length = segments.shape
+    shape = (rows, args.heads, length, args.head_dim)
+    rows_out = []
+    print(f"\nkernel options, shared layout {rows} x {length}, K/V repeated to {args.heads} heads")
+    print(f"{'options':20} {'fwd ms':>8} {'fwd+bwd ms':>10}")
+    variants = [(name, options, torch.compile(flex_attention, dynamic=False)) for name, options in SWEEP.items()]
+    variants.append(("max-autotune", {}, torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")))
+    for name, options, attend in variants:
+        torch._dynamo.reset()
+        try:
+            q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            forward_ms = timed(lambda: attend(q, k, v, block_mask=mask, kernel_options=options), args.repeats, "cuda")
+            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+            grad = torch.randn_like(qg)
+            both_ms = timed(lambda: attend(qg, kg, vg, block_mask=mask, kernel_options=options).backward(grad),
+                            args.repeats, "cuda")
+        except Exception as error:  # noqa: BLE001 - one option set failing to compile is a result too
+            print(f"{name:20} failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+            continue
+        rows_out.append(dict(options=name, kernel_options=options, forward_ms=forward_ms, forward_backward_ms=both_ms))
+        print(f"{name:20} {forward_ms:>8.3f} {both_ms:>10.3f}", flush=True)
+    separate = built["separate"][0]
+    shape = (separate.shape[0], args.heads, separate.shape[1], args.head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    forward_ms = timed(lambda: sdpa(q, k, v, is_causal=True), args.repeats, "cuda")
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    grad = torch.randn_like(qg)
+    both_ms = timed(lambda: sdpa(qg, kg, vg, is_causal=True).backward(grad), args.repeats, "cuda")
+    rows_out.append(dict(options="sdpa causal, separate rows", forward_ms=forward_ms, forward_backward_ms=both_ms))
+    print(f"{'sdpa (separate rows)':20} {forward_ms:>8.3f} {both_ms:>10.3f}   ({shape[0]} x {shape[2]}, is_causal)")
+    return rows_out
 
 
 if __name__ == "__main__":

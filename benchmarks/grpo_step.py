@@ -28,7 +28,9 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
   tokens computed instead of 262k. Its update MFU counts the tokens computed, not the 262k they stand for.
 - `grpo-0.5b-fused-shared-offload60`: the shared mode with 40% of the AdamW moments resident on the GPU (fewer
   PCIe bytes in the optimizer step, a larger share of the shorter update; ~+1.6 GiB, still under half of TRL's
-  peak; not yet run on a GPU).
+  peak): 2.22 s vs 2.28 s in one run (2026-11-30), within the noise.
+- `grpo-0.5b-fused-shared-torchtiles`: the shared mode with torch's default FlexAttention tiles instead of
+  `shared_prompt.TUNED_FLEX_TILES` (what the shared mode ran before they were tuned).
 - `grpo-0.5b-fused-flex`: `grpo-0.5b-fused` with the model's attention set to flex_attention and one row per
   sequence, to separate what the attention kernel changes from what sharing saves.
 - `grpo-0.5b-fused-keepcache`: `grpo-0.5b-fused` without `torch.cuda.empty_cache` at the phase switches
@@ -45,7 +47,7 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
 - `grpo-0.5b-nockpt`: compiled, no gradient checkpointing, 4k-token micro-batches.
 - `1.5b-full`: Qwen2.5-1.5B shape, full-parameter, optimizer state offloaded, 3 GiB KV cache.
 - `1.5b-full-shared`: the same, compiled, with flex attention and shared prompts (its peak against the 20 GiB
-  bar of a 24 GB card; not yet run on a GPU).
+  bar of a 24 GB card: 9.12 GiB, 5.93 s per step on one H200, 2026-11-30).
 - `7b-lora`: Qwen2.5-7B shape (untied head), LoRA rank 16 on all linear layers, built-in engine applying
   the adapter in place, 16 prompts x 4 to keep the run short.
 - `7b-qlora`: `7b-lora` with the base's linear layers in 4-bit NF4 (`model.load_in_4bit`, needs bitsandbytes),
@@ -121,6 +123,10 @@ MODES = {
                                              settings=dict(model__compile=True, rollout__fuse_gate_up=True,
                                                            actor__share_prompt_tokens=True,
                                                            actor__optimizer_offload_fraction=0.6)),
+    "grpo-0.5b-fused-shared-torchtiles": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
+                                              offload=True, attn="flex_attention", torch_flex_tiles=True,
+                                              settings=dict(model__compile=True, rollout__fuse_gate_up=True,
+                                                            actor__share_prompt_tokens=True)),
     "grpo-0.5b-fused-flex": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
                                  attn="flex_attention", settings=dict(model__compile=True, rollout__fuse_gate_up=True)),
     "grpo-0.5b-fused-keepcache": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
@@ -186,10 +192,12 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
     if world > 1 and device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # build the model on this rank's GPU
 
-    from hybridrl import PromptDataset
+    from hybridrl import PromptDataset, shared_prompt
     from hybridrl.models import HFModel
     from hybridrl.trainer import RLTrainer
 
+    if spec.get("torch_flex_tiles"):  # this process only: FlexAttention with torch's own tiles, for the comparison
+        shared_prompt.TUNED_FLEX_TILES.clear()
     shape = SHAPES[spec["shape"]]
     config = Qwen2Config(**shape, max_position_embeddings=4096, eos_token_id=0, pad_token_id=1, bos_token_id=None)
     torch.manual_seed(0)

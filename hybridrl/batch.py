@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
+from hybridrl.packing import host_to_device
 from hybridrl.rollout.base import Generation
 
 
@@ -42,11 +43,13 @@ class RolloutBatch:
 
     def select(self, index: torch.Tensor) -> "RolloutBatch":
         """Rows `index` of every tensor field (mini- and micro-batches)."""
-        values = {}
+        values, moved = {}, {}  # the index copied once per device, not once per field
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
-                value = value[index.to(value.device)]
+                if value.device not in moved:
+                    moved[value.device] = host_to_device(index, value.device)
+                value = value[moved[value.device]]
             elif f.name == "texts" and value:
                 value = [value[i] for i in index.tolist()]
             values[f.name] = value

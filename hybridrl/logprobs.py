@@ -29,8 +29,8 @@ from torch import nn
 
 from hybridrl.fused_head import reference_softmax_stats, softmax_grad_, softmax_stats
 from hybridrl.packing import pack_rows, row_capacity_for
-from hybridrl.shared_prompt import (FLEX_BLOCK, PromptLayout, attention_mask_for, pack_shared_prompts,
-                                    uses_flex_attention)
+from hybridrl.shared_prompt import (FLEX_BLOCK, PromptLayout, attention_mask_for, flex_kernel_options,
+                                    pack_shared_prompts, uses_flex_attention)
 
 CHUNK_ELEMENTS = 64 * 2**20
 """Logit elements per chunk: 64 Mi values (128 MiB in bf16; ~440 positions for a 152k vocabulary). The
@@ -118,25 +118,26 @@ def plain_head(model: nn.Module) -> nn.Linear | None:
     return head
 
 
-def _hidden_states(model: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
+def _hidden_states(model: nn.Module, input_ids, attention_mask, position_ids, **attention_options) -> torch.Tensor:
     # Under FSDP2, `distributed.parallelize` registers this call as a forward of the root module, so the
     # embeddings, final norm and head are gathered for it (they live in the root, not in a layer).
     sharded_forward = getattr(model, "fsdp_hidden_states", None)
     if sharded_forward is not None:
-        return sharded_forward(input_ids, attention_mask, position_ids)
-    return decoder_hidden_states(model, input_ids, attention_mask, position_ids)
+        return sharded_forward(input_ids, attention_mask, position_ids, **attention_options)
+    return decoder_hidden_states(model, input_ids, attention_mask, position_ids, **attention_options)
 
 
-def decoder_hidden_states(model: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
-    """Last hidden states of a causal LM's decoder: (B, L, H)."""
+def decoder_hidden_states(model: nn.Module, input_ids, attention_mask, position_ids, **attention_options) -> torch.Tensor:
+    """Last hidden states of a causal LM's decoder: (B, L, H). `attention_options` (e.g. FlexAttention's
+    `kernel_options`) reach the attention function through transformers' keyword arguments."""
     return model.get_decoder()(input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state
+                               use_cache=False, **attention_options).last_hidden_state
 
 
-def _fallback_logprobs(model, input_ids, attention_mask, position_ids, positions, targets, scale):
+def _fallback_logprobs(model, input_ids, attention_mask, position_ids, positions, targets, scale, **attention_options):
     """Models with a non-plain head: their own forward, then the same float32 reduction (logits do exist)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits
+                   use_cache=False, **attention_options).logits
     picked = logits.flatten(0, 1)[positions]  # (N, V)
     logp, entropy, _ = reference_softmax_stats(picked, targets, scale)
     return logp, entropy
@@ -172,7 +173,9 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
                                      multiple=FLEX_BLOCK if uses_flex_attention(model) else 1)
         inputs = (packed.input_ids, attention_mask_for(model, packed), packed.position_ids)
         positions, targets, pack = packed.logit_positions, packed.targets, True
+        attention_options = flex_kernel_options(model, input_ids.device)
     else:
+        attention_options = {}
         if real_tokens is None:
             real_tokens = int(attention_mask.sum().item())
         if pack is None:
@@ -192,9 +195,9 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     with context:
         head = plain_head(model)
         if head is None:
-            logp, entropy = _fallback_logprobs(model, *inputs, positions, targets, scale)
+            logp, entropy = _fallback_logprobs(model, *inputs, positions, targets, scale, **attention_options)
         else:
-            hidden = _hidden_states(model, *inputs)
+            hidden = _hidden_states(model, *inputs, **attention_options)
             logp, entropy = token_logprobs(hidden.flatten(0, 1)[positions], head, targets, temperature, chunk_tokens,
                                            with_entropy)
     if pack:

@@ -61,6 +61,16 @@ class PackedRows:
         return values.new_zeros(shape[0] * shape[1]).scatter(0, self.response_index, values).view(shape)
 
 
+def host_to_device(values: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor (indices, layouts) on `device` without waiting for the device: through pinned memory,
+    non-blocking. A plain `.to("cuda")` from pageable memory synchronizes the stream, and every such wait
+    leaves the GPU idle while the host queues the next kernels (profiled: ~10 per micro-batch)."""
+    device = torch.device(device)
+    if device.type != "cuda" or values.device.type != "cpu":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)  # the pinned block is kept until the copy is done
+
+
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int, capacity: int,
               pad_token_id: int = 0) -> PackedRows:
     """Pack the real tokens of a padded batch (B, P + R) into rows of `capacity` columns."""
@@ -81,7 +91,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_widt
         for seq in sorted(members):
             row_of[seq], offset_of[seq] = row, offset
             offset += host_lengths[seq]
-    row_of, offset_of = row_of.to(device), offset_of.to(device)
+    row_of, offset_of = host_to_device(row_of, device), host_to_device(offset_of, device)
     dest_start = row_of * capacity + offset_of  # (B,) flat start of each sequence in the packed rows
 
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), lengths)  # (T,)

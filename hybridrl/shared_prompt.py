@@ -27,12 +27,20 @@ import numpy as np
 import torch
 
 from hybridrl.config import ConfigError
-from hybridrl.packing import PackedRows
+from hybridrl.packing import PackedRows, host_to_device
 
 PROMPT, PADDING = 0, -1  # segment ids within a group; response k of a group is segment k (1, 2, ...)
 GROUP_STRIDE = 1 << 16  # a row's j-th group has segments j * GROUP_STRIDE + (PROMPT, 1, 2, ...)
 FLEX_BLOCK = 128  # FlexAttention's default block size
 DENSE_MASK_LIMIT = 1 << 30  # mask elements (rows x L x L) sdpa/eager may get; beyond, flex_attention is the way
+TUNED_FLEX_TILES = {  # (GPU compute capability, head dim): FlexAttention kernel_options for the shared rows
+    ((9, 0), 64): dict(fwd_BLOCK_M=64, fwd_BLOCK_N=64, fwd_num_warps=4, fwd_num_stages=3,
+                       bwd_BLOCK_M1=32, bwd_BLOCK_N1=64, bwd_BLOCK_M2=64, bwd_BLOCK_N2=32, bwd_num_warps=4, bwd_num_stages=3),
+}
+"""Torch's default forward tile for Hopper and 64-dim heads (128 x 128, 4 warps) ran the shared rows' masked
+attention at 77 TFLOP/s; `benchmarks/flex_layouts.py --sweep` (one H200, 2026-11-30, grpo-0.5b's micro-batch)
+measured forward 0.531 -> 0.223 ms with 64 x 64 tiles and backward 0.95 -> 0.76 ms with these. Other GPUs and
+head sizes keep torch's defaults (not measured)."""
 
 
 @dataclass
@@ -117,7 +125,7 @@ def pack_shared_prompts(input_ids: torch.Tensor, prompt_width: int, layout: Prom
     target_source = source[response]  # flat index of the response token in the padded batch
 
     def to_device(values: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(values).to(device)
+        return host_to_device(torch.from_numpy(values), device)
 
     ids = torch.full((num_rows * width,), pad_token_id, dtype=input_ids.dtype, device=device)
     ids[to_device(destination)] = input_ids.flatten()[to_device(source)]
@@ -144,15 +152,28 @@ def uses_flex_attention(model: torch.nn.Module) -> bool:
     return "flex" in str(getattr(getattr(model, "config", None), "_attn_implementation", "sdpa"))
 
 
+def head_dim_of(model: torch.nn.Module) -> int:
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", 0) or 1
+    return getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+
+
+def flex_kernel_options(model: torch.nn.Module, device: torch.device) -> dict:
+    """Keyword arguments for the model's forward over shared rows: FlexAttention tiles where measured
+    (`TUNED_FLEX_TILES`; transformers hands `kernel_options` to `flex_attention`), else none."""
+    if device.type != "cuda" or not uses_flex_attention(model):
+        return {}
+    tiles = TUNED_FLEX_TILES.get((torch.cuda.get_device_capability(device), head_dim_of(model)))
+    return {"kernel_options": dict(tiles)} if tiles else {}
+
+
 def attention_problem(model: torch.nn.Module, device: torch.device) -> str | None:
     """Why this actor's attention cannot run shared prompts on `device` (one sentence), or None."""
     implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
     if "flash" in implementation:  # e.g. model.attn_implementation=auto picked it
         return (f"actor.share_prompt_tokens needs an attention that takes a mask, and the actor runs {implementation!r}, "
                 "which takes none; set model.attn_implementation=flex_attention (or sdpa).")
-    config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", 0) or 1
-    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+    head_dim = head_dim_of(model)
     if "flex" in implementation and device.type == "cuda" and head_dim < 16:
         return (f"FlexAttention on CUDA needs attention heads of at least 16 dimensions and this model's have {head_dim}; "
                 "set model.attn_implementation=sdpa for actor.share_prompt_tokens with this model.")

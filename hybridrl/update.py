@@ -17,7 +17,7 @@ from hybridrl import algorithms, distributed
 from hybridrl.batch import RolloutBatch
 from hybridrl.config import Config
 from hybridrl.logprobs import response_logprobs
-from hybridrl.packing import group_by_tokens
+from hybridrl.packing import group_by_tokens, host_to_device
 from hybridrl.shared_prompt import PromptLayout, prompt_groups
 
 
@@ -139,7 +139,7 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
                 loss.backward()
                 loss_value = loss.detach().float()
                 mini_loss = loss_value if mini_loss is None else mini_loss + loss_value.to(mini_loss.device)
-                weight = token_mask[micro.to(token_mask.device)].sum().float()
+                weight = token_mask[host_to_device(micro, token_mask.device)].sum().float()
                 tokens = tokens + weight
                 for key, value in stats.items():
                     value = torch.as_tensor(value, dtype=torch.float32, device=tokens.device).detach() * weight
@@ -173,7 +173,7 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
         old_logp = part.old_logp
         if reused is not None:
             old_logp = logp.detach()
-            reused[rows.to(reused.device)] = old_logp.float()
+            reused[host_to_device(rows, reused.device)] = old_logp.float()
         loss, stats = algorithms.policy_loss(
             logp, old_logp, part.advantages, mask, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
             dual_clip=a.dual_clip, aggregation=a.loss_aggregation, ratio_level=a.ratio_level,

@@ -1,5 +1,6 @@
 """Packing: sequences into rows without padding, micro-batches by a token budget; same loss and gradients."""
 
+import pytest
 import torch
 
 from conftest import tiny_actor
@@ -62,3 +63,23 @@ def test_token_budget_update_matches_padded_micro_batches(tmp_path):
         params.append(torch.cat([p.detach().flatten() for p in trainer.parts.actor.parameters()]))
         assert history[-1]["actor/policy_loss"] == history[-1]["actor/policy_loss"]
     assert torch.allclose(params[0], params[1], atol=1e-6)
+
+
+
+def test_host_to_device_on_cpu_is_a_plain_copy():
+    from hybridrl.packing import host_to_device
+
+    index = torch.tensor([3, 0, 2])
+    assert torch.equal(host_to_device(index, "cpu"), index)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_to_device_on_cuda_gives_the_values_after_later_host_writes():
+    """The non-blocking copy reads a pinned copy of the source, so changing the source afterwards is safe."""
+    from hybridrl.packing import host_to_device
+
+    index = torch.arange(1 << 20)
+    moved = host_to_device(index, "cuda")
+    index.zero_()
+    assert moved.is_cuda and torch.equal(moved.cpu(), torch.arange(1 << 20))

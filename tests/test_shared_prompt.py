@@ -7,8 +7,8 @@ import torch
 from conftest import tiny_actor, toy_prompts
 from hybridrl.batch import RolloutBatch
 from hybridrl.logprobs import response_logprobs
-from hybridrl.shared_prompt import (GROUP_STRIDE, PADDING, PROMPT, PromptLayout, attention_mask_for, pack_shared_prompts,
-                                    visible)
+from hybridrl.shared_prompt import (GROUP_STRIDE, PADDING, PROMPT, PromptLayout, attention_mask_for, flex_kernel_options,
+                                    pack_shared_prompts, visible)
 
 TOL = dict(atol=2e-5, rtol=1e-5)
 
@@ -101,9 +101,33 @@ def test_flex_attention_block_mask_gives_the_same_values():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_flex_attention_on_cuda_values_and_gradients():
-    model, _ = tiny_actor(hidden_size=64)
-    assert_same(*shared_and_separate(model.cuda(), "flex_attention", device="cuda"))
+@pytest.mark.parametrize("hidden_size", [64, 256])  # heads of 16 (torch's tiles) and of 64 (the tuned ones on Hopper)
+def test_flex_attention_on_cuda_values_and_gradients(hidden_size):
+    model, _ = tiny_actor(hidden_size=hidden_size)
+    model.cuda()
+    tuned = torch.cuda.get_device_capability() == (9, 0) and hidden_size == 256
+    model.config._attn_implementation = "flex_attention"
+    assert bool(flex_kernel_options(model, torch.device("cuda"))) == tuned
+    assert_same(*shared_and_separate(model, "flex_attention", device="cuda"))
+
+
+def test_tuned_flex_tiles_only_where_measured(monkeypatch):
+    """Hopper with 64-dim heads gets the measured tiles; other GPUs, head sizes, sdpa and CPU get none."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    model, _ = tiny_actor(hidden_size=256)  # 4 heads of 64
+    model.config._attn_implementation = "flex_attention"
+    options = flex_kernel_options(model, cuda)["kernel_options"]
+    assert options["fwd_BLOCK_M"] == 64 and options["bwd_BLOCK_M1"] == 32
+    assert flex_kernel_options(model, torch.device("cpu")) == {}
+    narrow, _ = tiny_actor(hidden_size=64)  # heads of 16
+    narrow.config._attn_implementation = "flex_attention"
+    assert flex_kernel_options(narrow, cuda) == {}
+    model.config._attn_implementation = "sdpa"
+    assert flex_kernel_options(model, cuda) == {}
+    model.config._attn_implementation = "flex_attention"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert flex_kernel_options(model, cuda) == {}
 
 
 def test_flash_attention_is_refused_with_the_fix():
