@@ -234,7 +234,7 @@ class ActorConfig:
     attention that takes a mask: model.attn_implementation=flex_attention on GPU (block mask); sdpa/eager
     get a dense mask, which computes every block. Mini-batches are then drawn as whole prompts, and with
     several ranks each prompt's rows go to one rank.
-    Measured on grpo-0.5b (one H200, flex_attention): update 2.28 -> 1.62-1.67 s, step 3.10 -> 2.37-2.50 s."""
+    Measured on grpo-0.5b (one H200, flex_attention, six runs): update 2.28 -> 1.49-1.67 s, step 3.10 -> 2.28-2.50 s."""
     optimizer_state_dtype: Literal["float32", "param"] = "float32"
     """AdamW moments for bf16/fp16 parameters: float32 (no float32 copy of the weights; the update is applied
     with stochastic rounding so small steps are not rounded away) or `param` (torch AdamW, state in the
