@@ -29,6 +29,8 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
 - `grpo-0.5b-fused-shared-offload60`: the shared mode with 40% of the AdamW moments resident on the GPU (fewer
   PCIe bytes in the optimizer step, a larger share of the shorter update; ~+1.6 GiB, still under half of TRL's
   peak): 2.22 s vs 2.28 s in one run (2026-11-30), within the noise.
+- `grpo-0.5b-fused-shared-resident`: the shared mode with the AdamW moments on the GPU (no PCIe traffic in the
+  optimizer step; with two GPUs, whether their offload copies contend).
 - `grpo-0.5b-fused-shared-torchtiles`: the shared mode with torch's default FlexAttention tiles instead of
   `shared_prompt.TUNED_FLEX_TILES` (what the shared mode ran before they were tuned).
 - `grpo-0.5b-fused-flex`: `grpo-0.5b-fused` with the model's attention set to flex_attention and one row per
@@ -123,6 +125,10 @@ MODES = {
                                              settings=dict(model__compile=True, rollout__fuse_gate_up=True,
                                                            actor__share_prompt_tokens=True,
                                                            actor__optimizer_offload_fraction=0.6)),
+    "grpo-0.5b-fused-shared-resident": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
+                                            offload=False, attn="flex_attention",
+                                            settings=dict(model__compile=True, rollout__fuse_gate_up=True,
+                                                          actor__share_prompt_tokens=True)),
     "grpo-0.5b-fused-shared-torchtiles": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
                                               offload=True, attn="flex_attention", torch_flex_tiles=True,
                                               settings=dict(model__compile=True, rollout__fuse_gate_up=True,
@@ -238,7 +244,7 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
         with profiled(name) if profiling else contextlib.nullcontext():
             metrics = trainer.step()
         steps.append({**{k: float(v) for k, v in metrics.items() if k.startswith(("timing/", "perf/"))},
-                      "wall_s": time.perf_counter() - start})
+                      "wall_s": time.perf_counter() - start, **warm_up_counters(device)})
         if rank == 0:
             print(name, "step", len(steps), json.dumps({k: round(v, 3) for k, v in steps[-1].items()}), flush=True)
     if tracing and rank == 0 and spec["steps"] > 2:
@@ -262,6 +268,17 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
     result["floor"] = floor(model, config, spec, prompt_len, response_len, train_flops if trainable == params
                             else 2 * params * tokens * 2)  # LoRA: forward + input-gradient backward
     return result
+
+
+def warm_up_counters(device: str) -> dict:
+    """Totals so far of what makes a step slower than the next: frames compiled by dynamo (a recompile adds
+    one) and cudaMalloc retries (the caching allocator freeing its cache to satisfy a request)."""
+    import torch
+
+    counters = {"diag/compiled_frames": float(torch._dynamo.utils.counters["frames"]["ok"])}
+    if device == "cuda":
+        counters["diag/alloc_retries"] = float(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+    return counters
 
 
 @contextlib.contextmanager
