@@ -371,3 +371,28 @@ def test_an_actor_loaded_with_flash_attention_is_refused_before_training(tmp_pat
     with pytest.raises(ConfigError, match="set model.attn_implementation=flex_attention"):
         RLTrainer(actor=actor, reward_fn=contains_seven, dataset=dataset, actor__share_prompt_tokens=True,
                   **{**FAST, "trainer__output_dir": str(tmp_path)})
+
+
+def test_flex_kernel_options_reach_the_attention_function(monkeypatch):
+    """The tuned tiles travel as `kernel_options` through transformers' keyword arguments to every layer's
+    attention call (checked with an attention function registered under a flex name that records them)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    import hybridrl.logprobs as logprobs
+
+    seen = []
+
+    def recording_flex(module, query, key, value, attention_mask, **kwargs):
+        seen.append(kwargs.get("kernel_options"))
+        return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("flex_recording", recording_flex)
+    monkeypatch.setattr(logprobs, "flex_kernel_options", lambda model, device: {"kernel_options": {"marker": 7}})
+    model, _ = tiny_actor()
+    model.config._attn_implementation = "flex_recording"
+    ids, mask, positions, response, prompt_ids = grouped_batch()
+    layout = PromptLayout.of(mask, ids.shape[1] - response, prompt_ids)
+    with torch.no_grad():
+        response_logprobs(model, ids, mask, positions, response, prompt_layout=layout)
+    assert seen == [{"marker": 7}] * model.config.num_hidden_layers
