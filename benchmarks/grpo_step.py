@@ -293,6 +293,20 @@ def profiled(name: str, top: int = 25):
     print(f"{name}: top operators of the profiled step (self CPU time; a host-bound phase shows up here)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
     print_gpu_idle(prof, name)
+    if os.environ.get("OUT") and os.environ.get("RANK", "0") in ("0", ""):
+        save_trace(prof, Path(os.environ["OUT"]) / f"trace_{name.replace(' ', '_')}.json.gz")
+
+
+def save_trace(prof, path: Path) -> None:
+    """The profiled step as a gzipped Chrome trace (chrome://tracing, Perfetto), with Python call stacks off:
+    a few MB that come back from a device call, so where the GPU waits can be read later without the GPU."""
+    import gzip
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as raw:
+        prof.export_chrome_trace(raw.name)
+        with open(raw.name, "rb") as source, gzip.open(path, "wb") as target:
+            target.write(source.read())
+    print(f"trace of the profiled step: {path} ({path.stat().st_size / 2**20:.1f} MiB)", flush=True)
 
 
 def print_gpu_idle(prof, name: str, top: int = 8) -> None:
@@ -480,7 +494,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=150, help="seconds per mode")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU, no TRL")
     parser.add_argument("--profile", action="store_true",
-                        help="profile each mode's last step (excluded from the mean) and print its top CUDA kernels")
+                        help="profile each mode's last step (excluded from the mean) and print its top CUDA kernels; "
+                             "with $OUT set, rank 0's trace goes there as trace_<mode>.json.gz")
     parser.add_argument("--memory-trace", action="store_true",
                         help="print the GPU memory allocated from step 3 on and still held at the end, with the "
                              "Python objects holding it (finds memory that grows with every step)")
