@@ -69,7 +69,9 @@ trainer measures each phase; the table names the peak of each). The
 floor is computed: training 6 * params * tokens at `--peak` FLOP/s; rollout as in `rollout.py` (weights
 and KV read once per decode step at `--bandwidth`, prefill FLOPs). MFU of the update phase counts
 6 * params * tokens (the recompute of gradient checkpointing is not counted as useful work).
-JSON goes to $OUT/grpo_step.json when $OUT is set.
+JSON goes to $OUT/grpo_step.json when $OUT is set. Where time goes: `--profile` (the last step's top kernels
+and host operations, its Chrome trace in $OUT), `--gaps` (the last two updates' GPU idle time by gap size and
+by the kernels around each gap, then the host work during the largest gaps; `gaps.py`).
 """
 
 from __future__ import annotations
@@ -235,12 +237,16 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
         torch.cuda.reset_peak_memory_stats()
     steps = []
     tracing = os.environ.get("HYBRIDRL_BENCH_MEMORY_TRACE") == "1" and device == "cuda"
+    gap_steps = os.environ.get("HYBRIDRL_BENCH_GAPS") == "1" and device == "cuda" and rank == 0
+    update = trainer.update
     for index in range(spec["steps"]):
         if tracing and index == 2:  # steps 1-2 allocate what lives all run (compile, caches); growth shows after
             torch.cuda.synchronize()
             blocks_before = live_blocks()
         start = time.perf_counter()
         profiling = os.environ.get("HYBRIDRL_BENCH_PROFILE") == "1" and index == spec["steps"] - 1 and device == "cuda"
+        if gap_steps and index >= spec["steps"] - 2:  # the last two updates: GPU activity only, then with the host
+            trainer.update = update_with_gap_report(update, name, with_host=index == spec["steps"] - 1)
         with profiled(name) if profiling else contextlib.nullcontext():
             metrics = trainer.step()
         steps.append({**{k: float(v) for k, v in metrics.items() if k.startswith(("timing/", "perf/"))},
@@ -250,8 +256,8 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
     if tracing and rank == 0 and spec["steps"] > 2:
         torch.cuda.synchronize()
         print_memory_growth(name, blocks_before, live_blocks(), spec["steps"] - 2)
-    profiled_last = os.environ.get("HYBRIDRL_BENCH_PROFILE") == "1" and device == "cuda" and len(steps) > 2
-    steady = (steps[1:-1] if profiled_last else steps[1:]) or steps
+    left_out = (2 if gap_steps else 1 if os.environ.get("HYBRIDRL_BENCH_PROFILE") == "1" and device == "cuda" else 0)
+    steady = steps[1:len(steps) - left_out] or steps[1:] or steps  # step 1 compiles; profiled steps are slower
     mean = {key: sum(s[key] for s in steady) / len(steady) for key in steady[0]}
     tokens = spec["prompts"] * spec["n"] * (prompt_len + response_len)
     shared = spec.get("settings", {}).get("actor__share_prompt_tokens", False)  # each prompt computed once
@@ -268,6 +274,35 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
     result["floor"] = floor(model, config, spec, prompt_len, response_len, train_flops if trainable == params
                             else 2 * params * tokens * 2)  # LoRA: forward + input-gradient backward
     return result
+
+
+def update_with_gap_report(update, name: str, with_host: bool):
+    """`trainer.update` profiled once: where its GPU idle time goes (`gaps.py`), by gap size and by the GPU
+    activities around each gap; `with_host` also traces the CPU, which stretches the gaps but names the host
+    operations running during the largest ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from gaps import cuda_events, gap_report, host_work_in_gaps
+
+    def traced(batch):
+        import torch
+
+        gpu = torch.cuda.is_available()  # without one (the CPU test) the profile records host work only
+        activities = ([ProfilerActivity.CUDA] if gpu else []) + ([ProfilerActivity.CPU] if with_host or not gpu else [])
+        with profile(activities=activities) as prof:
+            metrics = update(batch)
+            if gpu:
+                torch.cuda.synchronize()
+        gpu, host = cuda_events(prof)
+        if with_host:
+            print(f"{name}: host operations during the update's largest GPU gaps (us of overlap, CPU traced too):")
+            host_work_in_gaps(gpu, host)
+        else:
+            print(f"{name}: the update's GPU idle time (GPU activity only):")
+            gap_report(gpu)
+        return metrics
+
+    return traced
 
 
 def warm_up_counters(device: str) -> dict:
@@ -496,6 +531,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="profile each mode's last step (excluded from the mean) and print its top CUDA kernels; "
                              "with $OUT set, rank 0's trace goes there as trace_<mode>.json.gz")
+    parser.add_argument("--gaps", action="store_true",
+                        help="profile the last two updates (left out of the mean): GPU idle time by gap size and by "
+                             "the kernels around each gap, then the host operations during the largest gaps")
     parser.add_argument("--memory-trace", action="store_true",
                         help="print the GPU memory allocated from step 3 on and still held at the end, with the "
                              "Python objects holding it (finds memory that grows with every step)")
@@ -522,6 +560,12 @@ def main() -> None:
         os.environ["HYBRIDRL_BENCH_PROFILE"] = "1"
     if args.memory_trace:
         os.environ["HYBRIDRL_BENCH_MEMORY_TRACE"] = "1"
+    if args.gaps:
+        if args.profile:
+            parser.error("--gaps and --profile each profile the last steps; use one of them per run.")
+        if args.steps < 4:
+            parser.error("--gaps needs --steps 4 or more (step 1 compiles, the last two are profiled).")
+        os.environ["HYBRIDRL_BENCH_GAPS"] = "1"
     if args.steps:
         if args.steps < 2:
             parser.error("--steps must be at least 2 (step 1 compiles and is left out of the mean).")

@@ -55,13 +55,31 @@ def test_rollout_benchmark_runs_every_engine_variant(tmp_path):
     assert json.loads((tmp_path / "rollout_benchmark.json").read_text())["engine_triton_fused_qkv_gate_up"]
 
 
-def test_decode_gaps_sums_idle_time_by_size_and_kernel_pair(capsys):
-    """`decode_gaps.gap_report` on a hand-made timeline (µs): overlapping kernels leave no gap."""
+def test_gap_report_sums_idle_time_by_size_and_kernel_pair(capsys):
+    """`gaps.gap_report` (decode_gaps.py, grpo_step.py --gaps) on a hand-made timeline (µs): overlapping kernels leave no gap."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from decode_gaps import gap_report
+    from gaps import gap_report
 
     gap_report([(0, 10, "gemm"), (11.5, 20, "attn"), (19, 25, "norm"), (125, 130, "gemm"), (131, 140, "attn")])
     out = capsys.readouterr().out
     assert "idle between kernels: 0.1 ms in 3 gaps" in out
     assert "gaps    1-2    us:     0.0 ms in      2" in out and "gaps  100-inf  us:     0.1 ms in      1" in out
     assert out.index("norm") < out.index("gemm                                   -> attn")
+
+
+def test_grpo_step_gap_report_wraps_the_update_and_returns_its_metrics(capsys):
+    """`grpo_step.py --gaps` swaps in a profiled update; without a GPU it still returns the update's metrics."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from grpo_step import update_with_gap_report
+
+    calls = []
+    traced = update_with_gap_report(lambda batch: calls.append(batch) or {"actor/policy_loss": 0.5}, "mode", False)
+    assert traced("batch") == {"actor/policy_loss": 0.5} and calls == ["batch"]
+    assert "the update's GPU idle time" in capsys.readouterr().out
+
+
+def test_grpo_step_refuses_gaps_with_too_few_steps(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "benchmarks/grpo_step.py", "--quick", "--gaps", "--steps", "3"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "--gaps needs --steps 4 or more" in result.stderr
