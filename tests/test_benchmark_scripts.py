@@ -70,7 +70,7 @@ def test_gap_report_sums_idle_time_by_size_and_kernel_pair(capsys):
 def test_grpo_step_gap_report_wraps_the_update_and_returns_its_metrics(capsys):
     """`grpo_step.py --gaps` swaps in a profiled update; without a GPU it still returns the update's metrics."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from grpo_step import update_with_gap_report
+    from step_profiling import update_with_gap_report
 
     calls = []
     traced = update_with_gap_report(lambda batch: calls.append(batch) or {"actor/policy_loss": 0.5}, "mode", False)
