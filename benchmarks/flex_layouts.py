@@ -15,7 +15,8 @@ micro-batch:
 each with GQA inside the kernel (`enable_gqa`) and with K/V repeated to every query head (what transformers does
 when the query-head count is not a power of two, as Qwen2-0.5B's 14). It prints forward and forward + backward
 times, the visible (query, key) pairs, the TFLOP/s on them, the floor at the GPU's dense bf16 peak, and the host
-time of building the block mask.
+time of building the block mask (eagerly, as the trainer does; on GPU also through
+`torch.compile(create_block_mask)`, printed last: whether compiling the build would pay).
 
     python benchmarks/flex_layouts.py                      # grpo-0.5b's micro-batch: 14 prompts x 8, P = R = 256
     python benchmarks/flex_layouts.py --quick              # CPU, tiny shapes, forward only, not compiled
@@ -173,6 +174,32 @@ def main() -> None:
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "flex_layouts.json").write_text(
             json.dumps(dict(args=vars(args), results=results, sweep=swept), indent=1))
+    if not args.quick:  # last, so a failure here costs only this line (not yet run on a GPU)
+        try:
+            compiled_mask_build(built["shared"][0])
+        except Exception as error:  # noqa: BLE001
+            print(f"compiled block-mask build failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+
+
+def compiled_mask_build(segments: torch.Tensor, repeats: int = 20) -> float:
+    """Milliseconds to build the shared layout's block mask with `create_block_mask` compiled (the trainer
+    builds it eagerly, the table's "mask ms", once per micro-batch and pass), after two warm-up builds."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from hybridrl.shared_prompt import visible
+
+    build = torch.compile(create_block_mask)
+    num_rows, length = segments.shape
+
+    def mask_mod(b, h, q, kv):
+        return visible(segments[b, q], segments[b, kv], q, kv)
+
+    def once():
+        return build(mask_mod, B=num_rows, H=None, Q_LEN=length, KV_LEN=length, device=segments.device)
+
+    milliseconds = timed(once, repeats, "cuda")
+    print(f"shared layout's block mask built by torch.compile(create_block_mask): {milliseconds:.2f} ms")
+    return milliseconds
 
 
 def sweep(args, built: dict) -> list[dict]:
