@@ -10,7 +10,7 @@ without a master copy would instead drop every update below half an ulp (most of
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 
@@ -63,7 +63,7 @@ def _flat(moment: torch.Tensor) -> torch.Tensor:
 
 
 def rounding_noise(shape: torch.Size, generator: torch.Generator | None, device) -> torch.Tensor:
-    """Random low 16 bits for `round_with_noise`, drawn apart so the rounding itself can be compiled."""
+    """Random low 16 bits for `round_with_noise` from a torch generator (`stochastic_round_to_bf16`)."""
     return torch.randint(0, 1 << 16, shape, generator=generator, dtype=torch.int32, device=device)
 
 
@@ -78,10 +78,32 @@ def stochastic_round_to_bf16(values: torch.Tensor, generator: torch.Generator | 
     return round_with_noise(values, rounding_noise(values.shape, generator, values.device))
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def hash32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """A 32-bit integer hash (lowbias32) on int64 tensors or Python ints holding values below 2**32;
+    every product is masked back to 32 bits, so int64 tensors and Python ints agree."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def counter_noise(base: torch.Tensor, numel: int) -> torch.Tensor:
+    """The rounding bits of `numel` consecutive elements whose counter starts at `base` (a one-element
+    int64 tensor): the high 16 bits of `hash32(base + i)`. A counter-based draw has no generator state,
+    so it compiles into the update kernel, and the bits of an element do not depend on how the update
+    is split into chunks or which moments are offloaded."""
+    counters = (base + torch.arange(numel, device=base.device, dtype=torch.int64)) & _MASK32
+    return (hash32(counters) >> 16).to(torch.int32)
+
+
 def adamw_chunk(weights: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                noise: torch.Tensor | None, hyper: torch.Tensor) -> torch.Tensor:
+                noise_base: torch.Tensor | None, hyper: torch.Tensor) -> torch.Tensor:
     """AdamW on one flat chunk, in float32: updates the moments `m`, `v` in place and returns the new
-    weights in the weights' dtype (stochastically rounded with `noise` when given). `hyper` holds
+    weights in the weights' dtype (stochastically rounded with `counter_noise(noise_base)` when given). `hyper` holds
     (lr, beta1, beta2, eps, weight decay, bias correction 1, bias correction 2) as a float32 tensor on
     the weights' device, so that compiled code sees the step-dependent values as data, not constants
     (no recompilation per step), and compiled, the whole update is one kernel."""
@@ -91,8 +113,8 @@ def adamw_chunk(weights: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: t
     v.mul_(beta2).add_((1 - beta2) * grad * grad)
     updated = weights.float() * (1 - lr * decay)
     updated = updated - (lr / correction1) * m / (v.sqrt() / correction2.sqrt() + eps)
-    if noise is not None:
-        return round_with_noise(updated, noise)
+    if noise_base is not None:
+        return round_with_noise(updated, counter_noise(noise_base, updated.numel()))
     return updated.to(weights.dtype)
 
 
@@ -111,11 +133,6 @@ def chunk_update_function(device: torch.device):
     if _COMPILED_CHUNK is None:
         _COMPILED_CHUNK = torch.compile(adamw_chunk, dynamic=True)
     return _COMPILED_CHUNK
-
-
-def _noise(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor | None:
-    """The stochastic-rounding bits of one chunk (None: the parameter is not bf16)."""
-    return None if generator is None else rounding_noise(weights.shape, generator, weights.device)
 
 
 def offloaded_parameters(params: list[torch.Tensor], fraction: float) -> set[int]:
@@ -155,19 +172,18 @@ class LeanAdamW(torch.optim.Optimizer):
         """Whether `param`'s moments live in CPU memory (this rank's shard, as a plain tensor)."""
         return id(param) in self._offloaded_ids
 
-    def _rounding_generator(self, param: torch.Tensor, index: int, step: int, device: torch.device) -> torch.Generator:
-        """The stochastic-rounding noise of one parameter at one step: seeded by (seed, step, parameter,
-        shard), so replicas of a shard (several GPUs with fsdp_shard_size < num_gpus) round identically
-        and stay equal, different shards get different noise, and a resumed run rounds as the original."""
+    def _noise_key(self, param: torch.Tensor, step: int) -> int:
+        """The 32-bit start of one step's rounding counters, from (seed, step, shard): replicas of a shard
+        (several GPUs with fsdp_shard_size < num_gpus) round identically and stay equal, different shards
+        get different noise, and a resumed run rounds as the original. Each element adds its offset in
+        this rank's parameters laid end to end."""
         shard = 0
         if hasattr(param, "device_mesh"):
             coordinate = param.device_mesh.get_coordinate() or []
             for dim, placement in enumerate(param.placements):
                 if placement.is_shard():
                     shard = shard * param.device_mesh.size(dim) + coordinate[dim]
-        generator = torch.Generator(device=device)
-        generator.manual_seed(((self.seed * 1_000_003 + step) * 100_003 + index) * 1_009 + shard)
-        return generator
+        return hash32((hash32((hash32(self.seed & _MASK32) + step) & _MASK32) + shard) & _MASK32)
 
     def _moments(self, param: torch.Tensor, local: torch.Tensor) -> dict:
         """The state of `param`; moments shaped like it. An FSDP2 (DTensor) parameter gets DTensor moments
@@ -204,51 +220,50 @@ class LeanAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        # (weights, grads, exp_avg, exp_avg_sq, noise generator or None, hyper), flat views; moments in CPU
-        # memory (streamed through the device) or on it (resident)
-        streamed, resident = [], []
-        index, hypers = -1, {}
+        streamed, resident = [], []  # buckets whose moments are in CPU memory (streamed through the device) or on it
+        offset, hypers = 0, {}
         for group in self.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for param in group["params"]:
-                index += 1
-                if param.grad is None:
+                data = param.data.to_local() if hasattr(param.data, "to_local") else param.data
+                start, offset = offset, offset + data.numel()  # every parameter counts, so offsets are fixed
+                if param.grad is None or data.numel() == 0:
                     continue
-                data, grad_full = param.data, param.grad
-                if hasattr(data, "to_local"):  # an FSDP2 DTensor: the update is elementwise, so each rank does its shard
-                    data, grad_full = data.to_local(), grad_full.to_local()
+                grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # FSDP2: own shard
                 state = self._moments(param, data)
                 state["step"] += 1
                 key = (lr, beta1, beta2, eps, decay, state["step"], data.device)
                 if key not in hypers:  # one small host-to-device copy per distinct setting, not one per parameter
                     hypers[key] = torch.tensor([lr, beta1, beta2, eps, decay, 1 - beta1 ** state["step"],
                                                 1 - beta2 ** state["step"]], dtype=torch.float32).to(data.device)
-                hyper = hypers[key]
-                noise = self._rounding_generator(param, index, state["step"], data.device) \
-                    if param.dtype == torch.bfloat16 else None
-                weights, grads = data.view(-1), grad_full.view(-1)
-                for start in range(0, weights.numel(), self.chunk_elements):
-                    chunk = slice(start, start + self.chunk_elements)
-                    (streamed if self.is_offloaded(param) else resident).append(
-                        (weights[chunk], grads[chunk], _flat(state["exp_avg"])[chunk],
-                         _flat(state["exp_avg_sq"])[chunk], noise, hyper))
+                noise_key = self._noise_key(param, state["step"]) if param.dtype == torch.bfloat16 else None
+                weights, grads = data.view(-1), grad.view(-1)
+                m, v = _flat(state["exp_avg"]), _flat(state["exp_avg_sq"])
+                buckets = streamed if self.is_offloaded(param) else resident
+                for first in range(0, weights.numel(), self.chunk_elements):
+                    piece = slice(first, first + self.chunk_elements)
+                    _add_piece(buckets, _Piece(weights[piece], grads[piece], m[piece], v[piece], start + first),
+                               hypers[key], noise_key, self.chunk_elements)
         if not (streamed or resident):
             return loss
-        update = chunk_update_function((streamed or resident)[0][0].device)
-        if streamed and streamed[0][0].is_cuda:
+        device = (streamed or resident)[0].pieces[0].weights.device
+        _attach_noise_bases(streamed + resident, device)
+        update = chunk_update_function(device)
+        if streamed and device.type == "cuda":
             self._streamed(streamed, update, resident)
         else:  # on CPU the "offloaded" moments are already where they are used
-            for weights, grads, m, v, noise, hyper in resident + streamed:
-                weights.copy_(update(weights, grads, m.to(weights.device), v.to(weights.device),
-                                     _noise(weights, noise), hyper))
+            for bucket in resident + streamed:
+                m, v = bucket.gather_moments(device)
+                bucket.scatter(update(bucket.gather_weights(), bucket.gather_grads(), m, v, bucket.noise_base,
+                                      bucket.hyper), m, v)
         return loss
 
-    def _streamed(self, chunks, update, resident=()) -> None:
-        """Offloaded moments through a pipeline: chunk i+1's moments are copied in on one stream and
-        chunk i-1's copied back on another while chunk i is updated, so the two PCIe directions and the
-        arithmetic overlap instead of running one after another. At most three chunks' moments are on
-        the GPU at once. The `resident` chunks (moments on the GPU) are updated while the first offloaded
-        chunk is copied in."""
+    def _streamed(self, buckets, update, resident=()) -> None:
+        """Offloaded moments through a pipeline: bucket i+1's moments are copied in on one stream and
+        bucket i-1's copied back on another while bucket i is updated, so the two PCIe directions and the
+        arithmetic overlap instead of running one after another. At most three buckets' moments are on
+        the GPU at once. The `resident` buckets (moments on the GPU) are updated while the first offloaded
+        bucket is copied in."""
         main = torch.cuda.current_stream()
         if self._copy_streams is None:  # made once, not per step
             self._copy_streams = (torch.cuda.Stream(), torch.cuda.Stream())
@@ -257,25 +272,125 @@ class LeanAdamW(torch.optim.Optimizer):
 
         def fetch(i: int):
             with torch.cuda.stream(inbound):
-                m_home, v_home = chunks[i][2], chunks[i][3]
-                fetched = (m_home.to(main.device, non_blocking=True), v_home.to(main.device, non_blocking=True))
+                fetched = buckets[i].gather_moments(main.device)
             return fetched, inbound.record_event()
 
         upcoming = fetch(0)
-        for weights, grads, m, v, noise, hyper in resident:
-            weights.copy_(update(weights, grads, m, v, _noise(weights, noise), hyper))
-        for i, (weights, grads, m_home, v_home, noise, hyper) in enumerate(chunks):
+        for bucket in resident:
+            m, v = bucket.gather_moments(main.device)
+            bucket.scatter(update(bucket.gather_weights(), bucket.gather_grads(), m, v, bucket.noise_base,
+                                  bucket.hyper), m, v)
+        for i, bucket in enumerate(buckets):
             (m, v), ready = upcoming
-            if i + 1 < len(chunks):
+            if i + 1 < len(buckets):
                 upcoming = fetch(i + 1)
+            weights, grads = bucket.gather_weights(), bucket.gather_grads()  # before the wait: not in the copy's way
             main.wait_event(ready)
-            weights.copy_(update(weights, grads, m, v, _noise(weights, noise), hyper))
+            bucket.write_weights(update(weights, grads, m, v, bucket.noise_base, bucket.hyper))
             outbound.wait_stream(main)
             with torch.cuda.stream(outbound):
-                m_home.copy_(m, non_blocking=True)
-                v_home.copy_(v, non_blocking=True)
+                bucket.write_moments(m, v)
             for tensor in (m, v):  # allocated on `inbound`, read on main and outbound: not reused before both finish
                 tensor.record_stream(main)
                 tensor.record_stream(outbound)
         main.wait_stream(outbound)
         torch.cuda.current_stream().synchronize()  # the moments are complete on the host before anyone reads them
+
+
+class _Piece(NamedTuple):
+    """One parameter's flat elements (or a chunk of them) with their gradient and moments; `offset` is the
+    first element's place in this rank's parameters laid end to end (the rounding counter)."""
+    weights: torch.Tensor
+    grads: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    offset: int
+
+
+class _Bucket:
+    """Consecutive pieces updated by one call of the compiled update: small parameters (biases, norms,
+    attention projections) are concatenated, so a step costs a few dozen kernel launches and copies
+    instead of several per parameter, which left the GPU waiting on the host between tiny updates."""
+
+    def __init__(self, piece: _Piece, hyper: torch.Tensor, noise_key: int | None):
+        self.pieces, self.hyper, self.noise_key, self.noise_base = [piece], hyper, noise_key, None
+        self.numel = piece.weights.numel()
+
+    def accepts(self, piece: _Piece, hyper: torch.Tensor, noise_key: int | None, capacity: int) -> bool:
+        last = self.pieces[-1]
+        return (hyper is self.hyper and noise_key == self.noise_key and self.numel + piece.weights.numel() <= capacity
+                and last.offset + last.weights.numel() == piece.offset  # counters stay consecutive
+                and (piece.weights.dtype, piece.grads.dtype, piece.m.device) == (last.weights.dtype, last.grads.dtype,
+                                                                               last.m.device))
+
+    def _joined(self, field: str) -> torch.Tensor:
+        tensors = [getattr(piece, field) for piece in self.pieces]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+    def gather_weights(self) -> torch.Tensor:
+        return self._joined("weights")
+
+    def gather_grads(self) -> torch.Tensor:
+        return self._joined("grads")
+
+    def gather_moments(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's moments on `device`: views of resident ones when it is a single piece (updated in
+        place), else copies (from CPU memory without blocking when offloaded)."""
+        if self.pieces[0].m.device == device:
+            return self._joined("m"), self._joined("v")
+        moments = []
+        for field in ("m", "v"):
+            flat, start = torch.empty(self.numel, dtype=torch.float32, device=device), 0
+            for piece in self.pieces:
+                size = piece.weights.numel()
+                flat[start:start + size].copy_(getattr(piece, field), non_blocking=True)
+                start += size
+            moments.append(flat)
+        return moments[0], moments[1]
+
+    def write_weights(self, updated: torch.Tensor) -> None:
+        self._write("weights", updated)
+
+    def write_moments(self, m: torch.Tensor, v: torch.Tensor) -> None:
+        self._write("m", m)
+        self._write("v", v)
+
+    def scatter(self, updated: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        """After an update on the device where the moments live: weights back, and moments unless they were
+        updated in place."""
+        self.write_weights(updated)
+        if len(self.pieces) > 1 or m.data_ptr() != self.pieces[0].m.data_ptr():
+            self.write_moments(m, v)
+
+    def _write(self, field: str, flat: torch.Tensor) -> None:
+        targets = [getattr(piece, field) for piece in self.pieces]
+        sizes = [target.numel() for target in targets]
+        if targets[0].device != flat.device:  # offloaded moments: back to pinned CPU memory
+            for target, part in zip(targets, flat.split(sizes)):
+                target.copy_(part, non_blocking=True)
+        elif len(targets) == 1:
+            targets[0].copy_(flat)
+        else:
+            torch._foreach_copy_(targets, list(flat.split(sizes)))
+
+
+def _add_piece(buckets: list[_Bucket], piece: _Piece, hyper: torch.Tensor, noise_key: int | None,
+               capacity: int) -> None:
+    if buckets and buckets[-1].accepts(piece, hyper, noise_key, capacity):
+        buckets[-1].pieces.append(piece)
+        buckets[-1].numel += piece.weights.numel()
+    else:
+        buckets.append(_Bucket(piece, hyper, noise_key))
+
+
+def _attach_noise_bases(buckets: list[_Bucket], device: torch.device) -> None:
+    """Each rounded bucket's first counter, (step key + offset) mod 2**32, as a one-element tensor on the
+    device: all of them in one host-to-device copy."""
+    rounded = [bucket for bucket in buckets if bucket.noise_key is not None]
+    if not rounded:
+        return
+    starts = torch.tensor([(b.noise_key + b.pieces[0].offset) & _MASK32 for b in rounded], dtype=torch.int64)
+    if device.type == "cuda":
+        starts = starts.pin_memory().to(device, non_blocking=True)
+    for i, bucket in enumerate(rounded):
+        bucket.noise_base = starts[i:i + 1]

@@ -180,6 +180,33 @@ def attention_problem(model: torch.nn.Module, device: torch.device) -> str | Non
     return None
 
 
+def shared_block_mask(segments: torch.Tensor):
+    """FlexAttention's block mask for shared rows (`visible` between the tokens of each row)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    num_rows, length = segments.shape
+
+    def mask_mod(b, h, q, kv):
+        return visible(segments[b, q], segments[b, kv], q, kv)
+
+    return create_block_mask(mask_mod, B=num_rows, H=None, Q_LEN=length, KV_LEN=length, device=segments.device)
+
+
+_COMPILED_BLOCK_MASK = None
+
+
+def block_mask_builder(device: torch.device):
+    """`shared_block_mask`, compiled on CUDA (dynamic shapes, so micro-batches of other sizes reuse it): built
+    eagerly, the mask evaluates `visible` through vmap on the host, ~10 ms per micro-batch and pass with the
+    GPU idle, against 0.22 ms compiled (H200, `benchmarks/flex_layouts.py`)."""
+    global _COMPILED_BLOCK_MASK
+    if device.type != "cuda":
+        return shared_block_mask
+    if _COMPILED_BLOCK_MASK is None:
+        _COMPILED_BLOCK_MASK = torch.compile(shared_block_mask, dynamic=True)
+    return _COMPILED_BLOCK_MASK
+
+
 def attention_mask_for(model: torch.nn.Module, rows: SharedPromptRows):
     """The mask the model's attention implementation takes for these rows (transformers passes a 4-D mask,
     dense or block, through unchanged)."""
@@ -187,12 +214,7 @@ def attention_mask_for(model: torch.nn.Module, rows: SharedPromptRows):
     segments = rows.segments
     num_rows, length = segments.shape
     if uses_flex_attention(model):
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def mask_mod(b, h, q, kv):
-            return visible(segments[b, q], segments[b, kv], q, kv)
-
-        return create_block_mask(mask_mod, B=num_rows, H=None, Q_LEN=length, KV_LEN=length, device=segments.device)
+        return block_mask_builder(segments.device)(segments)
     if "flash" in implementation:
         raise ConfigError(f"actor.share_prompt_tokens needs a masked attention; attn_implementation={implementation!r} "
                          "takes none. Use model.attn_implementation=flex_attention (or sdpa).")

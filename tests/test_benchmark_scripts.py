@@ -22,6 +22,16 @@ def run_script(args: list[str], out_dir: Path, timeout: int = 300) -> str:
     return result.stdout
 
 
+def test_optimizer_step_quick_times_each_offload_share_and_the_baseline(tmp_path):
+    baseline = tmp_path / "baseline_optim.py"
+    baseline.write_text((ROOT / "hybridrl/optim.py").read_text())
+    run_script(["benchmarks/optimizer_step.py", "--quick", "--steps", "1", "--baseline", str(baseline)], tmp_path)
+    rows = json.loads((tmp_path / "optimizer_step.json").read_text())["rows"]
+    assert [(r["offload"], r["version"]) for r in rows] == [(share, version) for share in (1.0, 0.5, 0.0)
+                                                            for version in ("this", "baseline")]
+    assert all(r["step_s"] > 0 for r in rows)
+
+
 def test_flex_layouts_quick_times_every_layout(tmp_path):
     stdout = run_script(["benchmarks/flex_layouts.py", "--quick"], tmp_path)
     results = json.loads((tmp_path / "flex_layouts.json").read_text())["results"]

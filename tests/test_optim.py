@@ -67,6 +67,43 @@ def test_bf16_state_is_float32_and_tiny_updates_survive_on_average():
     assert torch.equal(plain, torch.ones_like(plain))  # nearest rounding drops the whole update
 
 
+def test_rounding_noise_is_the_documented_hash_and_uniform():
+    """The rounding bits are the high 16 bits of hash32(base + i); the hash is checked against the same
+    function on Python ints, and the bits against uniformity (a chi-square test over 16 bins)."""
+    from hybridrl.optim import counter_noise, hash32
+
+    base = 0xFFFFFF00  # the counter wraps past 2**32 inside this draw
+    bits = counter_noise(torch.tensor([base], dtype=torch.int64), 100_000)
+    assert bits.dtype == torch.int32 and int(bits.min()) >= 0 and int(bits.max()) < 1 << 16
+    assert [int(b) for b in bits[:300]] == [hash32((base + i) & 0xFFFFFFFF) >> 16 for i in range(300)]
+    counts = torch.bincount(bits >> 12, minlength=16).double()
+    chi_square = float(((counts - counts.mean()) ** 2 / counts.mean()).sum())
+    assert chi_square < 40, chi_square  # 15 degrees of freedom: P(chi2 > 40) ~ 5e-4 for uniform bits
+
+
+def test_bf16_updates_do_not_depend_on_chunking_or_offload():
+    """The rounding counter of an element is its place among all parameters, so concatenating small
+    parameters into one update, cutting large ones into chunks, and offloading moments all give the same
+    bits; the small parameters really share updates (calls counted)."""
+    import hybridrl.optim as optim
+
+    start = [torch.randn(7, 50), torch.randn(301), torch.randn(3), torch.randn(5, 4), torch.randn(20)]
+    bf16 = [p.to(torch.bfloat16) for p in start]
+    calls, plain = [], optim.chunk_update_function
+    counting = lambda device: (lambda *args: calls.append(args[0].numel()) or plain(device)(*args))  # noqa: E731
+    optim.chunk_update_function = counting
+    try:
+        results = {str(kwargs): run(LeanAdamW, [p.clone().requires_grad_() for p in bf16], **kwargs)
+                   for kwargs in ({}, {"chunk_elements": 64}, {"offload": True, "chunk_elements": 64},
+                                  {"offload": 0.5, "chunk_elements": 100})}
+    finally:
+        optim.chunk_update_function = plain
+    first = results["{}"]
+    assert all(torch.equal(a, b) for got in results.values() for a, b in zip(got, first))
+    assert calls[:1] == [sum(p.numel() for p in start)]  # default chunks: all five parameters in one update
+    assert not torch.equal(first[1], bf16[1])  # the step did change the weights
+
+
 def test_stochastic_round_is_exact_on_representable_values():
     values = torch.tensor([1.0, -2.5, 0.0, 3.140625])
     assert torch.equal(stochastic_round_to_bf16(values), values.to(torch.bfloat16))
@@ -154,3 +191,13 @@ def test_cuda_compiled_and_streamed_offload_equal_cpu():
     partly = run(LeanAdamW, [p.cuda().requires_grad_() for p in bf16], offload=0.5, chunk_elements=64)
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(resident, streamed, partly))
 
+
+
+@pytest.mark.gpu
+def test_compiled_rounding_noise_on_cuda_equals_cpu():
+    """The counter hash compiled into the CUDA update kernel (int64 products wrapping) gives the CPU's bits."""
+    from hybridrl.optim import counter_noise
+
+    base = torch.tensor([0xFFFFFF00], dtype=torch.int64)
+    compiled = torch.compile(counter_noise, dynamic=True)
+    assert torch.equal(compiled(base.cuda(), 5000).cpu(), counter_noise(base, 5000))

@@ -396,3 +396,30 @@ def test_flex_kernel_options_reach_the_attention_function(monkeypatch):
     with torch.no_grad():
         response_logprobs(model, ids, mask, positions, response, prompt_layout=layout)
     assert seen == [{"marker": 7}] * model.config.num_hidden_layers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_block_mask_equals_eager_for_any_shape():
+    """The trainer's compiled block-mask build equals the eager one, and micro-batches of new shapes reuse
+    the compiled code (dynamic shapes) rather than recompiling each time."""
+    from hybridrl.shared_prompt import block_mask_builder, shared_block_mask
+
+    def segments(rows, length, seed):  # two groups per row: a prompt, then responses 1..3, then padding
+        generator = torch.Generator().manual_seed(seed)
+        out = torch.full((rows, length), PADDING, dtype=torch.long)
+        for row in range(rows):
+            cuts = sorted(torch.randint(1, length - 1, (7,), generator=generator).tolist())
+            for i, (a, b) in enumerate(zip([0] + cuts, cuts + [length - 3])):
+                out[row, a:b] = (i // 4) * GROUP_STRIDE + i % 4
+        return out.cuda()
+
+    build = block_mask_builder(torch.device("cuda"))
+    frames = []
+    for rows, length, seed in ((3, 384, 0), (5, 640, 1), (2, 896, 2)):
+        layout = segments(rows, length, seed)
+        compiled, eager = build(layout), shared_block_mask(layout)
+        assert torch.equal(compiled.to_dense(), eager.to_dense())
+        assert torch.equal(compiled.full_kv_num_blocks, eager.full_kv_num_blocks)
+        frames.append(torch._dynamo.utils.counters["frames"]["ok"])
+    assert frames[2] == frames[1], "the third shape recompiled the block-mask build"
