@@ -28,7 +28,8 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
   tokens computed instead of 262k. Its update MFU counts the tokens computed, not the 262k they stand for.
 - `grpo-0.5b-fused-shared-offload60`: the shared mode with 40% of the AdamW moments resident on the GPU (fewer
   PCIe bytes in the optimizer step, a larger share of the shorter update; ~+1.6 GiB, still under half of TRL's
-  peak): 2.22 s vs 2.28 s in one run (2026-11-30), within the noise.
+  peak): 2.22 s vs 2.28 s in one run (2026-11-30), within the noise; after the optimizer's buckets (20:17 UTC
+  session) its update is 1.42 s against 1.46 s. `-offload50`: half of the moments resident (~+0.4 GiB more).
 - `grpo-0.5b-fused-shared-resident`: the shared mode with the AdamW moments on the GPU (no PCIe traffic in the
   optimizer step; with two GPUs, whether their offload copies contend).
 - `grpo-0.5b-fused-shared-torchtiles`: the shared mode with torch's default FlexAttention tiles instead of
@@ -129,6 +130,11 @@ MODES = {
                                              settings=dict(model__compile=True, rollout__fuse_gate_up=True,
                                                            actor__share_prompt_tokens=True,
                                                            actor__optimizer_offload_fraction=0.6)),
+    "grpo-0.5b-fused-shared-offload50": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
+                                             offload=True, attn="flex_attention",
+                                             settings=dict(model__compile=True, rollout__fuse_gate_up=True,
+                                                           actor__share_prompt_tokens=True,
+                                                           actor__optimizer_offload_fraction=0.5)),
     "grpo-0.5b-fused-shared-resident": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
                                             offload=False, attn="flex_attention",
                                             settings=dict(model__compile=True, rollout__fuse_gate_up=True,

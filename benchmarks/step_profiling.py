@@ -5,8 +5,10 @@ next, and the GPU memory still held after several steps."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -39,12 +41,29 @@ def update_with_gap_report(update, name: str, with_host: bool):
     return traced
 
 
+_GC_MS = {"total": 0.0, "started": None}
+
+
+def _time_full_collections(phase: str, info: dict) -> None:
+    if info.get("generation") != 2:
+        return
+    if phase == "start":
+        _GC_MS["started"] = time.perf_counter()
+    elif _GC_MS["started"] is not None:
+        _GC_MS["total"] += 1e3 * (time.perf_counter() - _GC_MS["started"])
+        _GC_MS["started"] = None
+
+
 def warm_up_counters(device: str) -> dict:
     """Totals so far of what makes a step slower than the next: frames compiled by dynamo (a recompile adds
-    one) and cudaMalloc retries (the caching allocator freeing its cache to satisfy a request)."""
+    one), cudaMalloc retries (the caching allocator freeing its cache to satisfy a request) and milliseconds in
+    Python's full (generation 2) garbage collections, which stop the host wherever they happen."""
     import torch
 
-    counters = {"diag/compiled_frames": float(torch._dynamo.utils.counters["frames"]["ok"])}
+    if _time_full_collections not in gc.callbacks:
+        gc.callbacks.append(_time_full_collections)
+    counters = {"diag/compiled_frames": float(torch._dynamo.utils.counters["frames"]["ok"]),
+                "diag/gc_full_ms": round(_GC_MS["total"], 1)}
     if device == "cuda":
         counters["diag/alloc_retries"] = float(torch.cuda.memory_stats().get("num_alloc_retries", 0))
     return counters

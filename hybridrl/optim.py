@@ -104,15 +104,16 @@ def adamw_chunk(weights: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: t
                 noise_base: torch.Tensor | None, hyper: torch.Tensor) -> torch.Tensor:
     """AdamW on one flat chunk, in float32: updates the moments `m`, `v` in place and returns the new
     weights in the weights' dtype (stochastically rounded with `counter_noise(noise_base)` when given). `hyper` holds
-    (lr, beta1, beta2, eps, weight decay, bias correction 1, bias correction 2) as a float32 tensor on
-    the weights' device, so that compiled code sees the step-dependent values as data, not constants
-    (no recompilation per step), and compiled, the whole update is one kernel."""
-    lr, beta1, beta2, eps, decay, correction1, correction2 = hyper.unbind()
-    grad = grad.float()
-    m.lerp_(grad, 1 - beta1)
-    v.mul_(beta2).add_((1 - beta2) * grad * grad)
-    updated = weights.float() * (1 - lr * decay)
-    updated = updated - (lr / correction1) * m / (v.sqrt() / correction2.sqrt() + eps)
+    (lr, beta1, beta2, eps, weight decay, bias correction 1, bias correction 2, apply) as a float32 tensor
+    on the weights' device, so that compiled code sees the step-dependent values as data, not constants
+    (no recompilation per step), and compiled, the whole update is one kernel. `apply` 0 leaves weights
+    and moments exactly as they were, even with non-finite gradients: the step's skip decided on the device."""
+    lr, beta1, beta2, eps, decay, correction1, correction2, apply = hyper.unbind()
+    grad = torch.where(apply > 0, grad.float(), 0.0)
+    m.lerp_(grad, (1 - beta1) * apply)
+    v.mul_(1 - (1 - beta2) * apply).add_((1 - beta2) * apply * grad * grad)
+    updated = weights.float() * (1 - lr * decay * apply)
+    updated = updated - (lr * apply / correction1) * m / (v.sqrt() / correction2.sqrt() + eps)
     if noise_base is not None:
         return round_with_noise(updated, counter_noise(noise_base, updated.numel()))
     return updated.to(weights.dtype)
@@ -218,7 +219,10 @@ class LeanAdamW(torch.optim.Optimizer):
                     self.state[param][key] = value.to(device=home.device, dtype=torch.float32, copy=True)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, apply: torch.Tensor | None = None):
+        """One AdamW step; `apply` (a boolean tensor on the device) 0 makes it a no-op without the host
+        waiting to find out, so the caller can queue the step behind the backward pass and check later
+        (`uncount_step` then takes back the step count)."""
         loss = closure() if closure is not None else None
         streamed, resident = [], []  # buckets whose moments are in CPU memory (streamed through the device) or on it
         offset, hypers = 0, {}
@@ -234,8 +238,8 @@ class LeanAdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 key = (lr, beta1, beta2, eps, decay, state["step"], data.device)
                 if key not in hypers:  # one small host-to-device copy per distinct setting, not one per parameter
-                    hypers[key] = torch.tensor([lr, beta1, beta2, eps, decay, 1 - beta1 ** state["step"],
-                                                1 - beta2 ** state["step"]], dtype=torch.float32).to(data.device)
+                    hypers[key] = _hyper_tensor([lr, beta1, beta2, eps, decay, 1 - beta1 ** state["step"],
+                                                 1 - beta2 ** state["step"]], apply, data.device)
                 noise_key = self._noise_key(param, state["step"]) if param.dtype == torch.bfloat16 else None
                 weights, grads = data.view(-1), grad.view(-1)
                 m, v = _flat(state["exp_avg"]), _flat(state["exp_avg_sq"])
@@ -257,6 +261,12 @@ class LeanAdamW(torch.optim.Optimizer):
                 bucket.scatter(update(bucket.gather_weights(), bucket.gather_grads(), m, v, bucket.noise_base,
                                       bucket.hyper), m, v)
         return loss
+
+    def uncount_step(self) -> None:
+        """Take back the step count of a step that `apply` turned into a no-op (its bias corrections)."""
+        for state in self.state.values():
+            if "step" in state:
+                state["step"] -= 1
 
     def _streamed(self, buckets, update, resident=()) -> None:
         """Offloaded moments through a pipeline: bucket i+1's moments are copied in on one stream and
@@ -372,6 +382,17 @@ class _Bucket:
             targets[0].copy_(flat)
         else:
             torch._foreach_copy_(targets, list(flat.split(sizes)))
+
+
+def _hyper_tensor(values: list[float], apply: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """`adamw_chunk`'s hyper-parameters on the device, without a stream sync (pinned, non-blocking), with
+    the apply flag appended (1 when there is none)."""
+    from hybridrl.packing import host_to_device
+
+    hyper = host_to_device(torch.tensor([*values, 1.0], dtype=torch.float32), device)
+    if apply is None:
+        return hyper
+    return torch.cat([hyper[:-1], apply.to(device=device, dtype=torch.float32).reshape(1)])
 
 
 def _add_piece(buckets: list[_Bucket], piece: _Piece, hyper: torch.Tensor, noise_key: int | None,

@@ -17,6 +17,7 @@ from hybridrl import algorithms, distributed
 from hybridrl.batch import RolloutBatch
 from hybridrl.config import Config
 from hybridrl.logprobs import response_logprobs
+from hybridrl.optim import LeanAdamW
 from hybridrl.packing import group_by_tokens, host_to_device
 from hybridrl.shared_prompt import PromptLayout, prompt_groups
 
@@ -91,11 +92,23 @@ def check_finite(loss: torch.Tensor, what: str, step: int, hint: str) -> None:
                             f"weights are unchanged; {hint}")
 
 
-def clip_and_step(parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+def clip_and_step(parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, max_norm: float,
+                  loss: torch.Tensor | None = None) -> float:
+    """Clip, then step unless the gradient norm or `loss` is not finite (the weights then stay as they were);
+    returns the norm. With `LeanAdamW` the skip is a flag on the device, so the host queues the step behind
+    the backward pass instead of waiting for it (the GPU otherwise idled through the optimizer's set-up)."""
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else float("inf"))
-    if torch.isfinite(norm):
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a replicated DTensor
+    finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss.to(norm.device))
+    if isinstance(optimizer, LeanAdamW):
+        optimizer.step(apply=finite)
+        optimizer.zero_grad(set_to_none=True)
+        if not bool(finite):  # read once the step is queued
+            optimizer.uncount_step()
+    else:
+        if finite:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return norm.item()
 
 
@@ -110,8 +123,8 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
     over mini-batches.
 
     Nothing here waits for the device inside a mini-batch: losses and stats are summed as tensors and
-    `check_loss(mini-batch loss)` (which raises on NaN/inf) runs once, before the optimizer step, so a
-    bad loss still leaves the weights unchanged."""
+    `check_loss(mini-batch loss)` (which raises on NaN/inf) runs once, after the optimizer step is queued;
+    that step is a no-op when the loss is not finite, so a bad loss still leaves the weights unchanged."""
     act = config.actor
     params = [p for p in model.parameters() if p.requires_grad]
     gather_once = not config.trainer.fsdp_reshard_every_micro_batch
@@ -144,9 +157,10 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
                 for key, value in stats.items():
                     value = torch.as_tensor(value, dtype=torch.float32, device=tokens.device).detach() * weight
                     sums[key] = sums[key] + value if key in sums else value
+        grad_norm = clip_and_step(params, optimizer, max_grad_norm, mini_loss)  # a no-op step if the loss is not finite
         check_loss(mini_loss)
         per_mini[loss_name] = per_mini.get(loss_name, 0.0) + mini_loss.item()
-        per_mini["grad_norm"] = per_mini.get("grad_norm", 0.0) + clip_and_step(params, optimizer, max_grad_norm)
+        per_mini["grad_norm"] = per_mini.get("grad_norm", 0.0) + grad_norm
         num_minis += 1
     totals = distributed.all_reduce(torch.stack([*sums.values(), tokens]), parts.setup).tolist()
     return {**{key: total / max(totals[-1], 1e-8) for key, total in zip(sums, totals)},

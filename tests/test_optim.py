@@ -167,10 +167,15 @@ def test_fused_chunk_update_equals_torch_adamw_formula_in_place():
     c1, c2 = 1 - beta1 ** step, 1 - beta2 ** step
     want_m, want_v = beta1 * m + (1 - beta1) * grad, beta2 * v + (1 - beta2) * grad * grad
     want = weights * (1 - lr * decay) - lr / c1 * want_m / (want_v.sqrt() / c2 ** 0.5 + eps)
-    got = adamw_chunk(weights, grad, m, v, None, torch.tensor([lr, beta1, beta2, eps, decay, c1, c2]))
+    got = adamw_chunk(weights, grad, m, v, None, torch.tensor([lr, beta1, beta2, eps, decay, c1, c2, 1.0]))
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(m, want_m)
     torch.testing.assert_close(v, want_v)
+    # apply = 0 (the step skipped on the device): weights and moments exactly unchanged, even with NaN gradients
+    m_before, v_before, bf16 = m.clone(), v.clone(), weights.to(torch.bfloat16)
+    grad[3] = float("nan")
+    skipped = adamw_chunk(bf16, grad, m, v, torch.tensor([12345]), torch.tensor([lr, beta1, beta2, eps, decay, c1, c2, 0.0]))
+    assert torch.equal(skipped, bf16) and torch.equal(m, m_before) and torch.equal(v, v_before)
 
 
 @pytest.mark.gpu

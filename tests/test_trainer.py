@@ -159,14 +159,19 @@ def test_reward_that_raises_names_function_and_sample(tmp_path):
     assert index < 32
 
 
-def test_nan_loss_stops_with_weights_intact(tmp_path, monkeypatch):
-    trainer = make_trainer(tmp_path, trainer__total_steps=2)
+@pytest.mark.parametrize("lean", [False, True])  # torch AdamW; LeanAdamW (offloaded moments), whose skip is a device flag
+def test_nan_loss_stops_with_weights_intact(tmp_path, monkeypatch, lean):
+    trainer = make_trainer(tmp_path, trainer__total_steps=2, actor__optimizer_offload=lean)
     before = [p.detach().clone() for p in trainer.parts.actor.parameters()]
     real = algorithms.policy_loss
     monkeypatch.setattr(algorithms, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
     with pytest.raises(TrainingError, match="actor loss became nan at step 1.*weights are unchanged"):
         trainer.train()
     assert all(torch.equal(b, p) for b, p in zip(before, trainer.parts.actor.parameters()))
+    optimizer = trainer.parts.actor_optimizer
+    assert type(optimizer).__name__ == ("LeanAdamW" if lean else "AdamW")
+    for state in optimizer.state.values():  # moments untouched and, for LeanAdamW, the step count taken back
+        assert int(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
 
 
 def test_invisible_device_is_refused_before_loading(tmp_path):
