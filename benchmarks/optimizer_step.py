@@ -66,7 +66,14 @@ def pinned_bandwidth(device: str, megabytes: int = 512) -> dict:
                 both=size / timed(both))  # GB each way per second with the two overlapping
 
 
-def time_steps(optimizer_class, params, offload: float, steps: int, device: str) -> float:
+def time_steps(optimizer_class, params, offload: float, steps: int, device: str) -> tuple[float, dict]:
+    """Seconds per step, and the GPU memory the steps allocated and reserved beyond the parameters and
+    gradients (GiB; a pipeline that queues every copy at once shows here)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     optimizer = optimizer_class(params, lr=1e-5, weight_decay=0.01, offload=offload, seed=1)
     for _ in range(2):  # the first step allocates the moments and compiles the update
         optimizer.step()
@@ -78,8 +85,12 @@ def time_steps(optimizer_class, params, offload: float, steps: int, device: str)
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / steps
+    memory = {}
+    if device == "cuda":
+        memory = {"extra_allocated_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
+                  "extra_reserved_gib": (torch.cuda.max_memory_reserved() - base) / 2**30}
     del optimizer
-    return seconds
+    return seconds, memory
 
 
 def load_optim(path: str):
@@ -110,15 +121,17 @@ def main() -> None:
               .format(**bandwidth))
     rows = []
     print(f"\n{shape}: {len(params)} parameters, {elements / 1e6:.0f}M elements")
-    print(f"{'offloaded':>9} {'version':>9} {'ms/step':>8} {'floor ms':>9}")
+    print(f"{'offloaded':>9} {'version':>9} {'ms/step':>8} {'floor ms':>9} {'+alloc GiB':>10} {'+reserved':>9}")
     for offload in (float(x) for x in args.offloads.split(",")):
         moved = 8 * elements * offload  # float32 m and v, each way
         hbm = elements * (2 + 2 + 2 + (0 if offload else 16)) / BANDWIDTH  # weights in/out, grads; resident moments
         floor = max(moved / (bandwidth["both"] * 1e9) if bandwidth else 0.0, hbm)
         for name, optimizer_class in versions.items():
-            seconds = time_steps(optimizer_class, params, offload, args.steps, device)
-            rows.append(dict(shape=shape, offload=offload, version=name, step_s=seconds, floor_s=floor))
-            print(f"{offload:>9.2f} {name:>9} {1e3 * seconds:>8.1f} {1e3 * floor:>9.1f}", flush=True)
+            seconds, memory = time_steps(optimizer_class, params, offload, args.steps, device)
+            rows.append(dict(shape=shape, offload=offload, version=name, step_s=seconds, floor_s=floor, **memory))
+            print(f"{offload:>9.2f} {name:>9} {1e3 * seconds:>8.1f} {1e3 * floor:>9.1f} "
+                  f"{memory.get('extra_allocated_gib', float('nan')):>10.2f} {memory.get('extra_reserved_gib', float('nan')):>9.2f}",
+                  flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "optimizer_step.json"), "w") as f:
             json.dump(dict(date=time.strftime("%Y-%m-%d"), bandwidth=bandwidth, rows=rows), f, indent=1)

@@ -272,7 +272,7 @@ class LeanAdamW(torch.optim.Optimizer):
         """Offloaded moments through a pipeline: bucket i+1's moments are copied in on one stream and
         bucket i-1's copied back on another while bucket i is updated, so the two PCIe directions and the
         arithmetic overlap instead of running one after another. At most three buckets' moments are on
-        the GPU at once. The `resident` buckets (moments on the GPU) are updated while the first offloaded
+        the GPU at once (the host waits for bucket i-2's copy back before fetching bucket i+1). The `resident` buckets (moments on the GPU) are updated while the first offloaded
         bucket is copied in."""
         main = torch.cuda.current_stream()
         if self._copy_streams is None:  # made once, not per step
@@ -290,8 +290,11 @@ class LeanAdamW(torch.optim.Optimizer):
             m, v = bucket.gather_moments(main.device)
             bucket.scatter(update(bucket.gather_weights(), bucket.gather_grads(), m, v, bucket.noise_base,
                                   bucket.hyper), m, v)
+        written = []  # per bucket: its moments are back in CPU memory
         for i, bucket in enumerate(buckets):
             (m, v), ready = upcoming
+            if i >= 2:  # the host waits, not the copies: without it, it queues every fetch at once and the
+                written[i - 2].synchronize()  # allocator, unable to reuse blocks still in use, reserves GiBs more
             if i + 1 < len(buckets):
                 upcoming = fetch(i + 1)
             weights, grads = bucket.gather_weights(), bucket.gather_grads()  # before the wait: not in the copy's way
@@ -300,6 +303,7 @@ class LeanAdamW(torch.optim.Optimizer):
             outbound.wait_stream(main)
             with torch.cuda.stream(outbound):
                 bucket.write_moments(m, v)
+            written.append(outbound.record_event())
             for tensor in (m, v):  # allocated on `inbound`, read on main and outbound: not reused before both finish
                 tensor.record_stream(main)
                 tensor.record_stream(outbound)
