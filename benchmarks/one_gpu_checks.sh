@@ -4,15 +4,15 @@
 # (flex_layouts.py), the rollout table when WITH_ROLLOUT=1 (the engine variants below, HF generate, greedy agreement with HF
 # bf16 and float32; its code has not changed since the 16:12 UTC session's call 1), then the GRPO step table
 # with TRL beside it (TRL first, so the comparison survives if time runs short; 6 steps, the 6th profiled and
-# left out of the mean, its Chrome trace saved to $OUT as trace_<mode>.json.gz; the fused mode with
-# shared prompts, then without: the latter has been measured often, so it is the one to lose if time runs out).
+# left out of the mean, its Chrome trace saved to $OUT as trace_<mode>.json.gz; shared prompts with half of
+# the moments resident, then fully offloaded: the latter has been measured often, so it is the one to lose).
 # Each part has its own time limit, so a hang in one still leaves the others' logs; every log goes to $OUT.
 # Where a rollout's idle time goes: benchmarks/decode_gaps.py (left out here for time).
 #   OUT=/tmp/out bash benchmarks/one_gpu_checks.sh [grpo_step modes]
 # TRL runs when its wheels and script are in .bench/ (see docs/benchmarks.md); otherwise it is skipped.
 set -u -o pipefail
 OUT=${OUT:-/tmp/hybridrl-one-gpu}; mkdir -p "$OUT"
-MODES=${1:-grpo-0.5b-fused-shared,grpo-0.5b-fused}
+MODES=${1:-grpo-0.5b-fused-shared-offload50,grpo-0.5b-fused-shared}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 start=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - start )) s"; }
