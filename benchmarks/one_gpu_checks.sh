@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one-GPU checks of issues 3 and 4 in one device call (nvidia-h200, under 10 minutes): the GPU tests
-# of the kernels, the engine and shared prompts, FlexAttention at the update's two layouts when WITH_FLEX=1
+# of the kernels, the engine and shared prompts, the optimizer's step (optimizer_step.py), FlexAttention at the update's two layouts when WITH_FLEX=1
 # (flex_layouts.py), the rollout table when WITH_ROLLOUT=1 (the engine variants below, HF generate, greedy agreement with HF
 # bf16 and float32; its code has not changed since the 16:12 UTC session's call 1), then the GRPO step table
 # with TRL beside it (TRL first, so the comparison survives if time runs short; 6 steps, the 6th profiled and
@@ -20,6 +20,12 @@ elapsed() { echo "$(( $(date +%s) - start )) s"; }
 timeout 240 python3 -m pytest -q -m gpu tests/test_fused_head.py tests/test_decode_attention.py \
     tests/test_stacked_attention.py tests/test_builtin_engine.py tests/test_optim.py tests/test_shared_prompt.py > "$OUT/gpu_tests.log" 2>&1
 echo "== gpu tests: exit $? after $(elapsed)"; tail -2 "$OUT/gpu_tests.log"
+
+# LeanAdamW's step resident, half and fully offloaded, with the memory it allocates and reserves; beside another
+# version when benchmarks/_baseline_optim.py exists (e.g. `git show 92d7892:hybridrl/optim.py > ...`, untracked).
+baseline=""; [ -f benchmarks/_baseline_optim.py ] && baseline="--baseline _baseline_optim.py"
+(cd benchmarks && timeout 90 python3 optimizer_step.py $baseline > "$OUT/optimizer_step.log" 2>&1)
+echo "== optimizer_step: exit $? after $(elapsed)"; tail -7 "$OUT/optimizer_step.log"
 
 if [ "${WITH_FLEX:-0}" = 1 ]; then  # measured 2026-11-30 (18:21 UTC section of docs/benchmarks.md); --sweep for tiles
     timeout 150 python3 benchmarks/flex_layouts.py > "$OUT/flex_layouts.log" 2>&1
