@@ -335,6 +335,32 @@ def test_freed_slot_of_a_long_prompt_does_not_break_shorter_key_buckets(monkeypa
         assert generation.token_ids == (expected[: expected.index(eos) + 1] if eos in expected else expected)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])  # per-slot KV; prefix-shared (the GPU default) on its CPU reference
+def test_compaction_after_early_stops_keeps_greedy_outputs(monkeypatch, attention):
+    """Slots 0-5 stop within a few tokens while 6 and 7 run on, so the scheduler moves those two into a smaller
+    batch bucket (their KV and per-slot state copied to new slots); every output still equals HF's greedy
+    tokens cut at the first stop token. Counts the compactions, so the test cannot pass without one."""
+    from hybridrl.rollout import scheduler as scheduling
+
+    model = make_model("qwen2")
+    prompts = [[i + 1, (3 * i) % 50 + 2, (7 * i) % 40 + 3][: 1 + i % 3] for i in range(8)]
+    greedy = [hf_greedy(model, prompt, 12) for prompt in prompts]
+    running_on = set(greedy[6]) | set(greedy[7])
+    stops = {next(t for t in tokens if t not in running_on) for tokens in greedy[:6]}
+    compactions, plan = [], scheduling.Scheduler.compaction_moves
+    monkeypatch.setattr(scheduling.Scheduler, "compaction_moves", lambda self: compactions.append(plan(self)) or compactions[-1])
+    params = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=sorted(stops), ignore_eos=True)
+    outputs = BuiltinBackend(model, sync_every=1, attention=attention).generate(prompts, params)
+    assert any(compactions), "no compaction happened"
+    for tokens, generation in zip(greedy, outputs):
+        cut = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
+        assert generation.token_ids == tokens[:cut]
+        assert generation.finish_reason == ("stop" if cut < len(tokens) or tokens[-1] in stops else "length")
+    for prompt, generation in zip(prompts[6:], outputs[6:]):  # the moved slots' log-probs, after the move too
+        want = hf_logprobs(model, prompt, generation.token_ids)
+        assert generation.logprobs == pytest.approx(want.tolist(), abs=1e-4)
+
+
 def test_compile_defaults_to_eager_on_cpu():
     engine = BuiltinBackend(make_model("qwen2"))
     engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, temperature=0))

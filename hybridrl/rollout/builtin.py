@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from hybridrl.packing import host_to_device
 from hybridrl.rollout.base import Generation, SamplingParams
 from hybridrl.rollout.kv_cache import CacheGeometry, PrefixSharedKVCache, SlotKVCache, max_slots
 from hybridrl.rollout.llama_forward import (
@@ -130,7 +131,7 @@ class _DecodeState:
         self.out_tokens = zeros(num_slots, max_new_tokens)
         self.out_logprobs = zeros(num_slots, max_new_tokens, dtype=torch.float32)
         self.uniforms = zeros(num_slots, dtype=torch.float32)
-        self.stop_ids = torch.tensor(stop_ids or [-1], dtype=torch.long, device=device)
+        self.stop_ids = host_to_device(torch.tensor(stop_ids or [-1], dtype=torch.long), device)
         self.max_new_tokens = max_new_tokens
 
     def per_slot(self) -> list[torch.Tensor]:
@@ -140,7 +141,7 @@ class _DecodeState:
     def free(self, slots: list[int]) -> None:
         """Park freed slots at position 0: a stale position could lie past a later, shorter key bucket.
         (prompt_len 0 also makes a freed slot read no prompt keys, so its stale entry index is harmless.)"""
-        index = torch.tensor(slots, device=self.done.device)
+        index = host_to_device(torch.tensor(slots), self.done.device)
         self.done[index] = True
         self.prompt_len[index] = 0
         self.gen_len[index] = 1
@@ -423,20 +424,24 @@ class BuiltinBackend:
         input_ids = torch.zeros(len(chunk), length, dtype=torch.long)
         for row, prompt_index in enumerate(chunk):
             input_ids[row, : len(prompts[prompt_index])] = torch.tensor(prompts[prompt_index])
-        lengths = torch.tensor([len(prompts[p]) for p in chunk])
         rows = [row for row, p in enumerate(chunk) for _ in by_prompt[p]]
         sequences = [sequence for p in chunk for sequence in by_prompt[p]]
-        rows_t = torch.tensor(rows, device=device)
-        slots_t = torch.tensor([sequence.slot for sequence in sequences], device=device)
         write_rows, write_to = self.cache.prefill_writes(rows, sequences)
-        logits = prefill(run["weights"], self.cache.prefill_cache, run["cos"], run["sin"], input_ids.to(device),
-                         lengths.to(device), torch.tensor(write_rows, dtype=torch.long, device=device),
-                         torch.tensor(write_to, dtype=torch.long, device=device))
+        # Every host list goes over in one pinned, non-blocking copy: a plain torch.tensor(..., device=cuda)
+        # synchronizes the stream, so the host used to wait for this prefill to finish before it could record
+        # the decode graph, which it can now do while the prefill runs.
+        index_lists = [[len(prompts[p]) for p in chunk], rows, [sequence.slot for sequence in sequences],
+                       [sequence.entry for sequence in sequences], list(write_rows), list(write_to)]
+        sizes = [len(values) for values in index_lists]
+        on_device = host_to_device(torch.tensor([v for values in index_lists for v in values], dtype=torch.long), device)
+        lengths, rows_t, slots_t, entries, write_rows_t, write_to_t = on_device.split(sizes)
+        logits = prefill(run["weights"], self.cache.prefill_cache, run["cos"], run["sin"],
+                         host_to_device(input_ids, device), lengths, write_rows_t, write_to_t)
         uniforms = torch.rand(len(sequences), generator=run["generator"], device=device)
         tokens, logprobs = sample(logits[rows_t], run["settings"], uniforms)
         state.last_token[slots_t] = tokens
-        state.prompt_len[slots_t] = lengths.to(device)[rows_t]
-        state.prompt_entry[slots_t] = torch.tensor([sequence.entry for sequence in sequences], device=device)
+        state.prompt_len[slots_t] = lengths[rows_t]
+        state.prompt_entry[slots_t] = entries
         state.gen_len[slots_t] = 1
         state.out_tokens[slots_t, 0] = tokens
         state.out_logprobs[slots_t, 0] = logprobs
@@ -560,8 +565,7 @@ class BuiltinBackend:
             return
         state = self._run["state"]
         device = state.done.device
-        source = torch.tensor([s for s, _ in moves], device=device)
-        destination = torch.tensor([d for _, d in moves], device=device)
+        source, destination = host_to_device(torch.tensor(moves, dtype=torch.long).T.contiguous(), device)
         self.cache.move(source, destination)
         for tensor in state.per_slot():
             tensor[destination] = tensor[source]
