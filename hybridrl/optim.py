@@ -151,11 +151,12 @@ def offloaded_parameters(params: list[torch.Tensor], fraction: float) -> set[int
 class LeanAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected) with float32 moments for parameters of any dtype.
 
-    bf16 parameters are updated in float32 chunk by chunk and stored back with stochastic rounding
-    (fp16 with nearest rounding); float32 parameters match `torch.optim.AdamW`. `offload=True` keeps
-    the moments in pinned CPU memory and copies each chunk in and out around its update; a fraction
-    offloads that share of the parameter elements (the last parameters in order) and keeps the first
-    ones' moments on the device, where they are updated while the first offloaded chunk is in flight.
+    Parameters are updated in float32 bucket by bucket (small consecutive parameters concatenated, large
+    ones cut into chunks: `_Bucket`), bf16 ones stored back with stochastic rounding (fp16 with nearest
+    rounding); float32 parameters match `torch.optim.AdamW`. `offload=True` keeps the moments in pinned
+    CPU memory and copies each bucket in and out around its update; a fraction offloads that share of
+    the parameter elements (the last parameters in order) and keeps the first ones' moments on the
+    device, where they are updated while the first offloaded bucket is in flight.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
