@@ -358,6 +358,8 @@ def print_table(results: list[dict]) -> None:
         per_gpu = r["tokens_per_step"] / r["step_s"] / gpus
         switch = r.get("mean", {}).get("perf/weight_sync_s")
         switch_text = f", train->generate switch {switch:.3f} s" if switch is not None else ""
+        if r.get("peak_reserved_gib"):  # what the card must hold: allocated peak plus the allocator's cache
+            switch_text += f", peak reserved {r['peak_reserved_gib']:.2f} GiB"
         if gpus > 1 and single:
             speedup = single["step_s"] / r["step_s"]
             print(f"{name}: {speedup:.2f}x the speed of 1 GPU (same global batch), scaling efficiency "
