@@ -9,9 +9,9 @@ One `generate` call runs these phases:
    (prefix-shared), and the first token of each sample is drawn;
 3. decode: a few steps of `_decode_step` (one CUDA graph per batch-size bucket on GPU, eager on
    CPU), with no host synchronisation inside; on GPU its per-layer pieces and the sampler are
-   `torch.compile`d (once per backend object: the trainer calls `generate` every step with the same
-   shapes, so later calls reuse the compiled code and only re-capture the graphs, which point at the
-   freshly allocated KV cache);
+   `torch.compile`d, as is the prefill's layer (once per backend object: the trainer calls `generate`
+   every step with the same shapes, so later calls reuse the compiled code and only re-capture the
+   graphs, which point at the freshly allocated KV cache);
 4. sync: read which slots finished (stop token or length), check stop strings on the host, harvest
    finished sequences, free their slots; go back to 2 while anything waits or runs;
 5. free the KV cache and graphs (unless `release_after_generate=False`).
@@ -142,9 +142,11 @@ class _DecodeState:
         """Park freed slots at position 0: a stale position could lie past a later, shorter key bucket.
         (prompt_len 0 also makes a freed slot read no prompt keys, so its stale entry index is harmless.)"""
         index = host_to_device(torch.tensor(slots), self.done.device)
-        self.done[index] = True
-        self.prompt_len[index] = 0
-        self.gen_len[index] = 1
+        # index_fill_, not `tensor[index] = value`: a Python scalar assigned through a tensor index is first
+        # made a CPU tensor and copied over from pageable memory, which synchronizes the stream.
+        self.done.index_fill_(0, index, True)
+        self.prompt_len.index_fill_(0, index, 0)
+        self.gen_len.index_fill_(0, index, 1)
 
     def is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens[:, None] == self.stop_ids[None, :]).any(-1)
@@ -436,13 +438,14 @@ class BuiltinBackend:
         on_device = host_to_device(torch.tensor([v for values in index_lists for v in values], dtype=torch.long), device)
         lengths, rows_t, slots_t, entries, write_rows_t, write_to_t = on_device.split(sizes)
         logits = prefill(run["weights"], self.cache.prefill_cache, run["cos"], run["sin"],
-                         host_to_device(input_ids, device), lengths, write_rows_t, write_to_t)
+                         host_to_device(input_ids, device), lengths, write_rows_t, write_to_t,
+                         run["functions"].prefill_layer)
         uniforms = torch.rand(len(sequences), generator=run["generator"], device=device)
         tokens, logprobs = sample(logits[rows_t], run["settings"], uniforms)
         state.last_token[slots_t] = tokens
         state.prompt_len[slots_t] = lengths[rows_t]
         state.prompt_entry[slots_t] = entries
-        state.gen_len[slots_t] = 1
+        state.gen_len.index_fill_(0, slots_t, 1)  # not `[slots_t] = 1`: that synchronizes (see `free`)
         state.out_tokens[slots_t, 0] = tokens
         state.out_logprobs[slots_t, 0] = logprobs
         state.done[slots_t] = state.is_stop(tokens) | (state.max_new_tokens <= 1)

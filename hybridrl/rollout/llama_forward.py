@@ -356,6 +356,7 @@ def prefill(
     lengths: torch.Tensor,
     source_rows: torch.Tensor,
     dest_slots: torch.Tensor,
+    layer: Callable | None = None,
 ) -> torch.Tensor:
     """Run right-padded prompts once and copy their keys/values into every slot that shares them.
 
@@ -363,30 +364,36 @@ def prefill(
     receives the KV of prompt row source_rows[j] (the n samples of a prompt share one row). With the
     prefix-shared layout `kv_cache` is the prompt cache and dest_slots are prompt entries (one per
     prompt, none for a prompt whose entry is already filled: then only its logits are wanted).
-    Returns float32 logits at each prompt's last token, (P, V).
+    Returns float32 logits at each prompt's last token, (P, V). `layer`: `prefill_layer` or its compiled
+    form (`DecodeFunctions.prefill_layer`); eager when None.
     """
+    layer = layer or prefill_layer
     num_prompts, length = input_ids.shape
     if w.sliding_window is not None and length > w.sliding_window:
         raise ValueError(f"prompt of {length} tokens exceeds the model's sliding window {w.sliding_window}.")
     h = F.embedding(input_ids, w.embed)  # (P, L, hidden)
     cos, sin = cos_table[:length], sin_table[:length]
-    group = w.num_heads // w.num_kv_heads
     for layer_index, lw in enumerate(w.layers):
-        lw = unpacked(lw)
-        residual = h
-        q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (P, heads, L, D)
+        h, k, v = layer(w, unpacked(lw), h, cos, sin)
         kv_cache[layer_index, 0, dest_slots, :, :length] = k[source_rows]
         kv_cache[layer_index, 1, dest_slots, :, :length] = v[source_rows]
-        # Right padding: a real token only attends to earlier real tokens, so is_causal is enough.
-        attn = F.scaled_dot_product_attention(
-            q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), is_causal=True
-        )
-        attn = attn.transpose(1, 2).reshape(num_prompts, length, w.num_heads * w.head_dim)
-        h = residual + _linear(attn, lw.o_weight, lw.o_bias, lw.o_lora)
-        h = h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
     last = h[torch.arange(num_prompts, device=h.device), lengths - 1]  # (P, hidden)
     return F.linear(rms_norm(last, w.final_norm, w.rms_eps), w.lm_head).float()
+
+
+def prefill_layer(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """One decoder layer over right-padded prompts: h (P, L, hidden) -> (h, k, v), k/v (P, Hkv, L, D) for the
+    cache. Right padding: a real token only attends to earlier real tokens, so is_causal is enough."""
+    num_prompts, length, _ = h.shape
+    group = w.num_heads // w.num_kv_heads
+    q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (P, heads, L, D)
+    attn = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), is_causal=True
+    )
+    attn = attn.transpose(1, 2).reshape(num_prompts, length, w.num_heads * w.head_dim)
+    h = h + _linear(attn, lw.o_weight, lw.o_bias, lw.o_lora)
+    return h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps)), k, v
 
 
 def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, pending: tuple[torch.Tensor, ...],
@@ -428,14 +435,16 @@ def final_logits(w: ModelWeights, h: torch.Tensor, pending: tuple[torch.Tensor, 
 
 @dataclass(frozen=True)
 class DecodeFunctions:
-    """The per-layer pieces of a decode step; eager (`EAGER_DECODE`) or compiled (`compiled_decode_functions`)."""
+    """The per-layer pieces of a decode step, and the prefill's layer; eager (`EAGER_DECODE`) or compiled
+    (`compiled_decode_functions`)."""
 
     attention_inputs: Callable
     attention_output_and_mlp: Callable
     final_logits: Callable
+    prefill_layer: Callable = prefill_layer
 
 
-EAGER_DECODE = DecodeFunctions(attention_inputs, attention_output_and_mlp, final_logits)
+EAGER_DECODE = DecodeFunctions(attention_inputs, attention_output_and_mlp, final_logits, prefill_layer)
 
 
 def compiled_decode_functions(mode: str | None = None) -> DecodeFunctions:
@@ -449,7 +458,7 @@ def compiled_decode_functions(mode: str | None = None) -> DecodeFunctions:
     # would otherwise fail with "recompile limit exceeded" under fullgraph=True.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = [torch.compile(fn, fullgraph=True, mode=mode)
-                for fn in (attention_inputs, attention_output_and_mlp, final_logits)]
+                for fn in (attention_inputs, attention_output_and_mlp, final_logits, prefill_layer)]
 
     def dynamic_batch(fn, activation_arg: int):
         def call(*args):
@@ -460,7 +469,15 @@ def compiled_decode_functions(mode: str | None = None) -> DecodeFunctions:
             return fn(*args)
         return call
 
-    return DecodeFunctions(dynamic_batch(compiled[0], 2), dynamic_batch(compiled[1], 2), dynamic_batch(compiled[2], 1))
+    def dynamic_prompts(w, lw, h, cos, sin):
+        """The prefill's prompt count and length vary from chunk to chunk: both dynamic, one compilation."""
+        for tensor, dims in ((h, (0, 1)), (cos, (0,)), (sin, (0,))):
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        return compiled[3](w, lw, h, cos, sin)
+
+    return DecodeFunctions(dynamic_batch(compiled[0], 2), dynamic_batch(compiled[1], 2), dynamic_batch(compiled[2], 1),
+                           dynamic_prompts)
 
 
 def _decode_layers(w: ModelWeights, tokens: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
