@@ -412,6 +412,26 @@ def test_compaction_after_early_stops_keeps_greedy_outputs(monkeypatch, attentio
         assert generation.logprobs == pytest.approx(want.tolist(), abs=1e-4)
 
 
+def test_compaction_keeps_each_sequences_random_draws(monkeypatch):
+    """Sampled: a sequence's uniforms are drawn at admission, one per response position, and move with it when a
+    compaction copies its slot, so its tokens are those of a run with no compaction at all (same seed)."""
+    from hybridrl.rollout import scheduler as scheduling
+
+    model = make_model("qwen2")
+    prompts = [[i + 1, (3 * i) % 50 + 2][: 1 + i % 2] for i in range(8)]
+    # Stop on a third of the vocabulary: most sequences end within a few tokens, a few run on.
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=11, ignore_eos=True,
+                            stop_token_ids=list(range(0, model.config.vocab_size, 3)))
+    compactions, plan = [], scheduling.Scheduler.compaction_moves
+    monkeypatch.setattr(scheduling.Scheduler, "compaction_moves", lambda self: compactions.append(plan(self)) or compactions[-1])
+    moved = BuiltinBackend(model, sync_every=1).generate(prompts, params)
+    assert any(compactions), "no compaction happened"
+    monkeypatch.setattr(scheduling.Scheduler, "compaction_moves", lambda self: [])
+    unmoved = BuiltinBackend(model, sync_every=1).generate(prompts, params)
+    assert [g.token_ids for g in moved] == [g.token_ids for g in unmoved]
+    assert len({len(g.token_ids) for g in moved}) > 2  # the stops really differ between sequences
+
+
 def test_compile_defaults_to_eager_on_cpu():
     engine = BuiltinBackend(make_model("qwen2"))
     engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, temperature=0))

@@ -130,13 +130,16 @@ class _DecodeState:
         self.done = torch.ones(num_slots, dtype=torch.bool, device=device)
         self.out_tokens = zeros(num_slots, max_new_tokens)
         self.out_logprobs = zeros(num_slots, max_new_tokens, dtype=torch.float32)
-        self.uniforms = zeros(num_slots, dtype=torch.float32)
+        # One uniform per (slot, response position), drawn when a sequence is admitted: a decode step reads its
+        # own from the table, so no random draw is launched between graph replays (that launch and the gap
+        # after it cost ~30 us per step on an H200, `decode_gaps.py`).
+        self.uniform_table = zeros(num_slots, max_new_tokens, dtype=torch.float32)
         self.stop_ids = host_to_device(torch.tensor(stop_ids or [-1], dtype=torch.long), device)
         self.max_new_tokens = max_new_tokens
 
     def per_slot(self) -> list[torch.Tensor]:
         return [self.last_token, self.prompt_len, self.prompt_entry, self.gen_len, self.done, self.out_tokens,
-                self.out_logprobs]
+                self.out_logprobs, self.uniform_table]
 
     def free(self, slots: list[int]) -> None:
         """Park freed slots at position 0: a stale position could lie past a later, shorter key bucket.
@@ -152,16 +155,16 @@ class _DecodeState:
         return (tokens[:, None] == self.stop_ids[None, :]).any(-1)
 
 
-def sample_and_record(logits: torch.Tensor, settings: SamplerSettings, uniforms: torch.Tensor, done: torch.Tensor,
+def sample_and_record(logits: torch.Tensor, settings: SamplerSettings, uniform_table: torch.Tensor, done: torch.Tensor,
                       gen_len: torch.Tensor, last_token: torch.Tensor, out_tokens: torch.Tensor,
                       out_logprobs: torch.Tensor, stop_ids: torch.Tensor, max_new_tokens: int) -> None:
     """Sample one token per slot and record it in the per-slot state (rows 0..B-1, updated in place);
     finished slots keep their state. One function so that `torch.compile` makes the sampler and this
     bookkeeping a few kernels: a decode step is bound by its kernel count, not by their work."""
-    tokens, logprobs = sample(logits, settings, uniforms)
+    column = gen_len.clamp(max=max_new_tokens - 1)  # the response position this step draws
+    tokens, logprobs = sample(logits, settings, uniform_table.gather(1, column[:, None])[:, 0])
     live = ~done
     rows = torch.arange(tokens.shape[0], device=tokens.device)
-    column = gen_len.clamp(max=max_new_tokens - 1)
     out_tokens[rows, column] = torch.where(live, tokens, out_tokens[rows, column])
     out_logprobs[rows, column] = torch.where(live, logprobs, out_logprobs[rows, column])
     last_token.copy_(torch.where(live, tokens, last_token))
@@ -176,10 +179,10 @@ def compiled_sample_and_record():
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # see llama_forward
     compiled = torch.compile(sample_and_record, fullgraph=True)
 
-    def call(logits, settings, uniforms, *state_and_limits):
-        for tensor in (logits, uniforms) + state_and_limits[:5]:
+    def call(logits, settings, uniform_table, *state_and_limits):
+        for tensor in (logits, uniform_table) + state_and_limits[:5]:
             torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        return compiled(logits, settings, uniforms, *state_and_limits)
+        return compiled(logits, settings, uniform_table, *state_and_limits)
 
     return call
 
@@ -440,8 +443,9 @@ class BuiltinBackend:
         logits = prefill(run["weights"], self.cache.prefill_cache, run["cos"], run["sin"],
                          host_to_device(input_ids, device), lengths, write_rows_t, write_to_t,
                          run["functions"].prefill_layer)
-        uniforms = torch.rand(len(sequences), generator=run["generator"], device=device)
-        tokens, logprobs = sample(logits[rows_t], run["settings"], uniforms)
+        uniforms = torch.rand(len(sequences), state.max_new_tokens, generator=run["generator"], device=device)
+        state.uniform_table[slots_t] = uniforms  # column 0 draws the first token, column i the (i+1)-th
+        tokens, logprobs = sample(logits[rows_t], run["settings"], uniforms[:, 0])
         state.last_token[slots_t] = tokens
         state.prompt_len[slots_t] = lengths[rows_t]
         state.prompt_entry[slots_t] = entries
@@ -456,14 +460,12 @@ class BuiltinBackend:
         logits = self.cache.decode(run["weights"], run["cos"], run["sin"], state.last_token[:batch],
                                    state.prompt_len[:batch], state.gen_len[:batch], state.prompt_entry[:batch],
                                    kv_len, run["functions"])
-        run["sampler"](logits, run["settings"], state.uniforms[:batch], state.done[:batch], state.gen_len[:batch],
+        run["sampler"](logits, run["settings"], state.uniform_table[:batch], state.done[:batch], state.gen_len[:batch],
                        state.last_token[:batch], state.out_tokens[:batch], state.out_logprobs[:batch],
                        state.stop_ids, state.max_new_tokens)
 
     def _step(self, batch: int, kv_len: int) -> None:
         run = self._run
-        if not run["settings"].greedy:
-            run["state"].uniforms[:batch].uniform_(generator=run["generator"])
         if not (run["graphs"] and self.cache.is_cuda):
             self._decode_step(batch, kv_len)
             return

@@ -2,8 +2,9 @@
 
 Choices:
 - Randomness comes in as one uniform number per row (`uniforms`, drawn by the caller from a seeded
-  `torch.Generator`), and a token is drawn by inverting the CDF of the filtered distribution. The
-  graph then holds no RNG state of its own, and the only per-step random draw is B floats.
+  `torch.Generator`; the engine draws a table of them per sequence at admission, one per response
+  position), and a token is drawn by inverting the CDF of the filtered distribution. The graph then
+  holds no RNG state of its own and launches no random draw.
 - At large batch every pass over the (B, V) logits costs about as much as a layer's matmuls, so the
   common case (no top-k/top-p/min-p) inverts the CDF in two steps (blocks of ~sqrt(V), then inside
   one block) from per-block maxima and sums, with no full-vocabulary cumsum and, once compiled (the
