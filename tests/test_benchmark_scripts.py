@@ -93,3 +93,28 @@ def test_grpo_step_refuses_gaps_with_too_few_steps(tmp_path):
     result = subprocess.run([sys.executable, "benchmarks/grpo_step.py", "--quick", "--gaps", "--steps", "3"], cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "--gaps needs --steps 4 or more" in result.stderr
+
+
+def test_trace_report_names_the_operator_that_waited_and_the_phase_gaps(tmp_path):
+    """`trace_report.py` on a hand-made Chrome trace (µs): a 5 ms stream sync inside `index_put_` is listed with the
+    operators around it, the 6 ms idle gap inside the rollout phase is listed, and the 0.1 ms one is not."""
+    def op(name, ts, dur, cat="cpu_op"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 7}
+
+    events = [
+        op("phase:rollout", 1000, 20000, "gpu_user_annotation"),
+        op("gemm", 1000, 2000, "kernel"), op("attn", 3100, 900, "kernel"),  # 0.1 ms gap
+        op("Memcpy HtoD (Pageable -> Device)", 10000, 50, "gpu_memcpy"), op("attn", 10050, 3050, "kernel"),
+        op("aten::index_put_", 4000, 5200), op("aten::copy_", 4050, 5100),
+        op("cudaStreamSynchronize", 4100, 5000, "cuda_runtime"), op("cudaLaunchKernel", 9500, 10, "cuda_runtime"),
+    ]
+    path = tmp_path / "trace.json.gz"
+    import gzip
+    with gzip.open(path, "wt") as file:
+        json.dump({"traceEvents": events}, file)
+    out = run_script(["benchmarks/trace_report.py", str(path), "--gap-ms", "1", "--wait-ms", "1"], tmp_path)
+    assert "== rollout: 0.0-20.0 ms" in out and "GPU activity 6.0 ms in 4 kernels and copies" in out
+    assert "idle   6.00 ms from     3.00 ms, then Memcpy HtoD" in out
+    assert "idle   0.10" not in out
+    assert "cudaStreamSynchronize  in  aten::copy_ < aten::index_put_" in out
+    assert "cudaLaunchKernel" not in out

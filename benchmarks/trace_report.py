@@ -1,0 +1,110 @@
+"""Read a saved step trace without a GPU: `grpo_step.py --profile` with $OUT set brings back each mode's
+profiled step as `trace_<mode>.json.gz`. Prints, per phase of the step (the trainer's `phase:*` ranges),
+its span, the time some GPU activity ran and the top kernels; the idle gaps longer than `--gap-ms`; and every
+host call that waited for the GPU longer than `--wait-ms` (stream or device synchronize, blocking copies), with
+the operators around it — how the 21:42 UTC session of 2026-11-30 found `tensor[index] = 1` synchronizing
+inside the prefill (`docs/benchmarks.md`). Times are in ms from the first GPU activity.
+
+    python3 benchmarks/trace_report.py TRACE.json.gz [--phases rollout,update] [--gap-ms 0.3] [--wait-ms 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                 "cudaMemcpyAsync")
+
+
+def load(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as file:
+        return json.load(file)["traceEvents"]
+
+
+def gpu_activities(events: list[dict]) -> list[tuple[float, float, str]]:
+    """(start, end, name) of every kernel, copy and memset, in µs, sorted by start."""
+    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                  if e.get("cat") in GPU_CATEGORIES and "dur" in e)
+
+
+def phases(events: list[dict]) -> dict[str, tuple[float, float]]:
+    """The GPU-side range of each `phase:<name>` annotation (the longest, where the profiler split one)."""
+    ranges: dict[str, tuple[float, float]] = {}
+    for e in events:
+        if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("phase:") and "dur" in e:
+            name = e["name"][len("phase:"):]
+            if name not in ranges or e["dur"] > ranges[name][1] - ranges[name][0]:
+                ranges[name] = (e["ts"], e["ts"] + e["dur"])
+    return ranges
+
+
+def idle_gaps(activities: list[tuple[float, float, str]], begin: float, end: float,
+              min_us: float) -> list[tuple[float, float, str]]:
+    """(gap start, length, the activity after it) for gaps of at least `min_us` within [begin, end)."""
+    gaps, reach = [], None
+    for start, stop, name in activities:
+        if not begin <= start < end:
+            continue
+        if reach is not None and start - reach >= min_us:
+            gaps.append((reach, start - reach, name))
+        reach = stop if reach is None else max(reach, stop)
+    return gaps
+
+
+def host_waits(events: list[dict], min_us: float) -> list[tuple[float, float, str, list[str]]]:
+    """(start, duration, runtime call, enclosing operators innermost first) of host calls that blocked."""
+    operators = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e]
+    waits = []
+    for e in events:
+        if e.get("cat") != "cuda_runtime" or e.get("name") not in WAITING_CALLS or e.get("dur", 0) < min_us:
+            continue
+        around = sorted((o for o in operators if o.get("tid") == e.get("tid")
+                         and o["ts"] <= e["ts"] and o["ts"] + o["dur"] >= e["ts"] + e["dur"]),
+                        key=lambda o: o["dur"])
+        waits.append((e["ts"], e["dur"], e["name"], [o["name"] for o in around]))
+    return sorted(waits)
+
+
+def report(events: list[dict], wanted: list[str] | None, gap_ms: float, wait_ms: float, top: int = 12) -> None:
+    activities = gpu_activities(events)
+    if not activities:
+        print("no GPU activity in this trace")
+        return
+    origin = activities[0][0]
+    ranges = phases(events) or {"whole trace": (origin, max(stop for _, stop, _ in activities))}
+    for name, (begin, end) in sorted(ranges.items(), key=lambda item: item[1][0]):
+        if wanted and name not in wanted:
+            continue
+        inside = [a for a in activities if begin <= a[0] < end]
+        totals, counts = collections.Counter(), collections.Counter()
+        for start, stop, kernel in inside:
+            totals[kernel[:70]] += stop - start
+            counts[kernel[:70]] += 1
+        print(f"== {name}: {(begin - origin) / 1e3:.1f}-{(end - origin) / 1e3:.1f} ms, span {(end - begin) / 1e3:.1f} ms, "
+              f"GPU activity {sum(totals.values()) / 1e3:.1f} ms in {len(inside)} kernels and copies")
+        for kernel, total in totals.most_common(top):
+            print(f"  {total / 1e3:8.2f} ms {counts[kernel]:6d} x {total / counts[kernel]:8.1f} us  {kernel}")
+        for start, length, after in idle_gaps(activities, begin, end, gap_ms * 1e3):
+            print(f"  idle {length / 1e3:6.2f} ms from {(start - origin) / 1e3:8.2f} ms, then {after[:60]}")
+    print(f"host calls that waited {wait_ms} ms or more (operators around them, innermost first):")
+    for start, length, call, around in host_waits(events, wait_ms * 1e3):
+        print(f"  {(start - origin) / 1e3:8.2f} ms  {length / 1e3:7.2f} ms  {call}  in  {' < '.join(around[:4]) or '-'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace")
+    parser.add_argument("--phases", default="", help="comma-separated phase names (default: all)")
+    parser.add_argument("--gap-ms", type=float, default=0.3, help="list idle gaps at least this long")
+    parser.add_argument("--wait-ms", type=float, default=1.0, help="list host waits at least this long")
+    args = parser.parse_args(argv)
+    report(load(args.trace), [p for p in args.phases.split(",") if p], args.gap_ms, args.wait_ms)
+
+
+if __name__ == "__main__":
+    main()
