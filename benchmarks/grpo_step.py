@@ -70,9 +70,11 @@ trainer measures each phase; the table names the peak of each). The
 floor is computed: training 6 * params * tokens at `--peak` FLOP/s; rollout as in `rollout.py` (weights
 and KV read once per decode step at `--bandwidth`, prefill FLOPs). MFU of the update phase counts
 6 * params * tokens (the recompute of gradient checkpointing is not counted as useful work).
-JSON goes to $OUT/grpo_step.json when $OUT is set. Where time goes: `--profile` (the last step's top kernels
-and host operations, its Chrome trace in $OUT), `--gaps` (the last two updates' GPU idle time by gap size and
-by the kernels around each gap, then the host work during the largest gaps; `gaps.py`).
+JSON goes to $OUT/grpo_step.json when $OUT is set, and each mode's stderr to $OUT/stderr_<mode>.log (run with
+TORCH_LOGS=recompiles to see why a later step compiled again: `diag/compiled_frames` counts such frames).
+Where time goes: `--profile` (the last step's top kernels and host operations, its Chrome trace in $OUT; read
+it later with `trace_report.py`), `--gaps` (the last two updates' GPU idle time by gap size and by the kernels
+around each gap, then the host work during the largest gaps; `gaps.py`).
 """
 
 from __future__ import annotations
@@ -324,6 +326,8 @@ def child(mode: str, timeout: int, quick: bool, gpus: int = 1) -> dict:
     except subprocess.TimeoutExpired as error:
         return {"mode": mode, "error": f"timed out after {timeout} s", "log": str(error.stdout)[-1500:]}
     print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("RESULT ")), flush=True)
+    if os.environ.get("OUT") and done.stderr:  # e.g. TORCH_LOGS=recompiles output: why a step compiled again
+        (Path(os.environ["OUT"]) / f"stderr_{mode.replace(' ', '_')}.log").write_text(done.stderr)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
         return {"mode": mode, "error": done.stderr[-3000:]}
