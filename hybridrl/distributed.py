@@ -34,7 +34,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -389,19 +389,29 @@ def gather_rows(values: torch.Tensor, rows: torch.Tensor, num_rows: int, setup: 
     return full
 
 
-def generate_sharded(backend: Any, prompts: list[list[int]], params: Any, setup: DistributedSetup) -> list[Any]:
+def generate_sharded(backend: Any, prompts: list[list[int]], params: Any, setup: DistributedSetup,
+                     decode: Callable[[list[Any]], list[str]] | None = None) -> list[Any]:
     """Each rank samples for a contiguous share of `prompts`; every rank returns all generations,
     prompt-major with global `prompt_index`, as `backend.generate(prompts, params)` would.
+    `decode(generations) -> texts`: each rank decodes its own share into `Generation.text` before the
+    gather, so no rank decodes the whole batch (the tokenizer's time then shrinks with the ranks too).
 
     Ranks draw from different seeds (seed + rank), so a multi-rank rollout is a different sample
     from a one-process rollout with the same seed, not the same one.
     """
+    def with_texts(generations: list[Any]) -> list[Any]:
+        if decode is not None and generations:
+            for generation, text in zip(generations, decode(generations), strict=True):
+                generation.text = text
+        return generations
+
     if not setup.is_distributed:
-        return backend.generate(prompts, params)
+        return with_texts(backend.generate(prompts, params))
     bounds = [len(prompts) * r // setup.world_size for r in range(setup.world_size + 1)]
     start, stop = bounds[setup.rank], bounds[setup.rank + 1]
     seed = None if params.seed is None else params.seed + 1_000_003 * setup.rank
-    local = backend.generate(prompts[start:stop], dataclasses.replace(params, seed=seed)) if stop > start else []
+    local = with_texts(backend.generate(prompts[start:stop], dataclasses.replace(params, seed=seed))
+                       if stop > start else [])
     for generation in local:
         generation.prompt_index += start
     gathered: list[Any] = [None] * setup.world_size

@@ -166,11 +166,13 @@ class RLTrainer:
                            self.config.actor.offload_during_rollout, self.switch_seconds,
                            self.config.rollout.empty_cuda_cache), \
                 distributed.gather_for_rollout(self.parts.actor) as sync:
-            generations = distributed.generate_sharded(self.parts.rollout, prompts["prompt_ids"], params, self.parts.setup)
+            generations = distributed.generate_sharded(  # each process decodes the texts of its own share
+                self.parts.rollout, prompts["prompt_ids"], params, self.parts.setup,
+                decode=lambda share: decode_responses(self.parts.tokenizer, share))
             self.parts.rollout.release_memory()
         self.switch_seconds["weight_sync"] += sync.seconds
         batch = build_rollout_batch(prompts["prompt_ids"], generations, self.parts.pad_token_id, params.max_new_tokens)
-        batch.texts = decode_responses(self.parts.tokenizer, generations)
+        batch.texts = [generation.text for generation in generations]
         return batch.to(self.device)
 
     def score(self, batch: RolloutBatch, prompts: dict[str, Any]) -> dict[str, float]:

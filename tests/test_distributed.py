@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from conftest import tiny_actor
 from hybridrl import algorithms, distributed
+from hybridrl.batch import decode_responses
 from hybridrl.distributed import DistributedSetup
 from hybridrl.logprobs import response_logprobs
 from hybridrl.optim import LeanAdamW
@@ -90,9 +91,12 @@ def rollouts(model, tokenizer, setup: DistributedSetup) -> list[list[list[int]]]
             # ranks decode different lengths: forwards inside the block must not need the other rank
             distributed.generate_sharded(backend, PROMPTS[:1], SamplingParams(max_new_tokens=2 + 5 * setup.rank,
                                          temperature=0.0, ignore_eos=True), setup)
-            generations = distributed.generate_sharded(backend, PROMPTS, GREEDY, setup)
+            generations = distributed.generate_sharded(backend, PROMPTS, GREEDY, setup,
+                                                       decode=lambda share: decode_responses(tokenizer, share))
         backend.release_memory()
-        results.append([[g.prompt_index, *g.token_ids] for g in generations])
+        # Each rank decoded only its share; the gathered texts must still be every response's own.
+        assert [g.text for g in generations] == decode_responses(tokenizer, generations)
+        results.append([[g.prompt_index, *g.token_ids, g.text] for g in generations])
     return results
 
 

@@ -41,6 +41,9 @@ class Generation:
     """log_softmax(logits / temperature) of each response token, taken before top-p/top-k/min-p
     filtering (temperature 1 when greedy), so it is directly comparable to the trainer's log-probs."""
     finish_reason: FinishReason
+    text: str | None = None
+    """The response decoded, when the trainer had it decoded where it was generated (several processes each
+    decode their own share: `distributed.generate_sharded`); backends leave it None."""
 
 
 class RolloutBackend(Protocol):
