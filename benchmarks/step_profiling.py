@@ -74,7 +74,8 @@ def profiled(name: str, top: int = 25):
     """Profile the enclosed step (the last one; it is then not a clean timing) and print its top CUDA kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # Operator shapes too: `trace_report.py` turns them into each matrix product's achieved TFLOP/s.
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         yield
     print(f"{name}: top kernels of the profiled step (self CUDA time)")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70))

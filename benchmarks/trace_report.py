@@ -3,7 +3,9 @@ profiled step as `trace_<mode>.json.gz`. Prints, per phase of the step (the trai
 its span, the time some GPU activity ran and the top kernels; the idle gaps longer than `--gap-ms`; and every
 host call that waited for the GPU longer than `--wait-ms` (stream or device synchronize, blocking copies), with
 the operators around it — how the 21:42 UTC session of 2026-11-30 found `tensor[index] = 1` synchronizing
-inside the prefill (`docs/benchmarks.md`). Times are in ms from the first GPU activity.
+inside the prefill (`docs/benchmarks.md`). Times are in ms from the first GPU activity. Where the trace holds
+operator shapes (`grpo_step.py --profile` records them since that session), each phase also gets its matrix
+products by shape with their achieved TFLOP/s: which ones keep the update's MFU down.
 
     python3 benchmarks/trace_report.py TRACE.json.gz [--phases rollout,update] [--gap-ms 0.3] [--wait-ms 1]
 """
@@ -18,6 +20,8 @@ import json
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                  "cudaMemcpyAsync")
+MATMULS = {"aten::mm": 0, "aten::addmm": 1, "aten::bmm": 0, "aten::baddbmm": 1}
+"""Matrix-product operators and the position of their first matrix among the recorded input shapes."""
 
 
 def load(path: str) -> list[dict]:
@@ -70,6 +74,42 @@ def host_waits(events: list[dict], min_us: float) -> list[tuple[float, float, st
     return sorted(waits)
 
 
+def matmul_flops(name: str, dims: list) -> float | None:
+    """2 * M * K * N (times the batch for bmm) from an operator's recorded input shapes, None if they are missing."""
+    first = MATMULS[name]
+    if len(dims) < first + 2 or not dims[first] or not dims[first + 1]:
+        return None
+    a, b = dims[first], dims[first + 1]
+    batch = a[0] if len(a) == 3 else 1
+    return 2.0 * batch * a[-2] * a[-1] * b[-1]
+
+
+def matmul_table(events: list[dict], begin: float, end: float) -> list[tuple[str, tuple, int, float, float]]:
+    """(operator, input shapes, calls, kernel µs, FLOPs) per distinct matrix product whose kernels ran in
+    [begin, end): kernels are matched to the operator that launched them by the profiler's External id."""
+    launched_by = {e["args"]["External id"]: e for e in events if e.get("cat") == "cpu_op"
+                   and e.get("name") in MATMULS and "External id" in e.get("args", {})}
+    rows: dict[tuple, list] = {}
+    seen = set()
+    for e in events:
+        op = launched_by.get(e.get("args", {}).get("External id")) if e.get("cat") == "kernel" else None
+        if op is None or not begin <= e["ts"] < end:
+            continue
+        dims = op["args"].get("Input Dims", [])
+        flops = matmul_flops(op["name"], dims)
+        if flops is None:
+            continue
+        key = (op["name"], tuple(tuple(d) for d in dims[MATMULS[op["name"]]:MATMULS[op["name"]] + 2]))
+        row = rows.setdefault(key, [0, 0.0, 0.0])
+        row[1] += e["dur"]
+        if id(op) not in seen:  # an operator may launch several kernels (split-K): count its work once
+            seen.add(id(op))
+            row[0] += 1
+            row[2] += flops
+    return sorted(((name, shapes, calls, us, flops) for (name, shapes), (calls, us, flops) in rows.items()),
+                  key=lambda row: -row[3])
+
+
 def report(events: list[dict], wanted: list[str] | None, gap_ms: float, wait_ms: float, top: int = 12) -> None:
     activities = gpu_activities(events)
     if not activities:
@@ -91,6 +131,14 @@ def report(events: list[dict], wanted: list[str] | None, gap_ms: float, wait_ms:
             print(f"  {total / 1e3:8.2f} ms {counts[kernel]:6d} x {total / counts[kernel]:8.1f} us  {kernel}")
         for start, length, after in idle_gaps(activities, begin, end, gap_ms * 1e3):
             print(f"  idle {length / 1e3:6.2f} ms from {(start - origin) / 1e3:8.2f} ms, then {after[:60]}")
+        products = matmul_table(events, begin, end)
+        if products:
+            total_us, total_flops = sum(p[3] for p in products), sum(p[4] for p in products)
+            print(f"  matrix products: {total_us / 1e3:.1f} ms of kernels, {total_flops / total_us / 1e6:.0f} TFLOP/s "
+                  f"on average; by shape (calls, ms, TFLOP/s):")
+            for name, shapes, calls, us, flops in products[:top]:
+                shape_text = " x ".join("(" + ", ".join(map(str, d)) + ")" for d in shapes)
+                print(f"    {name:<12} {shape_text:<32} {calls:5d} {us / 1e3:8.2f} {flops / us / 1e6:6.0f}")
     print(f"host calls that waited {wait_ms} ms or more (operators around them, innermost first):")
     for start, length, call, around in host_waits(events, wait_ms * 1e3):
         print(f"  {(start - origin) / 1e3:8.2f} ms  {length / 1e3:7.2f} ms  {call}  in  {' < '.join(around[:4]) or '-'}")

@@ -118,3 +118,31 @@ def test_trace_report_names_the_operator_that_waited_and_the_phase_gaps(tmp_path
     assert "idle   0.10" not in out
     assert "cudaStreamSynchronize  in  aten::copy_ < aten::index_put_" in out
     assert "cudaLaunchKernel" not in out
+
+
+def test_trace_report_rates_each_matrix_product_by_shape(tmp_path):
+    """With recorded shapes, kernels are tied to their mm/addmm by External id: a split-K product's two kernels
+    add their time and count its FLOPs once, an addmm's bias is not a matrix, and ops without shapes are skipped."""
+    import gzip
+
+    def event(name, cat, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 7, "args": args}
+
+    events = [
+        event("phase:update", "gpu_user_annotation", 0, 10_000),
+        event("aten::mm", "cpu_op", 0, 5, **{"External id": 1, "Input Dims": [[4096, 4096], [4096, 4096]]}),
+        event("k1", "kernel", 10, 150, **{"External id": 1}), event("k1b", "kernel", 170, 50, **{"External id": 1}),
+        event("aten::addmm", "cpu_op", 300, 5, **{"External id": 2, "Input Dims": [[1024], [2048, 1024], [1024, 1024]]}),
+        event("k2", "kernel", 310, 20, **{"External id": 2}),
+        event("aten::mm", "cpu_op", 400, 5, **{"External id": 3}),  # no shapes recorded
+        event("k3", "kernel", 410, 20, **{"External id": 3}),
+    ]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as file:
+        json.dump({"traceEvents": events}, file)
+    out = run_script(["benchmarks/trace_report.py", str(path)], tmp_path)
+    # 2*4096^3 = 137.4 GFLOP in 200 us = 687 TFLOP/s; 2*2048*1024*1024 = 4.29 GFLOP in 20 us = 215 TFLOP/s.
+    rows = {line.split()[0] + " " + line.split()[1]: line.split()[-3:] for line in out.splitlines()
+            if line.strip().startswith("aten::")}
+    assert rows == {"aten::mm (4096,": ["1", "0.20", "687"], "aten::addmm (2048,": ["1", "0.02", "215"]}
+    assert "matrix products: 0.2 ms of kernels, 644 TFLOP/s on average" in out  # (137.4 + 4.3) GFLOP / 220 us
