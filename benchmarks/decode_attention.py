@@ -86,9 +86,6 @@ def main() -> None:
     parser.add_argument("--stacked", action="store_true",
                         help="also time attention='triton-stacked' (prompt kernel per entry + response kernel per "
                              "slot) over its launch configurations, with the fused K/V write")
-    parser.add_argument("--splits", default="",
-                        help="also time the experimental split kernel + merge (`splits=`), e.g. 2,4, with the "
-                             "default launch and the fused K/V write")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_attention.py needs a CUDA GPU (it times Triton kernels).")
@@ -129,12 +126,6 @@ def main() -> None:
     fused_us = graph_time_us(lambda: triton_decode_attention(**case, new_kv=new_kv))
     unfused_us = graph_time_us(unfused)
     stacked_rows = time_stacked(case, new_kv, args) if args.stacked else []
-    split_rows = []
-    for splits in (int(value) for value in args.splits.split(",") if value):
-        torch.testing.assert_close(triton_decode_attention(**case, splits=splits), expected, **TOLERANCE[dtype])
-        split_rows.append(dict(splits=splits, us=graph_time_us(lambda: triton_decode_attention(**case, splits=splits)),
-                               fused_us=graph_time_us(lambda: triton_decode_attention(**case, new_kv=new_kv,
-                                                                                      splits=splits))))
     rows.sort(key=lambda row: row["us"])
     print(f"\nshape: {args.slots} slots, {args.entries} prompt entries x {args.prompt_len}, response {args.response_len}, "
           f"bf16, group {group}, head_dim {head_dim}; floor {floor_us:.1f} us ({floor_bytes / 1e6:.1f} MB at "
@@ -145,9 +136,6 @@ def main() -> None:
               f"{100 * floor_us / row['us']:>7.0f}%")
     print(f"default config: {default:.1f} us; with the fused K/V write: {fused_us:.1f} us; "
           f"index_put write + kernel (unfused): {unfused_us:.1f} us")
-    for row in split_rows:
-        print(f"split kernel, {row['splits']} splits + merge: {row['us']:.1f} us ({100 * floor_us / row['us']:.0f}% of "
-              f"the floor); with the fused write {row['fused_us']:.1f} us (one kernel: {default:.1f} / {fused_us:.1f} us)")
     for row in stacked_rows[:8]:
         print(f"stacked, block_n {row['block_n']}, prompt warps {row['prompt_warps']}, response warps "
               f"{row['response_warps']}, fused write: {row['us']:.1f} us ({100 * floor_us / row['us']:.0f}% of the floor; "
@@ -155,7 +143,7 @@ def main() -> None:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "decode_attention.json"), "w") as handle:
             json.dump(dict(args=vars(args), floor_us=floor_us, configs=rows, default_us=default, fused_us=fused_us,
-                           unfused_us=unfused_us, stacked=stacked_rows, splits=split_rows, device=torch.cuda.get_device_name()), handle, indent=2)
+                           unfused_us=unfused_us, stacked=stacked_rows, device=torch.cuda.get_device_name()), handle, indent=2)
 
 
 if __name__ == "__main__":

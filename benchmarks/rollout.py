@@ -71,9 +71,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-eager-baseline", action="store_true", help="skip timing the uncompiled engine too")
     parser.add_argument("--try-efficient-attention", action="store_true",
                         help="also time the compiled engine with SDPA restricted to the mem-efficient backend")
-    parser.add_argument("--attention-splits", type=int, default=1,
-                        help="key ranges per (slot, KV head) in the triton decode attention (experimental split "
-                             "kernel + merge when > 1; sets decode_attention.SPLITS for every engine of this run)")
     parser.add_argument("--no-triton", action="store_true", help="skip the attention='triton' engine")
     parser.add_argument("--no-triton-stacked", action="store_true", help="skip the attention='triton-stacked' engine")
     parser.add_argument("--no-fused-qkv", action="store_true", help="skip the triton engine with fuse_qkv=True")
@@ -284,11 +281,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len), generator=generator).tolist()
     params = SamplingParams(max_new_tokens=args.response_len, temperature=1.0, n=args.n, seed=0, ignore_eos=True)
-    from hybridrl.rollout import decode_attention
-
-    decode_attention.SPLITS = args.attention_splits
-    print(f"engine: {args.prompts} prompts x n={args.n}, prompt {args.prompt_len}, response {args.response_len}; "
-          f"triton attention splits: {args.attention_splits}", flush=True)
+    print(f"engine: {args.prompts} prompts x n={args.n}, prompt {args.prompt_len}, response {args.response_len}", flush=True)
     agreement_prompts = prompts[: args.agreement_sequences]
     float32_tokens = float32_greedy(model, agreement_prompts, args.agreement_tokens, device)
     hf_vs_float32 = equal_fraction(hf_greedy(model, agreement_prompts, args.agreement_tokens, device), float32_tokens,

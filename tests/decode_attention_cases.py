@@ -68,25 +68,6 @@ def check_kernel_cases() -> None:
     print("kernel cases passed")
 
 
-def check_split_kernel_cases() -> None:
-    """`triton_decode_attention(splits=2 or 3)`, keys cut into ranges merged by a second kernel, against the
-    reference: plain, a slot that sees no key, the fused K/V write and RoPE (float32 and float16)."""
-    import functools
-
-    for splits in (2, 3):
-        split = functools.partial(triton_decode_attention, splits=splits)
-        for seed, shape in enumerate(CASES):
-            for dtype in (torch.float32, torch.float16):
-                case = make_case(seed, *shape, dtype=dtype)
-                torch.testing.assert_close(split(**case), reference_decode_attention(**case), **TOLERANCE[dtype])
-            check_fused_write(split, make_case(seed, *shape), FLOAT32_TOLERANCE)
-            check_rope(split, make_case(seed, *shape), FLOAT32_TOLERANCE, with_bias=seed % 2 == 1)
-        case = make_case(9, 3, 2, 4, 32, 2, 8, 8)
-        case["prompt_len"][1], case["response_len"][1] = 0, 0
-        assert torch.equal(split(**case)[1], torch.zeros(2, 4, 32))
-    print("split kernel cases passed")
-
-
 def with_new_kv(case: dict, seed: int = 7) -> tuple[dict, torch.Tensor]:
     """A copy of `case` with its own response caches, and random new keys/values (B, 2, Hkv, D)."""
     case = dict(case, response_k=case["response_k"].clone(), response_v=case["response_v"].clone())
@@ -167,14 +148,6 @@ def check_engine_with_kernel(attention: str = "triton", **engine_options) -> Non
 
 def check_engine_with_kernel_rope() -> None:
     """fuse_qkv on Qwen2 (q/k/v biases): RoPE and the biases applied inside the kernel."""
-    check_engine_with_kernel(fuse_qkv=True)
-
-
-def check_engine_with_split_kernel() -> None:
-    """The experimental split kernel + merge (`decode_attention.SPLITS = 2`) in the engine, RoPE inside."""
-    from hybridrl.rollout import decode_attention
-
-    decode_attention.SPLITS = 2
     check_engine_with_kernel(fuse_qkv=True)
 
 

@@ -3,7 +3,6 @@ SDPA, and the built-in engine on the prefix-shared layout vs HF and vs the per-s
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
@@ -116,11 +115,6 @@ def test_triton_kernel_matches_reference_in_interpret_mode():
     assert "kernel cases passed" in run_in_interpreter("check_kernel_cases")
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
-def test_split_triton_kernel_matches_reference_in_interpret_mode():
-    assert "split kernel cases passed" in run_in_interpreter("check_split_kernel_cases")
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
 @pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~10 s: the engine "
@@ -128,11 +122,9 @@ def test_split_triton_kernel_matches_reference_in_interpret_mode():
 def test_engine_with_triton_kernel_in_interpret_mode_matches_sdpa():
     assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel")
     assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel_rope")
-    assert "engine with kernel passed" in run_in_interpreter("check_engine_with_split_kernel")
 
 
-def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False, arch: int = 90,
-                              splits: int = 1):
+def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False, arch: int = 90):
     """Compile the kernel ahead of time for sm_<arch> (Triton's own ptxas; no GPU or driver needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -140,13 +132,13 @@ def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool 
     kernel = decode_attention._decode_attention_kernel
     signature = {name: "constexpr" for name in kernel.arg_names}
     signature.update({name: "*" + dtype for name in ("Q", "PK", "PV", "RK", "RV", "OUT", "NEW_KV", "COS", "SIN",
-                                                     "BIAS")}, PARTIAL="*fp32")
+                                                     "BIAS")})
     signature.update({name: "*i64" for name in ("PROMPT_INDEX", "PROMPT_LEN", "RESPONSE_LEN")})
     signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride")}, qk_scale="fp32")
     pad = lambda value: max(decode_attention.MIN_DOT_ROWS, 1 << (value - 1).bit_length())  # noqa: E731
     constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=pad(group), BLOCK_D=pad(head_dim),
                      BLOCK_N=decode_attention.BLOCK_N, IEEE=dtype == "fp32",
-                     WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope, SPLITS=splits)  # the variants the engine runs
+                     WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope)  # the variants the engine runs
     return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
                                            target=GPUTarget("cuda", arch, 32),
                                            options=dict(num_warps=decode_attention.NUM_WARPS))
@@ -163,24 +155,6 @@ def test_triton_kernel_compiles_for_hopper(dtype, group, head_dim, rope):
         pytest.skip("the kernel was built in interpret mode (TRITON_INTERPRET is set)")
     compiled = compile_kernel_for_hopper(dtype, group, head_dim, rope)
     assert "cubin" in compiled.asm and compiled.metadata.shared < 160 * 1024  # H200: 227 KiB per block
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
-def test_split_kernel_and_its_merge_compile_for_hopper():
-    """`splits=2` (experimental): the split kernel and the merge kernel lower to cubins for sm_90."""
-    if not isinstance(decode_attention._decode_attention_kernel, decode_attention.triton.runtime.JITFunction):
-        pytest.skip("the kernel was built in interpret mode (TRITON_INTERPRET is set)")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    assert "cubin" in compile_kernel_for_hopper("bf16", 7, 64, rope=True, splits=2).asm
-    merge = decode_attention._merge_splits_kernel
-    signature = {name: "constexpr" for name in merge.arg_names}
-    signature.update(PARTIAL="*fp32", OUT="*bf16", stride_ob="i32", stride_oh="i32", stride_og="i32")
-    compiled = decode_attention.triton.compile(
-        ASTSource(merge, signature, dict(GROUP=7, HEAD_DIM=64, GROUP_PAD=16, BLOCK_D=64, SPLITS=2)),
-        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2))
-    assert "cubin" in compiled.asm
 
 
 SHARED_MEMORY_PER_BLOCK = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024}
@@ -311,10 +285,6 @@ def test_triton_kernel_and_engine_on_cuda():
             torch.testing.assert_close(triton_decode_attention(**case), reference_decode_attention(**case),
                                        **TOLERANCE[dtype])
             check_rope(triton_decode_attention, case, TOLERANCE[dtype], with_bias=seed % 2 == 0)
-            for splits in (2, 4):  # experimental split kernel + merge, compiled (the interpreter checks float32/16)
-                split = functools.partial(triton_decode_attention, splits=splits)
-                torch.testing.assert_close(split(**case), reference_decode_attention(**case), **TOLERANCE[dtype])
-                check_rope(split, case, TOLERANCE[dtype], with_bias=seed % 2 == 1)
     model = make_model("qwen2").cuda()
     prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(9)]
     for params in (SamplingParams(max_new_tokens=20, temperature=0, n=2),

@@ -70,9 +70,6 @@ NUM_WARPS below, the fastest of 45 launch configurations at the grpo-0.5b shape 
 keys x 4 warps). Float32 tiles of head_dim 128 (32 x 128 x 4 bytes) stay well inside shared memory."""
 NUM_WARPS, NUM_STAGES = 2, None
 """Launch configuration; None leaves the stage count to Triton."""
-SPLITS = 1
-"""Key ranges per (slot, KV head) when a call does not pass `splits` (what the engine runs): 1 is the measured
-default; more is the experimental split kernel + merge (`benchmarks/rollout.py --attention-splits`)."""
 MIN_DOT_ROWS = 16
 """`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
 
@@ -183,42 +180,28 @@ def triton_decode_attention(
     block_n: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int | None = NUM_STAGES,
-    splits: int | None = None,
 ) -> torch.Tensor:
     """Launch the Triton kernel over a (B, Hkv) grid; same contract as `reference_decode_attention`.
     `block_n`, `num_warps`, `num_stages` are the launch configuration (`benchmarks/decode_attention.py`
-    times the alternatives); the defaults are the measured best at the grpo-0.5b shape.
-    `splits` (default `SPLITS`) > 1 (experimental, not yet timed on a GPU): each slot's keys are cut into that many ranges, one
-    program each over a (B, Hkv, splits) grid, whose partial softmax states a second small kernel merges
-    (flash-decoding): shorter serial loops per program for one more launch per layer."""
+    times the alternatives); the defaults are the measured best at the grpo-0.5b shape."""
     if triton is None:
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
                           "use attention='sdpa' or the reference on machines without it.")
     batch, num_kv_heads, group, head_dim = q.shape
     q, out, fused, cos, sin, bias, strides = launch_arguments(q, prompt_k, prompt_v, response_k, response_v,
                                                               new_kv, rope, qkv_bias)
-    splits = SPLITS if splits is None else splits
-    if splits < 1:
-        raise ValueError(f"splits must be at least 1; got {splits}.")
     block_n = block_n or BLOCK_N
     stages = {} if num_stages is None else {"num_stages": num_stages}
-    group_pad = max(MIN_DOT_ROWS, _next_power_of_two(group))
-    block_d = max(MIN_DOT_ROWS, _next_power_of_two(head_dim))
-    # Partial states of the split programs (float32): running max and sum per row, unnormalised output.
-    partial = out.new_empty(batch * num_kv_heads * splits * group_pad * (block_d + 2), dtype=torch.float32) \
-        if splits > 1 else out  # a placeholder pointer with one split
-    _decode_attention_kernel[(batch, num_kv_heads, splits)](
+    _decode_attention_kernel[(batch, num_kv_heads)](
         q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out, fused,
-        cos, sin, bias, partial, scale * math.log2(math.e), *strides,
-        GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=group_pad, BLOCK_D=block_d,
+        cos, sin, bias, scale * math.log2(math.e), *strides,
+        GROUP=group, HEAD_DIM=head_dim,
+        GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)),
+        BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),
         BLOCK_N=block_n, IEEE=q.dtype == torch.float32, WRITE_NEW=new_kv is not None,
-        ROPE=rope is not None, HAS_BIAS=rope is not None and qkv_bias is not None, SPLITS=splits,
+        ROPE=rope is not None, HAS_BIAS=rope is not None and qkv_bias is not None,
         num_warps=num_warps, **stages,
     )
-    if splits > 1:
-        _merge_splits_kernel[(batch, num_kv_heads)](
-            partial, out, *out.stride()[:3], GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=group_pad, BLOCK_D=block_d,
-            SPLITS=splits, num_warps=num_warps)
     return out
 
 
@@ -231,15 +214,15 @@ triton_decode_attention.applies_rope = True
 if triton is not None:
 
     @triton.jit
-    def _attend(q, k_base, v_base, begin, length, stride_l, m_i, l_i, acc, qk_scale,
+    def _attend(q, k_base, v_base, length, stride_l, m_i, l_i, acc, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-        """Online-softmax update of (m_i, l_i, acc) over keys [begin, length) of one (entry or slot, KV head).
+        """Online-softmax update of (m_i, l_i, acc) over keys [0, length) of one (entry or slot, KV head).
 
         q (GROUP_PAD, BLOCK_D); m_i, l_i (GROUP_PAD,) float32 in log2 units; acc (GROUP_PAD, BLOCK_D) float32.
         """
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        for start in range(begin, length, BLOCK_N):  # device-side bound: only the slot's own keys are read
+        for start in range(0, length, BLOCK_N):  # device-side bound: only the slot's own keys are read
             cols = start + offs_n
             kv_mask = (cols[:, None] < length) & (offs_d[None, :] < HEAD_DIM)
             offsets = cols[:, None] * stride_l + offs_d[None, :]
@@ -304,7 +287,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(
-        Q, PK, PV, RK, RV, PROMPT_INDEX, PROMPT_LEN, RESPONSE_LEN, OUT, NEW_KV, COS, SIN, BIAS, PARTIAL, qk_scale,
+        Q, PK, PV, RK, RV, PROMPT_INDEX, PROMPT_LEN, RESPONSE_LEN, OUT, NEW_KV, COS, SIN, BIAS, qk_scale,
         stride_qb, stride_qh, stride_qg,
         stride_pe, stride_ph, stride_pl,
         stride_rb, stride_rh, stride_rl,
@@ -312,16 +295,13 @@ if triton is not None:
         stride_nb, stride_nkv, stride_nh, stride_cb,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr, ROPE: tl.constexpr,
-        HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
     ):
         """One (slot, KV head): the prompt entry's keys, then the slot's response keys, one softmax.
         With WRITE_NEW the last response key/value (index response_len - 1) comes from NEW_KV: it is
         attended from registers and stored into the cache, so the cache write needs no kernel of its own
         (and this program never reads what it writes). With ROPE, Q and NEW_KV are raw projections: the
-        bias rows (BIAS (H + 2 Hkv, D), HAS_BIAS) are added and RoPE applied (COS, SIN (B, D)) on load.
-        SPLITS > 1: program (slot, head, split) covers one of SPLITS ranges of the slot's keys (prompt then
-        response, cut at multiples of BLOCK_N), the last one also the new key, and stores its unnormalised
-        state in PARTIAL for `_merge_splits_kernel` instead of writing OUT."""
+        bias rows (BIAS (H + 2 Hkv, D), HAS_BIAS) are added and RoPE applied (COS, SIN (B, D)) on load."""
         slot = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         offs_g = tl.arange(0, GROUP_PAD)
@@ -341,31 +321,16 @@ if triton is not None:
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
         entry = tl.load(PROMPT_INDEX + slot).to(tl.int64)
         prompt = entry * stride_pe + head * stride_ph
-        prompt_len = tl.load(PROMPT_LEN + slot).to(tl.int32)
+        m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, tl.load(PROMPT_LEN + slot).to(tl.int32), stride_pl,
+                                m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
         response = slot * stride_rb + head * stride_rh
         response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
         cached = response_len - 1 if WRITE_NEW else response_len
-        if SPLITS == 1:
-            m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, 0, prompt_len, stride_pl,
-                                    m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
-            m_i, l_i, acc = _attend(q, RK + response, RV + response, 0, cached,
-                                    stride_rl, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
-            new_at = cached
-        else:
-            split = tl.program_id(2)
-            total = prompt_len + tl.maximum(cached, 0)
-            chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
-            low, high = split * chunk, tl.minimum(split * chunk + chunk, total)
-            # Empty ranges run no iteration; a range that starts below the end has a visible first key.
-            m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, low, tl.minimum(high, prompt_len), stride_pl,
-                                    m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
-            m_i, l_i, acc = _attend(q, RK + response, RV + response, tl.maximum(low - prompt_len, 0),
-                                    high - prompt_len, stride_rl, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D,
-                                    BLOCK_N, IEEE)
-            new_at = tl.where(split == SPLITS - 1, cached, -1)  # the last split stores and adds the new key
+        m_i, l_i, acc = _attend(q, RK + response, RV + response, cached,
+                                stride_rl, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
         if WRITE_NEW:
             new = NEW_KV + slot * stride_nb + head * stride_nh
-            write = new_at >= 0
+            write = cached >= 0
             if ROPE:
                 num_heads = tl.num_programs(1) * GROUP
                 one = tl.arange(0, 1)
@@ -379,50 +344,8 @@ if triton is not None:
                              .to(tl.float32)).to(RV.dtype.element_ty)
             else:
                 k_new, v_new = _load_new(new, stride_nkv, write, HEAD_DIM, BLOCK_D)
-            m_i, l_i, acc = _attend_new(q, RK + response, RV + response, k_new, v_new, stride_rl, new_at,
+            m_i, l_i, acc = _attend_new(q, RK + response, RV + response, k_new, v_new, stride_rl, cached,
                                         m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D)
-        if SPLITS == 1:
-            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
-            tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
-                     out.to(OUT.dtype.element_ty), mask=row_mask)
-        else:
-            _store_partial(PARTIAL, (slot * tl.num_programs(1) + head) * SPLITS + tl.program_id(2), m_i, l_i, acc,
-                           GROUP_PAD, BLOCK_D)
-
-    @triton.jit
-    def _store_partial(PARTIAL, index, m_i, l_i, acc, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Partial state number `index` in PARTIAL: (m, l) rows then the (GROUP_PAD, BLOCK_D) accumulator."""
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, BLOCK_D)
-        base = PARTIAL + index.to(tl.int64) * GROUP_PAD * (BLOCK_D + 2)
-        tl.store(base + offs_g, m_i)
-        tl.store(base + GROUP_PAD + offs_g, l_i)
-        tl.store(base + 2 * GROUP_PAD + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc)
-
-    @triton.jit
-    def _merge_splits_kernel(PARTIAL, OUT, stride_ob, stride_oh, stride_og,
-                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr,
-                             BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
-        """One (slot, KV head): the SPLITS partial states rescaled to their common max and summed, then
-        normalised (a split that saw no key has m = -inf and weighs 0; a slot with none gets zeros)."""
-        slot = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1).to(tl.int64)
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, BLOCK_D)
-        first = (slot * tl.num_programs(1) + head) * SPLITS
-        size = GROUP_PAD * (BLOCK_D + 2)
-        m_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        for split in tl.static_range(SPLITS):
-            m_max = tl.maximum(m_max, tl.load(PARTIAL + (first + split) * size + offs_g))
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no key anywhere: every weight below is 0
-        l_sum = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        for split in tl.static_range(SPLITS):
-            base = PARTIAL + (first + split) * size
-            weight = tl.math.exp2(tl.load(base + offs_g) - m_max)
-            l_sum += weight * tl.load(base + GROUP_PAD + offs_g)
-            acc += weight[:, None] * tl.load(base + 2 * GROUP_PAD + offs_g[:, None] * BLOCK_D + offs_d[None, :])
-        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-        row_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
         tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_mask)

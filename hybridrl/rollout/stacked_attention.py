@@ -246,7 +246,7 @@ if triton is not None:
         l_i = tl.zeros([ROWS_PAD], tl.float32)
         acc = tl.zeros([ROWS_PAD, BLOCK_D], tl.float32)
         prompt = entry * stride_pe + head * stride_ph
-        m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, 0, length, stride_pl, m_i, l_i, acc, qk_scale,
+        m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, length, stride_pl, m_i, l_i, acc, qk_scale,
                                 HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
         partial = (slot * tl.num_programs(1) + head) * GROUP + g  # (ROWS_PAD,) index into (B, Hkv, GROUP)
         tl.store(PART_MAX + partial, m_i, mask=live)
@@ -281,7 +281,7 @@ if triton is not None:
         response = slot * stride_rb + head * stride_rh
         response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
         cached = response_len - 1 if WRITE_NEW else response_len
-        m_i, l_i, acc = _attend(q, RK + response, RV + response, 0, cached,
+        m_i, l_i, acc = _attend(q, RK + response, RV + response, cached,
                                 stride_rl, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
         if WRITE_NEW:
             k_new, v_new = _load_new(NEW_KV + slot * stride_nb + head * stride_nh, stride_nkv, cached >= 0,
