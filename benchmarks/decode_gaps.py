@@ -30,6 +30,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--response-len", type=int, default=256)
     parser.add_argument("--sync-every", default="16,64,256", help="values to time, comma-separated")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-profile", action="store_true", help="skip the two profiled runs")
     return parser.parse_args()
 
 
@@ -57,13 +58,12 @@ def main() -> None:
     prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len), generator=generator).tolist()
     params = SamplingParams(max_new_tokens=args.response_len, temperature=1.0, n=args.n, seed=0, ignore_eos=True)
     rows = []
-    engine = None
     for sync_every in (int(value) for value in args.sync_every.split(",")):
         engine = BuiltinBackend(model, attention="triton", fuse_qkv=True, fuse_gate_up=True, sync_every=sync_every)
         result = time_engine(engine, prompts, params, args.repeats)
         rows.append((sync_every, result["seconds"], result["tokens_per_s"]))
         print(f"sync_every {sync_every}: {result['seconds']:.3f} s, {result['tokens_per_s']:,.0f} tok/s", flush=True)
-        if sync_every == int(args.sync_every.split(",")[0]):
+        if sync_every == int(args.sync_every.split(",")[0]) and not args.no_profile:
             profile_gaps(engine, prompts, params)
     print(f"\n{'sync_every':>10} {'seconds':>8} {'tok/s':>10}")
     for sync_every, seconds, tokens_per_s in rows:

@@ -275,6 +275,36 @@ def test_attention_option_is_validated_and_plumbed_from_the_config():
     assert load_config(None, []).rollout.attention == "auto"
 
 
+def assert_same_samples(ours, reference, allowed_boundary_flips: int) -> None:
+    """Equal tokens and log-probs, except that up to `allowed_boundary_flips` sampled sequences may part at a
+    token one id away from the reference's: the sampler inverts the CDF in vocabulary order, so a uniform lying
+    within float32 rounding of the boundary between ids t and t+1 picks either, depending on the attention
+    kernel's summation order (seen once in float32 on an H200: ...55, 15 vs ...55, 14). Any other difference fails."""
+    flips = 0
+    for a, b in zip(ours, reference):
+        parted = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if parted is None:
+            assert a.token_ids == b.token_ids
+        else:
+            assert abs(a.token_ids[parted] - b.token_ids[parted]) == 1, (a.token_ids, b.token_ids)
+            flips += 1
+        same = len(a.token_ids) if parted is None else parted
+        assert a.logprobs[:same] == pytest.approx(b.logprobs[:same], abs=1e-4)
+    assert flips <= allowed_boundary_flips, f"{flips} sequences parted from the reference"
+
+
+def test_assert_same_samples_accepts_only_a_boundary_flip():
+    from types import SimpleNamespace as Generation
+
+    reference = [Generation(token_ids=[5, 9, 14], logprobs=[-1.0, -2.0, -3.0])]
+    assert_same_samples([Generation(token_ids=[5, 9, 15], logprobs=[-1.0, -2.0, -2.5])], reference, 1)
+    for token_ids, allowed in (([5, 9, 15], 0), ([5, 9, 16], 1), ([5, 8, 14], 0)):
+        with pytest.raises(AssertionError):
+            assert_same_samples([Generation(token_ids=token_ids, logprobs=[-1.0, -2.0, -3.0])], reference, allowed)
+    with pytest.raises(AssertionError):  # equal tokens, a log-prob off
+        assert_same_samples([Generation(token_ids=[5, 9, 14], logprobs=[-1.0, -2.1, -3.0])], reference, 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -298,9 +328,7 @@ def test_triton_kernel_and_engine_on_cuda():
             assert stats["attention"] == "triton" and stats["graphs_captured"] >= 1
             assert stats["rope_in_attention"] == fuse_qkv
             assert [g.token_ids for g in triton_engine.generate(prompts, params)] == [g.token_ids for g in shared]
-            assert [g.token_ids for g in shared] == [g.token_ids for g in per_slot]
-            for a, b in zip(shared, per_slot):
-                assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+            assert_same_samples(shared, per_slot, allowed_boundary_flips=0 if params.temperature == 0 else 1)
     for generation in shared[::3]:  # sampled at T=0.9: log-probs against the HF forward pass
         ids = torch.tensor([prompts[generation.prompt_index] + generation.token_ids], device="cuda")
         with torch.no_grad():
