@@ -1,5 +1,6 @@
 """End-to-end trainer behaviour on tiny CPU models: it learns, it is deterministic, it fails clearly."""
 
+import gc
 import math
 import shutil
 
@@ -265,3 +266,17 @@ def test_reference_offload_trains_like_a_resident_reference(tmp_path):
 def test_reference_offload_with_several_processes_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="model.reference_offload works with one process only"):
         make_trainer(tmp_path, model__reference_offload=True, trainer__num_gpus=2)
+
+
+def test_the_first_step_freezes_what_warm_up_built_and_later_steps_do_not(tmp_path, monkeypatch):
+    from hybridrl import trainer as trainer_module
+
+    calls = []
+    freeze = trainer_module.freeze_warm_up_objects
+    monkeypatch.setattr(trainer_module, "freeze_warm_up_objects", lambda: calls.append(1) or freeze())
+    trainer = make_trainer(tmp_path, trainer__total_steps=2)
+    gc.unfreeze()
+    trainer.step()
+    assert calls == [1] and gc.get_freeze_count() > 0, "the first step moves what is alive out of full collections"
+    trainer.step()
+    assert calls == [1], "only once: what later steps allocate stays collectable"
