@@ -536,6 +536,17 @@ def test_fused_projections_give_the_same_tokens_and_logprobs(family):
     assert all((layer.gate_up_weight is None) == (family == "qwen2-lora") for layer in layers)
 
 
+def test_fuse_gate_up_auto_keeps_the_projections_apart_on_cpu_and_bad_values_are_refused():
+    model, params = make_model("qwen2"), SamplingParams(max_new_tokens=2, temperature=0)
+    for option, fused in (("auto", False), (True, True), (False, False)):
+        engine = BuiltinBackend(model, fuse_gate_up=option)
+        engine.generate(PROMPTS[:2], params)
+        assert engine.last_stats["fuse_gate_up"] is fused, option
+    assert builtin.auto_fuses_gate_up(model) is False  # on CUDA: see the GPU test in test_decode_attention.py
+    with pytest.raises(ValueError, match="fuse_gate_up must be true, false or 'auto'"):
+        BuiltinBackend(model, fuse_gate_up="yes")
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_rope_inside_the_attention_gives_the_same_tokens_and_logprobs(family):
     """With fused q/k/v and the prefix-shared attention, bias and RoPE move into the attention (its CPU

@@ -35,6 +35,7 @@ def test_int_and_yaml11_exponent_are_accepted_for_float():
     ("rollout.top_k=1.5", "rollout.top_k must be an integer"),
     ("trainer.total_steps=abc", "trainer.total_steps must be an integer"),
     ("algorithm.name=ppo2", "algorithm.name must be one of"),
+    ("rollout.fuse_gate_up=maybe", "rollout.fuse_gate_up must be true or false or one of 'auto'; got 'maybe'"),
     ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
     ("rollout.temperature=-1", "rollout.temperature must be >= 0"),
     ("actor.mini_batch_size=7", "actor.mini_batch_size=7 must divide the rollout batch of 256"),

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybridrl.rollout import builtin as builtin_module
 from hybridrl.rollout import decode_attention
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.builtin import BuiltinBackend
@@ -316,6 +317,7 @@ def test_triton_kernel_and_engine_on_cuda():
                                        **TOLERANCE[dtype])
             check_rope(triton_decode_attention, case, TOLERANCE[dtype], with_bias=seed % 2 == 0)
     model = make_model("qwen2").cuda()
+    assert builtin_module.auto_fuses_gate_up(model)  # a tiny model's gate/up copy is far under 5% of the GPU
     prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(9)]
     for params in (SamplingParams(max_new_tokens=20, temperature=0, n=2),
                    SamplingParams(max_new_tokens=12, temperature=0.9, n=3, seed=5)):
