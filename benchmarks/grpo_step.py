@@ -73,7 +73,8 @@ and KV read once per decode step at `--bandwidth`, prefill FLOPs). MFU of the up
 JSON goes to $OUT/grpo_step.json when $OUT is set, and each mode's stderr to $OUT/stderr_<mode>.log (run with
 TORCH_LOGS=recompiles to see why a later step compiled again: `diag/compiled_frames` counts such frames).
 Where time goes: `--profile` (the last step's top kernels and host operations, its Chrome trace in $OUT; read
-it later with `trace_report.py`), `--gaps` (the last two updates' GPU idle time by gap size and by the kernels
+it later with `trace_report.py`), HYBRIDRL_BENCH_HEAD_GRAD_CHUNKS=N (the head backward's chunks per weight product,
+`logprobs.GRAD_CHUNKS_PER_PRODUCT`, for an A/B in one call), `--gaps` (the last two updates' GPU idle time by gap size and by the kernels
 around each gap, then the host work during the largest gaps; `gaps.py`).
 """
 
@@ -241,6 +242,10 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
     settings.update(spec.get("settings", {}))
     if world > 1:
         settings["trainer__num_gpus"] = world
+    if os.environ.get("HYBRIDRL_BENCH_HEAD_GRAD_CHUNKS"):  # A/B of logprobs.GRAD_CHUNKS_PER_PRODUCT
+        import hybridrl.logprobs
+
+        hybridrl.logprobs.GRAD_CHUNKS_PER_PRODUCT = int(os.environ["HYBRIDRL_BENCH_HEAD_GRAD_CHUNKS"])
     trainer = RLTrainer(actor=HFModel(model, tokenizer), reward_fn=even_fraction, dataset=dataset, **settings)
     trainable = sum(p.numel() for p in trainer.parts.actor.parameters() if p.requires_grad)
     if device == "cuda":

@@ -37,6 +37,14 @@ CHUNK_ELEMENTS = 64 * 2**20
 fused kernels make no float32 copy of a chunk; the unfused path (CPU) makes a few."""
 
 
+GRAD_CHUNKS_PER_PRODUCT = 4
+"""The backward pass makes each chunk's d(loss)/d(logits) as the forward makes its logits, one chunk at a time, but
+keeps this many chunks of them side by side for the products with the head weight. The weight's gradient is a
+float32 (V, H) sum that a product reads and writes whole: one product per chunk of ~440 positions is bound by that
+traffic, not by its arithmetic (270 TFLOP/s for the grpo-0.5b head on an H200, 2026-11-30 profile). Costs
+(this - 1) more chunks of logits (128 MiB each at the default size) during the head's backward."""
+
+
 def default_chunk_tokens(vocab_size: int) -> int:
     return max(16, CHUNK_ELEMENTS // max(1, vocab_size))
 
@@ -68,19 +76,28 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
         if not ctx.with_entropy:
             grad_entropy = torch.zeros_like(grad_logp)
-        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
-            chunk = slice(start, start + ctx.chunk_tokens)
-            h = hidden[chunk]
-            logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
-            # d(loss)/d(logits) (C, V) in the weight's dtype, possibly written over `logits`
-            grad_logits = softmax_grad_(logits, targets[chunk], log_norm[chunk], entropy[chunk], grad_logp[chunk],
-                                        grad_entropy[chunk], ctx.scale)
+        # d(loss)/d(logits) of GRAD_CHUNKS_PER_PRODUCT chunks side by side, so that the products with the head
+        # weight run over that many positions at once
+        rows = min(hidden.shape[0], ctx.chunk_tokens * GRAD_CHUNKS_PER_PRODUCT)
+        group_grad = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        for group_start in range(0, hidden.shape[0], rows):
+            group = slice(group_start, min(group_start + rows, hidden.shape[0]))
+            for start in range(group.start, group.stop, ctx.chunk_tokens):
+                chunk = slice(start, min(start + ctx.chunk_tokens, group.stop))
+                h, into = hidden[chunk], group_grad[chunk.start - group.start: chunk.stop - group.start]
+                logits = torch.mm(h, weight.t(), out=into) if bias is None else torch.addmm(bias, h, weight.t(), out=into)
+                # d(loss)/d(logits) (C, V) in the weight's dtype, possibly written over `logits`
+                grad_logits = softmax_grad_(logits, targets[chunk], log_norm[chunk], entropy[chunk], grad_logp[chunk],
+                                            grad_entropy[chunk], ctx.scale)
+                if grad_logits.data_ptr() != into.data_ptr():
+                    into.copy_(grad_logits)
+            grads = group_grad[: group.stop - group.start]
             if need_hidden:
-                grad_hidden[chunk] = grad_logits @ weight
+                grad_hidden[group] = grads @ weight
             if need_weight:
-                accumulate_matmul_(grad_weight, grad_logits.t(), h)  # bf16 products, float32 sum
+                accumulate_matmul_(grad_weight, grads.t(), hidden[group])  # bf16 products, float32 sum
             if need_bias:
-                grad_bias.add_(grad_logits.float().sum(0))
+                grad_bias.add_(grads.float().sum(0))
         grad_weight = grad_weight.to(weight.dtype) if need_weight else None
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None

@@ -56,12 +56,13 @@ def test_chunked_equals_full_logits_values_and_gradients(pack):
         assert torch.allclose(mine, reference, atol=1e-5, rtol=1e-4)
 
 
-def test_head_gradients_with_bias_and_no_entropy():
+@pytest.mark.parametrize("chunk_tokens", [1, 2, 4, 16])  # with 4 chunks per weight product: 4, 2, 1 and 1 groups
+def test_head_gradients_with_bias_and_no_entropy(chunk_tokens):
     generator = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(16, 50, bias=True)
     hidden = torch.randn(13, 16, generator=generator, requires_grad=True)
     targets = torch.randint(0, 50, (13,), generator=generator)
-    logp, entropy = token_logprobs(hidden, head, targets, temperature=2.0, chunk_tokens=4, with_entropy=False)
+    logp, entropy = token_logprobs(hidden, head, targets, temperature=2.0, chunk_tokens=chunk_tokens, with_entropy=False)
     assert torch.equal(entropy, torch.zeros(13))
     logp.sum().backward()
     got = [hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
