@@ -8,7 +8,7 @@ Choices:
 - At large batch every pass over the (B, V) logits costs about as much as a layer's matmuls, so the
   common case (no top-k/top-p/min-p) inverts the CDF in two steps (blocks of ~sqrt(V), then inside
   one block) from per-block maxima and sums, with no full-vocabulary cumsum and, once compiled (the
-  engine compiles it with its per-step bookkeeping, `builtin.sample_and_record`), a single read of the logits. Filtered sampling keeps an eager path over
+  engine compiles it with its per-step bookkeeping, `decode_state.sample_and_record`), a single read of the logits. Filtered sampling keeps an eager path over
   unnormalised weights (sorts are needed for top-k/top-p anyway).
 - The returned log-prob is `log_softmax(logits / T)` of the chosen token *before* top-k/top-p/min-p
   filtering (T = 1 when greedy), as `base.Generation.logprobs` defines it.
