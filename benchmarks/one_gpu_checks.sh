@@ -9,7 +9,8 @@
 # Each part has its own time limit, so a hang in one still leaves the others' logs; every log goes to $OUT.
 # Where a rollout's idle time goes: benchmarks/decode_gaps.py (left out here for time).
 #   OUT=/tmp/out bash benchmarks/one_gpu_checks.sh [grpo_step modes]
-# TRL runs when its wheels and script are in .bench/ (see docs/benchmarks.md); otherwise it is skipped.
+# TRL runs when its wheels and script are in .bench/ (see docs/benchmarks.md); otherwise it is skipped, with a line
+# saying so. .bench/ is git-ignored: with the device tool, pass carry [".bench"] or it is not there.
 set -u -o pipefail
 OUT=${OUT:-/tmp/hybridrl-one-gpu}; mkdir -p "$OUT"
 MODES=${1:-grpo-0.5b-fused-shared-offload50,grpo-0.5b-fused-shared}
@@ -45,6 +46,8 @@ if ls .bench/trl-*.whl > /dev/null 2>&1 && [ -f .bench/trl_grpo_gpu.py ]; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/hybridrl-site .bench/*.whl > /dev/null 2>&1
     export PYTHONPATH=$PWD:/tmp/hybridrl-site
     MODES="trl,$MODES"
+else
+    echo "== TRL skipped: no .bench/trl-*.whl or .bench/trl_grpo_gpu.py here (git-ignored: carry .bench)"
 fi
 left=$(( 585 - $(date +%s) + start ))  # what the device call's 600 s leave
 timeout $left python3 benchmarks/grpo_step.py --modes "$MODES" --steps 6 --profile --trl-script .bench/trl_grpo_gpu.py \
