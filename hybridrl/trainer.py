@@ -302,7 +302,8 @@ def freeze_warm_up_objects() -> None:
     A full (generation 2) garbage collection walks every tracked object, and after the first step those
     include all that `torch.compile` and graph capture made: on two H200s one such walk stopped a rank for
     0.54 s in the middle of step 3, and the other rank waited for it in the next collective. Frozen objects
-    are never walked again, so later full collections see only what later steps allocate."""
+    are never walked again, so later full collections see only what later steps allocate. (A frozen object that
+    later becomes part of unreachable cycles is not reclaimed: at most what the first step left alive.)"""
     gc.collect()
     gc.freeze()
 
