@@ -5,9 +5,14 @@ host call that waited for the GPU longer than `--wait-ms` (stream or device sync
 the operators around it — how the 21:42 UTC session of 2026-11-30 found `tensor[index] = 1` synchronizing
 inside the prefill (`docs/benchmarks.md`). Times are in ms from the first GPU activity. Where the trace holds
 operator shapes (`grpo_step.py --profile` records them since that session), each phase also gets its matrix
-products by shape with their achieved TFLOP/s: which ones keep the update's MFU down.
+products by shape with their achieved TFLOP/s: which ones keep the update's MFU down. `--host FROM-TO` (ms) lists
+what the host's main thread did in that window: its outermost operations, longer than `--host-ms`, and the
+stretches in which it ran no traced operation at all (Python: tokenizing, building lists, pickling), with the
+share of the window the GPU was busy — how the 23:29 UTC session of 2026-11-30 found the compiled prefill
+host-bound (~1 ms of host per layer for ~0.4 ms of GPU work) and ~70 ms of plain Python after a 2-GPU rollout.
 
     python3 benchmarks/trace_report.py TRACE.json.gz [--phases rollout,update] [--gap-ms 0.3] [--wait-ms 1]
+    python3 benchmarks/trace_report.py TRACE.json.gz --host 540-640 [--host-ms 1]
 """
 
 from __future__ import annotations
@@ -74,6 +79,42 @@ def host_waits(events: list[dict], min_us: float) -> list[tuple[float, float, st
     return sorted(waits)
 
 
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime")
+
+
+def host_timeline(events: list[dict], begin: float, end: float, min_us: float) -> list[tuple[float, float, str]]:
+    """(start, duration, name) of the main thread's outermost operations in [begin, end) lasting at least `min_us`,
+    and, named "(no traced operation)", the stretches of at least `min_us` between them. The main thread is the
+    one with the most operations."""
+    host = [e for e in events if e.get("cat") in HOST_CATEGORIES and "dur" in e
+            and not e.get("name", "").startswith(("phase:", "ProfilerStep"))]  # ranges, not work: look inside
+    if not host:
+        return []
+    main_thread = collections.Counter(e.get("tid") for e in host).most_common(1)[0][0]
+    rows, reach = [], None
+    for e in sorted((e for e in host if e.get("tid") == main_thread and begin <= e["ts"] < end),
+                    key=lambda e: (e["ts"], -e["dur"])):
+        if reach is not None and e["ts"] < reach:
+            continue  # inside an operation already listed
+        if reach is not None and e["ts"] - reach >= min_us:
+            rows.append((reach, e["ts"] - reach, "(no traced operation)"))
+        if e["dur"] >= min_us:
+            rows.append((e["ts"], e["dur"], e["name"]))
+        reach = e["ts"] + e["dur"]
+    return rows
+
+
+def busy_fraction(activities: list[tuple[float, float, str]], begin: float, end: float) -> float:
+    """Share of [begin, end) in which some GPU activity ran (overlapping ones counted once)."""
+    busy, reach = 0.0, begin
+    for start, stop, _ in activities:
+        start, stop = max(start, reach), min(stop, end)
+        if stop > start:
+            busy += stop - start
+            reach = stop
+    return busy / max(end - begin, 1e-9)
+
+
 def matmul_flops(name: str, dims: list) -> float | None:
     """2 * M * K * N (times the batch for bmm) from an operator's recorded input shapes, None if they are missing."""
     first = MATMULS[name]
@@ -108,6 +149,19 @@ def matmul_table(events: list[dict], begin: float, end: float) -> list[tuple[str
             row[2] += flops
     return sorted(((name, shapes, calls, us, flops) for (name, shapes), (calls, us, flops) in rows.items()),
                   key=lambda row: -row[3])
+
+
+def report_host(events: list[dict], window: str, min_ms: float) -> None:
+    activities = gpu_activities(events)
+    if not activities:
+        print("no GPU activity in this trace")
+        return
+    origin = activities[0][0]
+    first, last = (origin + float(value) * 1e3 for value in window.split("-"))
+    print(f"== host, {window} ms: GPU busy {100 * busy_fraction(activities, first, last):.0f}% of the window; the main "
+          f"thread's outermost operations and untraced stretches of {min_ms} ms or more:")
+    for start, length, name in host_timeline(events, first, last, min_ms * 1e3):
+        print(f"  {(start - origin) / 1e3:8.2f} ms  {length / 1e3:7.2f} ms  {name[:90]}")
 
 
 def report(events: list[dict], wanted: list[str] | None, gap_ms: float, wait_ms: float, top: int = 12) -> None:
@@ -150,8 +204,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--phases", default="", help="comma-separated phase names (default: all)")
     parser.add_argument("--gap-ms", type=float, default=0.3, help="list idle gaps at least this long")
     parser.add_argument("--wait-ms", type=float, default=1.0, help="list host waits at least this long")
+    parser.add_argument("--host", default="", metavar="FROM-TO",
+                        help="instead of the phase report: the host's main thread in this window (ms, as printed)")
+    parser.add_argument("--host-ms", type=float, default=1.0, help="with --host: list what lasted at least this long")
     args = parser.parse_args(argv)
-    report(load(args.trace), [p for p in args.phases.split(",") if p], args.gap_ms, args.wait_ms)
+    if args.host and not (args.host.count("-") == 1 and all(v.replace(".", "", 1).isdigit() for v in args.host.split("-"))):
+        parser.error(f"--host takes a window in ms like 540-640; got {args.host!r}")
+    if args.host:
+        report_host(load(args.trace), args.host, args.host_ms)
+    else:
+        report(load(args.trace), [p for p in args.phases.split(",") if p], args.gap_ms, args.wait_ms)
 
 
 if __name__ == "__main__":

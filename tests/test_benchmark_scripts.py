@@ -120,6 +120,35 @@ def test_trace_report_names_the_operator_that_waited_and_the_phase_gaps(tmp_path
     assert "cudaLaunchKernel" not in out
 
 
+def test_trace_report_host_window_lists_outermost_operations_and_untraced_stretches(tmp_path):
+    """`--host`: the main thread's outermost operations (not what runs inside them, not the phase range around
+    them, not another thread's), the gaps between them with no traced operation, and the GPU's busy share."""
+    def op(name, ts, dur, cat="cpu_op", tid=7):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+    events = [
+        op("gemm", 1000, 2500, "kernel"), op("attn", 9000, 500, "kernel"),
+        op("phase:rollout", 1000, 20000, "user_annotation"),
+        op("Torch-Compiled Region: 0/0", 2000, 1500), op("cudaLaunchKernel", 2100, 1200, "cuda_runtime"),
+        op("aten::zeros", 6500, 300),  # shorter than --host-ms
+        op("aten::item", 9000, 1100), op("worker op", 3600, 4000, tid=9), op("worker op", 8000, 10, tid=9),
+    ]
+    path = tmp_path / "trace.json.gz"
+    import gzip
+    with gzip.open(path, "wt") as file:
+        json.dump({"traceEvents": events}, file)
+    out = run_script(["benchmarks/trace_report.py", str(path), "--host", "0-10", "--host-ms", "1"], tmp_path)
+    assert "GPU busy 30% of the window" in out  # 2.5 + 0.5 ms of 10 ms
+    assert "1.00 ms     1.50 ms  Torch-Compiled Region: 0/0" in out
+    assert "2.50 ms     3.00 ms  (no traced operation)" in out  # 3.5 -> 6.5 ms
+    assert "5.80 ms     2.20 ms  (no traced operation)" in out and "8.00 ms     1.10 ms  aten::item" in out
+    for hidden in ("cudaLaunchKernel", "aten::zeros", "worker op", "phase:rollout"):
+        assert hidden not in out
+    bad = subprocess.run([sys.executable, "benchmarks/trace_report.py", str(path), "--host", "5"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "--host takes a window in ms like 540-640" in bad.stderr
+
+
 def test_trace_report_rates_each_matrix_product_by_shape(tmp_path):
     """With recorded shapes, kernels are tied to their mm/addmm by External id: a split-K product's two kernels
     add their time and count its FLOPs once, an addmm's bias is not a matrix, and ops without shapes are skipped."""
