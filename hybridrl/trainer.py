@@ -126,10 +126,16 @@ class RLTrainer:
 
             rollout += f" engine, {resolve_attention(parts.rollout.attention, self.device)} decode attention"
         processes = f" x {parts.setup.world_size} processes" if parts.setup.is_distributed else ""
+        engine_compiles = (rollout.startswith("builtin") and self.device.type == "cuda"
+                           and getattr(parts.rollout, "compile", None) is not False)
+        compiling = [what for what, on in (("the rollout engine", engine_compiles), ("the model's layers", c.model.compile))
+                     if on]
+        note = (f"; the first step compiles {' and '.join(compiling)} (a minute or so; later steps reuse it)"
+                if compiling else "")
         return (f"hybridrl: {c.algorithm.name} with {c.model.path} ({trainable / 1e6:.2f}M trainable parameters, {dtype}) "
                 f"on {self.device.type}{processes}; rollout: {rollout}; {c.trainer.prompts_per_step} prompts x "
                 f"{c.rollout.num_samples_per_prompt} samples per step, {c.trainer.total_steps} steps; "
-                f"output in {self.output_dir}")
+                f"output in {self.output_dir}{note}")
 
     def step(self) -> dict[str, float]:
         """One rollout-and-update step."""

@@ -230,6 +230,9 @@ def test_train_prints_what_it_is_about_to_do(tmp_path, capsys):
     assert out.startswith("hybridrl: grpo with ")
     assert "on cpu; rollout: hf; 8 prompts x 4 samples per step, 1 steps" in out
     assert f"saved the trained model to {tmp_path / 'model'}" in out
+    assert "compiles" not in out  # nothing compiles on CPU by default
+    compiled = make_trainer(tmp_path, model__compile=True).describe()
+    assert compiled.endswith("; the first step compiles the model's layers (a minute or so; later steps reuse it)")
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor on CPU needs a C++ compiler")
