@@ -7,6 +7,8 @@ every sequence sits at column P + t and every per-token quantity (log-probs, adv
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -80,22 +82,33 @@ def build_rollout_batch(prompts: list[list[int]], generations: list[Generation],
                         max_new_tokens: int) -> RolloutBatch:
     """Pad prompts left and responses right into one tensor batch (on CPU).
 
-    Rows are written into preallocated numpy arrays (a slice assignment per prompt and response), and the
-    mask comes from the lengths: one `torch.tensor` per row cost more than the GPU's work on 512 sequences,
-    and padding Python lists first was slower still."""
+    All responses' tokens and log-probs are read into numpy in one pass each and scattered to their rows with
+    one indexed store, and each distinct prompt is padded once and gathered to its samples' rows (512 x (256 +
+    256) tokens on two CPU cores: 17 ms, against 24 ms with a slice store per row and more with a `torch.tensor`
+    per row); what remains is mostly reading the Python lists (~9 ms)."""
     num = len(generations)
-    prompt_len = max(len(prompts[g.prompt_index]) for g in generations)
-    response_len = max(1, max(len(g.token_ids) for g in generations))
+    prompt_lens = np.array([len(prompts[g.prompt_index]) for g in generations], dtype=np.int64)
+    response_lens = np.array([len(g.token_ids) for g in generations], dtype=np.int64)
+    prompt_len, response_len = int(prompt_lens.max()), max(1, int(response_lens.max()))
     ids = np.full((num, prompt_len + response_len), pad_token_id, dtype=np.int64)
     logps = np.zeros((num, response_len), dtype=np.float32)
-    for row, gen in enumerate(generations):
-        prompt, generated = prompts[gen.prompt_index], len(gen.token_ids)
-        ids[row, prompt_len - len(prompt):prompt_len] = prompt
-        ids[row, prompt_len:prompt_len + generated] = gen.token_ids
-        logps[row, :generated] = gen.logprobs
+    used = sorted({g.prompt_index for g in generations})
+    padded_prompts = np.full((len(used), prompt_len), pad_token_id, dtype=np.int64)
+    for row, index in enumerate(used):
+        if prompts[index]:
+            padded_prompts[row, prompt_len - len(prompts[index]):] = prompts[index]
+    row_of_prompt = {index: row for row, index in enumerate(used)}
+    ids[:, :prompt_len] = padded_prompts[[row_of_prompt[g.prompt_index] for g in generations]]
+    total = int(response_lens.sum())
+    rows = np.repeat(np.arange(num), response_lens)
+    columns = np.arange(total) - np.repeat(np.cumsum(response_lens) - response_lens, response_lens)
+    ids[rows, prompt_len + columns] = np.fromiter(itertools.chain.from_iterable(g.token_ids for g in generations),
+                                                  dtype=np.int64, count=total)
+    logps[rows, columns] = np.fromiter(itertools.chain.from_iterable(g.logprobs for g in generations),
+                                       dtype=np.float32, count=total)
     input_ids, sampler_logp = torch.from_numpy(ids), torch.from_numpy(logps)
-    first = torch.tensor([prompt_len - len(prompts[g.prompt_index]) for g in generations])[:, None]
-    end = torch.tensor([prompt_len + len(g.token_ids) for g in generations])[:, None]
+    first = torch.from_numpy(prompt_len - prompt_lens)[:, None]
+    end = torch.from_numpy(prompt_len + response_lens)[:, None]
     column = torch.arange(prompt_len + response_len)
     attention_mask = ((column >= first) & (column < end)).long()
     position_ids = torch.minimum((column - first).clamp(min=0), end - first - 1)  # padding repeats the edge

@@ -1,5 +1,6 @@
 """The `hf` rollout backend: its log-probs agree with the trainer's forward pass, and its stop logic is right."""
 
+import pytest
 import torch
 
 from conftest import tiny_actor
@@ -62,6 +63,34 @@ def test_rollout_batch_layout_by_hand():
     assert batch.response_mask.tolist() == [[1, 1], [0, 0], [1, 0]]
     assert batch.sampler_logp.tolist() == [[-0.5, -0.25], [0.0, 0.0], [-1.0, 0.0]]
     assert batch.truncated.tolist() == [True, False, False] and batch.prompt_index.tolist() == [0, 1, 1]
+
+
+def test_rollout_batch_equals_a_row_by_row_reference_on_ragged_batches():
+    """The vectorised layout against plain per-row loops: unsorted and unused prompts, empty prompts and responses."""
+    import random
+
+    from hybridrl.rollout.base import Generation
+
+    rng = random.Random(0)
+    for trial in range(100):
+        prompts = [[rng.randrange(1, 99) for _ in range(rng.randint(0 if trial % 5 == 0 else 1, 7))]
+                   for _ in range(rng.randint(1, 5))]
+        generations = []
+        for _ in range(rng.randint(1, 9)):
+            length = rng.randint(0, 6)
+            generations.append(Generation(rng.randrange(len(prompts)), [rng.randrange(1, 99) for _ in range(length)],
+                                          [-rng.random() for _ in range(length)], rng.choice(["stop", "length"])))
+        batch = build_rollout_batch(prompts, generations, pad_token_id=0, max_new_tokens=6)
+        width = max(len(prompts[g.prompt_index]) for g in generations)
+        height = max(1, max(len(g.token_ids) for g in generations))
+        for row, g in enumerate(generations):
+            prompt = prompts[g.prompt_index]
+            padding = [0] * (width - len(prompt))
+            assert batch.input_ids[row].tolist() == padding + prompt + g.token_ids + [0] * (height - len(g.token_ids))
+            assert batch.attention_mask[row].tolist() == [0] * len(padding) + [1] * (len(prompt) + len(g.token_ids)) \
+                + [0] * (height - len(g.token_ids))
+            assert batch.sampler_logp[row, :len(g.logprobs)].tolist() == pytest.approx(g.logprobs)
+            assert batch.sampler_logp[row, len(g.logprobs):].abs().sum() == 0
 
 
 def test_decoded_responses_equal_the_tokenizers_own_decode():
