@@ -32,6 +32,14 @@ def test_optimizer_step_quick_times_each_offload_share_and_the_baseline(tmp_path
     assert all(r["step_s"] > 0 for r in rows)
 
 
+def test_host_batch_times_this_batch_builder_beside_a_baseline_and_the_decoding(tmp_path):
+    baseline = tmp_path / "baseline_batch.py"
+    baseline.write_text((ROOT / "hybridrl/batch.py").read_text())
+    out = run_script(["benchmarks/host_batch.py", "--baseline", str(baseline), "--repeats", "1"], tmp_path)
+    for row in ("build_rollout_batch (this)", "build_rollout_batch (baseline)", "decode_responses (512 texts)"):
+        assert row in out
+
+
 def test_flex_layouts_quick_times_every_layout(tmp_path):
     stdout = run_script(["benchmarks/flex_layouts.py", "--quick"], tmp_path)
     results = json.loads((tmp_path / "flex_layouts.json").read_text())["results"]

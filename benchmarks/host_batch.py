@@ -1,0 +1,75 @@
+"""Host time between generation and reward, on the grpo-0.5b shape, without a GPU: turning 512 generations of
+256 tokens (64 prompts of 256 tokens, 8 samples each) into the padded batch (`build_rollout_batch`) and decoding
+their texts with `grpo_step.py`'s tokenizer (`decode_responses`). Each is timed best of `--repeats`; with
+`--baseline FILE` (a copy of another version's `hybridrl/batch.py`) that version's `build_rollout_batch` is
+timed beside it on the same generations and checked to give the same tensors.
+
+    python3 benchmarks/host_batch.py [--baseline /tmp/old_batch.py] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from grpo_step import build_tokenizer  # noqa: E402
+
+from hybridrl.batch import build_rollout_batch, decode_responses  # noqa: E402
+from hybridrl.rollout.base import Generation  # noqa: E402
+
+VOCAB, PROMPTS, SAMPLES, PROMPT_LEN, RESPONSE_LEN = 151936, 64, 8, 256, 256
+
+
+def best_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def load_baseline(path: str):
+    spec = importlib.util.spec_from_file_location("baseline_batch", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["baseline_batch"] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module.build_rollout_batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", default="", help="another version's hybridrl/batch.py to time beside this one")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, VOCAB, (PROMPTS, PROMPT_LEN), generator=generator).tolist()
+    tokens = torch.randint(3, VOCAB, (PROMPTS * SAMPLES, RESPONSE_LEN), generator=generator).tolist()
+    logprobs = (-torch.rand(PROMPTS * SAMPLES, RESPONSE_LEN, generator=generator)).tolist()
+    generations = [Generation(i // SAMPLES, tokens[i], logprobs[i], "length") for i in range(len(tokens))]
+    rows = [("build_rollout_batch (this)", best_ms(lambda: build_rollout_batch(prompts, generations, 1, RESPONSE_LEN),
+                                                   args.repeats))]
+    if args.baseline:
+        baseline = load_baseline(args.baseline)
+        ours, theirs = (f(prompts, generations, 1, RESPONSE_LEN) for f in (build_rollout_batch, baseline))
+        for name in ("input_ids", "attention_mask", "position_ids", "response_mask", "sampler_logp"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name)), f"{name} differs from the baseline's"
+        rows.append(("build_rollout_batch (baseline)", best_ms(lambda: baseline(prompts, generations, 1, RESPONSE_LEN),
+                                                               args.repeats)))
+    tokenizer = build_tokenizer(VOCAB)
+    rows.append((f"decode_responses ({len(generations)} texts)",
+                 best_ms(lambda: decode_responses(tokenizer, generations), max(1, args.repeats // 2))))
+    print(f"{len(generations)} generations of {RESPONSE_LEN} tokens, prompts of {PROMPT_LEN}; "
+          f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs; best of {args.repeats}")
+    for name, ms in rows:
+        print(f"  {name:<34} {ms:8.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
