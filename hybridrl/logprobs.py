@@ -42,7 +42,8 @@ GRAD_CHUNKS_PER_PRODUCT = 4
 keeps this many chunks of them side by side for the products with the head weight. The weight's gradient is a
 float32 (V, H) sum that a product reads and writes whole: one product per chunk of ~440 positions is bound by that
 traffic, not by its arithmetic (270 TFLOP/s for the grpo-0.5b head on an H200, 2026-11-30 profile). Costs
-(this - 1) more chunks of logits (128 MiB each at the default size) during the head's backward."""
+(this - 1) more chunks of logits (128 MiB each at the default size) during the head's backward, only where the
+head is trained (a frozen head, as under LoRA, keeps one chunk at a time)."""
 
 
 def default_chunk_tokens(vocab_size: int) -> int:
@@ -77,8 +78,9 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         if not ctx.with_entropy:
             grad_entropy = torch.zeros_like(grad_logp)
         # d(loss)/d(logits) of GRAD_CHUNKS_PER_PRODUCT chunks side by side, so that the products with the head
-        # weight run over that many positions at once
-        rows = min(hidden.shape[0], ctx.chunk_tokens * GRAD_CHUNKS_PER_PRODUCT)
+        # weight run over that many positions at once; one chunk at a time when the head is frozen (LoRA), whose
+        # hidden-state product gains nothing from it
+        rows = min(hidden.shape[0], ctx.chunk_tokens * (GRAD_CHUNKS_PER_PRODUCT if need_weight else 1))
         group_grad = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
         for group_start in range(0, hidden.shape[0], rows):
             group = slice(group_start, min(group_start + rows, hidden.shape[0]))

@@ -74,6 +74,21 @@ def test_head_gradients_with_bias_and_no_entropy(chunk_tokens):
         assert torch.allclose(mine, reference, **TOL)
 
 
+def test_frozen_head_gives_the_hidden_gradient_chunk_by_chunk():
+    """A frozen head (LoRA) takes the one-chunk-at-a-time path of the backward; the hidden gradient is the same."""
+    generator = torch.Generator().manual_seed(1)
+    head = torch.nn.Linear(16, 50, bias=False).requires_grad_(False)
+    hidden = torch.randn(11, 16, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 50, (11,), generator=generator)
+    logp, entropy = token_logprobs(hidden, head, targets, temperature=1.0, chunk_tokens=3, with_entropy=True)
+    (logp.sum() + 0.5 * entropy.sum()).backward()
+    got, hidden.grad = hidden.grad.clone(), None
+    log_probs = torch.log_softmax(head(hidden), -1)
+    want_logp = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+    (want_logp.sum() - 0.5 * (log_probs.exp() * log_probs).sum()).backward()
+    assert head.weight.grad is None and torch.allclose(got, hidden.grad, **TOL)
+
+
 def test_greedy_temperature_zero_uses_unscaled_logits():
     model, _ = tiny_actor()
     ids, mask, positions, response = padded_batch(seed=3)
