@@ -183,3 +183,21 @@ def test_trace_report_rates_each_matrix_product_by_shape(tmp_path):
             if line.strip().startswith("aten::")}
     assert rows == {"aten::mm (4096,": ["1", "0.20", "687"], "aten::addmm (2048,": ["1", "0.02", "215"]}
     assert "matrix products: 0.2 ms of kernels, 644 TFLOP/s on average" in out  # (137.4 + 4.3) GFLOP / 220 us
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_decode_gemms_split_k_equals_the_plain_projection(splits):
+    """decode_gemms.py's split-K (K cut into slices, one batched matmul, slices summed) computes the same
+    rmsnorm(residual + x W^T) as the plain projection, in float32 on CPU; a slice taken from the wrong rows of W
+    would not."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from decode_gemms import plain, split_k
+
+    torch = pytest.importorskip("torch")
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.randn(24, 64, generator=generator), torch.randn(40, 64, generator=generator)
+    residual, norm_weight = torch.randn(24, 40, generator=generator), torch.rand(40, generator=generator) + 0.5
+    expected = plain(x, w, residual, norm_weight)
+    torch.testing.assert_close(split_k(x, w, residual, norm_weight, splits, fp32_out=False), expected,
+                               rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(split_k(x, w.roll(8, dims=1), residual, norm_weight, splits, fp32_out=False), expected)
