@@ -23,32 +23,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from cuda_timing import graph_time_us  # noqa: E402
 from decode_attention_cases import TOLERANCE, check_fused_write, make_case  # noqa: E402
 
 from hybridrl.rollout.decode_attention import reference_decode_attention, triton_decode_attention  # noqa: E402
-
-
-def graph_time_us(fn, calls: int = 20, replays: int = 20) -> float:
-    """Microseconds per call of `fn`, captured `calls` times in one CUDA graph and replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def time_stacked(case: dict, new_kv: torch.Tensor, args) -> list[dict]:

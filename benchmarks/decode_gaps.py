@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gaps import cuda_events, gap_report, host_work_in_gaps  # noqa: E402
-from rollout import build_model, time_engine  # noqa: E402
+from rollout import build_model, time_engine, timeline_line  # noqa: E402
 
 from hybridrl.rollout.base import SamplingParams  # noqa: E402
 from hybridrl.rollout.builtin import BuiltinBackend  # noqa: E402
@@ -63,6 +63,7 @@ def main() -> None:
         result = time_engine(engine, prompts, params, args.repeats)
         rows.append((sync_every, result["seconds"], result["tokens_per_s"]))
         print(f"sync_every {sync_every}: {result['seconds']:.3f} s, {result['tokens_per_s']:,.0f} tok/s", flush=True)
+        print("  " + timeline_line(result["stats"]), flush=True)
         if sync_every == int(args.sync_every.split(",")[0]) and not args.no_profile:
             profile_gaps(engine, prompts, params)
     print(f"\n{'sync_every':>10} {'seconds':>8} {'tok/s':>10}")

@@ -22,31 +22,12 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_timing import graph_time_us  # noqa: E402
+
 LAYERS = 24
 # (name, N, K) of the grpo-0.5b (Qwen2.5-0.5B) decode projections: rows x K @ K x N
 SHAPES = [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864)]
-
-
-def graph_time_us(fn, replays: int = 20) -> float:
-    """Microseconds per `fn()` call; `fn` makes LAYERS calls, captured in one CUDA graph and replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * LAYERS)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -93,7 +74,8 @@ def main() -> None:
                 compiled = torch.compile(fn, fullgraph=True)
                 try:
                     error = (compiled(x, weights[0], residual, norm_weight).float() - expected).abs().max().item()
-                    micros = graph_time_us(lambda: [compiled(x, w, residual, norm_weight) for w in weights])
+                    micros = graph_time_us(lambda: [compiled(x, w, residual, norm_weight) for w in weights], calls=1,
+                                           per_call=LAYERS)
                 except Exception as exc:  # e.g. out_dtype not supported by this torch: report it, go on
                     print(f"{rows} {name} {label}: failed: {str(exc).splitlines()[0][:120]}", flush=True)
                     continue

@@ -1,6 +1,8 @@
-"""Host time between generation and reward, on the grpo-0.5b shape, without a GPU: turning 512 generations of
-256 tokens (64 prompts of 256 tokens, 8 samples each) into the padded batch (`build_rollout_batch`) and decoding
-their texts with `grpo_step.py`'s tokenizer (`decode_responses`). Each is timed best of `--repeats`; with
+"""Host time between generation and reward, on the grpo-0.5b shape, without a GPU: handing over 512 generations of
+256 tokens (64 prompts of 256 tokens, 8 samples each) as the built-in engine's harvest does (numpy rows, or Python
+lists as before 2026-12-01), turning them into the padded batch (`build_rollout_batch`) and decoding their texts
+with `grpo_step.py`'s tokenizer (`decode_responses`), for generations holding lists and holding numpy rows (the
+batches are checked equal; decoding numpy-held ones includes making the lists). Each is timed best of `--repeats`; with
 `--baseline FILE` (a copy of another version's `hybridrl/batch.py`) that version's `build_rollout_batch` is
 timed beside it on the same generations and checked to give the same tensors.
 
@@ -50,11 +52,26 @@ def main() -> None:
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, VOCAB, (PROMPTS, PROMPT_LEN), generator=generator).tolist()
-    tokens = torch.randint(3, VOCAB, (PROMPTS * SAMPLES, RESPONSE_LEN), generator=generator).tolist()
-    logprobs = (-torch.rand(PROMPTS * SAMPLES, RESPONSE_LEN, generator=generator)).tolist()
-    generations = [Generation(i // SAMPLES, tokens[i], logprobs[i], "length") for i in range(len(tokens))]
-    rows = [("build_rollout_batch (this)", best_ms(lambda: build_rollout_batch(prompts, generations, 1, RESPONSE_LEN),
-                                                   args.repeats))]
+    token_rows = torch.randint(3, VOCAB, (PROMPTS * SAMPLES, RESPONSE_LEN), generator=generator).numpy()
+    logprob_rows = (-torch.rand(PROMPTS * SAMPLES, RESPONSE_LEN, generator=generator)).numpy()
+
+    def held_as_lists() -> list[Generation]:
+        return [Generation(i // SAMPLES, token_rows[i].tolist(), logprob_rows[i].tolist(), "length")
+                for i in range(len(token_rows))]
+
+    def held_as_arrays() -> list[Generation]:
+        return [Generation(i // SAMPLES, token_rows[i], logprob_rows[i], "length") for i in range(len(token_rows))]
+
+    generations, array_generations = held_as_lists(), held_as_arrays()
+    from_lists, from_arrays = (build_rollout_batch(prompts, g, 1, RESPONSE_LEN) for g in (generations, array_generations))
+    for name in ("input_ids", "attention_mask", "position_ids", "response_mask", "sampler_logp"):
+        assert torch.equal(getattr(from_lists, name), getattr(from_arrays, name)), f"{name}: numpy rows differ from lists"
+    rows = [("harvest into lists (before)", best_ms(held_as_lists, args.repeats)),
+            ("harvest as numpy rows (now)", best_ms(held_as_arrays, args.repeats)),
+            ("build_rollout_batch (this, lists)", best_ms(lambda: build_rollout_batch(prompts, generations, 1, RESPONSE_LEN),
+                                                          args.repeats)),
+            ("build_rollout_batch (this, numpy)", best_ms(
+                lambda: build_rollout_batch(prompts, array_generations, 1, RESPONSE_LEN), args.repeats))]
     if args.baseline:
         baseline = load_baseline(args.baseline)
         ours, theirs = (f(prompts, generations, 1, RESPONSE_LEN) for f in (build_rollout_batch, baseline))
@@ -63,12 +80,15 @@ def main() -> None:
         rows.append(("build_rollout_batch (baseline)", best_ms(lambda: baseline(prompts, generations, 1, RESPONSE_LEN),
                                                                args.repeats)))
     tokenizer = build_tokenizer(VOCAB)
-    rows.append((f"decode_responses ({len(generations)} texts)",
-                 best_ms(lambda: decode_responses(tokenizer, generations), max(1, args.repeats // 2))))
+    repeats = max(1, args.repeats // 2)
+    rows.append((f"decode_responses ({len(generations)}, lists)", best_ms(lambda: decode_responses(tokenizer, generations),
+                                                                          repeats)))
+    rows.append((f"decode_responses ({len(generations)}, numpy)",
+                 best_ms(lambda: decode_responses(tokenizer, held_as_arrays()), repeats)))
     print(f"{len(generations)} generations of {RESPONSE_LEN} tokens, prompts of {PROMPT_LEN}; "
           f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs; best of {args.repeats}")
     for name, ms in rows:
-        print(f"  {name:<34} {ms:8.1f} ms")
+        print(f"  {name:<38} {ms:8.1f} ms")
 
 
 if __name__ == "__main__":

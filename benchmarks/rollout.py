@@ -122,6 +122,13 @@ def time_engine(engine: BuiltinBackend, prompts, params, repeats: int) -> dict:
                 first_call_s=first_call_s, stats=engine.last_stats, outputs=outputs)
 
 
+def timeline_line(stats: dict) -> str:
+    """The last timed call's phases (`BuiltinBackend.last_stats["timeline_ms"]`): host and GPU clocks at each mark."""
+    marks = stats.get("timeline_ms", {})
+    return "timeline, ms since the call began (host / GPU): " + ", ".join(
+        f"{name} {mark['host_ms']:.1f} / {mark.get('gpu_ms', float('nan')):.1f}" for name, mark in marks.items())
+
+
 def time_hf(model, prompts, num_sequences: int, response_len: int, device: str) -> dict:
     n = max(1, num_sequences // len(prompts)) if num_sequences >= len(prompts) else 1
     batch = [p for p in prompts for _ in range(n)][:num_sequences]
@@ -240,6 +247,7 @@ def time_triton(model, prompts, params, args, device: str, attention: str = "tri
     print(f"engine (attention={result['stats'].get('attention')}): {result['seconds']:.3f} s, "
           f"{result['tokens_per_s']:.0f} tok/s, compile + first call {result['first_call_s']:.1f} s, "
           f"stats {result['stats']}", flush=True)
+    print(timeline_line(result["stats"]), flush=True)
     if args.profile:
         profile(engine, prompts, params)
     result["logprob_mismatch"] = logprob_mismatch(model, prompts, result.pop("outputs"), 32, device)

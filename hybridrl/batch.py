@@ -71,11 +71,20 @@ def decode_responses(tokenizer, generations: list[Generation]) -> list[str]:
     A fast tokenizer decodes the whole batch in its Rust backend, in parallel (transformers' own
     `batch_decode` loops in Python, ~0.2 s for 512 x 256 tokens); tokenizers whose decode adds a
     Python clean-up step, and slow ones, go through `batch_decode` so the text is the same."""
-    token_lists = [g.token_ids for g in generations]
+    # Lists for the tokenizer, made here and not kept: a generation holding numpy rows keeps them (the gather
+    # across processes pickles arrays faster than lists, and the batch builder reads them as they are).
+    token_lists = [g.token_values if isinstance(g.token_values, list) else g.token_values.tolist() for g in generations]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return backend.decode_batch(token_lists, skip_special_tokens=True)
     return tokenizer.batch_decode(token_lists, skip_special_tokens=True)
+
+
+def _flatten(rows: list, dtype, total: int) -> np.ndarray:
+    """Rows of lists or of numpy arrays (the built-in engine's) end to end in one array."""
+    if rows and all(isinstance(row, np.ndarray) for row in rows):
+        return np.concatenate(rows).astype(dtype, copy=False)
+    return np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=total)
 
 
 def build_rollout_batch(prompts: list[list[int]], generations: list[Generation], pad_token_id: int,
@@ -88,7 +97,7 @@ def build_rollout_batch(prompts: list[list[int]], generations: list[Generation],
     what remains is mostly reading the Python lists."""
     num = len(generations)
     prompt_lens = np.array([len(prompts[g.prompt_index]) for g in generations], dtype=np.int64)
-    response_lens = np.array([len(g.token_ids) for g in generations], dtype=np.int64)
+    response_lens = np.array([len(g.token_values) for g in generations], dtype=np.int64)
     prompt_len, response_len = int(prompt_lens.max()), max(1, int(response_lens.max()))
     ids = np.full((num, prompt_len + response_len), pad_token_id, dtype=np.int64)
     logps = np.zeros((num, response_len), dtype=np.float32)
@@ -102,10 +111,8 @@ def build_rollout_batch(prompts: list[list[int]], generations: list[Generation],
     total = int(response_lens.sum())
     rows = np.repeat(np.arange(num), response_lens)
     columns = np.arange(total) - np.repeat(np.cumsum(response_lens) - response_lens, response_lens)
-    ids[rows, prompt_len + columns] = np.fromiter(itertools.chain.from_iterable(g.token_ids for g in generations),
-                                                  dtype=np.int64, count=total)
-    logps[rows, columns] = np.fromiter(itertools.chain.from_iterable(g.logprobs for g in generations),
-                                       dtype=np.float32, count=total)
+    ids[rows, prompt_len + columns] = _flatten([g.token_values for g in generations], np.int64, total)
+    logps[rows, columns] = _flatten([g.logprob_values for g in generations], np.float32, total)
     input_ids, sampler_logp = torch.from_numpy(ids), torch.from_numpy(logps)
     first = torch.from_numpy(prompt_len - prompt_lens)[:, None]
     end = torch.from_numpy(prompt_len + response_lens)[:, None]

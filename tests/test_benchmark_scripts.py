@@ -36,7 +36,9 @@ def test_host_batch_times_this_batch_builder_beside_a_baseline_and_the_decoding(
     baseline = tmp_path / "baseline_batch.py"
     baseline.write_text((ROOT / "hybridrl/batch.py").read_text())
     out = run_script(["benchmarks/host_batch.py", "--baseline", str(baseline), "--repeats", "1"], tmp_path)
-    for row in ("build_rollout_batch (this)", "build_rollout_batch (baseline)", "decode_responses (512 texts)"):
+    for row in ("harvest into lists (before)", "harvest as numpy rows (now)", "build_rollout_batch (this, lists)",
+                "build_rollout_batch (this, numpy)", "build_rollout_batch (baseline)", "decode_responses (512, lists)",
+                "decode_responses (512, numpy)"):
         assert row in out
 
 

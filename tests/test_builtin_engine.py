@@ -194,6 +194,11 @@ def test_continuous_batching_matches_one_big_batch(monkeypatch):
     monkeypatch.setattr(builtin, "KV_LEN_BUCKET", 4)  # decode attention over growing key prefixes too
     small = small_engine.generate(prompts, params)
     assert small_engine.last_stats["num_slots"] == 3 and small_engine.last_stats["prefill_waves"] >= 5
+    # The call's timeline: first prefill and decode of the first wave, the last sync, in time order (CPU: host only).
+    timeline = small_engine.last_stats["timeline_ms"]
+    assert list(timeline) == ["start", "prefill", "decode", "sync", "harvested", "released"]
+    host = [mark["host_ms"] for mark in timeline.values()]
+    assert host == sorted(host) and host[0] == 0 and all("gpu_ms" not in mark for mark in timeline.values())
     assert [g.token_ids for g in small] == [g.token_ids for g in big]
     assert [g.finish_reason for g in small] == [g.finish_reason for g in big]
     assert {g.finish_reason for g in big} == {"stop", "length"}
@@ -480,3 +485,19 @@ def test_empty_cache_option_decides_whether_cached_memory_goes_back(monkeypatch,
     assert calls == (["empty"] * 3 if empty_cache else []) and timings["weight_sync"] >= 0
     config = load_config(None, ["rollout.backend=builtin", f"rollout.empty_cuda_cache={str(empty_cache).lower()}"])
     assert build_rollout(config, make_model("llama"), None, torch.device("cpu")).empty_cache is empty_cache
+
+
+def test_timeline_keeps_the_first_mark_or_with_last_the_latest():
+    import time
+
+    from hybridrl.rollout.timeline import Timeline
+
+    timeline = Timeline(torch.device("cpu"))
+    timeline.mark("sync", last=True)
+    timeline.mark("prefill")
+    time.sleep(0.002)
+    timeline.mark("prefill")  # a second wave: the first prefill's time stays
+    timeline.mark("sync", last=True)  # the final sync: moves to the end with its new time
+    report = timeline.report()
+    assert list(report) == ["start", "prefill", "sync"]
+    assert report["sync"]["host_ms"] - report["prefill"]["host_ms"] >= 2

@@ -27,6 +27,10 @@ def test_cuda_graphs_match_eager_and_hf(family):
     assert [g.token_ids for g in graphed_engine.generate(prompts, greedy)] == [g.token_ids for g in graphed]
     stats = graphed_engine.last_stats
     assert stats["captures_without_warmup"] == stats["graphs_captured"] >= 1
+    timeline = stats["timeline_ms"]  # host and GPU clocks of each phase; the GPU finishes a phase after queuing it
+    assert list(timeline) == ["start", "prefill", "decode", "replay", "sync", "harvested", "released"]
+    assert all(mark["gpu_ms"] >= 0 for mark in timeline.values())
+    assert timeline["sync"]["gpu_ms"] <= timeline["sync"]["host_ms"] + 1  # the sync waited for the GPU
     eager = BuiltinBackend(model, use_cuda_graphs=False, compile=False).generate(prompts, greedy)
     assert [g.token_ids for g in graphed] == [g.token_ids for g in eager]
     for generation in graphed[::2]:

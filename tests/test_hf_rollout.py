@@ -1,5 +1,8 @@
 """The `hf` rollout backend: its log-probs agree with the trainer's forward pass, and its stop logic is right."""
 
+import pickle
+
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +84,12 @@ def test_rollout_batch_equals_a_row_by_row_reference_on_ragged_batches():
             generations.append(Generation(rng.randrange(len(prompts)), [rng.randrange(1, 99) for _ in range(length)],
                                           [-rng.random() for _ in range(length)], rng.choice(["stop", "length"])))
         batch = build_rollout_batch(prompts, generations, pad_token_id=0, max_new_tokens=6)
+        # The same generations holding numpy rows, as the built-in engine hands them over: the same batch.
+        held_as_arrays = [Generation(g.prompt_index, np.array(g.token_ids, dtype=np.int64),
+                                     np.array(g.logprobs, dtype=np.float32), g.finish_reason) for g in generations]
+        from_arrays = build_rollout_batch(prompts, held_as_arrays, pad_token_id=0, max_new_tokens=6)
+        for name in ("input_ids", "attention_mask", "position_ids", "response_mask", "sampler_logp"):
+            assert torch.equal(getattr(from_arrays, name), getattr(batch, name)), name
         width = max(len(prompts[g.prompt_index]) for g in generations)
         height = max(1, max(len(g.token_ids) for g in generations))
         for row, g in enumerate(generations):
@@ -104,6 +113,30 @@ def test_decoded_responses_equal_the_tokenizers_own_decode():
                    Generation(0, encode(tokenizer, ["45 - 3"])[0], [], "length")]
     expected = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
     assert expected[0] == "12+7=" and decode_responses(tokenizer, generations) == expected
+    # Generations holding numpy rows (the built-in engine's) decode the same and keep their rows.
+    held_as_arrays = [Generation(0, np.array(g.token_ids, dtype=np.int64), [], g.finish_reason) for g in generations]
+    assert decode_responses(tokenizer, held_as_arrays) == expected
+    assert all(isinstance(g.token_values, np.ndarray) for g in held_as_arrays)
     tokenizer.clean_up_tokenization_spaces = True  # a Python clean-up step: the fallback path
     assert decode_responses(tokenizer, generations) == [tokenizer.decode(g.token_ids, skip_special_tokens=True)
                                                         for g in generations]
+
+
+def test_generation_holding_numpy_rows_reads_as_lists_and_pickles_as_arrays():
+    """The engine's harvest hands over numpy rows: `token_ids`/`logprobs` are still lists (made on first access),
+    equality and repr are those of the list form, and the gather across processes (pickle) keeps the arrays."""
+    from hybridrl.rollout.base import Generation
+
+    tokens, logprobs = np.array([7, 8, 9], dtype=np.int64), np.array([-0.5, -1.25, -2.0], dtype=np.float32)
+    held = Generation(2, tokens, logprobs, "stop")
+    copy = pickle.loads(pickle.dumps(held))
+    assert isinstance(copy.token_values, np.ndarray) and isinstance(copy.logprob_values, np.ndarray)
+    assert held.token_ids == [7, 8, 9] and type(held.token_ids) is list and type(held.token_ids[0]) is int
+    assert held.logprobs == [-0.5, -1.25, -2.0] and type(held.logprobs[0]) is float
+    assert held == Generation(2, [7, 8, 9], [-0.5, -1.25, -2.0], "stop") == copy
+    assert held != Generation(2, [7, 8, 10], [-0.5, -1.25, -2.0], "stop")
+    assert held != Generation(3, [7, 8, 9], [-0.5, -1.25, -2.0], "stop")
+    assert repr(held) == repr(Generation(2, [7, 8, 9], [-0.5, -1.25, -2.0], "stop"))
+    copy.prompt_index += 4  # what generate_sharded does to a rank's share
+    copy.text = "x"
+    assert (copy.prompt_index, copy.text, copy.token_ids) == (6, "x", [7, 8, 9])

@@ -8,6 +8,7 @@ prompt-major: the `n` samples of prompt 0, then those of prompt 1, and so on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length"]
@@ -30,20 +31,76 @@ class SamplingParams:
     """Force every response to `max_new_tokens` (benchmarks)."""
 
 
-@dataclass
 class Generation:
-    """One sampled response."""
+    """One sampled response.
 
-    prompt_index: int
-    token_ids: list[int]
-    """Response tokens, including the stop token when one ended it; nothing after a stop string."""
-    logprobs: list[float]
-    """log_softmax(logits / temperature) of each response token, taken before top-p/top-k/min-p
-    filtering (temperature 1 when greedy), so it is directly comparable to the trainer's log-probs."""
-    finish_reason: FinishReason
-    text: str | None = None
-    """The response decoded, when the trainer had it decoded where it was generated (several processes each
-    decode their own share: `distributed.generate_sharded`); backends leave it None."""
+    `token_ids`: response tokens, including the stop token when one ended it; nothing after a stop string.
+    `logprobs`: log_softmax(logits / temperature) of each response token, taken before top-p/top-k/min-p
+    filtering (temperature 1 when greedy), so it is directly comparable to the trainer's log-probs.
+    `text`: the response decoded, when the trainer had it decoded where it was generated (several processes each
+    decode their own share: `distributed.generate_sharded`); backends leave it None.
+
+    A backend may hand over 1-D numpy arrays instead of lists (the built-in engine does: building 131k Python
+    ints and floats per rollout took ~9 ms of host time with the GPU idle). `token_ids` and `logprobs` are
+    still lists, made on first access; `token_values` and `logprob_values` give what is held, unconverted, to
+    readers that take either (the batch builder), and pickling (the gather across processes) keeps arrays.
+    """
+
+    __slots__ = ("prompt_index", "_token_ids", "_logprobs", "finish_reason", "text")
+
+    def __init__(self, prompt_index: int, token_ids: Sequence[int], logprobs: Sequence[float],
+                 finish_reason: FinishReason, text: str | None = None) -> None:
+        self.prompt_index, self.finish_reason, self.text = prompt_index, finish_reason, text
+        self._token_ids, self._logprobs = token_ids, logprobs
+
+    @property
+    def token_ids(self) -> list[int]:
+        if not isinstance(self._token_ids, list):
+            self._token_ids = self._token_ids.tolist() if hasattr(self._token_ids, "tolist") else list(self._token_ids)
+        return self._token_ids
+
+    @token_ids.setter
+    def token_ids(self, value: Sequence[int]) -> None:
+        self._token_ids = value
+
+    @property
+    def logprobs(self) -> list[float]:
+        if not isinstance(self._logprobs, list):
+            self._logprobs = self._logprobs.tolist() if hasattr(self._logprobs, "tolist") else list(self._logprobs)
+        return self._logprobs
+
+    @logprobs.setter
+    def logprobs(self, value: Sequence[float]) -> None:
+        self._logprobs = value
+
+    @property
+    def token_values(self) -> Sequence[int]:
+        """The token ids as held: a list or a 1-D integer numpy array."""
+        return self._token_ids
+
+    @property
+    def logprob_values(self) -> Sequence[float]:
+        """The log-probs as held: a list or a 1-D float numpy array."""
+        return self._logprobs
+
+    def _key(self) -> tuple:
+        return self.prompt_index, self.token_ids, self.logprobs, self.finish_reason, self.text
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Generation) and self._key() == other._key()
+
+    __hash__ = None  # mutable, as the dataclass it replaces
+
+    def __repr__(self) -> str:
+        return (f"Generation(prompt_index={self.prompt_index!r}, token_ids={self.token_ids!r}, "
+                f"logprobs={self.logprobs!r}, finish_reason={self.finish_reason!r}, text={self.text!r})")
+
+    def __getstate__(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setstate__(self, state: tuple) -> None:
+        for name, value in zip(self.__slots__, state):
+            setattr(self, name, value)
 
 
 class RolloutBackend(Protocol):

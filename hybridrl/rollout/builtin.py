@@ -17,7 +17,7 @@ One `generate` call runs these phases:
 5. free the KV cache and graphs (unless `release_after_generate=False`).
 
 Host syncs happen every `sync_every` steps, or earlier when the next length limit is due (the host
-knows every sequence's length bound, so forced-length batches sync only once they are all done).
+knows every sequence's length bound, so a sequence that reaches `max_new_tokens` is harvested at once).
 A slot that finishes between syncs idles until the next one. Prompt-major output order, as in
 `base.py`.
 """
@@ -48,6 +48,7 @@ from hybridrl.rollout.llama_forward import (
 from hybridrl.rollout.llama_forward import supports as _supports
 from hybridrl.rollout.sampling import SamplerSettings, sample
 from hybridrl.rollout.scheduler import Scheduler, SequenceSlot, find_stop_string
+from hybridrl.rollout.timeline import Timeline
 
 _GIB = 1024**3
 KV_LEN_BUCKET = 128
@@ -218,6 +219,7 @@ class BuiltinBackend:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         self._validate(prompts, params)
+        timeline = Timeline(next(self.model.parameters()).device)
         fuse_gate_up = auto_fuses_gate_up(self.model) if self.fuse_gate_up == "auto" else self.fuse_gate_up
         weights = resolve_weights(self.model, self.fuse_qkv, fuse_gate_up)  # fused copies are remade every call
         key = _weights_key(weights)
@@ -249,7 +251,8 @@ class BuiltinBackend:
         # CUDA graph is unverified, so such models run the step uncaptured (per-layer work is large anyway).
         packed = any(is_packed_4bit(getattr(layer, name)) for layer in weights.layers for name in MATRICES)
         self._run = dict(weights=weights, state=state, settings=settings, generator=generator, cos=cos, sin=sin,
-                         functions=functions, sampler=sampler, graphs=self.use_cuda_graphs and not packed)
+                         functions=functions, sampler=sampler, graphs=self.use_cuda_graphs and not packed,
+                         timeline=timeline)
         scheduler = Scheduler([i // params.n for i in range(num_sequences)], [len(p) for p in prompts], num_slots)
         results: list[Generation | None] = [None] * num_sequences
         stats = dict(num_slots=num_slots, decode_steps=0, prefill_waves=0, graphs_captured=0,
@@ -258,11 +261,14 @@ class BuiltinBackend:
                      and rotates_projections(self.cache.attention, weights),
                      fuse_gate_up=any(layer.gate_up_weight is not None for layer in weights.layers))
         self._stats = stats
+        finished = False
         try:
             while scheduler.has_work:
                 admitted = scheduler.admit()
                 if admitted:
+                    timeline.mark("prefill")
                     self._prefill(prompts, admitted)
+                    timeline.mark("decode")
                     for sequence in admitted:
                         sequence.generated = 1
                     stats["prefill_waves"] += 1
@@ -275,12 +281,17 @@ class BuiltinBackend:
                 stats["decode_steps"] += steps
                 self._sync(scheduler, params, results)
                 self._compact(scheduler)
+            timeline.mark("harvested")
+            finished = True
         finally:
             stats["graphs_captured"] = len(self._graphs)
             self._run = None
             self.last_stats = stats
             if self.release_after_generate:
                 self.release_memory()
+        if finished:  # not after an error: reading the events would wait on a GPU that may have failed
+            timeline.mark("released")
+            stats["timeline_ms"] = timeline.report()
         return results
 
     def release_memory(self) -> None:
@@ -438,6 +449,7 @@ class BuiltinBackend:
             self._stats["warmup_s"] += time.perf_counter() - start
             if not warmed:
                 return
+        run["timeline"].mark("replay")
         graph.replay()
 
     def _shape_signature(self, batch: int, kv_len: int) -> tuple:
@@ -488,35 +500,36 @@ class BuiltinBackend:
         # One blocking copy, not two: after each one the GPU idles until the host has woken up and launched
         # more work (~0.8 ms per copy on an H200, `benchmarks/decode_gaps.py`).
         done, gen_len = torch.stack((state.done[:batch].long(), state.gen_len[:batch])).tolist()
+        self._run["timeline"].mark("sync", last=True)
         for slot, sequence in scheduler.live.items():
             sequence.generated = gen_len[slot]
         check_strings = bool(params.stop_strings)
         if not (any(done[s] for s in scheduler.live) or check_strings):
             return
-        # Through numpy, and only the rows used: torch's tolist of a 512 x 256 batch takes ~1.7x as long,
-        # host time while the GPU idles.
-        tokens = state.out_tokens[:batch].cpu().numpy()
-        logprobs = state.out_logprobs[:batch].cpu().numpy()
+        # Only the rows used, as numpy rows handed over as they are: making Python lists of a 512 x 256 batch
+        # here took ~9 ms of host time with the GPU idle (`Generation` makes them if someone asks).
+        # copy=True: on CPU `.cpu()` would return the state itself, which later waves overwrite under the rows.
+        tokens = state.out_tokens[:batch].to("cpu", copy=True).numpy()
+        logprobs = state.out_logprobs[:batch].to("cpu", copy=True).numpy()
         stop_set = set(state.stop_ids.tolist())
         freed = []
         for slot in list(scheduler.live):
             if not (done[slot] or check_strings):
                 continue
             length = gen_len[slot]
-            response = tokens[slot, :length].tolist()
             reason = None
             if check_strings:
-                cut = find_stop_string(self.tokenizer, response, params.stop_strings)
+                cut = find_stop_string(self.tokenizer, tokens[slot, :length].tolist(), params.stop_strings)
                 if cut is not None:
                     length, reason = cut, "stop"
             if reason is None and done[slot]:
-                reason = "stop" if response[-1] in stop_set else "length"
+                reason = "stop" if int(tokens[slot, length - 1]) in stop_set else "length"
             if reason is None:
                 continue
             sequence = scheduler.finish(slot)
             freed.append(slot)
-            response_logprobs = logprobs[slot, :length].tolist()
-            results[sequence.index] = Generation(sequence.prompt_index, response[:length], response_logprobs, reason)
+            results[sequence.index] = Generation(sequence.prompt_index, tokens[slot, :length], logprobs[slot, :length],
+                                                 reason)
         if freed:
             state.free(freed)
 
