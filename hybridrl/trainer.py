@@ -26,6 +26,7 @@ from hybridrl.logprobs import response_logprobs
 from hybridrl.metrics import MetricsLogger
 from hybridrl.models import HFModel, save_hf_model
 from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.timeline import phase_seconds
 from hybridrl.shared_prompt import PromptLayout
 from hybridrl.update import shard_by_prompt, update_actor, update_critic
 
@@ -76,6 +77,7 @@ class RLTrainer:
         self.step_count = 0
         self.froze_warm_up_objects = False  # see `freeze_warm_up_objects`, done after this process's first step
         self.switch_seconds: dict[str, float] = {}  # train <-> generate switch time of the current step
+        self.rollout_phases: dict[str, float] = {}  # the last rollout's split (`rollout/timeline.phase_seconds`)
         self.output_dir = Path(config.trainer.output_dir)
         sinks = config.logging.sinks if self.parts.setup.is_main else []  # rank 0 logs
         self.logger = MetricsLogger(self.output_dir, sinks, config.trainer.total_steps,
@@ -145,6 +147,7 @@ class RLTrainer:
         prompts = self.parts.dataset.batch(next(self.sampler))
         with timer("rollout"):
             batch = self.rollout(prompts)
+        rollout_phases = self.rollout_phases  # before an evaluation rollout could replace them
         with timer("reward"):
             reward_metrics = self.score(batch, prompts)
         with timer("logprobs"):
@@ -157,7 +160,7 @@ class RLTrainer:
             freeze_warm_up_objects()
             self.froze_warm_up_objects = True
         return {**rollout_metrics(batch), **reward_metrics, **update_metrics, **perf_metrics(batch, timer, self.device),
-                "perf/weight_sync_s": self.switch_seconds["weight_sync"]}
+                "perf/weight_sync_s": self.switch_seconds["weight_sync"], **rollout_phase_metrics(rollout_phases)}
 
     # ------------------------------------------------------------------------------------------
     # Phases
@@ -182,6 +185,8 @@ class RLTrainer:
                 decode=lambda share: decode_responses(self.parts.tokenizer, share))
             self.parts.rollout.release_memory()
         self.switch_seconds["weight_sync"] += sync.seconds
+        engine_stats = getattr(self.parts.rollout, "last_stats", None) or {}
+        self.rollout_phases = phase_seconds(engine_stats.get("timeline_ms", {}))
         batch = build_rollout_batch(prompts["prompt_ids"], generations, self.parts.pad_token_id, params.max_new_tokens)
         batch.texts = [generation.text for generation in generations]
         return batch.to(self.device)
@@ -327,6 +332,12 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
         metrics["rollout/logprob_kl"] = algorithms.masked_mean(
             algorithms.kl_penalty(batch.sampler_logp, batch.old_logp, "k3"), mask)
     return metrics
+
+
+def rollout_phase_metrics(phases: dict[str, float]) -> dict[str, float]:
+    """The built-in engine's split of `timing/rollout_s` (this process's share of the batch): before the first
+    decode step, decoding, after it (`rollout/timeline.py`); nothing for backends that do not report it."""
+    return {f"timing/rollout_{name}_s": seconds for name, seconds in phases.items()}
 
 
 def perf_metrics(batch: RolloutBatch, timer: PhaseTimer, device: torch.device) -> dict[str, float]:

@@ -501,3 +501,16 @@ def test_timeline_keeps_the_first_mark_or_with_last_the_latest():
     report = timeline.report()
     assert list(report) == ["start", "prefill", "sync"]
     assert report["sync"]["host_ms"] - report["prefill"]["host_ms"] >= 2
+
+
+def test_phase_seconds_counts_each_mark_when_both_clocks_reached_it():
+    from hybridrl.rollout.timeline import phase_seconds
+
+    report = {"start": {"host_ms": 0, "gpu_ms": 0}, "prefill": {"host_ms": 5, "gpu_ms": 5},
+              "decode": {"host_ms": 30, "gpu_ms": 34}, "replay": {"host_ms": 50, "gpu_ms": 50},
+              "sync": {"host_ms": 550, "gpu_ms": 550}, "harvested": {"host_ms": 553, "gpu_ms": 553},
+              "released": {"host_ms": 560, "gpu_ms": 561}}
+    assert phase_seconds(report) == pytest.approx({"before_decode": 0.050, "decode": 0.500, "after_decode": 0.011})
+    uncaptured = {name: {"host_ms": mark["host_ms"]} for name, mark in report.items() if name != "replay"}
+    assert phase_seconds(uncaptured) == pytest.approx({"before_decode": 0.030, "decode": 0.520, "after_decode": 0.010})
+    assert phase_seconds({"start": {"host_ms": 0}}) == {}

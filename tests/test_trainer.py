@@ -95,6 +95,17 @@ def test_two_steps_change_parameters(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
 
 
+def test_the_builtin_engine_splits_the_rollout_time_and_hf_does_not(tmp_path):
+    """`timing/rollout_{before_decode,decode,after_decode}_s` from the engine's timeline: three stretches that fit
+    inside the rollout phase; the hf backend reports none."""
+    history = make_trainer(tmp_path / "builtin", trainer__total_steps=1, rollout__backend="builtin").train()
+    phases = [history[-1][f"timing/rollout_{name}_s"] for name in ("before_decode", "decode", "after_decode")]
+    assert all(seconds >= 0 for seconds in phases) and phases[1] > 0
+    assert sum(phases) <= history[-1]["timing/rollout_s"]
+    history = make_trainer(tmp_path / "hf", trainer__total_steps=1, rollout__backend="hf").train()
+    assert not any(key.startswith("timing/rollout_") and key != "timing/rollout_s" for key in history[-1])
+
+
 def mean_reward(history, steps):
     return sum(row["reward/mean"] for row in steps(history)) / len(steps(history))
 

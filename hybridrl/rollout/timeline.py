@@ -44,3 +44,18 @@ class Timeline:
             if event is not None:
                 report[name]["gpu_ms"] = round(start_event.elapsed_time(event), 2)
         return report
+
+
+def phase_seconds(report: dict[str, dict[str, float]]) -> dict[str, float]:
+    """A call's three stretches in seconds: `before_decode` (preamble, prefill, recording the decode graph: until
+    the first decode step runs), `decode` (to the last sync; later waves' prefills included) and `after_decode`
+    (the last harvest, freeing the cache). A mark counts at the later of its two clocks, when both the host and
+    the GPU had reached it. Empty when the report lacks those marks (another backend, a call that failed)."""
+    first = "replay" if "replay" in report else "decode"  # uncaptured (CPU): the first step follows the prefill
+    if not {first, "sync", "released"} <= report.keys():
+        return {}
+
+    def at(name: str) -> float:
+        return max(report[name]["host_ms"], report[name].get("gpu_ms", 0.0)) / 1e3
+
+    return {"before_decode": at(first), "decode": at("sync") - at(first), "after_decode": at("released") - at("sync")}
