@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from hybridrl.packing import host_to_device
-from hybridrl.rollout.base import Generation
+from hybridrl.rollout.base import Generation, as_list
 
 
 @dataclass
@@ -73,7 +73,7 @@ def decode_responses(tokenizer, generations: list[Generation]) -> list[str]:
     Python clean-up step, and slow ones, go through `batch_decode` so the text is the same."""
     # Lists for the tokenizer, made here and not kept: a generation holding numpy rows keeps them (the gather
     # across processes pickles arrays faster than lists, and the batch builder reads them as they are).
-    token_lists = [g.token_values if isinstance(g.token_values, list) else g.token_values.tolist() for g in generations]
+    token_lists = [as_list(g.token_values) for g in generations]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return backend.decode_batch(token_lists, skip_special_tokens=True)

@@ -31,6 +31,13 @@ class SamplingParams:
     """Force every response to `max_new_tokens` (benchmarks)."""
 
 
+def as_list(values: Sequence) -> list:
+    """A list of Python numbers from a list (itself), a numpy array or a tensor (`tolist`), or any sequence."""
+    if isinstance(values, list):
+        return values
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
 class Generation:
     """One sampled response.
 
@@ -55,8 +62,7 @@ class Generation:
 
     @property
     def token_ids(self) -> list[int]:
-        if not isinstance(self._token_ids, list):
-            self._token_ids = self._token_ids.tolist() if hasattr(self._token_ids, "tolist") else list(self._token_ids)
+        self._token_ids = as_list(self._token_ids)  # kept: later reads are free
         return self._token_ids
 
     @token_ids.setter
@@ -65,8 +71,7 @@ class Generation:
 
     @property
     def logprobs(self) -> list[float]:
-        if not isinstance(self._logprobs, list):
-            self._logprobs = self._logprobs.tolist() if hasattr(self._logprobs, "tolist") else list(self._logprobs)
+        self._logprobs = as_list(self._logprobs)
         return self._logprobs
 
     @logprobs.setter
