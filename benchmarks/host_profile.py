@@ -1,0 +1,84 @@
+"""Where the host's time goes in a warm `generate` call on the grpo-0.5b shape (64 prompts x n=8, prompt 256,
+response 256 forced; the default engine): before the first decode step the GPU waits for the host (preamble,
+queueing the prefill, recording the decode graph), so host time there is rollout time.
+
+Prints, for the last of `--calls` warm calls: the host milliseconds inside each engine phase (wrapped methods, no
+profiler running) and the timeline; then one more call under cProfile, its top functions by own time and by
+cumulative time (cProfile slows Python-heavy code, so read those as shares, not as milliseconds).
+
+    python3 benchmarks/host_profile.py [--calls 3] [--top 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import os
+import pstats
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rollout import build_model, timeline_line  # noqa: E402
+
+from hybridrl.rollout import builtin  # noqa: E402
+from hybridrl.rollout.base import SamplingParams  # noqa: E402
+
+PHASES = ("_allocate", "_prefill", "_prefill_chunk", "_warm_up", "_capture", "_sync", "_compact", "release_memory")
+MODULE_FUNCTIONS = ("resolve_weights", "rope_table", "auto_fuses_gate_up", "DecodeState")
+
+
+def timed(function, totals: dict, name: str):
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - start
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args()
+    model = build_model("cuda")
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, model.config.vocab_size, (64, 256), generator=generator).tolist()
+    params = SamplingParams(max_new_tokens=256, temperature=1.0, n=8, seed=0, ignore_eos=True)
+    engine = builtin.BuiltinBackend(model)
+    totals: dict[str, float] = defaultdict(float)
+    for name in PHASES:
+        setattr(engine, name, timed(getattr(engine, name), totals, name))
+    for name in MODULE_FUNCTIONS:
+        setattr(builtin, name, timed(getattr(builtin, name), totals, name))
+    for call in range(args.calls):
+        totals.clear()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        print(f"call {call + 1}: {time.perf_counter() - start:.3f} s", flush=True)
+    print("host ms per phase, last call (nested phases count in their parents too):")
+    for name, seconds in sorted(totals.items(), key=lambda item: -item[1]):
+        print(f"  {name:>20} {1e3 * seconds:8.2f}")
+    print(timeline_line(engine.last_stats))
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    profiler.disable()
+    for order in ("tottime", "cumulative"):
+        print(f"\ncProfile of one more call, top {args.top} by {order}:")
+        pstats.Stats(profiler).strip_dirs().sort_stats(order).print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
