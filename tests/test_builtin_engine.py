@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralC
 from hybridrl.rollout import builtin
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.builtin import BuiltinBackend
-from hybridrl.rollout.sampling import SamplerSettings, sample, sample_from_hidden
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, bos_token_id=None,
@@ -515,30 +514,3 @@ def test_phase_seconds_counts_each_mark_when_both_clocks_reached_it():
     uncaptured = {name: {"host_ms": mark["host_ms"]} for name, mark in report.items() if name != "replay"}
     assert phase_seconds(uncaptured) == pytest.approx({"before_decode": 0.030, "decode": 0.520, "after_decode": 0.010})
     assert phase_seconds({"start": {"host_ms": 0}}) == {}
-
-
-@pytest.mark.parametrize("settings", [SamplerSettings(temperature=0.8), SamplerSettings(temperature=0),
-                                      SamplerSettings(temperature=1.0, top_k=5)])
-def test_lm_head_in_slices_samples_what_the_whole_logits_give(settings):
-    """`sample_from_hidden` with the LM head in vocabulary slices (blocks of 8 for a vocabulary of 128, 16 blocks,
-    slices of 5/6/5 blocks) draws the same tokens with the same log-probs as sampling the whole logits; settings
-    other than plain temperature sampling fall back to the whole logits."""
-    torch.manual_seed(0)
-    hidden, lm_head, uniforms = torch.randn(64, 32), torch.randn(128, 32) * 0.5, torch.rand(64)
-    reference = sample(torch.nn.functional.linear(hidden, lm_head), settings, uniforms)
-    for chunks in (3, 40):
-        tokens, logprobs = sample_from_hidden(hidden, lm_head, settings, uniforms, chunks)
-        assert torch.equal(tokens, reference[0])
-        torch.testing.assert_close(logprobs, reference[1], atol=1e-5, rtol=0)
-    assert len(set(reference[0].tolist())) > 10  # rows draw many different tokens, from many blocks
-
-
-def test_engine_with_lm_head_slices_generates_the_same_sequences():
-    model, params = make_model("llama"), SamplingParams(max_new_tokens=8, temperature=0.9, n=3, seed=5)
-    plain = BuiltinBackend(model).generate(PROMPTS, params)
-    sliced = BuiltinBackend(model, lm_head_chunks=3).generate(PROMPTS, params)
-    for mine, reference in zip(sliced, plain):
-        assert mine.token_ids == reference.token_ids
-        torch.testing.assert_close(torch.tensor(mine.logprobs), torch.tensor(reference.logprobs), atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match="lm_head_chunks >= 1"):
-        BuiltinBackend(model, lm_head_chunks=0)

@@ -167,9 +167,6 @@ class BuiltinBackend:
         empty_cache (default on): when the KV cache is released, and before it is sized, hand the CUDA
         allocator's cached memory back to the driver; False leaves it cached for the next phase to reuse
         (no cudaFree / cudaMalloc of the KV cache every rollout; nvidia-smi then shows the high-water mark).
-        lm_head_chunks: with more than 1, plain temperature sampling (no top-k/top-p/min-p) runs the decode step's
-        LM head in that many vocabulary slices, each reduced to the sampler's block statistics right after its
-        matmul (`sampling.sample_from_hidden`), so the logits are read back while in L2.
     """
 
     def __init__(
@@ -188,14 +185,12 @@ class BuiltinBackend:
         fuse_gate_up: bool | str = "auto",
         rope_in_attention: bool = True,
         empty_cache: bool = True,
-        lm_head_chunks: int = 1,
     ) -> None:
         ok, reason = _supports(model)
         if not ok:
             raise ValueError(f"the built-in rollout engine cannot run this model: {reason}; use rollout.backend=hf.")
-        if kv_cache_memory <= 0 or min(max_num_seqs, max_prefill_tokens, sync_every, lm_head_chunks) < 1:
-            raise ValueError("kv_cache_memory must be > 0 and max_num_seqs, max_prefill_tokens, sync_every, "
-                             "lm_head_chunks >= 1.")
+        if kv_cache_memory <= 0 or max_num_seqs < 1 or max_prefill_tokens < 1 or sync_every < 1:
+            raise ValueError("kv_cache_memory must be > 0 and max_num_seqs, max_prefill_tokens, sync_every >= 1.")
         if attention not in ATTENTION_OPTIONS:
             raise ValueError(f"attention must be one of {ATTENTION_OPTIONS}; got {attention!r}.")
         if fuse_gate_up not in (True, False, "auto"):
@@ -205,7 +200,7 @@ class BuiltinBackend:
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
         self.use_cuda_graphs, self.release_after_generate = use_cuda_graphs, release_after_generate
         self.compile, self.attention, self.fuse_qkv, self.fuse_gate_up = compile, attention, fuse_qkv, fuse_gate_up
-        self.rope_in_attention, self.empty_cache, self.lm_head_chunks = rope_in_attention, empty_cache, lm_head_chunks
+        self.rope_in_attention, self.empty_cache = rope_in_attention, empty_cache
         self._compiled: tuple[DecodeFunctions, object] | None = None  # kept across generate calls
         self.cache: SlotKVCache | PrefixSharedKVCache | None = None
         self._attention_name = ""  # which decode attention the current cache uses, for last_stats
@@ -252,16 +247,11 @@ class BuiltinBackend:
             generator.seed()
         cos, sin = rope_table(self.model, max_len, device, dtype)
         functions, sampler = self._decode_functions(device)
-        lm_head = {}  # with chunks, the decode step ends at the final norm and the sampler runs the LM head
-        if self.lm_head_chunks > 1:
-            functions, lm_head = functions.without_lm_head(), dict(lm_head=weights.lm_head,
-                                                                    lm_head_chunks=self.lm_head_chunks)
         # A 4-bit base is dequantized by bitsandbytes inside each step; whether its kernels capture into a
         # CUDA graph is unverified, so such models run the step uncaptured (per-layer work is large anyway).
         packed = any(is_packed_4bit(getattr(layer, name)) for layer in weights.layers for name in MATRICES)
         self._run = dict(weights=weights, state=state, settings=settings, generator=generator, cos=cos, sin=sin,
-                         functions=functions, sampler=sampler, lm_head=lm_head,
-                         graphs=self.use_cuda_graphs and not packed,
+                         functions=functions, sampler=sampler, graphs=self.use_cuda_graphs and not packed,
                          timeline=timeline)
         scheduler = Scheduler([i // params.n for i in range(num_sequences)], [len(p) for p in prompts], num_slots)
         results: list[Generation | None] = [None] * num_sequences
@@ -439,7 +429,7 @@ class BuiltinBackend:
                                    kv_len, run["functions"])
         run["sampler"](logits, run["settings"], state.uniform_table[:batch], state.done[:batch], state.gen_len[:batch],
                        state.last_token[:batch], state.out_tokens[:batch], state.out_logprobs[:batch],
-                       state.stop_ids, state.max_new_tokens, **run["lm_head"])
+                       state.stop_ids, state.max_new_tokens)
 
     def _step(self, batch: int, kv_len: int) -> None:
         run = self._run

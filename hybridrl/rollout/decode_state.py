@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from hybridrl.packing import host_to_device
-from hybridrl.rollout.sampling import SamplerSettings, sample, sample_from_hidden
+from hybridrl.rollout.sampling import SamplerSettings, sample
 
 
 class DecodeState:
@@ -55,19 +55,12 @@ class DecodeState:
 
 def sample_and_record(logits: torch.Tensor, settings: SamplerSettings, uniform_table: torch.Tensor, done: torch.Tensor,
                       gen_len: torch.Tensor, last_token: torch.Tensor, out_tokens: torch.Tensor,
-                      out_logprobs: torch.Tensor, stop_ids: torch.Tensor, max_new_tokens: int,
-                      lm_head: torch.Tensor | None = None, lm_head_chunks: int = 1) -> None:
+                      out_logprobs: torch.Tensor, stop_ids: torch.Tensor, max_new_tokens: int) -> None:
     """Sample one token per slot and record it in the per-slot state (rows 0..B-1, updated in place);
     finished slots keep their state. One function so that `torch.compile` makes the sampler and this
-    bookkeeping a few kernels: a decode step is bound by its kernel count, not by their work. With `lm_head`,
-    `logits` is the final hidden state (B, hidden) and the LM head runs here, in `lm_head_chunks` slices
-    (`sampling.sample_from_hidden`)."""
+    bookkeeping a few kernels: a decode step is bound by its kernel count, not by their work."""
     column = gen_len.clamp(max=max_new_tokens - 1)  # the response position this step draws
-    uniforms = uniform_table.gather(1, column[:, None])[:, 0]
-    if lm_head is None:
-        tokens, logprobs = sample(logits, settings, uniforms)
-    else:
-        tokens, logprobs = sample_from_hidden(logits, lm_head, settings, uniforms, lm_head_chunks)
+    tokens, logprobs = sample(logits, settings, uniform_table.gather(1, column[:, None])[:, 0])
     live = ~done
     rows = torch.arange(tokens.shape[0], device=tokens.device)
     out_tokens[rows, column] = torch.where(live, tokens, out_tokens[rows, column])
@@ -84,9 +77,9 @@ def compiled_sample_and_record():
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # see llama_forward
     compiled = torch.compile(sample_and_record, fullgraph=True)
 
-    def call(logits, settings, uniform_table, *state_and_limits, **lm_head):
+    def call(logits, settings, uniform_table, *state_and_limits):
         for tensor in (logits, uniform_table) + state_and_limits[:5]:
             torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        return compiled(logits, settings, uniform_table, *state_and_limits, **lm_head)
+        return compiled(logits, settings, uniform_table, *state_and_limits)
 
     return call

@@ -428,15 +428,9 @@ def attention_output_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor,
 
 
 def final_logits(w: ModelWeights, h: torch.Tensor, pending: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    return F.linear(final_hidden(w, h, pending), w.lm_head)
-
-
-def final_hidden(w: ModelWeights, h: torch.Tensor, pending: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The last residuals added and the final RMSNorm: what the LM head multiplies (for a sampler that runs the
-    LM head itself, `DecodeFunctions.without_lm_head`)."""
     for residual in pending:
         h = h + residual
-    return rms_norm(h, w.final_norm, w.rms_eps)
+    return F.linear(rms_norm(h, w.final_norm, w.rms_eps), w.lm_head)
 
 
 @dataclass(frozen=True)
@@ -448,14 +442,9 @@ class DecodeFunctions:
     attention_output_and_mlp: Callable
     final_logits: Callable
     prefill_layer: Callable = prefill_layer
-    final_hidden: Callable = final_hidden
-
-    def without_lm_head(self) -> DecodeFunctions:
-        """The same pieces with the decode step ending at the final norm: its "logits" are the hidden state."""
-        return replace(self, final_logits=self.final_hidden)
 
 
-EAGER_DECODE = DecodeFunctions(attention_inputs, attention_output_and_mlp, final_logits, prefill_layer, final_hidden)
+EAGER_DECODE = DecodeFunctions(attention_inputs, attention_output_and_mlp, final_logits, prefill_layer)
 
 
 def compiled_decode_functions(mode: str | None = None) -> DecodeFunctions:
@@ -469,7 +458,7 @@ def compiled_decode_functions(mode: str | None = None) -> DecodeFunctions:
     # would otherwise fail with "recompile limit exceeded" under fullgraph=True.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = [torch.compile(fn, fullgraph=True, mode=mode)
-                for fn in (attention_inputs, attention_output_and_mlp, final_logits, prefill_layer, final_hidden)]
+                for fn in (attention_inputs, attention_output_and_mlp, final_logits, prefill_layer)]
 
     def dynamic_batch(fn, activation_arg: int):
         def call(*args):
@@ -488,7 +477,7 @@ def compiled_decode_functions(mode: str | None = None) -> DecodeFunctions:
         return compiled[3](w, lw, h, cos, sin)
 
     return DecodeFunctions(dynamic_batch(compiled[0], 2), dynamic_batch(compiled[1], 2), dynamic_batch(compiled[2], 1),
-                           dynamic_prompts, dynamic_batch(compiled[4], 1))
+                           dynamic_prompts)
 
 
 def _decode_layers(w: ModelWeights, tokens: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,

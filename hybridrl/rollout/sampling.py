@@ -19,10 +19,8 @@ Choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -64,38 +62,6 @@ def sample(logits: torch.Tensor, settings: SamplerSettings, uniforms: torch.Tens
     return tokens, logprobs
 
 
-def sample_from_hidden(hidden: torch.Tensor, lm_head: torch.Tensor, settings: SamplerSettings, uniforms: torch.Tensor | None,
-                       chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample(F.linear(hidden, lm_head), ...)` from the final hidden state (B, hidden) and the LM head (V, hidden).
-    In the common case (`_sample_blocked`) with chunks > 1, the logits are made in `chunks` slices of whole blocks,
-    each reduced to its block statistics right after its matmul: a slice of the logits (e.g. 39 MB of 155 MB at 512
-    rows of a 152k vocabulary for 4 chunks) can still be in L2 when it is read, where the whole tensor cannot."""
-    plain = not settings.greedy and settings.top_k <= 0 and settings.top_p >= 1.0 and settings.min_p <= 0
-    if chunks <= 1 or not plain:
-        return sample(F.linear(hidden, lm_head), settings, uniforms)
-    batch, vocab = hidden.shape[0], lm_head.shape[0]
-    size = _block_size(vocab)
-    num_blocks = vocab // size
-    edges = sorted({round(i * num_blocks / chunks) for i in range(chunks + 1)})  # block boundaries of the slices
-    parts, maxima, sums = [], [], []
-    for start, end in zip(edges, edges[1:]):
-        part = F.linear(hidden, lm_head[start * size : end * size]).view(batch, end - start, size)
-        block_max, block_sums = _block_stats(part, settings.temperature)
-        parts.append(part)
-        maxima.append(block_max)
-        sums.append(block_sums)
-
-    def chosen_block(block: torch.Tensor) -> torch.Tensor:
-        inside = torch.zeros(batch, size, dtype=parts[0].dtype, device=hidden.device)
-        for start, part in zip(edges, parts):
-            local = (block - start).clamp(0, part.shape[1] - 1)
-            rows = part.gather(1, local[:, None, None].expand(batch, 1, size))[:, 0]
-            inside = torch.where(((block >= start) & (block < start + part.shape[1]))[:, None], rows, inside)
-        return inside.float() / settings.temperature
-
-    return _draw_from_blocks(torch.cat(maxima, -1), torch.cat(sums, -1), chosen_block, uniforms)
-
-
 def _sample_blocked(logits: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The common case (no top-k/top-p/min-p) in one pass over the logits: each block of ~sqrt(V)
     entries gets its own max and its sum of exp(x - block max); rescaled to the global max these are
@@ -103,26 +69,9 @@ def _sample_blocked(logits: torch.Tensor, temperature: float, uniforms: torch.Te
     pick the token. Compiled, the (B, V) pass is one kernel that reads the bf16 logits once."""
     batch, vocab = logits.shape
     size = _block_size(vocab)
-    blocks = logits.view(batch, -1, size)  # (B, num_blocks, size)
-    block_max, block_sums = _block_stats(blocks, temperature)
-
-    def chosen_block(block: torch.Tensor) -> torch.Tensor:
-        return blocks.gather(1, block[:, None, None].expand(batch, 1, size))[:, 0].float() / temperature
-
-    return _draw_from_blocks(block_max, block_sums, chosen_block, uniforms)
-
-
-def _block_stats(blocks: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """blocks (B, num_blocks, size) of logits -> each block's max of x / T and its sum of exp(x / T - that max)."""
-    scaled = blocks.float() / temperature
+    scaled = logits.float().view(batch, -1, size) / temperature  # (B, num_blocks, size)
     block_max = scaled.amax(-1)  # (B, num_blocks)
-    return block_max, torch.exp(scaled - block_max[..., None]).sum(-1)
-
-
-def _draw_from_blocks(block_max: torch.Tensor, block_sums: torch.Tensor, chosen_block: Callable,
-                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Invert the CDF of the block masses (from `_block_stats`), then inside the chosen block, whose scaled logits
-    (B, size) `chosen_block(block)` forms again; returns tokens and their log-probs."""
+    block_sums = torch.exp(scaled - block_max[..., None]).sum(-1)
     row_max = block_max.amax(-1, keepdim=True)  # (B, 1)
     block_sums = block_sums * torch.exp(block_max - row_max)  # masses relative to exp(row_max)
     log_total = torch.log(block_sums.sum(-1))
@@ -130,10 +79,11 @@ def _draw_from_blocks(block_max: torch.Tensor, block_sums: torch.Tensor, chosen_
     target = uniforms[:, None] * block_cdf[:, -1:]
     block = (block_cdf <= target).sum(-1).clamp_(max=block_cdf.shape[-1] - 1)  # (B,)
     mass_before = block_cdf.gather(1, block[:, None]) - block_sums.gather(1, block[:, None])  # (B, 1)
-    scaled = chosen_block(block)  # (B, size)
-    offset = _offset_inside_block(torch.exp(scaled - row_max), target - mass_before)
-    logprobs = scaled.gather(1, offset[:, None])[:, 0] - row_max[:, 0] - log_total
-    return block * scaled.shape[-1] + offset, logprobs
+    inside = torch.exp(scaled.gather(1, block[:, None, None].expand(batch, 1, size))[:, 0] - row_max)  # (B, size)
+    offset = _offset_inside_block(inside, target - mass_before)
+    tokens = block * size + offset
+    logprobs = scaled.view(batch, vocab).gather(1, tokens[:, None])[:, 0] - row_max[:, 0] - log_total
+    return tokens, logprobs
 
 
 def _block_size(vocab: int) -> int:
