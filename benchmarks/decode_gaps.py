@@ -1,7 +1,7 @@
 """Where a rollout's GPU idle time goes: the engine (fused q/k/v and gate/up, RoPE in the attention kernel) on
 the grpo-0.5b shape of `rollout.py`, timed with several `sync_every` values (decode steps between host checks
 for finished sequences; while the host checks, the GPU waits), then one profiled run whose idle gaps between
-kernels are summed by size and by the pair of kernels around them.
+kernels are summed by size and by the pair of kernels around them, and its GPU time by kernel (per decode step).
 
     python3 benchmarks/decode_gaps.py [--sync-every 16,64,256] [--response-len 256]
 """
@@ -15,7 +15,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gaps import cuda_events, gap_report, host_work_in_gaps  # noqa: E402
+from gaps import cuda_events, gap_report, host_work_in_gaps, kernel_table  # noqa: E402
 from rollout import build_model, time_engine, timeline_line  # noqa: E402
 
 from hybridrl.rollout.base import SamplingParams  # noqa: E402
@@ -43,12 +43,21 @@ def profile_gaps(engine: BuiltinBackend, prompts, params) -> None:
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, params)
         torch.cuda.synchronize()
-    gap_report(cuda_events(prof)[0])
+    kernels = cuda_events(prof)[0]
+    gap_report(kernels)
+    kernel_table(kernels, per=params.max_new_tokens)
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, params)
         torch.cuda.synchronize()
     print("host operations during the largest gaps of a run traced on the CPU too (us of overlap):")
     host_work_in_gaps(*cuda_events(prof))
+    one_token = SamplingParams(max_new_tokens=1, temperature=params.temperature, n=params.n, seed=0, ignore_eos=True)
+    engine.generate(prompts, one_token)  # the KV geometry differs: compile and warm outside the profile
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, one_token)
+        torch.cuda.synchronize()
+    print("the prefill alone (a call with max_new_tokens=1):")
+    kernel_table(cuda_events(prof)[0], top=20)
 
 
 def main() -> None:

@@ -41,6 +41,18 @@ def gap_report(kernels: list[tuple[float, float, str]], top: int = 12) -> None:
         print(f"    {gap / 1e3:7.1f} ms {count:6d} x {gap / count:6.1f} us  {before:<38} -> {after}")
 
 
+def kernel_table(kernels: list[tuple[float, float, str]], per: int = 1, top: int = 30) -> None:
+    """GPU time by kernel name (the first 70 characters), largest first: total ms, count, and µs per `per` units
+    (e.g. per decode step)."""
+    totals, counts = collections.Counter(), collections.Counter()
+    for start, end, name in kernels:
+        totals[name[:70]] += end - start
+        counts[name[:70]] += 1
+    print(f"GPU time by kernel ({sum(totals.values()) / 1e3:.1f} ms in all; us per unit: of {per}):")
+    for name, total in totals.most_common(top):
+        print(f"  {total / 1e3:8.2f} ms {counts[name]:7d} x {total / counts[name]:7.2f} us {total / per:8.1f} us/unit  {name}")
+
+
 def host_work_in_gaps(kernels: list[tuple[float, float, str]], host: list[tuple[float, float, str]],
                       largest: int = 6, per_gap: int = 6) -> None:
     """For the largest idle gaps, the host operations running during them (the longest overlaps first)."""

@@ -167,6 +167,9 @@ class BuiltinBackend:
         empty_cache (default on): when the KV cache is released, and before it is sized, hand the CUDA
         allocator's cached memory back to the driver; False leaves it cached for the next phase to reuse
         (no cudaFree / cudaMalloc of the KV cache every rollout; nvidia-smi then shows the high-water mark).
+        sampling_kernel (default on): on CUDA with triton, plain temperature sampling in the decode step runs as two
+        Triton kernels (`sampling_kernels.py`) instead of the compiled PyTorch sampler; `last_stats["sampler"]`
+        says which the decode steps used ("triton" or "torch").
     """
 
     def __init__(
@@ -185,6 +188,7 @@ class BuiltinBackend:
         fuse_gate_up: bool | str = "auto",
         rope_in_attention: bool = True,
         empty_cache: bool = True,
+        sampling_kernel: bool = True,
     ) -> None:
         ok, reason = _supports(model)
         if not ok:
@@ -200,7 +204,7 @@ class BuiltinBackend:
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
         self.use_cuda_graphs, self.release_after_generate = use_cuda_graphs, release_after_generate
         self.compile, self.attention, self.fuse_qkv, self.fuse_gate_up = compile, attention, fuse_qkv, fuse_gate_up
-        self.rope_in_attention, self.empty_cache = rope_in_attention, empty_cache
+        self.rope_in_attention, self.empty_cache, self.sampling_kernel = rope_in_attention, empty_cache, sampling_kernel
         self._compiled: tuple[DecodeFunctions, object] | None = None  # kept across generate calls
         self.cache: SlotKVCache | PrefixSharedKVCache | None = None
         self._attention_name = ""  # which decode attention the current cache uses, for last_stats
@@ -259,7 +263,8 @@ class BuiltinBackend:
                      captures_without_warmup=0, warmup_s=0.0, compiled=functions is not EAGER_DECODE, attention=self._attention_name,
                      rope_in_attention=isinstance(self.cache, PrefixSharedKVCache) and self.rope_in_attention
                      and rotates_projections(self.cache.attention, weights),
-                     fuse_gate_up=any(layer.gate_up_weight is not None for layer in weights.layers))
+                     fuse_gate_up=any(layer.gate_up_weight is not None for layer in weights.layers),
+                     sampler=self._sampler_name(settings, device, weights.lm_head.shape[0]))
         self._stats = stats
         finished = False
         try:
@@ -302,13 +307,30 @@ class BuiltinBackend:
 
     # ---- phases -----------------------------------------------------------------------------------
     def _decode_functions(self, device) -> tuple[DecodeFunctions, object]:
-        """The layer pieces and `sample_and_record`, eager or compiled."""
+        """The layer pieces and `sample_and_record`: eager or compiled, and with the sampling kernels on CUDA."""
         if not (self.compile if self.compile is not None else device.type == "cuda"):
-            return EAGER_DECODE, sample_and_record
-        if self._compiled is None:
-            mode = self.compile if isinstance(self.compile, str) else None
-            self._compiled = (compiled_decode_functions(mode), compiled_sample_and_record())
-        return self._compiled
+            functions, sampler = EAGER_DECODE, sample_and_record
+        else:
+            if self._compiled is None:
+                mode = self.compile if isinstance(self.compile, str) else None
+                self._compiled = (compiled_decode_functions(mode), compiled_sample_and_record())
+            functions, sampler = self._compiled
+        if self._sampling_kernel_on(device):
+            from hybridrl.rollout.sampling_kernels import with_sampling_kernel  # imports triton
+
+            sampler = with_sampling_kernel(sampler)
+        return functions, sampler
+
+    def _sampling_kernel_on(self, device) -> bool:
+        return self.sampling_kernel and device.type == "cuda" and triton_available()
+
+    def _sampler_name(self, settings: SamplerSettings, device, vocab: int) -> str:
+        """Which sampler the decode steps of this call run (`with_sampling_kernel` decides the same way)."""
+        if not self._sampling_kernel_on(device):
+            return "torch"
+        from hybridrl.rollout.sampling_kernels import sampling_kernel_applies
+
+        return "triton" if sampling_kernel_applies(settings, vocab) else "torch"
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         vocab = self.model.config.vocab_size
