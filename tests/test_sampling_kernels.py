@@ -57,6 +57,7 @@ def test_kernels_compile_for_gpus(arch, dtype):
                     GEN_LEN="*i64", LAST_TOKEN="*i64", OUT_TOKENS="*i64", OUT_LOGPROBS="*fp32", STOP_IDS="*i64")
     scalars = {name: "i32" for name in ("stride_row", "stride_uniform", "stride_tokens", "stride_logprobs",
                                         "num_blocks", "num_stops", "max_new_tokens")}
-    draw = compile_for(arch, sampling_kernels._draw_and_record_kernel, dict(pointers, **scalars, inv_temperature="fp32"),
+    draw = compile_for(arch, sampling_kernels._draw_and_record_kernel,
+                       dict(pointers, **scalars, inv_temperature="fp32"),
                        dict(SIZE=128, SIZE_PAD=128, BLOCKS_PAD=2048, STOPS_PAD=2))
     assert "cubin" in stats.asm and "cubin" in draw.asm

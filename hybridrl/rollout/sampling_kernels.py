@@ -2,23 +2,27 @@
 `sampling._sample_blocked` followed by `decode_state.sample_and_record`'s bookkeeping.
 
 Compiled by Inductor, that sampler is six kernels per step on the grpo-0.5b shape (512 rows x 152k vocabulary):
-the pass over the logits for each block's max and sum of exponentials takes 64.6 µs (155 MB of bf16 logits at
-2.4 TB/s: many small programs of 8 blocks each) and five small kernels after it ~25 µs more (`decode_gaps.py`,
-2026-12-01). Here:
+the pass over the logits for each block's max and sum of exponentials (64.6 µs in the engine, 155 MB of bf16 logits
+at 2.4 TB/s) and five small kernels after it (~25 µs; `decode_gaps.py`, 2026-12-01). These two take 54.8 µs per step
+against 79.8-87.9 µs for the compiled sampler on cold logits (`benchmarks/sampling_kernels.py`), ~12 µs less per
+step inside the engine (`docs/benchmarks.md`). Here:
 
 - `_block_stats_kernel`, grid (rows, block groups): each program reads `BLOCKS_PER_PROGRAM` whole blocks of one row
-  (~8 KB of bf16) and writes each block's max of x / T and sum of exp(x / T - that max), float32.
+  (16 KB of bf16 at the default 8192 logits) and writes each block's max of x / T and sum of exp(x / T - that
+  max), float32.
 - `_draw_and_record_kernel`, one program per row: block masses rescaled to the row's max, their CDF inverted at
   the row's uniform for this response position, then the chosen block's logits read again and its own CDF
   inverted (with `_offset_inside_block`'s guard against rounding); the token, its log-prob and the row's state
   (out_tokens/out_logprobs at the response position, last_token, gen_len, done) written as the reference does,
   a finished row left as it is.
 
-Masked lanes hold -1e30, never -inf (no lane forms inf - inf). The kernels scale by 1 / T (exact at T = 1; a
-correctly rounded division made the stats kernel compute-bound: 81 µs, `docs/benchmarks.md`) and use Triton's exp;
-both round differently from torch's x / T and exp in the last bits, so a draw whose uniform lands within ~1e-7 of a
-CDF boundary may pick the neighbour; the tests compare whole batches with the reference. `TRITON_INTERPRET=1` set before the first import runs them on
-CPU tensors; `sampling_kernel_applies` says when the engine uses them.
+Masked lanes hold -1e30, never -inf (no lane forms inf - inf). The kernels scale by 1 / T (exact at T = 1; with a
+correctly rounded division the stats kernel took 81 µs, by instruction count compute-bound) and use Triton's exp and
+scan; their float32 rounding differs from torch's, so a draw whose uniform lands near a CDF boundary picks the
+neighbouring token (0.1% of draws at a 152k vocabulary, where a block mass's rounding is large against one token's
+mass). Both are draws from the same distribution; the tests compare whole batches with the reference.
+`TRITON_INTERPRET=1` set before the first import runs them on CPU tensors; `sampling_kernel_applies` says when the
+engine uses them.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ def sampling_kernel_applies(settings: SamplerSettings, vocab: int) -> bool:
 def triton_sample_and_record(logits: torch.Tensor, settings: SamplerSettings, uniform_table: torch.Tensor,
                              done: torch.Tensor, gen_len: torch.Tensor, last_token: torch.Tensor,
                              out_tokens: torch.Tensor, out_logprobs: torch.Tensor, stop_ids: torch.Tensor,
-                             max_new_tokens: int, block_elements: int = BLOCK_ELEMENTS, num_warps: int = NUM_WARPS) -> None:
+                             max_new_tokens: int, block_elements: int = BLOCK_ELEMENTS,
+                             num_warps: int = NUM_WARPS) -> None:
     """`decode_state.sample_and_record` for plain temperature sampling (`sampling_kernel_applies`), in two kernels;
     `block_elements` and `num_warps`: the stats kernel's launch configuration."""
     rows, vocab = logits.shape
