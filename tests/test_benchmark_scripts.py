@@ -87,6 +87,18 @@ def test_gap_report_sums_idle_time_by_size_and_kernel_pair(capsys):
     assert out.index("norm") < out.index("gemm                                   -> attn")
 
 
+def test_kernel_table_sums_gpu_time_by_kernel_name_per_unit(capsys):
+    """`gaps.kernel_table` (decode_gaps.py's profile): total, count and µs per call and per unit (decode step)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gaps import kernel_table
+
+    kernel_table([(0, 30, "attn"), (40, 50, "gemm"), (60, 90, "attn"), (100, 104, "norm")], per=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "GPU time by kernel (0.1 ms in all; us per unit: of 2):"
+    assert lines[1].split() == ["0.06", "ms", "2", "x", "30.00", "us", "30.0", "us/unit", "attn"]
+    assert [line.split()[-1] for line in lines[1:]] == ["attn", "gemm", "norm"]
+
+
 def test_grpo_step_gap_report_wraps_the_update_and_returns_its_metrics(capsys):
     """`grpo_step.py --gaps` swaps in a profiled update; without a GPU it still returns the update's metrics."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
