@@ -170,6 +170,9 @@ class BuiltinBackend:
         sampling_kernel (default on): on CUDA with triton, plain temperature sampling in the decode step runs as two
         Triton kernels (`sampling_kernels.py`) instead of the compiled PyTorch sampler; `last_stats["sampler"]`
         says which the decode steps used ("triton" or "torch").
+        fuse_mlp_down (opt-in, not yet measured on a GPU): the SwiGLU activation computed inside the down projection, a
+        split-K Triton GEMM (`mlp_kernels.py`; its PyTorch reference on CPU), for layers with fused gate/up weights
+        and no LoRA on the down projection; `last_stats["mlp_down"]` says which ran ("triton", "reference", "off").
     """
 
     def __init__(
@@ -189,6 +192,7 @@ class BuiltinBackend:
         rope_in_attention: bool = True,
         empty_cache: bool = True,
         sampling_kernel: bool = True,
+        fuse_mlp_down: bool = False,
     ) -> None:
         ok, reason = _supports(model)
         if not ok:
@@ -205,6 +209,7 @@ class BuiltinBackend:
         self.use_cuda_graphs, self.release_after_generate = use_cuda_graphs, release_after_generate
         self.compile, self.attention, self.fuse_qkv, self.fuse_gate_up = compile, attention, fuse_qkv, fuse_gate_up
         self.rope_in_attention, self.empty_cache, self.sampling_kernel = rope_in_attention, empty_cache, sampling_kernel
+        self.fuse_mlp_down, self._fused_mlp = fuse_mlp_down, {}
         self._compiled: tuple[DecodeFunctions, object] | None = None  # kept across generate calls
         self.cache: SlotKVCache | PrefixSharedKVCache | None = None
         self._attention_name = ""  # which decode attention the current cache uses, for last_stats
@@ -260,11 +265,12 @@ class BuiltinBackend:
         scheduler = Scheduler([i // params.n for i in range(num_sequences)], [len(p) for p in prompts], num_slots)
         results: list[Generation | None] = [None] * num_sequences
         stats = dict(num_slots=num_slots, decode_steps=0, prefill_waves=0, graphs_captured=0,
-                     captures_without_warmup=0, warmup_s=0.0, compiled=functions is not EAGER_DECODE, attention=self._attention_name,
+                     captures_without_warmup=0, warmup_s=0.0, compiled=self._compiles(device), attention=self._attention_name,
                      rope_in_attention=isinstance(self.cache, PrefixSharedKVCache) and self.rope_in_attention
                      and rotates_projections(self.cache.attention, weights),
                      fuse_gate_up=any(layer.gate_up_weight is not None for layer in weights.layers),
-                     sampler=self._sampler_name(settings, device, weights.lm_head.shape[0]))
+                     sampler=self._sampler_name(settings, device, weights.lm_head.shape[0]),
+                     mlp_down=self._mlp_down_name(weights, device))
         self._stats = stats
         finished = False
         try:
@@ -308,21 +314,43 @@ class BuiltinBackend:
     # ---- phases -----------------------------------------------------------------------------------
     def _decode_functions(self, device) -> tuple[DecodeFunctions, object]:
         """The layer pieces and `sample_and_record`: eager or compiled, and with the sampling kernels on CUDA."""
-        if not (self.compile if self.compile is not None else device.type == "cuda"):
+        if not self._compiles(device):
             functions, sampler = EAGER_DECODE, sample_and_record
         else:
             if self._compiled is None:
                 mode = self.compile if isinstance(self.compile, str) else None
                 self._compiled = (compiled_decode_functions(mode), compiled_sample_and_record())
             functions, sampler = self._compiled
+        if self.fuse_mlp_down:
+            functions = self._with_fused_mlp_down(functions, device)
         if self._sampling_kernel_on(device):
             from hybridrl.rollout.sampling_kernels import with_sampling_kernel  # imports triton
 
             sampler = with_sampling_kernel(sampler)
         return functions, sampler
 
+    def _compiles(self, device) -> bool:
+        return bool(self.compile) if self.compile is not None else device.type == "cuda"
+
+    def _with_fused_mlp_down(self, functions: DecodeFunctions, device) -> DecodeFunctions:
+        """`functions` with the fused SwiGLU + down projection (made once per kind: its compiled piece is kept)."""
+        from hybridrl.rollout import mlp_kernels  # imports triton where installed
+
+        kernel = device.type == "cuda" and triton_available()
+        key = (self._compiles(device), kernel)
+        if key not in self._fused_mlp:
+            mlp_down = mlp_kernels.triton_swiglu_down if kernel else mlp_kernels.reference_swiglu_down
+            self._fused_mlp[key] = mlp_kernels.with_fused_mlp_down(functions, mlp_down, compile=key[0])
+        return self._fused_mlp[key]
+
     def _sampling_kernel_on(self, device) -> bool:
         return self.sampling_kernel and device.type == "cuda" and triton_available()
+
+    def _mlp_down_name(self, weights, device) -> str:
+        fused = any(layer.gate_up_weight is not None and layer.down_lora is None for layer in weights.layers)
+        if not (self.fuse_mlp_down and fused):
+            return "off"
+        return "triton" if device.type == "cuda" and triton_available() else "reference"
 
     def _sampler_name(self, settings: SamplerSettings, device, vocab: int) -> str:
         """Which sampler the decode steps of this call run (`with_sampling_kernel` decides the same way)."""
