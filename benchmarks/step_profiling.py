@@ -56,8 +56,9 @@ def _time_full_collections(phase: str, info: dict) -> None:
 
 def warm_up_counters(device: str) -> dict:
     """Totals so far of what makes a step slower than the next: frames compiled by dynamo (a recompile adds
-    one), cudaMalloc retries (the caching allocator freeing its cache to satisfy a request) and milliseconds in
-    Python's full (generation 2) garbage collections, which stop the host wherever they happen."""
+    one), cudaMalloc retries (the caching allocator freeing its cache to satisfy a request), cudaMalloc calls
+    (segments the allocator took from the driver: a step that still grows the cache pays for them) and
+    milliseconds in Python's full (generation 2) garbage collections, which stop the host wherever they happen."""
     import torch
 
     if _time_full_collections not in gc.callbacks:
@@ -65,7 +66,9 @@ def warm_up_counters(device: str) -> dict:
     counters = {"diag/compiled_frames": float(torch._dynamo.utils.counters["frames"]["ok"]),
                 "diag/gc_full_ms": round(_GC_MS["total"], 1)}
     if device == "cuda":
-        counters["diag/alloc_retries"] = float(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+        stats = torch.cuda.memory_stats()
+        counters["diag/alloc_retries"] = float(stats.get("num_alloc_retries", 0))
+        counters["diag/cuda_mallocs"] = float(stats.get("segment.all.allocated", 0))
     return counters
 
 
