@@ -124,7 +124,7 @@ class RLTrainer:
         dtype = str(next(parts.actor.parameters()).dtype).removeprefix("torch.")
         rollout = type(parts.rollout).__name__.removesuffix("Backend").lower()
         if rollout == "builtin":
-            from hybridrl.rollout.builtin import resolve_attention
+            from hybridrl.rollout.kernel_choices import resolve_attention
 
             rollout += f" engine, {resolve_attention(parts.rollout.attention, self.device)} decode attention"
         processes = f" x {parts.setup.world_size} processes" if parts.setup.is_distributed else ""

@@ -25,13 +25,21 @@ A slot that finishes between syncs idles until the next one. Prompt-major output
 from __future__ import annotations
 
 import time
-from typing import Callable
 
 import torch
 
 from hybridrl.packing import host_to_device
 from hybridrl.rollout.base import Generation, SamplingParams
 from hybridrl.rollout.decode_state import DecodeState, compiled_sample_and_record, sample_and_record
+from hybridrl.rollout.kernel_choices import (
+    ATTENTION_OPTIONS,
+    auto_fuses_gate_up,
+    mlp_down_name,
+    resolve_attention,
+    sampler_name,
+    triton_available,
+)
+from hybridrl.rollout.kernel_choices import decode_attention_function as _decode_attention_function
 from hybridrl.rollout.kv_cache import CacheGeometry, PrefixSharedKVCache, SlotKVCache, max_slots
 from hybridrl.rollout.llama_forward import (
     EAGER_DECODE,
@@ -43,7 +51,6 @@ from hybridrl.rollout.llama_forward import (
     resolve_weights,
     rotates_projections,
     rope_table,
-    unwrap,
 )
 from hybridrl.rollout.llama_forward import supports as _supports
 from hybridrl.rollout.sampling import SamplerSettings, sample
@@ -55,46 +62,6 @@ KV_LEN_BUCKET = 128
 """Decode attention reads keys up to the next multiple of this past the furthest live position."""
 CPU_MEMORY_REFERENCE_GIB = 4.0
 """On CPU a fractional `kv_cache_memory` is a fraction of this fixed size (free RAM is not a safe guide)."""
-ATTENTION_OPTIONS = ("auto", "triton", "triton-stacked", "sdpa")
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def resolve_attention(option: str, device: torch.device) -> str:
-    """`auto` -> "triton" on CUDA when triton imports, else "sdpa". On CPU `auto` keeps the per-slot SDPA
-    layout (the prefix-shared one would run the slow PyTorch reference); "triton" on CPU means the
-    prefix-shared layout with that reference standing in for the kernel (how its logic is tested).
-    "triton-stacked" (opt-in, never chosen by `auto`: 2% faster than "triton" in its one H200 run, inside
-    run-to-run variation) is the same layout with the two stacked kernels; on CPU their PyTorch two-phase
-    reference."""
-    if option == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "sdpa"
-    if option in ("triton", "triton-stacked") and device.type == "cuda" and not triton_available():
-        raise ValueError(f"attention={option!r} needs the triton package on CUDA (pip install triton); "
-                         "use attention='sdpa' (rollout.attention=sdpa) or 'auto'.")
-    return option
-
-
-def _decode_attention_function(attention: str, device: torch.device) -> tuple[str, Callable]:
-    """The prefix-shared attention (`triton` or `triton-stacked`) for this device, and its name for
-    `last_stats`. Imported here so that the per-slot path never imports triton."""
-    from hybridrl.rollout import decode_attention, stacked_attention
-
-    if attention == "triton-stacked":
-        if device.type == "cuda":
-            return "triton-stacked", stacked_attention.stacked_decode_attention
-        return "stacked-reference", stacked_attention.stacked_reference_attention
-    if device.type == "cuda":
-        return "triton", decode_attention.triton_decode_attention
-    return "reference", decode_attention.reference_decode_attention
-
-
 def _tensor_layouts(values) -> tuple:
     """(shape, stride, dtype) of every tensor in `values` and every number or string (a compiled function
     specialises on those too), looking into tuples, lists and objects' attributes."""
@@ -117,25 +84,6 @@ def _weights_key(weights) -> tuple:
             for item in value if isinstance(value, tuple) else (value,):
                 key.append(item.data_ptr() if isinstance(item, torch.Tensor) else item)
     return tuple(key) + (weights.embed.data_ptr(), weights.final_norm.data_ptr(), weights.lm_head.data_ptr())
-
-
-AUTO_FUSE_GATE_UP_MAX_FRACTION = 0.05
-"""`fuse_gate_up="auto"` stacks gate/up when the copy takes at most this share of the GPU's memory."""
-
-
-def auto_fuses_gate_up(model) -> bool:
-    """Whether `fuse_gate_up="auto"` stacks each layer's gate and up weights for the rollout: on CUDA, when
-    the copy is at most `AUTO_FUSE_GATE_UP_MAX_FRACTION` of the device's memory. The stacked matmul made the
-    grpo-0.5b rollout 4% faster on an H200 (0.625 -> 0.598 s, `docs/benchmarks.md`); the copy is 0.4 GB for
-    Qwen2-0.5B (on for any card of 8 GB or more), 1.5 GB for Qwen2.5-1.5B (on for an H200, off for a 24 GB
-    card) and 7.6 GB for Qwen2.5-7B (off for both). On CPU the plain projections are kept."""
-    weight = next(model.parameters())
-    if weight.device.type != "cuda":
-        return False
-    layers = unwrap(model).model.layers
-    copy_bytes = sum((layer.mlp.gate_proj.weight.numel() + layer.mlp.up_proj.weight.numel())
-                     * layer.mlp.gate_proj.weight.element_size() for layer in layers)
-    return copy_bytes <= AUTO_FUSE_GATE_UP_MAX_FRACTION * torch.cuda.get_device_properties(weight.device).total_memory
 
 
 class BuiltinBackend:
@@ -269,8 +217,8 @@ class BuiltinBackend:
                      rope_in_attention=isinstance(self.cache, PrefixSharedKVCache) and self.rope_in_attention
                      and rotates_projections(self.cache.attention, weights),
                      fuse_gate_up=any(layer.gate_up_weight is not None for layer in weights.layers),
-                     sampler=self._sampler_name(settings, device, weights.lm_head.shape[0]),
-                     mlp_down=self._mlp_down_name(weights, device))
+                     sampler=sampler_name(self.sampling_kernel, settings, device, weights.lm_head.shape[0]),
+                     mlp_down=mlp_down_name(self.fuse_mlp_down, weights, device))
         self._stats = stats
         finished = False
         try:
@@ -345,20 +293,6 @@ class BuiltinBackend:
 
     def _sampling_kernel_on(self, device) -> bool:
         return self.sampling_kernel and device.type == "cuda" and triton_available()
-
-    def _mlp_down_name(self, weights, device) -> str:
-        fused = any(layer.gate_up_weight is not None and layer.down_lora is None for layer in weights.layers)
-        if not (self.fuse_mlp_down and fused):
-            return "off"
-        return "triton" if device.type == "cuda" and triton_available() else "reference"
-
-    def _sampler_name(self, settings: SamplerSettings, device, vocab: int) -> str:
-        """Which sampler the decode steps of this call run (`with_sampling_kernel` decides the same way)."""
-        if not self._sampling_kernel_on(device):
-            return "torch"
-        from hybridrl.rollout.sampling_kernels import sampling_kernel_applies
-
-        return "triton" if sampling_kernel_applies(settings, vocab) else "torch"
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         vocab = self.model.config.vocab_size
