@@ -434,7 +434,7 @@ def final_logits(w: ModelWeights, h: torch.Tensor, pending: tuple[torch.Tensor, 
 
 
 def as_residual(residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A pending residual as h's dtype: float32 partial sums (splits, B, hidden) of `mlp_kernels` summed here."""
+    """A pending residual as h's dtype: float32 partial sums (splits, B, hidden) of `projection_kernels` summed here."""
     return residual.sum(0).to(dtype) if residual.dim() == 3 else residual
 
 
