@@ -36,7 +36,7 @@ from hybridrl.rollout.projection_kernels import triton_split_k_linear  # noqa: E
 HIDDEN, INTERMEDIATE, LAYERS = 896, 4864, 24
 CONFIGS = [dict(splits=s, block_m=m, block_n=n, block_k=k, num_warps=w)
            for s, (m, n, k), w in itertools.product((1, 2, 4, 8), ((64, 64, 64), (32, 64, 128), (64, 128, 64),
-                                                                  (128, 64, 64)), (4, 8))]
+                                                                  (128, 64, 64), (128, 128, 64)), (4, 8))]
 ENGINES = {"default": {}, "fuse_mlp_down": dict(fuse_mlp_down=True), "split_k_o_proj": dict(split_k_o_proj=True),
            "both": dict(fuse_mlp_down=True, split_k_o_proj=True)}
 

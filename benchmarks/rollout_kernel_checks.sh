@@ -17,7 +17,7 @@ echo "== gpu tests: exit $? after $(elapsed)"; tail -2 "$OUT/gpu_tests.log"
 timeout 60 python3 -m pytest -q tests/test_sampling_kernels.py tests/test_projection_kernels.py \
     > "$OUT/kernel_tests.log" 2>&1
 echo "== kernel tests (interpreter, lowering): exit $? after $(elapsed)"; tail -1 "$OUT/kernel_tests.log"
-timeout 360 python3 benchmarks/decode_projections.py > "$OUT/decode_projections.log" 2>&1
+timeout 380 python3 benchmarks/decode_projections.py --rows 512 > "$OUT/decode_projections.log" 2>&1
 echo "== decode_projections: exit $? after $(elapsed)"; grep -v Warn "$OUT/decode_projections.log" | tail -60
 timeout 60 python3 benchmarks/sampling_kernels.py > "$OUT/sampling_kernels.log" 2>&1
 echo "== sampling_kernels: exit $? after $(elapsed)"; tail -9 "$OUT/sampling_kernels.log"
