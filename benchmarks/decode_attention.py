@@ -92,6 +92,11 @@ def main() -> None:
             continue
         rows.append(dict(config, us=micros))
         print(f"{config}: {micros:.1f} us", flush=True)
+    for prompt_block_n in () if args.no_sweep else (16, 64, 128):  # the prompt part alone in other block sizes
+        config = dict(prompt_block_n=prompt_block_n)
+        torch.testing.assert_close(triton_decode_attention(**case, **config), expected, **TOLERANCE[dtype])
+        micros = graph_time_us(lambda: triton_decode_attention(**case, **config))
+        print(f"default launch, prompt part in blocks of {prompt_block_n} keys: {micros:.1f} us", flush=True)
     default = graph_time_us(lambda: triton_decode_attention(**case))
     slots, write_at = torch.arange(args.slots, device="cuda"), case["response_len"] - 1
     response = torch.stack((case["response_k"], case["response_v"]))  # (2, slots, Hkv, L, D), like the engine's view

@@ -52,8 +52,10 @@ def check_kernel_cases() -> None:
     for seed, shape in enumerate(CASES):
         for dtype in (torch.float32, torch.float16):
             case = make_case(seed, *shape, dtype=dtype)
-            torch.testing.assert_close(triton_decode_attention(**case), reference_decode_attention(**case),
-                                       **TOLERANCE[dtype])
+            expected = reference_decode_attention(**case)
+            for prompt_block_n in (None, 16, 64):  # the prompt part in its own block size too
+                torch.testing.assert_close(triton_decode_attention(**case, prompt_block_n=prompt_block_n), expected,
+                                           **TOLERANCE[dtype])
     case = make_case(9, 3, 2, 4, 32, 2, 8, 8)
     case["prompt_len"][1], case["response_len"][1] = 0, 0
     assert torch.equal(triton_decode_attention(**case)[1], torch.zeros(2, 4, 32))

@@ -138,7 +138,7 @@ def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool 
     signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride")}, qk_scale="fp32")
     pad = lambda value: max(decode_attention.MIN_DOT_ROWS, 1 << (value - 1).bit_length())  # noqa: E731
     constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=pad(group), BLOCK_D=pad(head_dim),
-                     BLOCK_N=decode_attention.BLOCK_N, IEEE=dtype == "fp32",
+                     BLOCK_N=decode_attention.BLOCK_N, PROMPT_BLOCK_N=decode_attention.BLOCK_N, IEEE=dtype == "fp32",
                      WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope)  # the variants the engine runs
     return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
                                            target=GPUTarget("cuda", arch, 32),

@@ -180,10 +180,12 @@ def triton_decode_attention(
     block_n: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int | None = NUM_STAGES,
+    prompt_block_n: int | None = None,
 ) -> torch.Tensor:
     """Launch the Triton kernel over a (B, Hkv) grid; same contract as `reference_decode_attention`.
     `block_n`, `num_warps`, `num_stages` are the launch configuration (`benchmarks/decode_attention.py`
-    times the alternatives); the defaults are the measured best at the grpo-0.5b shape."""
+    times the alternatives); the defaults are the measured best at the grpo-0.5b shape. `prompt_block_n`: keys per
+    iteration of the prompt part alone (default `block_n`; the response part keeps `block_n`)."""
     if triton is None:
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
                           "use attention='sdpa' or the reference on machines without it.")
@@ -191,6 +193,7 @@ def triton_decode_attention(
     q, out, fused, cos, sin, bias, strides = launch_arguments(q, prompt_k, prompt_v, response_k, response_v,
                                                               new_kv, rope, qkv_bias)
     block_n = block_n or BLOCK_N
+    prompt_block_n = prompt_block_n or block_n
     stages = {} if num_stages is None else {"num_stages": num_stages}
     _decode_attention_kernel[(batch, num_kv_heads)](
         q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out, fused,
@@ -198,7 +201,7 @@ def triton_decode_attention(
         GROUP=group, HEAD_DIM=head_dim,
         GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)),
         BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),
-        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, WRITE_NEW=new_kv is not None,
+        BLOCK_N=block_n, PROMPT_BLOCK_N=prompt_block_n, IEEE=q.dtype == torch.float32, WRITE_NEW=new_kv is not None,
         ROPE=rope is not None, HAS_BIAS=rope is not None and qkv_bias is not None,
         num_warps=num_warps, **stages,
     )
@@ -294,7 +297,8 @@ if triton is not None:
         stride_ob, stride_oh, stride_og,
         stride_nb, stride_nkv, stride_nh, stride_cb,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr, ROPE: tl.constexpr,
+        BLOCK_N: tl.constexpr, PROMPT_BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr,
+        ROPE: tl.constexpr,
         HAS_BIAS: tl.constexpr,
     ):
         """One (slot, KV head): the prompt entry's keys, then the slot's response keys, one softmax.
@@ -322,7 +326,7 @@ if triton is not None:
         entry = tl.load(PROMPT_INDEX + slot).to(tl.int64)
         prompt = entry * stride_pe + head * stride_ph
         m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, tl.load(PROMPT_LEN + slot).to(tl.int32), stride_pl,
-                                m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
+                                m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, PROMPT_BLOCK_N, IEEE)
         response = slot * stride_rb + head * stride_rh
         response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
         cached = response_len - 1 if WRITE_NEW else response_len
