@@ -4,7 +4,9 @@ The kernel's block size, warps and pipeline stages are fixed (no autotuning: gra
 kernel per shape), so the defaults in `hybridrl/rollout/decode_attention.py` come from this table.
 Each configuration is checked against the PyTorch reference first, then timed as 20 calls captured in
 one CUDA graph (as the engine runs it), so launch overhead is not what is measured. Also timed: the
-engine's old unfused path (index_put of the new K/V, then the kernel) against the fused write.
+default launch with the prompt part in blocks of 16, 64 and 128 keys (`prompt_block_n`; the response part keeps
+its block size), and the engine's old unfused path (index_put of the new K/V, then the kernel) against the fused
+write.
 
     python3 benchmarks/decode_attention.py [--response-len 128] [--bandwidth-tbs 4.2] [--stacked]
 
