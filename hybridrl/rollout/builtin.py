@@ -215,7 +215,8 @@ class BuiltinBackend:
         scheduler = Scheduler([i // params.n for i in range(num_sequences)], [len(p) for p in prompts], num_slots)
         results: list[Generation | None] = [None] * num_sequences
         stats = dict(num_slots=num_slots, decode_steps=0, prefill_waves=0, graphs_captured=0,
-                     captures_without_warmup=0, warmup_s=0.0, compiled=self._compiles(device), attention=self._attention_name,
+                     captures_without_warmup=0, warmup_s=0.0, compiled=self._compiles(device),
+                     attention=self._attention_name,
                      rope_in_attention=isinstance(self.cache, PrefixSharedKVCache) and self.rope_in_attention
                      and rotates_projections(self.cache.attention, weights),
                      fuse_gate_up=any(layer.gate_up_weight is not None for layer in weights.layers),
