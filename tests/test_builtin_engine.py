@@ -514,28 +514,3 @@ def test_phase_seconds_counts_each_mark_when_both_clocks_reached_it():
     uncaptured = {name: {"host_ms": mark["host_ms"]} for name, mark in report.items() if name != "replay"}
     assert phase_seconds(uncaptured) == pytest.approx({"before_decode": 0.030, "decode": 0.520, "after_decode": 0.010})
     assert phase_seconds({"start": {"host_ms": 0}}) == {}
-
-
-@pytest.mark.parametrize("options", [dict(fuse_mlp_down=True), dict(split_k_o_proj=True),
-                                     dict(fuse_mlp_down=True, split_k_o_proj=True)])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen2-lora"])
-def test_split_k_projections_give_the_same_tokens_and_logprobs(family, options):
-    """`fuse_mlp_down` / `split_k_o_proj`: the o and SwiGLU + down projections as float32 partial sums over 4 slices,
-    added by the next piece (here the kernel's PyTorch reference) equal the plain projections; with LoRA on those
-    projections the layers keep them."""
-    model = make_lora_model("qwen2") if family == "qwen2-lora" else make_model(family)
-    for params in (SamplingParams(max_new_tokens=10, temperature=0), SamplingParams(max_new_tokens=8, temperature=0.9,
-                                                                                    n=2, seed=4)):
-        plain = BuiltinBackend(model, fuse_gate_up=True).generate(PROMPTS, params)
-        engine = BuiltinBackend(model, fuse_gate_up=True, **options)
-        fused = engine.generate(PROMPTS, params)
-        expected = {name: "off" if family == "qwen2-lora" or not options.get(option) else "reference"
-                    for name, option in (("o_proj", "split_k_o_proj"), ("mlp_down", "fuse_mlp_down"))}
-        assert {name: engine.last_stats[name] for name in expected} == expected
-        assert engine.last_stats["compiled"] is False
-        for mine, reference in zip(fused, plain):
-            assert mine.token_ids == reference.token_ids
-            torch.testing.assert_close(torch.tensor(mine.logprobs), torch.tensor(reference.logprobs), atol=1e-5, rtol=0)
-    engine = BuiltinBackend(model, fuse_mlp_down=True)  # fuse_gate_up="auto" keeps gate and up apart on CPU
-    engine.generate(PROMPTS[:1], params)
-    assert engine.last_stats["mlp_down"] == "off"

@@ -36,7 +36,6 @@ from hybridrl.rollout.kernel_choices import (
     auto_fuses_gate_up,
     resolve_attention,
     sampler_name,
-    split_k_names,
     triton_available,
 )
 from hybridrl.rollout.kernel_choices import decode_attention_function as _decode_attention_function
@@ -118,10 +117,6 @@ class BuiltinBackend:
         sampling_kernel (default on): on CUDA with triton, plain temperature sampling in the decode step runs as two
         Triton kernels (`sampling_kernels.py`) instead of the compiled PyTorch sampler; `last_stats["sampler"]`
         says which the decode steps used ("triton" or "torch").
-        fuse_mlp_down, split_k_o_proj (opt-in, not yet measured on a GPU): split-K Triton GEMMs for the decode
-        step's narrow projections (`projection_kernels.py`; its PyTorch reference on CPU): the MLP's down projection
-        with the SwiGLU in its operand load (layers with fused gate/up weights, no LoRA on down) and the o projection
-        (no bias or LoRA); `last_stats["mlp_down"]` / `["o_proj"]` say which ran ("triton", "reference", "off").
     """
 
     def __init__(
@@ -141,8 +136,6 @@ class BuiltinBackend:
         rope_in_attention: bool = True,
         empty_cache: bool = True,
         sampling_kernel: bool = True,
-        fuse_mlp_down: bool = False,
-        split_k_o_proj: bool = False,
     ) -> None:
         ok, reason = _supports(model)
         if not ok:
@@ -159,7 +152,6 @@ class BuiltinBackend:
         self.use_cuda_graphs, self.release_after_generate = use_cuda_graphs, release_after_generate
         self.compile, self.attention, self.fuse_qkv, self.fuse_gate_up = compile, attention, fuse_qkv, fuse_gate_up
         self.rope_in_attention, self.empty_cache, self.sampling_kernel = rope_in_attention, empty_cache, sampling_kernel
-        self.fuse_mlp_down, self.split_k_o_proj, self._split_k = fuse_mlp_down, split_k_o_proj, {}
         self._compiled: tuple[DecodeFunctions, object] | None = None  # kept across generate calls
         self.cache: SlotKVCache | PrefixSharedKVCache | None = None
         self._attention_name = ""  # which decode attention the current cache uses, for last_stats
@@ -220,8 +212,7 @@ class BuiltinBackend:
                      rope_in_attention=isinstance(self.cache, PrefixSharedKVCache) and self.rope_in_attention
                      and rotates_projections(self.cache.attention, weights),
                      fuse_gate_up=any(layer.gate_up_weight is not None for layer in weights.layers),
-                     sampler=sampler_name(self.sampling_kernel, settings, device, weights.lm_head.shape[0]),
-                     **split_k_names(self.split_k_o_proj, self.fuse_mlp_down, weights, device))
+                     sampler=sampler_name(self.sampling_kernel, settings, device, weights.lm_head.shape[0]))
         self._stats = stats
         finished = False
         try:
@@ -272,8 +263,6 @@ class BuiltinBackend:
                 mode = self.compile if isinstance(self.compile, str) else None
                 self._compiled = (compiled_decode_functions(mode), compiled_sample_and_record())
             functions, sampler = self._compiled
-        if self.fuse_mlp_down or self.split_k_o_proj:
-            functions = self._with_split_k_projections(functions, device)
         if self._sampling_kernel_on(device):
             from hybridrl.rollout.sampling_kernels import with_sampling_kernel  # imports triton
 
@@ -282,18 +271,6 @@ class BuiltinBackend:
 
     def _compiles(self, device) -> bool:
         return bool(self.compile) if self.compile is not None else device.type == "cuda"
-
-    def _with_split_k_projections(self, functions: DecodeFunctions, device) -> DecodeFunctions:
-        """`functions` with the split-K projections chosen (made once per kind: their compiled pieces are kept)."""
-        from hybridrl.rollout import projection_kernels  # imports triton where installed
-
-        kernel = device.type == "cuda" and triton_available()
-        key = (self._compiles(device), kernel)
-        if key not in self._split_k:
-            linear = projection_kernels.triton_split_k_linear if kernel else projection_kernels.reference_split_k_linear
-            self._split_k[key] = projection_kernels.with_split_k_projections(
-                functions, linear, compile=key[0], o_proj=self.split_k_o_proj, mlp_down=self.fuse_mlp_down)
-        return self._split_k[key]
 
     def _sampling_kernel_on(self, device) -> bool:
         return self.sampling_kernel and device.type == "cuda" and triton_available()

@@ -1,6 +1,6 @@
 """Which kernels a `generate` call of the built-in engine runs on its device: the decode attention's layout and
-implementation, whether gate/up are stacked, the sampler and the split-K o and down projections. Kept apart from
-`builtin.py`, which runs the phases; the engine reports each choice in `last_stats` under the names given here."""
+implementation, whether gate/up are stacked and the sampler. Kept apart from `builtin.py`, which runs the phases;
+the engine reports each choice in `last_stats` under the names given here."""
 
 from __future__ import annotations
 
@@ -78,13 +78,3 @@ def sampler_name(sampling_kernel: bool, settings: SamplerSettings, device: torch
     from hybridrl.rollout.sampling_kernels import sampling_kernel_applies
 
     return "triton" if sampling_kernel_applies(settings, vocab) else "torch"
-
-
-def split_k_names(o_proj: bool, mlp_down: bool, weights, device: torch.device) -> dict[str, str]:
-    """Which o and down projections the decode layers run: "triton" (`projection_kernels.py`), "reference" (its
-    PyTorch reference, on CPU) or "off" (cuBLAS: the option is off or no layer qualifies)."""
-    kind = "triton" if device.type == "cuda" and triton_available() else "reference"
-    split_o = o_proj and any(layer.o_bias is None and layer.o_lora is None for layer in weights.layers)
-    split_down = mlp_down and any(layer.gate_up_weight is not None and layer.down_lora is None
-                                  for layer in weights.layers)
-    return {"o_proj": kind if split_o else "off", "mlp_down": kind if split_down else "off"}

@@ -406,7 +406,7 @@ def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, pending
     into the norm: no kernel of their own). cos = sin = None (fused q/k/v, no q/k norm): q and kv are the raw
     projection, without bias or RoPE, for an attention that applies both (`decode_attention.rotate_projections`)."""
     for residual in pending:
-        h = h + as_residual(residual, h.dtype)
+        h = h + residual
     batch = h.shape[0]
     if cos is None:  # RoPE and the q/k/v bias are left to the attention kernel: q and kv are views of one matmul
         qkv = F.linear(rms_norm(h, lw.input_norm, w.rms_eps), lw.qkv_weight).view(batch, -1, w.head_dim)
@@ -429,13 +429,8 @@ def attention_output_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor,
 
 def final_logits(w: ModelWeights, h: torch.Tensor, pending: tuple[torch.Tensor, ...]) -> torch.Tensor:
     for residual in pending:
-        h = h + as_residual(residual, h.dtype)
+        h = h + residual
     return F.linear(rms_norm(h, w.final_norm, w.rms_eps), w.lm_head)
-
-
-def as_residual(residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A pending residual as h's dtype: float32 partial sums (splits, B, hidden) of `projection_kernels` summed here."""
-    return residual.sum(0).to(dtype) if residual.dim() == 3 else residual
 
 
 @dataclass(frozen=True)
@@ -469,9 +464,8 @@ def compiled_decode_functions(mode: str | None = None) -> DecodeFunctions:
         def call(*args):
             for extra in args[activation_arg:]:
                 for tensor in extra if isinstance(extra, tuple) else (extra,):
-                    if isinstance(tensor, torch.Tensor):  # partial sums (splits, B, hidden): batch second
-                        partials = isinstance(extra, tuple) and tensor.dim() == 3
-                        torch._dynamo.maybe_mark_dynamic(tensor, 1 if partials else 0)
+                    if isinstance(tensor, torch.Tensor):
+                        torch._dynamo.maybe_mark_dynamic(tensor, 0)
             return fn(*args)
         return call
 
