@@ -5,8 +5,8 @@ kernel per shape), so the defaults in `hybridrl/rollout/decode_attention.py` com
 Each configuration is checked against the PyTorch reference first, then timed as 20 calls captured in
 one CUDA graph (as the engine runs it), so launch overhead is not what is measured. Also timed: the
 default launch with the prompt part in blocks of 16, 64 and 128 keys (`prompt_block_n`; the response part keeps
-its block size), the prompt and response parts in programs of their own (`split=True`), and the engine's old
-unfused path (index_put of the new K/V, then the kernel) against the fused write.
+its block size), and the engine's old unfused path (index_put of the new K/V, then the kernel) against the fused
+write.
 
     python3 benchmarks/decode_attention.py [--response-len 128] [--bandwidth-tbs 4.2] [--stacked]
 
@@ -28,11 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from cuda_timing import graph_time_us  # noqa: E402
 from decode_attention_cases import TOLERANCE, check_fused_write, make_case  # noqa: E402
 
-from hybridrl.rollout.decode_attention import (  # noqa: E402
-    reference_decode_attention,
-    split_decode_attention,
-    triton_decode_attention,
-)
+from hybridrl.rollout.decode_attention import reference_decode_attention, triton_decode_attention  # noqa: E402
 
 
 def time_stacked(case: dict, new_kv: torch.Tensor, args) -> list[dict]:
@@ -56,24 +52,6 @@ def time_stacked(case: dict, new_kv: torch.Tensor, args) -> list[dict]:
             continue
         rows.append(dict(config, us=micros))
     return sorted(rows, key=lambda row: row["us"])
-
-
-def time_split(case: dict, new_kv: torch.Tensor, expected: torch.Tensor, args) -> list[dict]:
-    """`split=True` (the prompt and response parts in programs of their own, merged through arrival counts)
-    at the default block size and a few warp counts, with counts kept across calls as the engine keeps them,
-    checked against the reference first (also the fused write); and the default launch with counts zeroed per call."""
-    rows = []
-    for warps in (2, 4):
-        split = split_decode_attention(args.slots, case["q"].shape[1], torch.device("cuda"))
-        attention = lambda **kw: split(**kw, num_warps=warps)  # noqa: E731
-        torch.testing.assert_close(attention(**case), expected, **TOLERANCE[case["q"].dtype])
-        check_fused_write(attention, case, TOLERANCE[case["q"].dtype])
-        rows.append(dict(launch=f"{warps} warps, counts kept", us=graph_time_us(lambda: attention(**case)),
-                         fused_us=graph_time_us(lambda: attention(**case, new_kv=new_kv))))
-    rows.append(dict(launch="2 warps, counts zeroed per call",
-                     us=graph_time_us(lambda: triton_decode_attention(**case, split=True)),
-                     fused_us=graph_time_us(lambda: triton_decode_attention(**case, split=True, new_kv=new_kv))))
-    return rows
 
 
 def main() -> None:
@@ -122,7 +100,6 @@ def main() -> None:
         micros = graph_time_us(lambda: triton_decode_attention(**case, **config))
         print(f"default launch, prompt part in blocks of {prompt_block_n} keys: {micros:.1f} us", flush=True)
     default = graph_time_us(lambda: triton_decode_attention(**case))
-    split_rows = time_split(case, new_kv, expected, args)
     slots, write_at = torch.arange(args.slots, device="cuda"), case["response_len"] - 1
     response = torch.stack((case["response_k"], case["response_v"]))  # (2, slots, Hkv, L, D), like the engine's view
     unfused_case = dict(case, response_k=response[0], response_v=response[1])
@@ -144,8 +121,6 @@ def main() -> None:
               f"{100 * floor_us / row['us']:>7.0f}%")
     print(f"default config: {default:.1f} us; with the fused K/V write: {fused_us:.1f} us; "
           f"index_put write + kernel (unfused): {unfused_us:.1f} us")
-    for row in split_rows:
-        print(f"split halves ({row['launch']}): {row['us']:.1f} us, with the fused K/V write {row['fused_us']:.1f} us")
     for row in stacked_rows[:8]:
         print(f"stacked, block_n {row['block_n']}, prompt warps {row['prompt_warps']}, response warps "
               f"{row['response_warps']}, fused write: {row['us']:.1f} us ({100 * floor_us / row['us']:.0f}% of the floor; "
@@ -153,7 +128,7 @@ def main() -> None:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "decode_attention.json"), "w") as handle:
             json.dump(dict(args=vars(args), floor_us=floor_us, configs=rows, default_us=default, fused_us=fused_us,
-                           unfused_us=unfused_us, split=split_rows, stacked=stacked_rows, device=torch.cuda.get_device_name()), handle, indent=2)
+                           unfused_us=unfused_us, stacked=stacked_rows, device=torch.cuda.get_device_name()), handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 256 forced, temperature 1) with each named set of `BuiltinBackend` options, run in turn (a, b, a, b, ...), so the
 sets share the process, the GPU's clocks and the host; rollout times differ by 3-5% from process to process.
 
-    python3 benchmarks/engine_ab.py default: split:attention=triton-split [--rounds 4]
+    python3 benchmarks/engine_ab.py default: sdpa:attention=sdpa [--rounds 4]
 
 Each argument is NAME:OPTIONS, OPTIONS a comma-separated list of key=value (values parsed as Python literals where
 they parse, else strings); every set starts from the defaults. Prints every run's seconds and each set's best and

@@ -113,13 +113,12 @@ class RolloutConfig:
     """Sampling temperature for evaluation; 0 is greedy."""
     kv_cache_memory: float = 0.3
     """Built-in engine: KV cache size as a fraction of free device memory (or GiB if > 1)."""
-    attention: Literal["auto", "triton", "triton-split", "triton-stacked", "sdpa"] = "auto"
+    attention: Literal["auto", "triton", "triton-stacked", "sdpa"] = "auto"
     """Built-in engine decode attention. `triton`: each prompt's KV is stored once and shared by its samples,
     read by a Triton kernel (on CPU by its PyTorch reference); `sdpa`: a full KV copy per sequence and PyTorch
     SDPA; `auto`: triton on CUDA when triton is installed, else sdpa. `triton-stacked` (opt-in; as fast as
     triton in one H200 run, slower in the next): the triton layout with a prompt kernel per prompt entry that reads its KV
-    once for all samples, then a response kernel per sequence (on CPU a PyTorch reference of the same two phases).
-    `triton-split` (opt-in): the triton kernel with each sequence's prompt and response parts in programs of their own."""
+    once for all samples, then a response kernel per sequence (on CPU a PyTorch reference of the same two phases)."""
     fuse_qkv: bool = True
     """Built-in engine: one matrix of each layer's q/k/v weights while generating: one matmul instead of three, and
     the triton kernel (no q/k norm) adds bias and RoPE itself (grpo-0.5b rollout on an H200: 0.776 -> 0.657 s).

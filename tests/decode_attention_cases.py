@@ -3,16 +3,9 @@ in a TRITON_INTERPRET=1 subprocess (kept apart so that the kernel check imports 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from hybridrl.rollout.decode_attention import (
-    reference_decode_attention,
-    rotate_projections,
-    split_decode_attention,
-    triton_decode_attention,
-)
+from hybridrl.rollout.decode_attention import reference_decode_attention, rotate_projections, triton_decode_attention
 
 # (batch, kv_heads, group, head_dim, entries, prompt_max, response_max): group 7 is Qwen2-0.5B's;
 # lengths above the key block (64 keys for 16-bit dtypes, 32 for float32) run several loop
@@ -63,26 +56,17 @@ def check_kernel_cases() -> None:
             for prompt_block_n in (None, 16, 64):  # the prompt part in its own block size too
                 torch.testing.assert_close(triton_decode_attention(**case, prompt_block_n=prompt_block_n), expected,
                                            **TOLERANCE[dtype])
-            counters = torch.zeros(64, dtype=torch.int32)
-            for _ in range(2):  # the halves in programs of their own; the second launch reuses the reset counts
-                torch.testing.assert_close(triton_decode_attention(**case, split=True, counters=counters), expected,
-                                           **TOLERANCE[dtype])
-            assert not counters.any(), "the merging half resets its count"
     case = make_case(9, 3, 2, 4, 32, 2, 8, 8)
     case["prompt_len"][1], case["response_len"][1] = 0, 0
-    for split in (False, True):  # a slot that sees no key gets zeros, also when both halves are empty
-        assert torch.equal(triton_decode_attention(**case, split=split)[1], torch.zeros(2, 4, 32))
-        before = case["response_k"].clone()
-        out = triton_decode_attention(**case, new_kv=torch.full((3, 2, 2, 32), 1.0 + split), split=split)
-        assert torch.equal(out[1], torch.zeros(2, 4, 32))
-        assert torch.equal(case["response_k"][1], before[1]) and not torch.equal(case["response_k"][0], before[0])
-    split_kernel = functools.partial(triton_decode_attention, split=True)
+    assert torch.equal(triton_decode_attention(**case)[1], torch.zeros(2, 4, 32))
+    before = case["response_k"].clone()
+    assert torch.equal(triton_decode_attention(**case, new_kv=torch.ones(3, 2, 2, 32))[1], torch.zeros(2, 4, 32))
+    assert torch.equal(case["response_k"][1], before[1]) and not torch.equal(case["response_k"][0], before[0])
     for seed, shape in enumerate(CASES):
         for dtype in (torch.float32, torch.float16):
-            for kernel in (triton_decode_attention, split_kernel):
-                check_fused_write(kernel, make_case(seed, *shape, dtype=dtype), TOLERANCE[dtype])
-                for bias in (False, True):
-                    check_rope(kernel, make_case(seed, *shape, dtype=dtype), TOLERANCE[dtype], bias)
+            check_fused_write(triton_decode_attention, make_case(seed, *shape, dtype=dtype), TOLERANCE[dtype])
+            for bias in (False, True):
+                check_rope(triton_decode_attention, make_case(seed, *shape, dtype=dtype), TOLERANCE[dtype], bias)
     print("kernel cases passed")
 
 
@@ -150,10 +134,8 @@ def check_engine_with_kernel(attention: str = "triton", **engine_options) -> Non
 
     torch.set_num_threads(1)
     engine_options.setdefault("fuse_qkv", False)  # without: RoPE in a compiled step piece, the kernel plain
-    kernels = {"triton-stacked": lambda *sizes: stacked_decode_attention,
-               "triton": lambda *sizes: triton_decode_attention, "triton-split": split_decode_attention}
-    builtin._decode_attention_function = lambda option, device, *sizes: ("triton-interpret",
-                                                                         kernels[option](*sizes, device))
+    kernel = stacked_decode_attention if attention == "triton-stacked" else triton_decode_attention
+    builtin._decode_attention_function = lambda option, device: ("triton-interpret", kernel)
     model, params = make_model("qwen2"), SamplingParams(max_new_tokens=8, temperature=0, n=2)
     engine = builtin.BuiltinBackend(model, attention=attention, max_num_seqs=5, sync_every=2, **engine_options)
     shared = engine.generate(PROMPTS, params)
@@ -173,11 +155,6 @@ def check_engine_with_kernel_rope() -> None:
 
 def check_engine_with_stacked_kernels() -> None:
     check_engine_with_kernel("triton-stacked")
-
-
-def check_engine_with_split_kernel() -> None:
-    """attention="triton-split" with fuse_qkv: the halves merged through the engine's arrival counts."""
-    check_engine_with_kernel("triton-split", fuse_qkv=True)
 
 
 def run_in_interpreter(module: str, check: str, timeout: int = 300) -> str:

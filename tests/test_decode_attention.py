@@ -16,12 +16,7 @@ from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.builtin import BuiltinBackend
 from hybridrl.rollout.kv_cache import CacheGeometry, PrefixSharedKVCache, SlotKVCache, max_slots
 from hybridrl.rollout.scheduler import PromptEntries
-from hybridrl.rollout.decode_attention import (
-    reference_decode_attention,
-    rotate_projections,
-    split_decode_attention,
-    triton_decode_attention,
-)
+from hybridrl.rollout.decode_attention import reference_decode_attention, rotate_projections, triton_decode_attention
 
 sys.path.insert(0, os.path.dirname(__file__))
 import decode_attention_cases as cases  # noqa: E402
@@ -128,7 +123,6 @@ def test_triton_kernel_matches_reference_in_interpret_mode():
 def test_engine_with_triton_kernel_in_interpret_mode_matches_sdpa():
     assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel")
     assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel_rope")
-    assert "engine with kernel passed" in run_in_interpreter("check_engine_with_split_kernel")
 
 
 def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False, arch: int = 90):
@@ -202,7 +196,7 @@ def test_prefix_shared_layout_stores_prompts_once_so_more_slots_fit():
 
 # On CPU both options run the prefix-shared layout with a PyTorch reference for the attention; the stacked
 # one reads the engine's entry -> slots table, so these tests also check that bookkeeping.
-PREFIX_SHARED = [("triton", "reference"), ("triton-split", "reference"), ("triton-stacked", "stacked-reference")]
+PREFIX_SHARED = [("triton", "reference"), ("triton-stacked", "stacked-reference")]
 
 
 @pytest.mark.parametrize("attention, name", PREFIX_SHARED)
@@ -275,7 +269,7 @@ def test_attention_option_is_validated_and_plumbed_from_the_config():
         BuiltinBackend(make_model("qwen2"), attention="flash")
     with pytest.raises(ConfigError, match="rollout.attention must be one of"):
         load_config(None, ["rollout.attention=flash"])
-    for option in ("triton", "triton-split", "triton-stacked"):
+    for option in ("triton", "triton-stacked"):
         config = load_config(None, [f"rollout.attention={option}", "rollout.backend=builtin"])
         backend = build_rollout(config, make_model("qwen2"), None, torch.device("cpu"))
         assert isinstance(backend, BuiltinBackend) and backend.attention == option
@@ -319,28 +313,21 @@ def test_triton_kernel_and_engine_on_cuda():
     for seed, shape in enumerate(CASES + [(512, 2, 7, 64, 64, 256, 256)]):  # the last one: the benchmark's shape
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             case = make_case(seed, *shape, dtype=dtype, device="cuda")
-            expected = reference_decode_attention(**case)
-            torch.testing.assert_close(triton_decode_attention(**case), expected, **TOLERANCE[dtype])
+            torch.testing.assert_close(triton_decode_attention(**case), reference_decode_attention(**case),
+                                       **TOLERANCE[dtype])
             check_rope(triton_decode_attention, case, TOLERANCE[dtype], with_bias=seed % 2 == 0)
-            split = split_decode_attention(shape[0], shape[1], torch.device("cuda"))
-            for _ in range(3):  # halves in programs of their own, merged through the arrival counts
-                torch.testing.assert_close(split(**case), expected, **TOLERANCE[dtype])
-            check_rope(split, case, TOLERANCE[dtype], with_bias=seed % 2 == 1)
-            assert not split.keywords["counters"].any()
     model = make_model("qwen2").cuda()
     assert builtin_module.auto_fuses_gate_up(model)  # a tiny model's gate/up copy is far under 5% of the GPU
     prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(9)]
     for params in (SamplingParams(max_new_tokens=20, temperature=0, n=2),
                    SamplingParams(max_new_tokens=12, temperature=0.9, n=3, seed=5)):
         per_slot = BuiltinBackend(model, attention="sdpa", max_num_seqs=5, sync_every=3).generate(prompts, params)
-        for attention, fuse_qkv, fuse_gate_up in (("triton", False, False), ("triton", True, False),
-                                                  ("triton", True, True), ("triton-split", False, False),
-                                                  ("triton-split", True, True)):  # RoPE in the kernel or not
-            triton_engine = BuiltinBackend(model, attention=attention, max_num_seqs=5, sync_every=3, fuse_qkv=fuse_qkv,
+        for fuse_qkv, fuse_gate_up in ((False, False), (True, False), (True, True)):  # RoPE in the kernel or not
+            triton_engine = BuiltinBackend(model, attention="triton", max_num_seqs=5, sync_every=3, fuse_qkv=fuse_qkv,
                                            fuse_gate_up=fuse_gate_up)  # compiled + graphs
             shared = triton_engine.generate(prompts, params)
             stats = triton_engine.last_stats
-            assert stats["attention"] == attention and stats["graphs_captured"] >= 1
+            assert stats["attention"] == "triton" and stats["graphs_captured"] >= 1
             assert stats["rope_in_attention"] == fuse_qkv
             assert [g.token_ids for g in triton_engine.generate(prompts, params)] == [g.token_ids for g in shared]
             assert_same_samples(shared, per_slot, allowed_boundary_flips=0 if params.temperature == 0 else 1)

@@ -101,8 +101,7 @@ class BuiltinBackend:
         KV stored once; the Triton decode kernel on CUDA, its PyTorch reference on CPU) or "auto"
         (triton on CUDA when triton imports, else sdpa); opt-in "triton-stacked": the same layout, attention
         split into a prompt kernel per (entry, KV head) that stacks the samples' queries and a response
-        kernel per slot (`stacked_attention.py`; on CPU its PyTorch reference); opt-in "triton-split": the
-        "triton" kernel with each slot's prompt and response parts in programs of their own. `last_stats["attention"]`
+        kernel per slot (`stacked_attention.py`; on CPU its PyTorch reference). `last_stats["attention"]`
         says which ran. fuse_qkv (default on): copy each layer's q/k/v weights into one matrix for the duration of a
         `generate` (one matmul instead of three; extra memory of the q/k/v weights, e.g. 50 MB for
         Qwen2-0.5B, 0.9 GB for Qwen2.5-7B); projections with a LoRA adapter stay separate. fuse_gate_up:
@@ -320,8 +319,7 @@ class BuiltinBackend:
         if layout is SlotKVCache:
             self.cache, self._attention_name = SlotKVCache(geometry, num_slots, device, dtype), "sdpa"
         else:
-            self._attention_name, function = _decode_attention_function(attention, device, num_slots,
-                                                                        geometry.num_kv_heads)
+            self._attention_name, function = _decode_attention_function(attention, device)
             self.cache = PrefixSharedKVCache(geometry, num_slots, device, dtype, function,
                                              stacked=attention == "triton-stacked",
                                              rope_in_attention=self.rope_in_attention)

@@ -53,7 +53,6 @@ first imported for the kernel to run on CPU tensors (the kernel is built at impo
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -182,17 +181,11 @@ def triton_decode_attention(
     num_warps: int = NUM_WARPS,
     num_stages: int | None = NUM_STAGES,
     prompt_block_n: int | None = None,
-    split: bool = False,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the Triton kernel over a (B, Hkv) grid; same contract as `reference_decode_attention`.
     `block_n`, `num_warps`, `num_stages` are the launch configuration (`benchmarks/decode_attention.py`
     times the alternatives); the defaults are the measured best at the grpo-0.5b shape. `prompt_block_n`: keys per
-    iteration of the prompt part alone (default `block_n`; the response part keeps `block_n`).
-    `split`: the prompt part and the response part in programs of their own (a (B, Hkv, 2) grid: twice the
-    programs for loops that wait on memory), merged by whichever of the two finishes second, through float32
-    partials. `counters` (int32, >= B * Hkv zeros): the arrival counts that program resets, kept by the caller
-    so that a CUDA graph can replay the launch; without, a zeroed one is made per call."""
+    iteration of the prompt part alone (default `block_n`; the response part keeps `block_n`)."""
     if triton is None:
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
                           "use attention='sdpa' or the reference on machines without it.")
@@ -202,35 +195,17 @@ def triton_decode_attention(
     block_n = block_n or BLOCK_N
     prompt_block_n = prompt_block_n or block_n
     stages = {} if num_stages is None else {"num_stages": num_stages}
-    pairs = batch * num_kv_heads
-    if split:  # each half's (max, sum) and accumulator, for the merge
-        partial_ml = torch.empty(pairs, 2, 2, group, device=q.device, dtype=torch.float32)
-        partial_acc = torch.empty(pairs, 2, group, head_dim, device=q.device, dtype=torch.float32)
-        if counters is None:
-            counters = torch.zeros(pairs, device=q.device, dtype=torch.int32)
-        assert counters.dtype == torch.int32 and counters.numel() >= pairs, "counters: int32, one per (slot, KV head)"
-    else:
-        partial_ml = partial_acc = counters = out  # placeholders
-    _decode_attention_kernel[(batch, num_kv_heads, 2 if split else 1)](
+    _decode_attention_kernel[(batch, num_kv_heads)](
         q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out, fused,
-        cos, sin, bias, partial_ml, partial_acc, counters, scale * math.log2(math.e), *strides,
+        cos, sin, bias, scale * math.log2(math.e), *strides,
         GROUP=group, HEAD_DIM=head_dim,
         GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)),
         BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),
         BLOCK_N=block_n, PROMPT_BLOCK_N=prompt_block_n, IEEE=q.dtype == torch.float32, WRITE_NEW=new_kv is not None,
-        ROPE=rope is not None, HAS_BIAS=rope is not None and qkv_bias is not None, SPLIT=split,
+        ROPE=rope is not None, HAS_BIAS=rope is not None and qkv_bias is not None,
         num_warps=num_warps, **stages,
     )
     return out
-
-
-def split_decode_attention(max_batch: int, num_kv_heads: int, device: torch.device):
-    """`triton_decode_attention` with `split=True` and arrival counts of its own for up to `max_batch` slots:
-    what a KV cache keeps for its decode steps (made with the cache, outside any CUDA graph capture)."""
-    counters = torch.zeros(max_batch * num_kv_heads, device=device, dtype=torch.int32)
-    attention = functools.partial(triton_decode_attention, split=True, counters=counters)
-    attention.writes_new_kv = attention.applies_rope = True
-    return attention
 
 
 reference_decode_attention.writes_new_kv = True  # both take `new_kv`: the engine leaves the cache write to them
@@ -314,38 +289,8 @@ if triton is not None:
         return m_new, l_i * alpha + p, acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
 
     @triton.jit
-    def _merge_halves(m_i, l_i, acc, ML, ACC, COUNTERS, pair, half, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Store this half's (m_i, l_i, acc) of one (slot, KV head) `pair`, count its arrival, and, in the
-        half that arrives second, fold in the other half's: returns the merged state and whether this
-        program is that one (the one to store the output; it also resets the count for the next launch).
-        ML (pairs, 2 halves, 2, GROUP), ACC (pairs, 2 halves, GROUP, HEAD_DIM), float32; COUNTERS int32."""
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, BLOCK_D)
-        rows = offs_g < GROUP
-        tile = rows[:, None] & (offs_d[None, :] < HEAD_DIM)
-        tile_offsets = offs_g[:, None] * HEAD_DIM + offs_d[None, :]
-        mine, other = pair * 2 + half, pair * 2 + 1 - half
-        tl.store(ML + mine * 2 * GROUP + offs_g, m_i, mask=rows)
-        tl.store(ML + mine * 2 * GROUP + GROUP + offs_g, l_i, mask=rows)
-        tl.store(ACC + mine * GROUP * HEAD_DIM + tile_offsets, acc, mask=tile)
-        tl.debug_barrier()  # every thread's stores before the count's release (acq_rel, GPU scope)
-        last = tl.atomic_add(COUNTERS + pair, 1) == 1
-        m_o = tl.load(ML + other * 2 * GROUP + offs_g, mask=rows & last, other=float("-inf"), cache_modifier=".cg")
-        l_o = tl.load(ML + other * 2 * GROUP + GROUP + offs_g, mask=rows & last, other=0.0, cache_modifier=".cg")
-        acc_o = tl.load(ACC + other * GROUP * HEAD_DIM + tile_offsets, mask=tile & last, other=0.0,
-                        cache_modifier=".cg")
-        tl.store(COUNTERS + pair, 0, mask=last)
-        m = tl.maximum(m_i, m_o)
-        m_finite = tl.where(m == float("-inf"), 0.0, m)  # both halves without keys: exp2(-inf) = 0, not NaN
-        mine_scale, other_scale = tl.math.exp2(m_i - m_finite), tl.math.exp2(m_o - m_finite)
-        acc = acc * mine_scale[:, None] + acc_o * other_scale[:, None]
-        return m, l_i * mine_scale + l_o * other_scale, acc, last
-
-    @triton.jit
     def _decode_attention_kernel(
-        Q, PK, PV, RK, RV, PROMPT_INDEX, PROMPT_LEN, RESPONSE_LEN, OUT, NEW_KV, COS, SIN, BIAS,
-        PARTIAL_ML, PARTIAL_ACC, COUNTERS, qk_scale,
+        Q, PK, PV, RK, RV, PROMPT_INDEX, PROMPT_LEN, RESPONSE_LEN, OUT, NEW_KV, COS, SIN, BIAS, qk_scale,
         stride_qb, stride_qh, stride_qg,
         stride_pe, stride_ph, stride_pl,
         stride_rb, stride_rh, stride_rl,
@@ -355,18 +300,14 @@ if triton is not None:
         BLOCK_N: tl.constexpr, PROMPT_BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr,
         ROPE: tl.constexpr,
         HAS_BIAS: tl.constexpr,
-        SPLIT: tl.constexpr,
     ):
         """One (slot, KV head): the prompt entry's keys, then the slot's response keys, one softmax.
         With WRITE_NEW the last response key/value (index response_len - 1) comes from NEW_KV: it is
         attended from registers and stored into the cache, so the cache write needs no kernel of its own
         (and this program never reads what it writes). With ROPE, Q and NEW_KV are raw projections: the
-        bias rows (BIAS (H + 2 Hkv, D), HAS_BIAS) are added and RoPE applied (COS, SIN (B, D)) on load.
-        With SPLIT, program_id(2) 0 does the prompt part and 1 the response part (with the new key); the
-        second to finish merges (`_merge_halves`) and stores."""
+        bias rows (BIAS (H + 2 Hkv, D), HAS_BIAS) are added and RoPE applied (COS, SIN (B, D)) on load."""
         slot = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
-        half = tl.program_id(2)  # 0 without SPLIT
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, BLOCK_D)
         row_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
@@ -384,16 +325,11 @@ if triton is not None:
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
         entry = tl.load(PROMPT_INDEX + slot).to(tl.int64)
         prompt = entry * stride_pe + head * stride_ph
-        prompt_len = tl.load(PROMPT_LEN + slot).to(tl.int32)
-        if SPLIT:
-            prompt_len = tl.where(half == 0, prompt_len, 0)
-        m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, prompt_len, stride_pl,
+        m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, tl.load(PROMPT_LEN + slot).to(tl.int32), stride_pl,
                                 m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, PROMPT_BLOCK_N, IEEE)
         response = slot * stride_rb + head * stride_rh
         response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
         cached = response_len - 1 if WRITE_NEW else response_len
-        if SPLIT:
-            cached = tl.where(half == 1, cached, -1)  # -1: no keys, and no new key written or attended
         m_i, l_i, acc = _attend(q, RK + response, RV + response, cached,
                                 stride_rl, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
         if WRITE_NEW:
@@ -414,11 +350,6 @@ if triton is not None:
                 k_new, v_new = _load_new(new, stride_nkv, write, HEAD_DIM, BLOCK_D)
             m_i, l_i, acc = _attend_new(q, RK + response, RV + response, k_new, v_new, stride_rl, cached,
                                         m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D)
-        if SPLIT:
-            m_i, l_i, acc, last = _merge_halves(m_i, l_i, acc, PARTIAL_ML, PARTIAL_ACC, COUNTERS,
-                                                slot * tl.num_programs(1) + head, half, GROUP, HEAD_DIM, GROUP_PAD,
-                                                BLOCK_D)
-            row_mask = row_mask & last
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
         tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_mask)

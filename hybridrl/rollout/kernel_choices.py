@@ -11,7 +11,7 @@ import torch
 from hybridrl.rollout.llama_forward import unwrap
 from hybridrl.rollout.sampling import SamplerSettings
 
-ATTENTION_OPTIONS = ("auto", "triton", "triton-split", "triton-stacked", "sdpa")
+ATTENTION_OPTIONS = ("auto", "triton", "triton-stacked", "sdpa")
 
 
 def triton_available() -> bool:
@@ -28,32 +28,27 @@ def resolve_attention(option: str, device: torch.device) -> str:
     prefix-shared layout with that reference standing in for the kernel (how its logic is tested).
     "triton-stacked" (opt-in, never chosen by `auto`: 2% faster than "triton" in its one H200 run, inside
     run-to-run variation) is the same layout with the two stacked kernels; on CPU their PyTorch two-phase
-    reference. "triton-split" (opt-in): the "triton" kernel with the prompt and response parts in programs of
-    their own (`triton_decode_attention(split=True)`); on CPU the same reference as "triton"."""
+    reference."""
     if option == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "sdpa"
-    if option.startswith("triton") and device.type == "cuda" and not triton_available():
+    if option in ("triton", "triton-stacked") and device.type == "cuda" and not triton_available():
         raise ValueError(f"attention={option!r} needs the triton package on CUDA (pip install triton); "
                          "use attention='sdpa' (rollout.attention=sdpa) or 'auto'.")
     return option
 
 
-def decode_attention_function(attention: str, device: torch.device, num_slots: int = 0,
-                              num_kv_heads: int = 0) -> tuple[str, Callable]:
-    """The prefix-shared attention (`triton`, `triton-split` or `triton-stacked`) for this device, and its name
-    for `last_stats`; "triton-split" keeps arrival counts for `num_slots` x `num_kv_heads`. Imported here so
-    that the per-slot path never imports triton."""
+def decode_attention_function(attention: str, device: torch.device) -> tuple[str, Callable]:
+    """The prefix-shared attention (`triton` or `triton-stacked`) for this device, and its name for
+    `last_stats`. Imported here so that the per-slot path never imports triton."""
     from hybridrl.rollout import decode_attention, stacked_attention
 
     if attention == "triton-stacked":
         if device.type == "cuda":
             return "triton-stacked", stacked_attention.stacked_decode_attention
         return "stacked-reference", stacked_attention.stacked_reference_attention
-    if device.type != "cuda":
-        return "reference", decode_attention.reference_decode_attention
-    if attention == "triton-split":
-        return "triton-split", decode_attention.split_decode_attention(num_slots, num_kv_heads, device)
-    return "triton", decode_attention.triton_decode_attention
+    if device.type == "cuda":
+        return "triton", decode_attention.triton_decode_attention
+    return "reference", decode_attention.reference_decode_attention
 
 
 AUTO_FUSE_GATE_UP_MAX_FRACTION = 0.05
