@@ -215,3 +215,12 @@ def test_decode_gemms_split_k_equals_the_plain_projection(splits):
     torch.testing.assert_close(split_k(x, w, residual, norm_weight, splits, fp32_out=False), expected,
                                rtol=1e-5, atol=1e-5)
     assert not torch.allclose(split_k(x, w.roll(8, dims=1), residual, norm_weight, splits, fp32_out=False), expected)
+
+
+def test_engine_ab_parses_named_option_sets():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from engine_ab import parse_option_set
+
+    assert parse_option_set("default:") == ("default", {})
+    assert parse_option_set("mixed:attention=triton-stacked,sync_every=32,empty_cache=False") == (
+        "mixed", {"attention": "triton-stacked", "sync_every": 32, "empty_cache": False})
