@@ -1,7 +1,9 @@
 """Launch configurations of the prefix-shared decode attention kernel, timed at the grpo-0.5b shape.
 
 The kernel's block size, warps and pipeline stages are fixed (no autotuning: graph capture needs one
-kernel per shape), so the defaults in `hybridrl/rollout/decode_attention.py` come from this table.
+kernel per shape). This script times one layer's cache replayed until it sits in L2; the defaults in
+`hybridrl/rollout/decode_attention.py` come from `attention_configs.py`, which times the engine's call over
+24 layers' caches in turn (each read from HBM, as in a rollout) and then in rollouts.
 Each configuration is checked against the PyTorch reference first, then timed as 20 calls captured in
 one CUDA graph (as the engine runs it), so launch overhead is not what is measured. Also timed: the
 default launch with the prompt part in blocks of 16, 64 and 128 keys (`prompt_block_n`; the response part keeps
@@ -62,7 +64,7 @@ def main() -> None:
     parser.add_argument("--response-len", type=int, default=128, help="every slot's response length (mid-rollout)")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
     parser.add_argument("--no-sweep", action="store_true",
-                        help="skip the 45 one-kernel launch configurations (time the default only)")
+                        help="skip the 60 one-kernel launch configurations (time the default only)")
     parser.add_argument("--stacked", action="store_true",
                         help="also time attention='triton-stacked' (prompt kernel per entry + response kernel per "
                              "slot) over its launch configurations, with the fused K/V write")
@@ -82,7 +84,7 @@ def main() -> None:
         + 2 * case["q"].numel() * 2
     floor_us = floor_bytes / (args.bandwidth_tbs * 1e12) * 1e6
     rows = []
-    sweep = [] if args.no_sweep else itertools.product((32, 64, 128), (2, 4, 8), (None, 1, 2, 3, 4))
+    sweep = [] if args.no_sweep else itertools.product((32, 64, 128), (1, 2, 4, 8), (None, 1, 2, 3, 4))
     for block_n, warps, stages in sweep:
         config = dict(block_n=block_n, num_warps=warps, num_stages=stages)
         try:

@@ -3,6 +3,7 @@ and waste a device call (their figures come only from GPU runs; these tests chec
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -224,3 +225,40 @@ def test_engine_ab_parses_named_option_sets():
     assert parse_option_set("default:") == ("default", {})
     assert parse_option_set("mixed:attention=triton-stacked,sync_every=32,empty_cache=False") == (
         "mixed", {"attention": "triton-stacked", "sync_every": 32, "empty_cache": False})
+
+
+def check_attention_configs_script() -> None:
+    """Run by the test below in Triton's interpreter: `attention_configs.py`'s check of a launch configuration
+    (the engine's call: raw q and K/V, RoPE, bias, cache write) passes for the default and another launch and fails
+    for a kernel that zeroes the new key and value, and the engine's stand-in keeps the flags the engine reads."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+
+    import attention_configs
+    from decode_attention_cases import make_case, rope_inputs, with_new_kv
+
+    case, new_kv = with_new_kv(make_case(0, 6, 2, 7, 64, 3, 40, 30, dtype=torch.float16))
+    cos, sin, bias = rope_inputs(case, with_bias=True)
+    for config in (attention_configs.DEFAULT, dict(block_n=16, num_warps=1, num_stages=2)):
+        attention_configs.check(config, case, (new_kv, (cos, sin), bias))
+    original = attention_configs.ORIGINAL
+    attention_configs.ORIGINAL = lambda *args, new_kv, **kwargs: original(*args, new_kv=new_kv * 0, **kwargs)
+    try:
+        attention_configs.check(attention_configs.DEFAULT, case, (new_kv, (cos, sin), bias))
+    except AssertionError:
+        pass
+    else:
+        raise AssertionError("check() accepted a kernel that attends and writes the wrong keys")
+    attention_configs.ORIGINAL = original
+    launched = attention_configs.launched_with(attention_configs.DEFAULT)
+    assert launched.writes_new_kv and launched.applies_rope
+    print("attention_configs checks passed")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter)")
+def test_attention_configs_checks_each_launch_against_the_reference():
+    sys.path.insert(0, str(ROOT / "tests"))
+    from decode_attention_cases import run_in_interpreter
+
+    output = run_in_interpreter("test_benchmark_scripts", "check_attention_configs_script")
+    assert "attention_configs checks passed" in output

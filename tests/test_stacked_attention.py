@@ -19,7 +19,7 @@ from hybridrl.rollout.stacked_attention import entry_slot_table, stacked_referen
 sys.path.insert(0, os.path.dirname(__file__))
 from decode_attention_cases import STACKED_CASES, TOLERANCE, check_fused_write, make_stacked_case, without_table  # noqa: E402
 from test_builtin_engine import make_model  # noqa: E402
-from test_decode_attention import run_in_interpreter  # noqa: E402
+from test_decode_attention import assert_same_samples, run_in_interpreter  # noqa: E402
 
 HAS_TRITON = stacked_attention.triton is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (optional; the reference covers CPU)")
@@ -146,6 +146,6 @@ def test_stacked_kernels_and_engine_on_cuda():
         assert engine.last_stats["attention"] == "triton-stacked" and engine.last_stats["graphs_captured"] >= 1
         assert [g.token_ids for g in engine.generate(prompts, params)] == [g.token_ids for g in stacked]
         per_slot = BuiltinBackend(model, attention="sdpa", max_num_seqs=5, sync_every=3).generate(prompts, params)
-        assert [g.token_ids for g in stacked] == [g.token_ids for g in per_slot]
-        for a, b in zip(stacked, per_slot):
-            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        # At T = 0.9 one sequence may part at adjacent ids (a float32 CDF boundary; seen on an H200 on 2026-12-01:
+        # ..., 55, 15 against ..., 55, 14, as the one-kernel test saw); anything else fails.
+        assert_same_samples(stacked, per_slot, allowed_boundary_flips=0 if params.temperature == 0 else 1)

@@ -65,11 +65,16 @@ except ImportError:  # CPU-only installs: the reference below is all there is
 
 BLOCK_N = 32
 """Keys per loop iteration; fixed (no autotune) so every launch is the same graph-safe kernel. With
-NUM_WARPS below, the fastest of 45 launch configurations at the grpo-0.5b shape on an H200
-(`benchmarks/decode_attention.py`, 2026-11-30: 18.9 us per layer-step vs 23.5 us for the previous 64
-keys x 4 warps). Float32 tiles of head_dim 128 (32 x 128 x 4 bytes) stay well inside shared memory."""
-NUM_WARPS, NUM_STAGES = 2, None
-"""Launch configuration; None leaves the stage count to Triton."""
+NUM_WARPS below, the fastest of 18 launch configurations as the engine calls the kernel (RoPE, bias and the
+cache write inside; 24 layers' caches in turn, so each is read from HBM) on an H200
+(`benchmarks/attention_configs.py`, 2026-12-01): 21.2 us per layer-step at 512 slots and 14.9 us at 256,
+against 25.5 and 17.4 us for the earlier 32 keys x 2 warps (the best of 45 configurations of 2-8 warps on one
+layer's cache kept in L2, `benchmarks/decode_attention.py`). Float32 tiles of head_dim 128 (32 x 128 x 4
+bytes) stay well inside shared memory."""
+NUM_WARPS, NUM_STAGES = 1, None
+"""Launch configuration; None leaves the stage count to Triton. One warp per (slot, KV head): the loop is a
+chain of dependent loads and dots, and more programs per SM hide its latency better than more warps per
+program (rollouts of 512 sequences 0.592-0.605 -> 0.580-0.581 s, of 256 0.458-0.464 -> 0.440-0.450 s)."""
 MIN_DOT_ROWS = 16
 """`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
 
