@@ -3,7 +3,8 @@
 `decode_attention.py` times the kernel on one layer's cache, replayed until it sits in L2 (50 MB on an H200 holds a
 whole layer's KV at the grpo-0.5b shape); in the engine each layer's KV is read once per step, after 23 other layers
 have passed through L2. Here every configuration runs the engine's call (raw q and new K/V, RoPE and the q/k/v bias
-inside the kernel, the fused cache write) over 24 layers' caches in turn, checked against the PyTorch reference
+inside the kernel, the fused cache write) over 24 layers' caches in turn — keys per iteration, warps, pipeline
+stages and, beside the 1-2 warp launches, the prompt part in 64-key blocks — checked against the PyTorch reference
 first, at 512 slots (64 prompts x 8) and 256 slots (32 x 8: one rank's share of the batch on 2 GPUs). Then the fastest
 configuration of each size runs in rollouts of that size against the default launch, alternating in one process.
 
@@ -32,7 +33,8 @@ from hybridrl.rollout.base import SamplingParams  # noqa: E402
 from hybridrl.rollout.builtin import BuiltinBackend  # noqa: E402
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, PROMPT_LEN = 24, 2, 7, 64, 256
-DEFAULT = dict(block_n=decode_attention.BLOCK_N, num_warps=decode_attention.NUM_WARPS, num_stages=None)
+DEFAULT = dict(block_n=decode_attention.BLOCK_N, num_warps=decode_attention.NUM_WARPS, num_stages=None,
+               prompt_block_n=None)
 ORIGINAL = decode_attention.triton_decode_attention
 
 
@@ -70,8 +72,11 @@ def sweep(slots: int, entries: int, response_len: int) -> list[tuple[float, dict
             ORIGINAL(**case, new_kv=new_kv, rope=rope, qkv_bias=bias, **config)
 
     rows = []
-    for block_n, warps, stages in itertools.product((16, 32, 64), (1, 2, 4), (None, 2)):
-        config = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+    launches = itertools.product((16, 32, 64), (1, 2, 4), (None, 2, 3), (None, 64))
+    for block_n, warps, stages, prompt_block_n in launches:
+        if prompt_block_n is not None and (warps > 2 or prompt_block_n == block_n):
+            continue  # the prompt part's own block size only beside the fewer-warp launches
+        config = dict(block_n=block_n, num_warps=warps, num_stages=stages, prompt_block_n=prompt_block_n)
         try:
             check(config, *cases[0])
             micros = graph_time_us(lambda: all_layers(config), calls=2, replays=10, per_call=LAYERS)
