@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,7 +144,7 @@ def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool 
                      WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope)  # the variants the engine runs
     return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
                                            target=GPUTarget("cuda", arch, 32),
-                                           options=dict(num_warps=decode_attention.NUM_WARPS))
+                                           options=dict(num_warps=decode_attention.default_num_warps(head_dim)))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
@@ -156,6 +158,28 @@ def test_triton_kernel_compiles_for_hopper(dtype, group, head_dim, rope):
         pytest.skip("the kernel was built in interpret mode (TRITON_INTERPRET is set)")
     compiled = compile_kernel_for_hopper(dtype, group, head_dim, rope)
     assert "cubin" in compiled.asm and compiled.metadata.shared < 160 * 1024  # H200: 227 KiB per block
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
+@pytest.mark.parametrize("dtype, group, head_dim", [("bf16", 7, 64), ("bf16", 7, 128), ("bf16", 8, 128),
+                                                    ("fp16", 4, 128)])
+def test_default_launch_does_not_spill_registers_on_hopper(dtype, group, head_dim):
+    """The default warps per program (`default_num_warps`: one up to head_dim 64, two above) keep the engine's
+    kernel (RoPE and bias inside) within 255 registers for sm_90: at head_dim 128 one warp spills ~340 bytes per
+    thread, which a GPU run would only show as a slower rollout. Read from Triton's own ptxas (-v)."""
+    import subprocess
+
+    if not isinstance(decode_attention._decode_attention_kernel, decode_attention.triton.runtime.JITFunction):
+        pytest.skip("the kernel was built in interpret mode (TRITON_INTERPRET is set)")
+    ptxas = os.path.join(os.path.dirname(decode_attention.triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this triton build ships no ptxas")
+    compiled = compile_kernel_for_hopper(dtype, group, head_dim, rope=True)
+    ptx = Path(tempfile.mkdtemp()) / "kernel.ptx"
+    ptx.write_text(compiled.asm["ptx"])
+    report = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
+                            capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores" in report and "registers" in report, report
 
 
 SHARED_MEMORY_PER_BLOCK = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024}

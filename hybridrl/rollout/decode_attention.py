@@ -74,7 +74,17 @@ bytes) stay well inside shared memory."""
 NUM_WARPS, NUM_STAGES = 1, None
 """Launch configuration; None leaves the stage count to Triton. One warp per (slot, KV head): the loop is a
 chain of dependent loads and dots, and more programs per SM hide its latency better than more warps per
-program (rollouts of 512 sequences 0.592-0.605 -> 0.580-0.581 s, of 256 0.458-0.464 -> 0.440-0.450 s)."""
+program (rollouts of 512 sequences 0.592-0.605 -> 0.580-0.581 s, of 256 0.458-0.464 -> 0.440-0.450 s).
+Only up to head_dim 64 (`default_num_warps`): at 128 one warp needs more than 255 registers and spills."""
+WIDE_HEAD_NUM_WARPS = 2
+"""Head dims above 64 (Qwen2.5-1.5B/7B, Llama 3: 128): two warps, as before the one-warp change. With RoPE and
+the bias inside, one warp spills ~340 bytes per thread for sm_90 (ptxas -v; 2 warps: none), and neither
+launch has been timed at that head dim."""
+
+
+def default_num_warps(head_dim: int) -> int:
+    """Warps per program when the caller names none: `NUM_WARPS` up to head_dim 64, else `WIDE_HEAD_NUM_WARPS`."""
+    return NUM_WARPS if head_dim <= 64 else WIDE_HEAD_NUM_WARPS
 MIN_DOT_ROWS = 16
 """`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
 
@@ -183,14 +193,15 @@ def triton_decode_attention(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     qkv_bias: torch.Tensor | None = None,
     block_n: int | None = None,
-    num_warps: int = NUM_WARPS,
+    num_warps: int | None = None,
     num_stages: int | None = NUM_STAGES,
     prompt_block_n: int | None = None,
 ) -> torch.Tensor:
     """Launch the Triton kernel over a (B, Hkv) grid; same contract as `reference_decode_attention`.
     `block_n`, `num_warps`, `num_stages` are the launch configuration (`benchmarks/decode_attention.py`
-    times the alternatives); the defaults are the measured best at the grpo-0.5b shape. `prompt_block_n`: keys per
-    iteration of the prompt part alone (default `block_n`; the response part keeps `block_n`)."""
+    times the alternatives); the defaults are the measured best at the grpo-0.5b shape (warps: `default_num_warps`).
+    `prompt_block_n`: keys per iteration of the prompt part alone (default `block_n`; the response part keeps
+    `block_n`)."""
     if triton is None:
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
                           "use attention='sdpa' or the reference on machines without it.")
@@ -208,7 +219,7 @@ def triton_decode_attention(
         BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),
         BLOCK_N=block_n, PROMPT_BLOCK_N=prompt_block_n, IEEE=q.dtype == torch.float32, WRITE_NEW=new_kv is not None,
         ROPE=rope is not None, HAS_BIAS=rope is not None and qkv_bias is not None,
-        num_warps=num_warps, **stages,
+        num_warps=num_warps or default_num_warps(head_dim), **stages,
     )
     return out
 
