@@ -35,6 +35,9 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
 - `grpo-0.5b-fused-shared-resident-half`: the resident mode with half the prompts (32 x 8) on one GPU: one rank's
   share of the 64 x 8 batch on 2 GPUs with no communication, so its step time bounds what 2 GPUs can reach
   (1-GPU step / this step = the best 2-GPU speed-up with the work each rank does today).
+- `grpo-0.5b-fused-shared-replicated`: the resident mode with `trainer.fsdp_shard_size=1`: on several GPUs each
+  holds whole weights (no gather before the rollout or in the update; gradients all-reduced); on one GPU it is the
+  resident mode. Not yet run on 2 GPUs.
 - `grpo-0.5b-fused-shared-torchtiles`: the shared mode with torch's default FlexAttention tiles instead of
   `shared_prompt.TUNED_FLEX_TILES` (what the shared mode ran before they were tuned).
 - `grpo-0.5b-fused-flex`: `grpo-0.5b-fused` with the model's attention set to flex_attention and one row per
@@ -149,6 +152,11 @@ MODES = {
                                                  offload=False, attn="flex_attention",
                                                  settings=dict(model__compile=True, rollout__fuse_gate_up=True,
                                                                actor__share_prompt_tokens=True)),
+    "grpo-0.5b-fused-shared-replicated": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
+                                              offload=False, attn="flex_attention",
+                                              settings=dict(model__compile=True, rollout__fuse_gate_up=True,
+                                                            actor__share_prompt_tokens=True,
+                                                            trainer__fsdp_shard_size=1)),
     "grpo-0.5b-fused-shared-torchtiles": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
                                               offload=True, attn="flex_attention", torch_flex_tiles=True,
                                               settings=dict(model__compile=True, rollout__fuse_gate_up=True,
