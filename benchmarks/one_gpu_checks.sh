@@ -7,6 +7,10 @@
 # left out of the mean, its Chrome trace saved to $OUT as trace_<mode>.json.gz; shared prompts with half of
 # the moments resident, then fully offloaded: the latter has been measured often, so it is the one to lose).
 # Each part has its own time limit, so a hang in one still leaves the others' logs; every log goes to $OUT.
+# The limits are `timeout -k 20`: the trainer takes a first SIGTERM as "finish the step, save, stop" (and timeout's
+# signal also reaches torch.compile's worker processes), so without a KILL after it a part can outlive its limit —
+# the 2026-12-01 06:27 UTC session lost a whole device call that way. The GPU tests (17) need more than 240 s on a
+# fresh machine now: WITH_TESTS=0 leaves them out (run them in a call of their own: `pytest -m gpu`).
 # Where a rollout's idle time goes: benchmarks/decode_gaps.py (left out here for time).
 #   OUT=/tmp/out bash benchmarks/one_gpu_checks.sh [grpo_step modes]
 # TRL runs when its wheels and script are in .bench/ (see docs/benchmarks.md); otherwise it is skipped, with a line
@@ -18,19 +22,21 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 start=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - start )) s"; }
 
-timeout 240 python3 -m pytest -q -m gpu tests/test_fused_head.py tests/test_decode_attention.py \
-    tests/test_stacked_attention.py tests/test_builtin_engine.py tests/test_builtin_engine_gpu.py tests/test_optim.py \
-    tests/test_shared_prompt.py > "$OUT/gpu_tests.log" 2>&1
-echo "== gpu tests: exit $? after $(elapsed)"; tail -2 "$OUT/gpu_tests.log"
+if [ "${WITH_TESTS:-1}" = 1 ]; then
+    timeout -k 20 300 python3 -m pytest -q -m gpu tests/test_fused_head.py tests/test_decode_attention.py \
+        tests/test_stacked_attention.py tests/test_builtin_engine.py tests/test_builtin_engine_gpu.py tests/test_optim.py \
+        tests/test_shared_prompt.py > "$OUT/gpu_tests.log" 2>&1
+    echo "== gpu tests: exit $? after $(elapsed)"; tail -2 "$OUT/gpu_tests.log"
+fi
 
 # LeanAdamW's step resident, half and fully offloaded, with the memory it allocates and reserves; beside another
 # version when benchmarks/_baseline_optim.py exists (e.g. `git show 92d7892:hybridrl/optim.py > ...`, untracked).
 baseline=""; [ -f benchmarks/_baseline_optim.py ] && baseline="--baseline _baseline_optim.py"
-(cd benchmarks && timeout 90 python3 optimizer_step.py $baseline > "$OUT/optimizer_step.log" 2>&1)
+(cd benchmarks && timeout -k 20 90 python3 optimizer_step.py $baseline > "$OUT/optimizer_step.log" 2>&1)
 echo "== optimizer_step: exit $? after $(elapsed)"; tail -7 "$OUT/optimizer_step.log"
 
 if [ "${WITH_FLEX:-0}" = 1 ]; then  # measured 2026-11-30 (18:21 UTC section of docs/benchmarks.md); --sweep for tiles
-    timeout 150 python3 benchmarks/flex_layouts.py > "$OUT/flex_layouts.log" 2>&1
+    timeout -k 20 150 python3 benchmarks/flex_layouts.py > "$OUT/flex_layouts.log" 2>&1
     echo "== flex_layouts: exit $? after $(elapsed)"; tail -9 "$OUT/flex_layouts.log"
 fi
 
@@ -38,7 +44,7 @@ fi
 # Skipped: plain triton (unfused q/k/v) and triton-stacked, slower in earlier runs (its launch sweep:
 # decode_attention.py --no-sweep --stacked).
 if [ "${WITH_ROLLOUT:-0}" = 1 ]; then
-    timeout 190 python3 benchmarks/rollout.py --no-eager-baseline --no-triton --no-triton-stacked --agreement-sequences 32 \
+    timeout -k 20 190 python3 benchmarks/rollout.py --no-eager-baseline --no-triton --no-triton-stacked --agreement-sequences 32 \
         > "$OUT/rollout.log" 2>&1
     echo "== rollout: exit $? after $(elapsed)"; grep -A11 "tokens  seconds" "$OUT/rollout.log" | head -14
 fi
@@ -51,6 +57,6 @@ else
     echo "== TRL skipped: no .bench/trl-*.whl or .bench/trl_grpo_gpu.py here (git-ignored: carry .bench)"
 fi
 left=$(( 585 - $(date +%s) + start ))  # what the device call's 600 s leave
-timeout $left python3 benchmarks/grpo_step.py --modes "$MODES" --steps 6 --profile --trl-script .bench/trl_grpo_gpu.py \
-    --timeout 200 > "$OUT/grpo_step.log" 2>&1
+timeout -k 20 $left python3 benchmarks/grpo_step.py --modes "$MODES" --steps 6 --profile --trl-script .bench/trl_grpo_gpu.py \
+    --timeout -k 20 200 > "$OUT/grpo_step.log" 2>&1
 echo "== grpo_step: exit $? after $(elapsed)"; tail -8 "$OUT/grpo_step.log"

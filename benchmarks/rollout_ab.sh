@@ -16,7 +16,7 @@ declare -A seconds
 for round in $(seq 1 "$rounds"); do
     for tree in base this; do
         path=$PWD; [ "$tree" = base ] && path=$base:$PWD
-        PYTHONPATH=$path timeout 150 python3 benchmarks/decode_gaps.py --sync-every 16 --repeats 3 --no-profile \
+        PYTHONPATH=$path timeout -k 20 150 python3 benchmarks/decode_gaps.py --sync-every 16 --repeats 3 --no-profile \
             > "$OUT/ab_${tree}_${round}.log" 2>&1
         seconds[$tree]="${seconds[$tree]:-} $(awk '/^sync_every 16:/ {print $3}' "$OUT/ab_${tree}_${round}.log")"
         echo "round $round $tree: $(grep '^sync_every 16:' "$OUT/ab_${tree}_${round}.log")"

@@ -19,26 +19,26 @@ COMMON=(model.path=tiny:qwen2 trainer.device=$DEVICE "data.train_path=$WORK/data
 nvidia-smi --query-gpu=timestamp,index,memory.used,utilization.gpu --format=csv -lms 250 > "$OUT/nvidia_smi.csv" &
 SMI=$!
 T=$WORK/run2
-run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=2 \
+run timeout -k 20 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=2 \
     trainer.total_steps=4 trainer.save_every=2 "trainer.output_dir=$T"
 ls "$T/checkpoints" "$T/checkpoints/step_000004"
 cp -r "$T" "$WORK/run1"
-run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=2 \
+run timeout -k 20 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=2 \
     trainer.total_steps=6 trainer.save_every=2 "trainer.output_dir=$T"
-run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=1 \
+run timeout -k 20 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=1 \
     trainer.total_steps=6 trainer.save_every=2 "trainer.output_dir=$WORK/run1"
 python3 -c "import json,sys; [print(r['step'], round(r['timing/step_s'],3), r.get('perf/weight_sync_s')) for r in map(json.loads, open(sys.argv[1]))]" "$T/metrics.jsonl"
 # Offloaded optimizer moments with 2 processes (sharded_offload.py: gathered over NCCL, cut back on resume):
 # stop at step 2, resume to 4, and compare steps 3-4 with a run that never stopped.
 O=$WORK/offload
 VARIED=("reward.functions=[{fn: length_penalty, kwargs: {scale: 10}}]")  # rewards that differ, so gradients are not 0
-run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=2 \
+run timeout -k 20 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=2 \
     actor.optimizer_offload=true model.dtype=bfloat16 trainer.total_steps=4 trainer.save_every=0 "${VARIED[@]}" \
     "trainer.output_dir=$O-straight"
-run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=2 \
+run timeout -k 20 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=2 \
     actor.optimizer_offload=true model.dtype=bfloat16 trainer.total_steps=2 trainer.save_every=2 "${VARIED[@]}" \
     "trainer.output_dir=$O"
-run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=2 \
+run timeout -k 20 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=2 \
     actor.optimizer_offload=true model.dtype=bfloat16 trainer.total_steps=4 trainer.save_every=2 "${VARIED[@]}" \
     "trainer.output_dir=$O"
 python3 -c "
@@ -50,10 +50,10 @@ for x, y in zip(a[2:], b[2:]):
     same = all(x[k] == y[k] for k in keys)
     print('offload resume step', x['step'], 'equal' if same else 'DIFFERENT', [(x[k], y[k]) for k in keys])" "$O-straight/metrics.jsonl" "$O/metrics.jsonl"
 echo "split-start $(date +%T.%N)"
-run timeout 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=1 \
+run timeout -k 20 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yaml "${COMMON[@]}" trainer.num_gpus=1 \
     "trainer.device_mesh={actor: [0], reward: [1]}" "reward.reward_model=$WORK/reward_model" \
     trainer.total_steps=5 "trainer.output_dir=$WORK/split"
 echo "split-end $(date +%T.%N)"
 tail -1 "$WORK/split/metrics.jsonl" | tr ',' '\n' | grep -E "reward|step_s|peak"
 kill $SMI
-[ "$SHAPES" = none ] || run timeout 420 python3 benchmarks/scaling.py --compare --shapes "$SHAPES" --steps 2
+[ "$SHAPES" = none ] || run timeout -k 20 420 python3 benchmarks/scaling.py --compare --shapes "$SHAPES" --steps 2
