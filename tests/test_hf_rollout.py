@@ -140,3 +140,27 @@ def test_generation_holding_numpy_rows_reads_as_lists_and_pickles_as_arrays():
     copy.prompt_index += 4  # what generate_sharded does to a rank's share
     copy.text = "x"
     assert (copy.prompt_index, copy.text, copy.token_ids) == (6, "x", [7, 8, 9])
+
+
+def test_layers_compiled_for_training_run_eagerly_in_generate():
+    """`model.compile` compiles the decoder layers for the training passes; inside HF `generate` they would
+    recompile at every KV length (and per layer's cache) until dynamo's limit. The backend runs them eagerly:
+    no frame is compiled during generate, the tokens equal the uncompiled model's, and training still compiles."""
+    from torch._dynamo.utils import counters
+
+    from hybridrl.distributed import decoder_layers
+
+    model, tokenizer = tiny_actor()
+    prompts = encode(tokenizer, ["12+7=", "3-1="])
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=3, ignore_eos=True)
+    expected = HFBackend(model, tokenizer).generate(prompts, params)
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in decoder_layers(model):
+        layer.compile(backend="eager")  # dynamo's tracing without inductor: fast, no C++ compiler needed
+    generations = HFBackend(model, tokenizer).generate(prompts, params)
+    assert counters["frames"]["ok"] == 0, dict(counters["frames"])
+    assert [g.token_ids for g in generations] == [g.token_ids for g in expected]
+    model(torch.tensor([prompts[0]]))  # a training-style forward outside generate compiles the layers
+    assert counters["frames"]["ok"] > 0
+    torch._dynamo.reset()

@@ -52,15 +52,18 @@ class HFBackend:
         stop_ids = sorted(self.eos_ids | set(params.stop_token_ids))
         was_training = self.model.training
         self.model.eval()
-        out = self.model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-            do_sample=not greedy, temperature=None if greedy else params.temperature,
-            top_p=None if greedy else params.top_p, top_k=None if greedy else (params.top_k or None),
-            min_p=None if greedy or not params.min_p else params.min_p,
-            max_new_tokens=params.max_new_tokens, min_new_tokens=params.max_new_tokens if params.ignore_eos else None,
-            num_return_sequences=1 if greedy else params.n, eos_token_id=stop_ids, pad_token_id=self.pad_id,
-            stop_strings=params.stop_strings or None, tokenizer=self.tokenizer if params.stop_strings else None,
-            return_dict_in_generate=True, output_logits=True, use_cache=True)
+        # Layers compiled for training (`model.compile`) would recompile here at every new KV length and for each
+        # layer's cache until dynamo's limit, then run eagerly anyway: generate runs them eagerly from the start.
+        with torch.compiler.set_stance("force_eager"):
+            out = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                do_sample=not greedy, temperature=None if greedy else params.temperature,
+                top_p=None if greedy else params.top_p, top_k=None if greedy else (params.top_k or None),
+                min_p=None if greedy or not params.min_p else params.min_p,
+                max_new_tokens=params.max_new_tokens, min_new_tokens=params.max_new_tokens if params.ignore_eos else None,
+                num_return_sequences=1 if greedy else params.n, eos_token_id=stop_ids, pad_token_id=self.pad_id,
+                stop_strings=params.stop_strings or None, tokenizer=self.tokenizer if params.stop_strings else None,
+                return_dict_in_generate=True, output_logits=True, use_cache=True)
         self.model.train(was_training)
         sequences = out.sequences[:, width:].cpu()  # (B*n, R)
         scale = 1.0 if greedy else 1.0 / params.temperature
