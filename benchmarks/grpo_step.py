@@ -63,7 +63,7 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
   quantized in memory after the random init (`qlora.quantize_4bit`, called by the trainer's set-up); rollout
   through HF generate (what `rollout.backend=auto` picks for a 4-bit base).
 - `7b-qlora-engine`: the same with `rollout.backend=builtin`: the engine dequantizes each 4-bit layer as it
-  runs it (`llama_forward.unpacked`); tested on CPU, not yet measured on a GPU.
+  runs it (`llama_forward.unpacked`); measured 2026-11-30 (06:46 UTC session, `docs/benchmarks.md`): 16.43 s per step (rollout 11.80 s), 10.81 GiB.
 - `trl`: `shared/peers/trl_grpo_gpu.py` (TRL 1.16, HF generate, fp32 master weights + bf16 autocast) on the
   grpo-0.5b shape, as a subprocess; its script must be at `--trl-script` with trl/datasets importable.
   Three TRL steps (`TRL_STEPS`), steady state = mean of steps 2-3 as for hybridrl (runs before
