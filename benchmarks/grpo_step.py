@@ -63,7 +63,10 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
   quantized in memory after the random init (`qlora.quantize_4bit`, called by the trainer's set-up); rollout
   through HF generate (what `rollout.backend=auto` picks for a 4-bit base).
 - `7b-qlora-engine`: the same with `rollout.backend=builtin`: the engine dequantizes each 4-bit layer as it
-  runs it (`llama_forward.unpacked`); measured 2026-11-30 (06:46 UTC session, `docs/benchmarks.md`): 16.43 s per step (rollout 11.80 s), 10.81 GiB.
+  runs it (`llama_forward.unpacked`) or, with `rollout.dequantize_4bit` (`auto`: where half the free memory holds it,
+  as on an H200), from a full-precision copy made once per rollout. Per step it measured 16.43 s (rollout 11.80 s),
+  10.81 GiB on 2026-11-30 (06:46 UTC session, `docs/benchmarks.md`). `7b-qlora-engine-perstep`: the engine
+  dequantizing every layer at every step (`rollout.dequantize_4bit=false`, the only way before 2026-12-01).
 - `trl`: `shared/peers/trl_grpo_gpu.py` (TRL 1.16, HF generate, fp32 master weights + bf16 autocast) on the
   grpo-0.5b shape, as a subprocess; its script must be at `--trl-script` with trl/datasets importable.
   Three TRL steps (`TRL_STEPS`), steady state = mean of steps 2-3 as for hybridrl (runs before
@@ -191,6 +194,9 @@ MODES = {
                      settings=dict(model__load_in_4bit=True)),
     "7b-qlora-engine": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16,
                             backend="builtin", settings=dict(model__load_in_4bit=True)),
+    "7b-qlora-engine-perstep": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16,
+                                    backend="builtin", settings=dict(model__load_in_4bit=True,
+                                                                     rollout__dequantize_4bit=False)),
 }
 
 

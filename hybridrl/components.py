@@ -121,7 +121,8 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
             return BuiltinBackend(actor, tokenizer=tokenizer, kv_cache_memory=config.rollout.kv_cache_memory,
                                   attention=config.rollout.attention, fuse_qkv=config.rollout.fuse_qkv,
                                   fuse_gate_up=config.rollout.fuse_gate_up,
-                                  empty_cache=config.rollout.empty_cuda_cache)
+                                  empty_cache=config.rollout.empty_cuda_cache,
+                                  dequantize_4bit=config.rollout.dequantize_4bit)
         if backend == "builtin":
             logger.warning("rollout.backend=builtin falls back to hf: %s", reason)
     if backend == "vllm":

@@ -128,6 +128,11 @@ class RolloutConfig:
     (one matmul instead of two; grpo-0.5b rollout on an H200: 0.625 -> 0.598 s). Costs those weights again during
     the rollout: 0.4 GB for Qwen2-0.5B, 1.5 GB for Qwen2.5-1.5B, 7.6 GB for Qwen2.5-7B; `auto` stacks them on
     CUDA when that is at most 5% of the GPU's memory. LoRA'd projections stay separate."""
+    dequantize_4bit: bool | Literal["auto"] = "auto"
+    """Built-in engine with a 4-bit base (`model.load_in_4bit`): make a full-precision copy of the base's projection
+    weights for each rollout, so decode steps run as for a bf16 base, instead of dequantizing every layer at every
+    step. Costs that copy during the rollout (13 GB for a 7B model); `auto` makes it on CUDA when it takes at most
+    half of the free memory (an H200: yes; a 24 GB card with a 7B model: no)."""
     empty_cuda_cache: bool = True
     """At each train <-> generate switch, and when the KV cache is released, hand the CUDA allocator's cached
     memory back to the driver (`torch.cuda.empty_cache`). false keeps it cached for the next phase to reuse:

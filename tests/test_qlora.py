@@ -180,3 +180,46 @@ def test_auto_backend_picks_the_engine_for_a_4bit_base_on_gpu():
     quantize_4bit(actor.model)
     assert isinstance(build_rollout(load_config(None), actor.model, actor.tokenizer, torch.device("cuda")), BuiltinBackend)
     assert isinstance(build_rollout(load_config(None), actor.model, actor.tokenizer, torch.device("cpu")), HFBackend)
+
+def test_dequantizing_the_4bit_base_once_gives_the_per_step_results():
+    """`dequantize_4bit=True` makes the full-precision copy once per `generate` (then q/k/v can be fused and, on a
+    GPU, CUDA graphs captured): greedy tokens and log-probs equal the per-layer-per-step path, with and without a
+    LoRA adapter; `dequantized_bytes` is the base's projection sizes at full precision; `auto` never does it on CPU."""
+    needs_bitsandbytes()
+    from peft import LoraConfig, get_peft_model
+    from test_builtin_engine import PROMPTS
+
+    from hybridrl.qlora import quantize_4bit
+    from hybridrl.rollout.base import SamplingParams
+    from hybridrl.rollout.builtin import BuiltinBackend
+    from hybridrl.rollout.kernel_choices import auto_dequantizes_4bit, dequantized_bytes
+    from hybridrl.rollout.llama_forward import MATRICES, is_packed_4bit, resolve_weights
+
+    model = load_hf_model("tiny:qwen2").model.eval()
+    by_hand = sum(layer.get_submodule(path).weight.numel() * 4 for layer in model.model.layers
+                  for path in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))  # float32 on CPU
+    assert dequantized_bytes(model) == 0
+    quantize_4bit(model)
+    assert dequantized_bytes(model) == by_hand
+    assert not auto_dequantizes_4bit(model)
+    torch.manual_seed(3)
+    base = load_hf_model("tiny:qwen2").model
+    quantize_4bit(base)
+    adapted = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    for candidate in (model, adapted.eval()):
+        weights = resolve_weights(candidate, fuse_qkv=True, dequantize_4bit=True)
+        assert not any(is_packed_4bit(getattr(layer, name)) for layer in weights.layers for name in MATRICES)
+        per_step, once = (BuiltinBackend(candidate, dequantize_4bit=flag) for flag in (False, True))
+        expected, outputs = per_step.generate(PROMPTS, params), once.generate(PROMPTS, params)
+        assert (per_step.last_stats["dequantized_4bit"], once.last_stats["dequantized_4bit"]) == (False, True)
+        for reference, generation in zip(expected, outputs):
+            assert generation.token_ids == reference.token_ids
+            torch.testing.assert_close(torch.tensor(generation.logprobs), torch.tensor(reference.logprobs),
+                                       atol=1e-5, rtol=0)
+    assert resolve_weights(model, fuse_qkv=True, dequantize_4bit=True).layers[0].qkv_weight is not None

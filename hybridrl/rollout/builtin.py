@@ -33,7 +33,9 @@ from hybridrl.rollout.base import Generation, SamplingParams
 from hybridrl.rollout.decode_state import DecodeState, compiled_sample_and_record, sample_and_record
 from hybridrl.rollout.kernel_choices import (
     ATTENTION_OPTIONS,
+    auto_dequantizes_4bit,
     auto_fuses_gate_up,
+    dequantized_bytes,
     resolve_attention,
     sampler_name,
     triton_available,
@@ -117,6 +119,10 @@ class BuiltinBackend:
         sampling_kernel (default on): on CUDA with triton, plain temperature sampling in the decode step runs as two
         Triton kernels (`sampling_kernels.py`) instead of the compiled PyTorch sampler; `last_stats["sampler"]`
         says which the decode steps used ("triton" or "torch").
+        dequantize_4bit: for a bitsandbytes 4-bit base (QLoRA), True makes a full-precision copy of its projection
+        weights for the duration of a `generate`, so decode steps run as for a bf16 base (CUDA graphs included)
+        instead of dequantizing every layer at every step; "auto" (default) does so on CUDA when the copy takes at
+        most half of the free memory (`auto_dequantizes_4bit`; 13 GB for a 7B model). `last_stats["dequantized_4bit"]`.
     """
 
     def __init__(
@@ -136,6 +142,7 @@ class BuiltinBackend:
         rope_in_attention: bool = True,
         empty_cache: bool = True,
         sampling_kernel: bool = True,
+        dequantize_4bit: bool | str = "auto",
     ) -> None:
         ok, reason = _supports(model)
         if not ok:
@@ -144,14 +151,16 @@ class BuiltinBackend:
             raise ValueError("kv_cache_memory must be > 0 and max_num_seqs, max_prefill_tokens, sync_every >= 1.")
         if attention not in ATTENTION_OPTIONS:
             raise ValueError(f"attention must be one of {ATTENTION_OPTIONS}; got {attention!r}.")
-        if fuse_gate_up not in (True, False, "auto"):
-            raise ValueError(f"fuse_gate_up must be true, false or 'auto'; got {fuse_gate_up!r}.")
+        for name, value in (("fuse_gate_up", fuse_gate_up), ("dequantize_4bit", dequantize_4bit)):
+            if value not in (True, False, "auto"):
+                raise ValueError(f"{name} must be true, false or 'auto'; got {value!r}.")
         self.model, self.tokenizer = model, tokenizer
         self.kv_cache_memory, self.max_num_seqs = kv_cache_memory, max_num_seqs
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
         self.use_cuda_graphs, self.release_after_generate = use_cuda_graphs, release_after_generate
         self.compile, self.attention, self.fuse_qkv, self.fuse_gate_up = compile, attention, fuse_qkv, fuse_gate_up
         self.rope_in_attention, self.empty_cache, self.sampling_kernel = rope_in_attention, empty_cache, sampling_kernel
+        self.dequantize_4bit = dequantize_4bit
         self._compiled: tuple[DecodeFunctions, object] | None = None  # kept across generate calls
         self.cache: SlotKVCache | PrefixSharedKVCache | None = None
         self._attention_name = ""  # which decode attention the current cache uses, for last_stats
@@ -172,7 +181,9 @@ class BuiltinBackend:
         self._validate(prompts, params)
         timeline = Timeline(next(self.model.parameters()).device)
         fuse_gate_up = auto_fuses_gate_up(self.model) if self.fuse_gate_up == "auto" else self.fuse_gate_up
-        weights = resolve_weights(self.model, self.fuse_qkv, fuse_gate_up)  # fused copies are remade every call
+        dequantize = auto_dequantizes_4bit(self.model) if self.dequantize_4bit == "auto" else self.dequantize_4bit
+        # fused and dequantized copies are remade every call, from the weights as they are now
+        weights = resolve_weights(self.model, self.fuse_qkv, fuse_gate_up, dequantize_4bit=dequantize)
         key = _weights_key(weights)
         if key != self._weights_key:  # modules replaced or LoRA switched on/off: kept graphs point at old tensors
             self._graphs, self._graph_pool, self._weights_key = {}, None, key
@@ -212,6 +223,7 @@ class BuiltinBackend:
                      rope_in_attention=isinstance(self.cache, PrefixSharedKVCache) and self.rope_in_attention
                      and rotates_projections(self.cache.attention, weights),
                      fuse_gate_up=any(layer.gate_up_weight is not None for layer in weights.layers),
+                     dequantized_4bit=bool(dequantize) and dequantized_bytes(self.model) > 0,
                      sampler=sampler_name(self.sampling_kernel, settings, device, weights.lm_head.shape[0]))
         self._stats = stats
         finished = False

@@ -1,5 +1,5 @@
 """Which kernels a `generate` call of the built-in engine runs on its device: the decode attention's layout and
-implementation, whether gate/up are stacked and the sampler. Kept apart from `builtin.py`, which runs the phases;
+implementation, whether gate/up are stacked, whether a 4-bit base is dequantized once, and the sampler. Kept apart from `builtin.py`, which runs the phases;
 the engine reports each choice in `last_stats` under the names given here."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from hybridrl.rollout.llama_forward import unwrap
+from hybridrl.rollout.llama_forward import PROJECTIONS, is_packed_4bit, unwrap
 from hybridrl.rollout.sampling import SamplerSettings
 
 ATTENTION_OPTIONS = ("auto", "triton", "triton-stacked", "sdpa")
@@ -68,6 +68,39 @@ def auto_fuses_gate_up(model) -> bool:
     copy_bytes = sum((layer.mlp.gate_proj.weight.numel() + layer.mlp.up_proj.weight.numel())
                      * layer.mlp.gate_proj.weight.element_size() for layer in layers)
     return copy_bytes <= AUTO_FUSE_GATE_UP_MAX_FRACTION * torch.cuda.get_device_properties(weight.device).total_memory
+
+
+AUTO_DEQUANTIZE_MAX_FREE_FRACTION = 0.5
+"""`dequantize_4bit="auto"` makes the full-precision copy of a 4-bit base when it takes at most this share of the
+GPU's free memory (what is left goes to the KV cache, sized after the copy, and the step's activations)."""
+
+
+def dequantized_bytes(model) -> int:
+    """Bytes of a full-precision copy of the model's bitsandbytes 4-bit projection weights (0 when none is packed)."""
+    total = 0
+    for layer in unwrap(model).model.layers:
+        for path in PROJECTIONS.values():
+            module = layer.get_submodule(path)
+            weight = getattr(module, "base_layer", module).weight
+            if is_packed_4bit(weight):
+                total += weight.quant_state.shape.numel() * weight.quant_state.dtype.itemsize
+    return total
+
+
+def auto_dequantizes_4bit(model) -> bool:
+    """Whether `dequantize_4bit="auto"` dequantizes a 4-bit base once per `generate`: on CUDA, when the copy fits in
+    `AUTO_DEQUANTIZE_MAX_FREE_FRACTION` of the free memory (the allocator's unused cache counts as free). The rollout
+    then runs as for a bf16 base, CUDA graphs included (the 7B QLoRA shape on an H200: `docs/benchmarks.md`); on a
+    24 GB card the 13 GB copy of a 7B model does not fit and each layer is dequantized as it runs. CPU: never."""
+    weight = next(model.parameters())
+    if weight.device.type != "cuda":
+        return False
+    size = dequantized_bytes(model)
+    if size == 0:
+        return False
+    free, _ = torch.cuda.mem_get_info(weight.device)
+    free += torch.cuda.memory_reserved(weight.device) - torch.cuda.memory_allocated(weight.device)
+    return size <= AUTO_DEQUANTIZE_MAX_FREE_FRACTION * free
 
 
 def sampler_name(sampling_kernel: bool, settings: SamplerSettings, device: torch.device, vocab: int) -> str:
