@@ -64,9 +64,11 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
   through HF generate (what `rollout.backend=auto` picks for a 4-bit base).
 - `7b-qlora-engine`: the same with `rollout.backend=builtin`: the engine dequantizes each 4-bit layer as it
   runs it (`llama_forward.unpacked`) or, with `rollout.dequantize_4bit` (`auto`: where half the free memory holds it,
-  as on an H200), from a full-precision copy made once per rollout. Per step it measured 16.43 s (rollout 11.80 s),
-  10.81 GiB on 2026-11-30 (06:46 UTC session, `docs/benchmarks.md`). `7b-qlora-engine-perstep`: the engine
+  as on an H200), from a full-precision copy made once per rollout: 7.06 s per step (rollout 2.40 s), 20.38 GiB on
+  2026-12-01 (06:27 UTC session, `docs/benchmarks.md`). `7b-qlora-engine-perstep` (16.60 s, 10.81 GiB): the engine
   dequantizing every layer at every step (`rollout.dequantize_4bit=false`, the only way before 2026-12-01).
+  `7b-qlora-engine-20of28`: 20 of the 28 layers copied, the rest dequantized per step: what `auto` copies on a 24 GB
+  card by its estimate (~17.7 GiB free when the rollout starts, half of it = 20 layers of 0.43 GiB).
 - `trl`: `shared/peers/trl_grpo_gpu.py` (TRL 1.16, HF generate, fp32 master weights + bf16 autocast) on the
   grpo-0.5b shape, as a subprocess; its script must be at `--trl-script` with trl/datasets importable.
   Three TRL steps (`TRL_STEPS`), steady state = mean of steps 2-3 as for hybridrl (runs before
@@ -194,6 +196,8 @@ MODES = {
                      settings=dict(model__load_in_4bit=True)),
     "7b-qlora-engine": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16,
                             backend="builtin", settings=dict(model__load_in_4bit=True)),
+    "7b-qlora-engine-20of28": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16,
+                                   backend="builtin", dequantize_layers=20, settings=dict(model__load_in_4bit=True)),
     "7b-qlora-engine-perstep": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16,
                                     backend="builtin", settings=dict(model__load_in_4bit=True,
                                                                      rollout__dequantize_4bit=False)),
@@ -236,6 +240,10 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
     from hybridrl.models import HFModel
     from hybridrl.trainer import RLTrainer
 
+    if "dequantize_layers" in spec:  # this process only: as if `auto` had found room for that many layers
+        import hybridrl.rollout.builtin
+
+        hybridrl.rollout.builtin.auto_dequantized_layers = lambda model: spec["dequantize_layers"]
     if spec.get("torch_flex_tiles"):  # this process only: FlexAttention with torch's own tiles, for the comparison
         shared_prompt.TUNED_FLEX_TILES.clear()
     shape = SHAPES[spec["shape"]]

@@ -131,8 +131,8 @@ class RolloutConfig:
     dequantize_4bit: bool | Literal["auto"] = "auto"
     """Built-in engine with a 4-bit base (`model.load_in_4bit`): make a full-precision copy of the base's projection
     weights for each rollout, so decode steps run as for a bf16 base, instead of dequantizing every layer at every
-    step. Costs that copy during the rollout (13 GB for a 7B model); `auto` makes it on CUDA when it takes at most
-    half of the free memory (an H200: yes; a 24 GB card with a 7B model: no)."""
+    step. Costs that copy during the rollout (13 GB for a 7B model); `auto` copies as many layers as fit in half of
+    the free GPU memory (an H200: all of a 7B model; a 24 GB card: part), the others are dequantized as they run."""
     empty_cuda_cache: bool = True
     """At each train <-> generate switch, and when the KV cache is released, hand the CUDA allocator's cached
     memory back to the driver (`torch.cuda.empty_cache`). false keeps it cached for the next phase to reuse:

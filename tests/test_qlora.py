@@ -181,28 +181,31 @@ def test_auto_backend_picks_the_engine_for_a_4bit_base_on_gpu():
     assert isinstance(build_rollout(load_config(None), actor.model, actor.tokenizer, torch.device("cuda")), BuiltinBackend)
     assert isinstance(build_rollout(load_config(None), actor.model, actor.tokenizer, torch.device("cpu")), HFBackend)
 
-def test_dequantizing_the_4bit_base_once_gives_the_per_step_results():
-    """`dequantize_4bit=True` makes the full-precision copy once per `generate` (then q/k/v can be fused and, on a
-    GPU, CUDA graphs captured): greedy tokens and log-probs equal the per-layer-per-step path, with and without a
-    LoRA adapter; `dequantized_bytes` is the base's projection sizes at full precision; `auto` never does it on CPU."""
+def test_dequantizing_the_4bit_base_once_gives_the_per_step_results(monkeypatch):
+    """`dequantize_4bit=True` copies every 4-bit layer at full precision once per `generate` (then q/k/v can be fused
+    and, on a GPU, CUDA graphs captured), `auto` as many layers as fit its budget (here: one, patched): greedy tokens
+    and log-probs equal the per-layer-per-step path, with and without a LoRA adapter. The sizes are the base's
+    projections at full precision; `auto` copies nothing on CPU; the budget takes whole layers from the first."""
     needs_bitsandbytes()
     from peft import LoraConfig, get_peft_model
     from test_builtin_engine import PROMPTS
 
+    import hybridrl.rollout.builtin as builtin
     from hybridrl.qlora import quantize_4bit
     from hybridrl.rollout.base import SamplingParams
     from hybridrl.rollout.builtin import BuiltinBackend
-    from hybridrl.rollout.kernel_choices import auto_dequantizes_4bit, dequantized_bytes
+    from hybridrl.rollout.kernel_choices import auto_dequantized_layers, dequantized_layer_bytes, layers_within
     from hybridrl.rollout.llama_forward import MATRICES, is_packed_4bit, resolve_weights
 
+    assert [layers_within([10, 10, 10], budget) for budget in (5, 10, 25, 30, 99)] == [0, 1, 2, 3, 3]
     model = load_hf_model("tiny:qwen2").model.eval()
-    by_hand = sum(layer.get_submodule(path).weight.numel() * 4 for layer in model.model.layers
-                  for path in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))  # float32 on CPU
-    assert dequantized_bytes(model) == 0
+    by_hand = [sum(layer.get_submodule(path).weight.numel() * 4 for path in (  # float32 on CPU
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")) for layer in model.model.layers]
+    assert dequantized_layer_bytes(model) == [0] * len(by_hand)
     quantize_4bit(model)
-    assert dequantized_bytes(model) == by_hand
-    assert not auto_dequantizes_4bit(model)
+    assert dequantized_layer_bytes(model) == by_hand
+    assert auto_dequantized_layers(model) == 0
     torch.manual_seed(3)
     base = load_hf_model("tiny:qwen2").model
     quantize_4bit(base)
@@ -212,14 +215,19 @@ def test_dequantizing_the_4bit_base_once_gives_the_per_step_results():
             if "lora_B" in name:
                 param.normal_(0, 0.3)
     params = SamplingParams(max_new_tokens=8, temperature=0)
+    monkeypatch.setattr(builtin, "auto_dequantized_layers", lambda model: 1)
     for candidate in (model, adapted.eval()):
-        weights = resolve_weights(candidate, fuse_qkv=True, dequantize_4bit=True)
-        assert not any(is_packed_4bit(getattr(layer, name)) for layer in weights.layers for name in MATRICES)
-        per_step, once = (BuiltinBackend(candidate, dequantize_4bit=flag) for flag in (False, True))
-        expected, outputs = per_step.generate(PROMPTS, params), once.generate(PROMPTS, params)
-        assert (per_step.last_stats["dequantized_4bit"], once.last_stats["dequantized_4bit"]) == (False, True)
-        for reference, generation in zip(expected, outputs):
-            assert generation.token_ids == reference.token_ids
-            torch.testing.assert_close(torch.tensor(generation.logprobs), torch.tensor(reference.logprobs),
-                                       atol=1e-5, rtol=0)
-    assert resolve_weights(model, fuse_qkv=True, dequantize_4bit=True).layers[0].qkv_weight is not None
+        packed = [[is_packed_4bit(getattr(layer, name)) for name in MATRICES]
+                  for layer in resolve_weights(candidate, fuse_qkv=True, dequantize_layers=1).layers]
+        assert not any(packed[0]) and all(all(layer) for layer in packed[1:])
+        engines = {flag: BuiltinBackend(candidate, dequantize_4bit=flag) for flag in (False, True, "auto")}
+        expected = engines[False].generate(PROMPTS, params)
+        for flag, copied in ((True, len(by_hand)), ("auto", 1)):
+            outputs = engines[flag].generate(PROMPTS, params)
+            assert engines[flag].last_stats["dequantized_4bit_layers"] == copied
+            for reference, generation in zip(expected, outputs):
+                assert generation.token_ids == reference.token_ids
+                torch.testing.assert_close(torch.tensor(generation.logprobs), torch.tensor(reference.logprobs),
+                                           atol=1e-5, rtol=0)
+        assert engines[False].last_stats["dequantized_4bit_layers"] == 0
+    assert resolve_weights(model, fuse_qkv=True, dequantize_layers=len(by_hand)).layers[-1].qkv_weight is not None

@@ -33,9 +33,9 @@ from hybridrl.rollout.base import Generation, SamplingParams
 from hybridrl.rollout.decode_state import DecodeState, compiled_sample_and_record, sample_and_record
 from hybridrl.rollout.kernel_choices import (
     ATTENTION_OPTIONS,
-    auto_dequantizes_4bit,
+    auto_dequantized_layers,
     auto_fuses_gate_up,
-    dequantized_bytes,
+    dequantized_layer_bytes,
     resolve_attention,
     sampler_name,
     triton_available,
@@ -121,8 +121,9 @@ class BuiltinBackend:
         says which the decode steps used ("triton" or "torch").
         dequantize_4bit: for a bitsandbytes 4-bit base (QLoRA), True makes a full-precision copy of its projection
         weights for the duration of a `generate`, so decode steps run as for a bf16 base (CUDA graphs included)
-        instead of dequantizing every layer at every step; "auto" (default) does so on CUDA when the copy takes at
-        most half of the free memory (`auto_dequantizes_4bit`; 13 GB for a 7B model). `last_stats["dequantized_4bit"]`.
+        instead of dequantizing every layer at every step; "auto" (default) copies as many layers as fit in half of
+        the free memory on CUDA (`auto_dequantized_layers`; all 13 GB of a 7B model on an H200), the rest are
+        dequantized as they run. `last_stats["dequantized_4bit_layers"]` counts the copied layers.
     """
 
     def __init__(
@@ -181,9 +182,11 @@ class BuiltinBackend:
         self._validate(prompts, params)
         timeline = Timeline(next(self.model.parameters()).device)
         fuse_gate_up = auto_fuses_gate_up(self.model) if self.fuse_gate_up == "auto" else self.fuse_gate_up
-        dequantize = auto_dequantizes_4bit(self.model) if self.dequantize_4bit == "auto" else self.dequantize_4bit
+        packed_sizes = dequantized_layer_bytes(self.model)
+        dequantize = (auto_dequantized_layers(self.model) if self.dequantize_4bit == "auto"
+                      else len(packed_sizes) if self.dequantize_4bit else 0)
         # fused and dequantized copies are remade every call, from the weights as they are now
-        weights = resolve_weights(self.model, self.fuse_qkv, fuse_gate_up, dequantize_4bit=dequantize)
+        weights = resolve_weights(self.model, self.fuse_qkv, fuse_gate_up, dequantize_layers=dequantize)
         key = _weights_key(weights)
         if key != self._weights_key:  # modules replaced or LoRA switched on/off: kept graphs point at old tensors
             self._graphs, self._graph_pool, self._weights_key = {}, None, key
@@ -223,7 +226,7 @@ class BuiltinBackend:
                      rope_in_attention=isinstance(self.cache, PrefixSharedKVCache) and self.rope_in_attention
                      and rotates_projections(self.cache.attention, weights),
                      fuse_gate_up=any(layer.gate_up_weight is not None for layer in weights.layers),
-                     dequantized_4bit=bool(dequantize) and dequantized_bytes(self.model) > 0,
+                     dequantized_4bit_layers=sum(size > 0 for size in packed_sizes[:dequantize]),
                      sampler=sampler_name(self.sampling_kernel, settings, device, weights.lm_head.shape[0]))
         self._stats = stats
         finished = False

@@ -71,36 +71,48 @@ def auto_fuses_gate_up(model) -> bool:
 
 
 AUTO_DEQUANTIZE_MAX_FREE_FRACTION = 0.5
-"""`dequantize_4bit="auto"` makes the full-precision copy of a 4-bit base when it takes at most this share of the
-GPU's free memory (what is left goes to the KV cache, sized after the copy, and the step's activations)."""
+"""`dequantize_4bit="auto"` copies 4-bit layers at full precision while the copies take at most this share of the
+GPU's free memory (what is left goes to the KV cache, sized after the copies, and the step's activations)."""
 
 
-def dequantized_bytes(model) -> int:
-    """Bytes of a full-precision copy of the model's bitsandbytes 4-bit projection weights (0 when none is packed)."""
-    total = 0
+def dequantized_layer_bytes(model) -> list[int]:
+    """Per decoder layer, the bytes of a full-precision copy of its bitsandbytes 4-bit projection weights (0 where
+    none is packed)."""
+    sizes = []
     for layer in unwrap(model).model.layers:
+        size = 0
         for path in PROJECTIONS.values():
             module = layer.get_submodule(path)
             weight = getattr(module, "base_layer", module).weight
             if is_packed_4bit(weight):
-                total += weight.quant_state.shape.numel() * weight.quant_state.dtype.itemsize
-    return total
+                size += weight.quant_state.shape.numel() * weight.quant_state.dtype.itemsize
+        sizes.append(size)
+    return sizes
 
 
-def auto_dequantizes_4bit(model) -> bool:
-    """Whether `dequantize_4bit="auto"` dequantizes a 4-bit base once per `generate`: on CUDA, when the copy fits in
-    `AUTO_DEQUANTIZE_MAX_FREE_FRACTION` of the free memory (the allocator's unused cache counts as free). The rollout
-    then runs as for a bf16 base, CUDA graphs included (the 7B QLoRA shape on an H200: `docs/benchmarks.md`); on a
-    24 GB card the 13 GB copy of a 7B model does not fit and each layer is dequantized as it runs. CPU: never."""
+def layers_within(sizes: list[int], budget: float) -> int:
+    """How many layers, from the first, fit in `budget` bytes together."""
+    total = 0
+    for count, size in enumerate(sizes):
+        total += size
+        if total > budget:
+            return count
+    return len(sizes)
+
+
+def auto_dequantized_layers(model) -> int:
+    """How many decoder layers, from the first, `dequantize_4bit="auto"` copies at full precision for a `generate`:
+    on CUDA, as many as fit in `AUTO_DEQUANTIZE_MAX_FREE_FRACTION` of the free memory (the allocator's unused cache
+    counts as free); the others are dequantized as they run, at every step. All of them (13 GB for a 7B model) on an
+    H200: the rollout then runs as for a bf16 base, CUDA graphs included (`docs/benchmarks.md`); part of them on a
+    24 GB card. None on CPU, or without 4-bit weights."""
     weight = next(model.parameters())
-    if weight.device.type != "cuda":
-        return False
-    size = dequantized_bytes(model)
-    if size == 0:
-        return False
+    sizes = dequantized_layer_bytes(model)
+    if weight.device.type != "cuda" or not any(sizes):
+        return 0
     free, _ = torch.cuda.mem_get_info(weight.device)
     free += torch.cuda.memory_reserved(weight.device) - torch.cuda.memory_allocated(weight.device)
-    return size <= AUTO_DEQUANTIZE_MAX_FREE_FRACTION * free
+    return layers_within(sizes, AUTO_DEQUANTIZE_MAX_FREE_FRACTION * free)
 
 
 def sampler_name(sampling_kernel: bool, settings: SamplerSettings, device: torch.device, vocab: int) -> str:

@@ -168,7 +168,7 @@ def unpacked(lw: LayerWeights) -> LayerWeights:
     """`lw` with its 4-bit weights dequantized (bitsandbytes) for this one use, or `lw` itself when none
     is packed. Called per layer inside the forward, so only one layer's full-precision weights exist at
     a time: generation costs a dequantization per layer and step instead of a second copy of the model
-    (unless `resolve_weights(dequantize_4bit=True)` made that copy for the whole `generate`)."""
+    (unless `resolve_weights(dequantize_layers=...)` made that copy for the whole `generate`)."""
     packed = {name: getattr(lw, name) for name in MATRICES if is_packed_4bit(getattr(lw, name))}
     if not packed:
         return lw
@@ -243,23 +243,23 @@ def fused_gate_up(lw: LayerWeights) -> torch.Tensor | None:
 
 
 def resolve_weights(model, fuse_qkv: bool = False, fuse_gate_up: bool = False,
-                    dequantize_4bit: bool = False) -> ModelWeights:
+                    dequantize_layers: int = 0) -> ModelWeights:
     """Collect references to the model's tensors; call again whenever modules may have been replaced.
 
     `fuse_qkv` adds, per layer, a copy of q/k/v stacked into one matrix, so a decode step runs one
     projection matmul instead of three (the k and v ones are tiny and launch-bound); `fuse_gate_up`
     likewise for the MLP's gate and up. A decode step is bound by kernel launches and the gaps between
     them, so one kernel fewer per layer is time saved. The copies are made here, so they reflect the
-    weights as they are now: resolve again after every optimizer step. `dequantize_4bit` replaces bitsandbytes
-    4-bit weights by full-precision copies made here (kept while the result is), so the decode step runs as
-    for a full-precision base instead of dequantizing every layer at every step."""
+    weights as they are now: resolve again after every optimizer step. `dequantize_layers` replaces the bitsandbytes
+    4-bit weights of that many layers (from the first) by full-precision copies made here (kept while the result
+    is), so the decode step runs them as for a full-precision base instead of dequantizing them at every step."""
     ok, reason = supports(model)
     if not ok:
         raise ValueError(f"the built-in rollout engine cannot run this model: {reason}; use rollout.backend=hf.")
     model = unwrap(model)
     config, inner = model.config, model.model
     layers = []
-    for layer in inner.layers:
+    for index, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         layers.append(LayerWeights(
@@ -274,7 +274,7 @@ def resolve_weights(model, fuse_qkv: bool = False, fuse_gate_up: bool = False,
             gate_weight=mlp.gate_proj.weight, up_weight=mlp.up_proj.weight, down_weight=mlp.down_proj.weight,
             **{f"{short}_lora": _lora(layer.get_submodule(path)) for short, path in PROJECTIONS.items()},
         ))
-        if dequantize_4bit:
+        if index < dequantize_layers:
             layers[-1] = unpacked(layers[-1])
         fused = fused_qkv(layers[-1]) if fuse_qkv else None
         if fused is not None:
