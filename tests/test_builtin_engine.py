@@ -417,6 +417,8 @@ def test_fuse_gate_up_auto_keeps_the_projections_apart_on_cpu_and_bad_values_are
     assert builtin.auto_fuses_gate_up(model) is False  # on CUDA: see the GPU test in test_decode_attention.py
     with pytest.raises(ValueError, match="fuse_gate_up must be true, false or 'auto'"):
         BuiltinBackend(model, fuse_gate_up="yes")
+    with pytest.raises(ValueError, match="dequantize_4bit must be true, false or 'auto'"):
+        BuiltinBackend(model, dequantize_4bit="yes")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

@@ -36,6 +36,7 @@ def test_int_and_yaml11_exponent_are_accepted_for_float():
     ("trainer.total_steps=abc", "trainer.total_steps must be an integer"),
     ("algorithm.name=ppo2", "algorithm.name must be one of"),
     ("rollout.fuse_gate_up=maybe", "rollout.fuse_gate_up must be true or false or one of 'auto'; got 'maybe'"),
+    ("rollout.dequantize_4bit=maybe", "rollout.dequantize_4bit must be true or false or one of 'auto'; got 'maybe'"),
     ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
     ("rollout.temperature=-1", "rollout.temperature must be >= 0"),
     ("actor.mini_batch_size=7", "actor.mini_batch_size=7 must divide the rollout batch of 256"),
