@@ -21,7 +21,15 @@ from hybridrl.config import Config, ConfigError
 from hybridrl.placement import resolve_placement
 from hybridrl.data import PromptDataset
 from hybridrl.lora import AdapterDisabled, apply_lora
-from hybridrl.models import HFModel, HostOffloadedWeights, ValueModel, compile_layers, load_hf_model, make_reference
+from hybridrl.models import (
+    HFModel,
+    HostOffloadedWeights,
+    ValueModel,
+    compile_layers,
+    enable_activation_checkpointing,
+    load_hf_model,
+    make_reference,
+)
 from hybridrl.optim import build_optimizer, build_scheduler
 from hybridrl.qlora import quantize_4bit
 from hybridrl.rewards import RewardComposer, WeightedReward, load_reward_function
@@ -174,7 +182,7 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
     if m.lora_rank:
         model = apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules)
     if m.gradient_checkpointing:
-        model.gradient_checkpointing_enable()  # non-reentrant in transformers 5: LoRA needs no input grads
+        enable_activation_checkpointing(model)  # non-reentrant in transformers 5: LoRA needs no input grads
     model.config.use_cache = False
     reference = None
     if config.algorithm.kl_coef > 0:  # LoRA: the base is the adapter-disabled actor, no second copy

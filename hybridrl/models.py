@@ -162,6 +162,13 @@ class ValueModel(nn.Module):
         return self.value_head(hidden).squeeze(-1).float()  # (B, L)
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """`model.gradient_checkpointing` on a HF model: transformers 5.2x renamed `gradient_checkpointing_enable` to
+    `activation_checkpointing_enable` (the old name warns on every run); earlier 5.x have only the old one."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
 def make_reference(model: nn.Module) -> nn.Module:
     """A frozen copy of the policy for the KL term (LoRA runs use the adapter-disabled base instead)."""
     reference = copy.deepcopy(model)

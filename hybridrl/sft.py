@@ -15,7 +15,7 @@ from hybridrl.components import resolve_device, seed_everything
 from hybridrl.config import Config, ConfigError
 from hybridrl.data import SFTDataset, collate_sft
 from hybridrl.metrics import MetricsLogger
-from hybridrl.models import load_hf_model, save_hf_model
+from hybridrl.models import enable_activation_checkpointing, load_hf_model, save_hf_model
 from hybridrl.optim import build_optimizer, build_scheduler
 
 
@@ -30,7 +30,7 @@ def run_sft(config: Config) -> Path:
                                      trust_remote_code=m.trust_remote_code, device=device,
                                      tokenizer_path=m.tokenizer_path, seed=config.trainer.seed)
     if m.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_activation_checkpointing(model)
     dataset = SFTDataset.from_config(config.data, s, tokenizer, config.data.train_path)
     steps_per_epoch = len(dataset) // s.batch_size or 1
     total = steps_per_epoch * s.num_epochs if not s.max_steps else min(s.max_steps, steps_per_epoch * s.num_epochs)

@@ -294,3 +294,16 @@ def test_the_first_step_freezes_what_warm_up_built_and_later_steps_do_not(tmp_pa
     assert calls == [1] and gc.get_freeze_count() > 0, "the first step moves what is alive out of full collections"
     trainer.step()
     assert calls == [1], "only once: what later steps allocate stays collectable"
+
+
+def test_activation_checkpointing_is_switched_on_without_a_deprecation_warning():
+    """transformers 5.2x renamed `gradient_checkpointing_enable`; the old name warned on every run."""
+    import warnings
+
+    from hybridrl.models import enable_activation_checkpointing
+
+    model = tiny_actor().model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        enable_activation_checkpointing(model)
+    assert any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
