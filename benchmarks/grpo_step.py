@@ -153,15 +153,6 @@ MODES = {
                                             offload=False, attn="flex_attention",
                                             settings=dict(model__compile=True, rollout__fuse_gate_up=True,
                                                           actor__share_prompt_tokens=True)),
-    "grpo-0.5b-fused-shared-resident-half": dict(shape="0.5b", prompts=32, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
-                                                 offload=False, attn="flex_attention",
-                                                 settings=dict(model__compile=True, rollout__fuse_gate_up=True,
-                                                               actor__share_prompt_tokens=True)),
-    "grpo-0.5b-fused-shared-replicated": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
-                                              offload=False, attn="flex_attention",
-                                              settings=dict(model__compile=True, rollout__fuse_gate_up=True,
-                                                            actor__share_prompt_tokens=True,
-                                                            trainer__fsdp_shard_size=1)),
     "grpo-0.5b-fused-shared-torchtiles": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
                                               offload=True, attn="flex_attention", torch_flex_tiles=True,
                                               settings=dict(model__compile=True, rollout__fuse_gate_up=True,
@@ -202,6 +193,11 @@ MODES = {
                                     backend="builtin", settings=dict(model__load_in_4bit=True,
                                                                      rollout__dequantize_4bit=False)),
 }
+
+_RESIDENT = MODES["grpo-0.5b-fused-shared-resident"]
+MODES["grpo-0.5b-fused-shared-resident-half"] = {**_RESIDENT, "prompts": 32}  # one rank's share of 2 GPUs
+MODES["grpo-0.5b-fused-shared-replicated"] = {**_RESIDENT,
+                                              "settings": {**_RESIDENT["settings"], "trainer__fsdp_shard_size": 1}}
 
 
 def build_tokenizer(vocab_size: int):
