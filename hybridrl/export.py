@@ -24,6 +24,7 @@ import torch
 from hybridrl.checkpoint import (CheckpointError, load_tensors_into, model_state, read_trainer_state, resolve_resume,
                                  trainable_state)
 from hybridrl.config import MissingExtra
+from hybridrl.lora import with_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,9 @@ def full_precision_base(state: dict, saved_config: Any, dtype: torch.dtype) -> t
 
 def wrap_lora(model: torch.nn.Module, adapter: dict) -> torch.nn.Module:
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
     except ImportError:
         raise MissingExtra("this checkpoint holds a LoRA adapter; exporting it needs peft: "
                           "pip install 'hybridrl[peft]'.") from None
     known = set(LoraConfig.__dataclass_fields__)
-    return get_peft_model(model, LoraConfig(**{k: v for k, v in adapter.items() if k in known}))
+    return with_adapter(model, LoraConfig(**{k: v for k, v in adapter.items() if k in known}))

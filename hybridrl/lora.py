@@ -40,7 +40,14 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
         target_modules = "all-linear"
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
                              task_type="CAUSAL_LM", bias="none")
-    with warnings.catch_warnings():  # peft asks transformers 5 its deprecated `is_gradient_checkpointing`: noise
+    return with_adapter(model, config)
+
+
+def with_adapter(model: nn.Module, config: Any) -> nn.Module:
+    """`peft.get_peft_model`, without the FutureWarning it triggers in transformers 5.2x (it asks the model's
+    deprecated `is_gradient_checkpointing`) on every run."""
+    peft = require_peft()
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*deprecated", category=FutureWarning)
         return peft.get_peft_model(model, config)
 

@@ -8,7 +8,7 @@ import torch
 
 from conftest import tiny_actor
 from hybridrl.logprobs import response_logprobs, token_logprobs
-from hybridrl.models import compile_layers
+from hybridrl.models import compile_layers, enable_activation_checkpointing
 
 TOL = dict(atol=2e-5, rtol=1e-5)  # float32: the only differences are summation order
 
@@ -104,7 +104,7 @@ def test_compiled_layers_give_the_eager_values_and_gradients_under_checkpointing
     eager, _ = tiny_actor()
     compiled = copy.deepcopy(eager)
     for model in (eager, compiled):
-        model.gradient_checkpointing_enable()
+        enable_activation_checkpointing(model)
         model.train()
     assert compile_layers(compiled) == 2
     ids, mask, positions, response = padded_batch(seed=5)
