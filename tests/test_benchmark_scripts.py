@@ -227,6 +227,21 @@ def test_engine_ab_parses_named_option_sets():
         "mixed", {"attention": "triton-stacked", "sync_every": 32, "empty_cache": False})
 
 
+def test_engine_ab_builds_the_cpp_wrapper_set_with_inductor_options(monkeypatch):
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from engine_ab import CPP_WRAPPER_MODE, with_cpp_wrapper_mode
+
+    calls = []
+    recorder = lambda fn, **kwargs: calls.append(kwargs) or fn  # noqa: E731
+    monkeypatch.setattr(torch, "compile", recorder)
+    build = with_cpp_wrapper_mode(lambda mode=None: torch.compile(len, fullgraph=True, mode=mode))
+    build(None), build(CPP_WRAPPER_MODE)
+    assert calls == [{"fullgraph": True, "mode": None}, {"fullgraph": True, "options": {"cpp_wrapper": True}}]
+    assert torch.compile is recorder  # put back after building
+
+
 def check_attention_configs_script() -> None:
     """Run by the test below in Triton's interpreter: `attention_configs.py`'s check of a launch configuration
     (the engine's call: raw q and K/V, RoPE, bias, cache write) passes for the default and another launch and fails
