@@ -28,9 +28,9 @@ from cuda_timing import graph_time_us  # noqa: E402
 from decode_attention_cases import TOLERANCE, make_case, rope_inputs, with_new_kv  # noqa: E402
 from rollout import build_model  # noqa: E402
 
-from hybridrl.rollout import decode_attention  # noqa: E402
 from hybridrl.rollout.base import SamplingParams  # noqa: E402
-from hybridrl.rollout.builtin import BuiltinBackend  # noqa: E402
+from hybridrl.rollout.engine.backend import BuiltinBackend  # noqa: E402
+from hybridrl.rollout.kernels import decode_attention  # noqa: E402
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, PROMPT_LEN = 24, 2, 7, 64, 256
 DEFAULT = dict(block_n=decode_attention.BLOCK_N, num_warps=decode_attention.NUM_WARPS, num_stages=None,

@@ -2,7 +2,7 @@
 
 The kernel's block size, warps and pipeline stages are fixed (no autotuning: graph capture needs one
 kernel per shape). This script times one layer's cache replayed until it sits in L2; the defaults in
-`hybridrl/rollout/decode_attention.py` come from `attention_configs.py`, which times the engine's call over
+`hybridrl/rollout/kernels/decode_attention.py` come from `attention_configs.py`, which times the engine's call over
 24 layers' caches in turn (each read from HBM, as in a rollout) and then in rollouts.
 Each configuration is checked against the PyTorch reference first, then timed as 20 calls captured in
 one CUDA graph (as the engine runs it), so launch overhead is not what is measured. Also timed: the
@@ -30,14 +30,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from cuda_timing import graph_time_us  # noqa: E402
 from decode_attention_cases import TOLERANCE, check_fused_write, make_case  # noqa: E402
 
-from hybridrl.rollout.decode_attention import reference_decode_attention, triton_decode_attention  # noqa: E402
+from hybridrl.rollout.kernels.decode_attention import reference_decode_attention, triton_decode_attention  # noqa: E402
 
 
 def time_stacked(case: dict, new_kv: torch.Tensor, args) -> list[dict]:
     """attention='triton-stacked' at the same inputs: the n = slots / entries samples of each prompt in
     one table row (as the engine keeps them), every launch configuration checked against the one-slot
     reference with the fused K/V write, then timed; fastest first."""
-    from hybridrl.rollout.stacked_attention import entry_slot_table, stacked_decode_attention
+    from hybridrl.rollout.kernels.stacked_attention import entry_slot_table, stacked_decode_attention
 
     width = args.slots // args.entries
     table = entry_slot_table({slot: slot // width for slot in range(args.slots)}, args.entries, width).cuda()

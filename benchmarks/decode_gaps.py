@@ -19,7 +19,7 @@ from gaps import cuda_events, gap_report, host_work_in_gaps, kernel_table  # noq
 from rollout import build_model, time_engine, timeline_line  # noqa: E402
 
 from hybridrl.rollout.base import SamplingParams  # noqa: E402
-from hybridrl.rollout.builtin import BuiltinBackend  # noqa: E402
+from hybridrl.rollout.engine.backend import BuiltinBackend  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

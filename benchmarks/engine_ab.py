@@ -26,9 +26,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rollout import build_model  # noqa: E402
 
-import hybridrl.rollout.builtin as builtin  # noqa: E402
+import hybridrl.rollout.engine.backend as builtin  # noqa: E402
 from hybridrl.rollout.base import SamplingParams  # noqa: E402
-from hybridrl.rollout.builtin import BuiltinBackend  # noqa: E402
+from hybridrl.rollout.engine.backend import BuiltinBackend  # noqa: E402
 
 CPP_WRAPPER_MODE = "cpp-wrapper"
 """A `compile` value only this script understands: the default mode with Inductor's C++ wrapper."""

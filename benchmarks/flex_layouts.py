@@ -40,7 +40,13 @@ from types import SimpleNamespace
 
 import torch
 
-from hybridrl.shared_prompt import TUNED_FLEX_TILES, PromptLayout, attention_mask_for, pack_shared_prompts, visible
+from hybridrl.training.shared_prompt import (
+    TUNED_FLEX_TILES,
+    PromptLayout,
+    attention_mask_for,
+    pack_shared_prompts,
+    visible,
+)
 
 SWEEP = {  # name: FlexAttention kernel_options ("fwd_"/"bwd_" prefixes reach only that pass)
     "default": {},
@@ -186,7 +192,7 @@ def compiled_mask_build(segments: torch.Tensor, repeats: int = 20) -> float:
     builds it eagerly, the table's "mask ms", once per micro-batch and pass), after two warm-up builds."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from hybridrl.shared_prompt import visible
+    from hybridrl.training.shared_prompt import visible
 
     build = torch.compile(create_block_mask)
     num_rows, length = segments.shape

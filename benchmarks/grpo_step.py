@@ -232,14 +232,15 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
     if world > 1 and device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # build the model on this rank's GPU
 
-    from hybridrl import PromptDataset, shared_prompt
-    from hybridrl.models import HFModel
-    from hybridrl.trainer import RLTrainer
+    from hybridrl import PromptDataset
+    from hybridrl.models.loading import HFModel
+    from hybridrl.training import shared_prompt
+    from hybridrl.training.trainer import RLTrainer
 
     if "dequantize_layers" in spec:  # this process only: as if `auto` had found room for that many layers
-        import hybridrl.rollout.builtin
+        import hybridrl.rollout.engine.backend
 
-        hybridrl.rollout.builtin.auto_dequantized_layers = lambda model: spec["dequantize_layers"]
+        hybridrl.rollout.engine.backend.auto_dequantized_layers = lambda model: spec["dequantize_layers"]
     if spec.get("torch_flex_tiles"):  # this process only: FlexAttention with torch's own tiles, for the comparison
         shared_prompt.TUNED_FLEX_TILES.clear()
     shape = SHAPES[spec["shape"]]
@@ -268,9 +269,9 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
     if world > 1:
         settings["trainer__num_gpus"] = world
     if os.environ.get("HYBRIDRL_BENCH_HEAD_GRAD_CHUNKS"):  # A/B of logprobs.GRAD_CHUNKS_PER_PRODUCT
-        import hybridrl.logprobs
+        import hybridrl.training.logprobs
 
-        hybridrl.logprobs.GRAD_CHUNKS_PER_PRODUCT = int(os.environ["HYBRIDRL_BENCH_HEAD_GRAD_CHUNKS"])
+        hybridrl.training.logprobs.GRAD_CHUNKS_PER_PRODUCT = int(os.environ["HYBRIDRL_BENCH_HEAD_GRAD_CHUNKS"])
     trainer = RLTrainer(actor=HFModel(model, tokenizer), reward_fn=even_fraction, dataset=dataset, **settings)
     trainable = sum(p.numel() for p in trainer.parts.actor.parameters() if p.requires_grad)
     if device == "cuda":

@@ -3,7 +3,7 @@
 lists as before 2026-12-01), turning them into the padded batch (`build_rollout_batch`) and decoding their texts
 with `grpo_step.py`'s tokenizer (`decode_responses`), for generations holding lists and holding numpy rows (the
 batches are checked equal; decoding numpy-held ones includes making the lists). Each is timed best of `--repeats`; with
-`--baseline FILE` (a copy of another version's `hybridrl/batch.py`) that version's `build_rollout_batch` is
+`--baseline FILE` (a copy of another version's `hybridrl/training/batch.py`) that version's `build_rollout_batch` is
 timed beside it on the same generations and checked to give the same tensors.
 
     python3 benchmarks/host_batch.py [--baseline /tmp/old_batch.py] [--repeats 7]
@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from grpo_step import build_tokenizer  # noqa: E402
 
-from hybridrl.batch import build_rollout_batch, decode_responses  # noqa: E402
 from hybridrl.rollout.base import Generation  # noqa: E402
+from hybridrl.training.batch import build_rollout_batch, decode_responses  # noqa: E402
 
 VOCAB, PROMPTS, SAMPLES, PROMPT_LEN, RESPONSE_LEN = 151936, 64, 8, 256, 256
 
@@ -47,7 +47,7 @@ def load_baseline(path: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", default="", help="another version's hybridrl/batch.py to time beside this one")
+    parser.add_argument("--baseline", default="", help="another version's hybridrl/training/batch.py to time beside this one")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)

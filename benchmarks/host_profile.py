@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rollout import build_model, timeline_line  # noqa: E402
 
-from hybridrl.rollout import builtin  # noqa: E402
 from hybridrl.rollout.base import SamplingParams  # noqa: E402
+from hybridrl.rollout.engine import backend as builtin  # noqa: E402
 
 PHASES = ("_allocate", "_prefill", "_prefill_chunk", "_warm_up", "_capture", "_sync", "_compact", "release_memory")
 MODULE_FUNCTIONS = ("resolve_weights", "rope_table", "auto_fuses_gate_up", "DecodeState")

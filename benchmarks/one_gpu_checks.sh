@@ -30,7 +30,7 @@ if [ "${WITH_TESTS:-1}" = 1 ]; then
 fi
 
 # LeanAdamW's step resident, half and fully offloaded, with the memory it allocates and reserves; beside another
-# version when benchmarks/_baseline_optim.py exists (e.g. `git show 92d7892:hybridrl/optim.py > ...`, untracked).
+# version when benchmarks/_baseline_optim.py exists (e.g. `git show 92d7892:hybridrl/training/optim.py > ...`, untracked).
 baseline=""; [ -f benchmarks/_baseline_optim.py ] && baseline="--baseline _baseline_optim.py"
 (cd benchmarks && timeout -k 20 90 python3 optimizer_step.py $baseline > "$OUT/optimizer_step.log" 2>&1)
 echo "== optimizer_step: exit $? after $(elapsed)"; tail -7 "$OUT/optimizer_step.log"

@@ -2,8 +2,8 @@
 all offloaded, against the floor (the offloaded moments over PCIe, each direction at the pinned-copy bandwidth
 measured in the same run, the two directions overlapping; the update's HBM traffic at `--bandwidth`).
 
-`--baseline FILE` times another version of `hybridrl/optim.py` (for example the previous commit's, saved with
-`git show HEAD~1:hybridrl/optim.py > /tmp/old_optim.py`) side by side, on the same parameters and gradients.
+`--baseline FILE` times another version of `hybridrl/training/optim.py` (for example the previous commit's, saved with
+`git show HEAD~1:hybridrl/training/optim.py > /tmp/old_optim.py`) side by side, on the same parameters and gradients.
 
     python benchmarks/optimizer_step.py                      # one GPU: the grpo-0.5b shape (Qwen2-0.5B)
     python benchmarks/optimizer_step.py --shape 1.5b --baseline /tmp/old_optim.py
@@ -19,7 +19,6 @@ import os
 import time
 
 import torch
-
 from grpo_step import BANDWIDTH, SHAPES
 
 
@@ -110,7 +109,7 @@ def main() -> None:
     args = parser.parse_args()
     device = "cpu" if args.quick else "cuda"
     shape = "tiny" if args.quick else args.shape
-    from hybridrl.optim import LeanAdamW
+    from hybridrl.training.optim import LeanAdamW
 
     versions = {"this": LeanAdamW} | ({"baseline": load_optim(args.baseline)} if args.baseline else {})
     params = parameters(shape, device)

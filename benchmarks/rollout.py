@@ -49,7 +49,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.builtin import BuiltinBackend, triton_available
+from hybridrl.rollout.engine.backend import BuiltinBackend, triton_available
 
 
 def parse_args() -> argparse.Namespace:

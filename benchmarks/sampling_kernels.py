@@ -1,5 +1,5 @@
 """The decode step's sampler on the grpo-0.5b shape (512 rows x 151936 vocabulary, bf16 logits, temperature 1): the
-compiled PyTorch `sample_and_record` against the two Triton kernels (`hybridrl/rollout/sampling_kernels.py`) with
+compiled PyTorch `sample_and_record` against the two Triton kernels (`hybridrl/rollout/kernels/sampling_kernels.py`) with
 several launch configurations of the stats kernel, each in a CUDA graph over 8 distinct logits tensors (so the
 logits come from HBM, as after the LM head's 155 MB write). Checks that the kernels draw the same tokens first.
 
@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_timing import graph_time_us  # noqa: E402
 
-from hybridrl.rollout.decode_state import DecodeState, compiled_sample_and_record  # noqa: E402
-from hybridrl.rollout.sampling import SamplerSettings  # noqa: E402
-from hybridrl.rollout.sampling_kernels import triton_sample_and_record  # noqa: E402
+from hybridrl.rollout.engine.decode_state import DecodeState, compiled_sample_and_record  # noqa: E402
+from hybridrl.rollout.engine.sampling import SamplerSettings  # noqa: E402
+from hybridrl.rollout.kernels.sampling_kernels import triton_sample_and_record  # noqa: E402
 
 ROWS, VOCAB, RESPONSE, COPIES = 512, 151936, 256, 8
 

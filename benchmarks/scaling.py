@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 2 benchmarks/scaling.py --shape grpo-0.5b   # one configuration
     python benchmarks/scaling.py --compare --tiny --device cpu    # smoke test on a CPU (numbers meaningless)
 
-One step, as the trainer runs it with `hybridrl.distributed`: (1) gather the sharded weights
+One step, as the trainer runs it with `hybridrl.parallel.distributed`: (1) gather the sharded weights
 (`gather_for_rollout`), each rank samples n=8 responses for its share of the 64 prompts with the
 built-in engine (prompt 256, response 256 forced, temperature 1), generations are all-gathered; (2)
 old log-probs on a token-balanced half of the rows per rank, all-gathered; (3) GRPO advantages from
@@ -110,20 +110,21 @@ def sync(device: torch.device) -> None:
 
 
 def grpo_step(model, optimizer, prompts, args, setup, timings: dict[str, float]) -> None:
-    from hybridrl import algorithms, distributed
-    from hybridrl.batch import build_rollout_batch
-    from hybridrl.logprobs import response_logprobs
+    from hybridrl import algorithms
+    from hybridrl.parallel import fsdp, sharding
     from hybridrl.rollout.base import SamplingParams
-    from hybridrl.rollout.builtin import BuiltinBackend
+    from hybridrl.rollout.engine.backend import BuiltinBackend
+    from hybridrl.training.batch import build_rollout_batch
+    from hybridrl.training.logprobs import response_logprobs
 
     device = setup.device
     params = SamplingParams(max_new_tokens=args.response_len, temperature=1.0, n=args.n, ignore_eos=True, seed=1)
     start = time.perf_counter()
     model.eval()
-    with torch.no_grad(), distributed.gather_for_rollout(model) as weights:
+    with torch.no_grad(), fsdp.gather_for_rollout(model) as weights:
         engine = BuiltinBackend(model, tokenizer=_IdTokenizer(), kv_cache_memory=args.kv_cache_memory,
                                 attention=args.attention)
-        generations = distributed.generate_sharded(engine, prompts, params, setup)
+        generations = sharding.generate_sharded(engine, prompts, params, setup)
         engine.release_memory()
     model.train()
     batch = build_rollout_batch(prompts, generations, 0, args.response_len).to(device)
@@ -133,13 +134,13 @@ def grpo_step(model, optimizer, prompts, args, setup, timings: dict[str, float])
 
     start = time.perf_counter()
     num_tokens = batch.attention_mask.sum(1)
-    rows = distributed.shard_rows(torch.arange(len(batch), device=device), num_tokens, setup)
+    rows = sharding.shard_rows(torch.arange(len(batch), device=device), num_tokens, setup)
     gather_once = not args.reshard_every_micro_batch
     if not args.reuse_logprobs:
-        with torch.no_grad(), distributed.gathered_for_micro_batches(model, gather_once):
+        with torch.no_grad(), fsdp.gathered_for_micro_batches(model, gather_once):
             old = [response_logprobs(model, *_inputs(batch, part), batch.response_length)[0]
                    for part in rows.split(args.micro_batch)]
-        batch.old_logp = distributed.gather_rows(torch.cat(old), rows, len(batch), setup)
+        batch.old_logp = sharding.gather_rows(torch.cat(old), rows, len(batch), setup)
     sync(device)
     timings["logprobs_s"] = time.perf_counter() - start
 
@@ -149,9 +150,9 @@ def grpo_step(model, optimizer, prompts, args, setup, timings: dict[str, float])
     norm = {"num_tokens": batch.response_mask.sum().item(), "num_sequences": len(batch),
             "max_length": batch.response_length}
     parts = rows.split(args.micro_batch)
-    with distributed.gathered_for_micro_batches(model, gather_once):
+    with fsdp.gathered_for_micro_batches(model, gather_once):
         for index, part in enumerate(parts):
-            distributed.sync_gradients(model, index == len(parts) - 1, gather_once)
+            fsdp.sync_gradients(model, index == len(parts) - 1, gather_once)
             logp, _ = response_logprobs(model, *_inputs(batch, part), batch.response_length)
             old_logp = logp.detach() if args.reuse_logprobs else batch.old_logp[part]
             loss, _ = algorithms.policy_loss(logp, old_logp, batch.advantages[part],
@@ -184,22 +185,22 @@ def floor(model_params: int, kv_bytes_per_token: int, args, num_gpus: int) -> fl
 
 
 def run_one(args) -> dict | None:
-    from hybridrl import distributed
+    from hybridrl.parallel import fsdp, process_group
 
-    setup = distributed.init_from_env(args.device, hang_timeout_s=None, shard_size=args.shard_size)
+    setup = process_group.init_from_env(args.device, hang_timeout_s=None, shard_size=args.shard_size)
     model = build_model(args.shape, setup.device)
     num_params = sum(p.numel() for p in model.parameters())
     config = model.config
     kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 2
     if not args.no_grad_ckpt:
         model.gradient_checkpointing_enable()
-    distributed.parallelize(model, setup)
+    fsdp.parallelize(model, setup)
     if args.compile:  # model.compile in the trainer
-        from hybridrl.models import compile_layers
+        from hybridrl.models.loading import compile_layers
 
         compile_layers(model)
     if args.lean_adamw:  # what the trainer builds for bf16 weights: float32 moments, no float32 weight copy
-        from hybridrl.optim import build_optimizer
+        from hybridrl.training.optim import build_optimizer
 
         optimizer = build_optimizer(model.parameters(), lr=1e-6)
     else:
@@ -219,8 +220,8 @@ def run_one(args) -> dict | None:
             steps.append(timings)
     mean = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}
     peak = torch.cuda.max_memory_allocated(setup.device) / 2**30 if setup.device.type == "cuda" else 0.0
-    slowest = distributed.reduce_metrics({**mean, "peak_gib": peak}, setup)  # mean over ranks
-    peak_max = distributed.all_reduce(torch.tensor([peak], device=setup.device), setup, op="max").item()
+    slowest = process_group.reduce_metrics({**mean, "peak_gib": peak}, setup)  # mean over ranks
+    peak_max = process_group.all_reduce(torch.tensor([peak], device=setup.device), setup, op="max").item()
     variant = ("/reshard" if args.reshard_every_micro_batch else "") + (f"/shard{args.shard_size}" if args.shard_size else "") \
         + ("/reuse" if args.reuse_logprobs else "") + ("/lean" if args.lean_adamw else "") \
         + ("/compile" if args.compile else "")
@@ -229,7 +230,7 @@ def run_one(args) -> dict | None:
               "params": num_params, "generated_tokens": args.prompts * args.n * args.response_len,
               "floor_s": floor(num_params, kv_bytes, args, setup.world_size), "torch": torch.__version__,
               "device": torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else "cpu"}
-    distributed.shutdown(setup)
+    process_group.shutdown(setup)
     if setup.is_main:
         if args.out:
             with open(args.out, "w") as file:

@@ -8,7 +8,7 @@ import sys
 
 from transformers import AutoModelForSequenceClassification, Qwen2Config
 
-from hybridrl.models import build_tiny_model
+from hybridrl.models.loading import build_tiny_model
 
 if len(sys.argv) != 2:
     sys.exit("usage: python3 benchmarks/tiny_reward_model.py DIR")

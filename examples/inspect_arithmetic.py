@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from hybridrl.models import load_hf_model
+from hybridrl.models.loading import load_hf_model
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.hf import HFBackend
 

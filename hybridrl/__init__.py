@@ -8,12 +8,12 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "RLTrainer": "hybridrl.trainer",
-    "PromptDataset": "hybridrl.data",
-    "SFTDataset": "hybridrl.data",
-    "load_hf_model": "hybridrl.models",
-    "load_config": "hybridrl.config",
-    "Config": "hybridrl.config",
+    "RLTrainer": "hybridrl.training.trainer",
+    "PromptDataset": "hybridrl.data.datasets",
+    "SFTDataset": "hybridrl.data.datasets",
+    "load_hf_model": "hybridrl.models.loading",
+    "load_config": "hybridrl.config.schema",
+    "Config": "hybridrl.config.schema",
     "RewardComposer": "hybridrl.rewards",
 }
 

@@ -12,14 +12,14 @@ import sys
 import time
 from pathlib import Path
 
-from hybridrl.checkpoint import CheckpointError
-from hybridrl.config import ConfigError, MissingExtra, load_config
-from hybridrl.data import DataError
-from hybridrl.models import ModelError
+from hybridrl.checkpoint.store import CheckpointError
+from hybridrl.config.loading import load_config
+from hybridrl.config.schema import ConfigError, MissingExtra
+from hybridrl.data.datasets import DataError
+from hybridrl.models.loading import ModelError
+from hybridrl.parallel.launch import LaunchError
 from hybridrl.rewards import RewardError, RewardSpecError
-from hybridrl.update import TrainingError
-
-from hybridrl.launch import LaunchError
+from hybridrl.training.update import TrainingError
 
 USER_ERRORS = (LaunchError, ConfigError, MissingExtra, DataError, ModelError, RewardError, RewardSpecError, TrainingError, CheckpointError)
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -27,13 +27,13 @@ DEMO_PERIOD_RATE = 0.5  # see tasks.py: half the SFT answers end with a period t
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from hybridrl.trainer import RLTrainer
-
-    from hybridrl import launch
+    from hybridrl.parallel import launch
+    from hybridrl.training.trainer import RLTrainer
 
     config = load_config(args.config, args.overrides)
     t = config.trainer
-    code = launch.maybe_relaunch(["train", args.config, *args.overrides], t.num_gpus, t.launcher, t.hang_timeout_s)
+    code = launch.maybe_relaunch(["train", args.config, *args.overrides], t.num_gpus, t.launcher, t.hang_timeout_s,
+                                 entry=main)
     if code is None:
         RLTrainer(config).train()
     elif code:
@@ -42,7 +42,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
-    from hybridrl.sft import run_sft
+    from hybridrl.training.sft import run_sft
 
     path = run_sft(load_config(args.config, args.overrides))
     print(f"saved SFT model to {path}")
@@ -55,7 +55,7 @@ def cmd_config_show(args: argparse.Namespace) -> None:
         path, overrides = None, [path, *overrides]
     config = load_config(path, overrides)
     if args.explain:
-        from hybridrl.config_docs import explained_yaml
+        from hybridrl.config.explain import explained_yaml
 
         print(explained_yaml(config), end="")
     else:
@@ -63,7 +63,7 @@ def cmd_config_show(args: argparse.Namespace) -> None:
 
 
 def cmd_make_data(args: argparse.Namespace) -> None:
-    from hybridrl.tasks import write_arithmetic_task
+    from hybridrl.data.tasks import write_arithmetic_task
 
     paths = write_arithmetic_task(args.out_dir, num_train=args.num_train, num_eval=args.num_eval, seed=args.seed,
                                   period_rate=args.period_rate)
@@ -72,9 +72,9 @@ def cmd_make_data(args: argparse.Namespace) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> None:
     """SFT a tiny model on arithmetic, then RL it; prints held-out accuracy before and after."""
-    from hybridrl.sft import run_sft
-    from hybridrl.tasks import write_arithmetic_task
-    from hybridrl.trainer import RLTrainer
+    from hybridrl.data.tasks import write_arithmetic_task
+    from hybridrl.training.sft import run_sft
+    from hybridrl.training.trainer import RLTrainer
 
     if not (EXAMPLES / "arithmetic_sft.yaml").is_file():
         raise ConfigError(f"the demo configs are not at {EXAMPLES}; run `hybridrl demo` from a source checkout.")
@@ -101,14 +101,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from hybridrl.export import export_checkpoint
+    from hybridrl.checkpoint.export import export_checkpoint
 
     path = export_checkpoint(args.checkpoint, args.out_dir, merge_lora=not args.adapter)
     print(f"wrote a Hugging Face model to {path} (load it with AutoModelForCausalLM.from_pretrained)")
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
-    from hybridrl.plot import plot_run
+    from hybridrl.metrics.plot import plot_run
 
     print(f"wrote {plot_run(args.run_dir, args.out)}")
 

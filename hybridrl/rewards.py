@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hybridrl.config import RewardConfig
+from hybridrl.config.schema import RewardConfig
 
 RewardFunction = Callable[..., Sequence[float]]
 

@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from hybridrl.models import build_tiny_model
+from hybridrl.models.loading import build_tiny_model
 
 torch.set_num_threads(2)
 

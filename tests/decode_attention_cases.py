@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from hybridrl.rollout.decode_attention import reference_decode_attention, rotate_projections, triton_decode_attention
+from hybridrl.rollout.kernels.decode_attention import (
+    reference_decode_attention,
+    rotate_projections,
+    triton_decode_attention,
+)
 
 # (batch, kv_heads, group, head_dim, entries, prompt_max, response_max): group 7 is Qwen2-0.5B's;
 # lengths above the key block (64 keys for 16-bit dtypes, 32 for float32) run several loop
@@ -127,10 +131,11 @@ def check_engine_with_kernel(attention: str = "triton", **engine_options) -> Non
     tokens equal to the sdpa engine's, log-probs within 1e-5, with continuous batching (5 slots)."""
     import sys
 
-    from hybridrl.rollout import builtin
-    from hybridrl.rollout.base import SamplingParams
-    from hybridrl.rollout.stacked_attention import stacked_decode_attention
     from test_builtin_engine import PROMPTS, make_model
+
+    from hybridrl.rollout.base import SamplingParams
+    from hybridrl.rollout.engine import backend as builtin
+    from hybridrl.rollout.kernels.stacked_attention import stacked_decode_attention
 
     torch.set_num_threads(1)
     engine_options.setdefault("fuse_qkv", False)  # without: RoPE in a compiled step piece, the kernel plain
@@ -200,7 +205,7 @@ def make_stacked_case(seed: int, batch: int, kv_heads: int, group: int, head_dim
     batch (a random permutation, so not adjacent), one prompt_len per entry (1 for the first non-empty
     entry, the maximum for the last), response lengths 1 and the maximum among them, and idle slots
     (prompt_len 0, response_len 1, in no entry's row)."""
-    from hybridrl.rollout.stacked_attention import entry_slot_table
+    from hybridrl.rollout.kernels.stacked_attention import entry_slot_table
 
     case = make_case(seed, batch, kv_heads, group, head_dim, len(counts), prompt_max, response_max, dtype, device)
     generator = torch.Generator().manual_seed(seed + 100)
@@ -232,7 +237,7 @@ def without_table(case: dict) -> dict:
 def check_stacked_kernel_cases() -> None:
     """Run with TRITON_INTERPRET=1: the two stacked kernels equal the one-slot reference (float32 and float16;
     bf16 cannot run in the interpreter, see `check_kernel_cases`), and the PyTorch two-phase reference too."""
-    from hybridrl.rollout.stacked_attention import stacked_decode_attention, stacked_reference_attention
+    from hybridrl.rollout.kernels.stacked_attention import stacked_decode_attention, stacked_reference_attention
 
     worst = 0.0
     for seed, shape in enumerate(STACKED_CASES):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridrl import fused_head
+from hybridrl.training import fused_head
 
 # (rows, vocab, dtype, scale): vocab below one block, one block and a ragged tail, several blocks.
 CASES = [(3, 50, torch.float32, 1.0), (5, 2048 + 7, torch.float32, 1 / 0.7), (4, 3 * 2048, torch.bfloat16, 1.0),

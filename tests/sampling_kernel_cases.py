@@ -1,13 +1,13 @@
-"""Cases for the sampling kernels (`hybridrl/rollout/sampling_kernels.py`), run by test_sampling_kernels.py inside
+"""Cases for the sampling kernels (`hybridrl/rollout/kernels/sampling_kernels.py`), run by test_sampling_kernels.py inside
 Triton's interpreter (a subprocess with TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
 import torch
 
-from hybridrl.rollout.decode_state import sample_and_record
-from hybridrl.rollout.sampling import SamplerSettings
-from hybridrl.rollout.sampling_kernels import sampling_kernel_applies, triton_sample_and_record
+from hybridrl.rollout.engine.decode_state import sample_and_record
+from hybridrl.rollout.engine.sampling import SamplerSettings
+from hybridrl.rollout.kernels.sampling_kernels import sampling_kernel_applies, triton_sample_and_record
 
 # (rows, vocab, dtype, temperature): blocks of 8 (vocab 128), of 25 padded to 32 (vocab 1000), and the grpo-0.5b
 # vocabulary (blocks of 128, 1187 of them) in bf16.

@@ -23,7 +23,7 @@ from hybridrl.algorithms import (
     rloo_advantages,
     value_loss,
 )
-from hybridrl.config import AlgorithmConfig
+from hybridrl.config.schema import AlgorithmConfig
 
 F64 = torch.float64
 
@@ -338,7 +338,8 @@ def test_sequence_level_ratio_is_gspo():
 
 
 def test_rollout_correction_cap_below_one_is_refused():
-    from hybridrl.config import ConfigError, load_config
+    from hybridrl.config.loading import load_config
+    from hybridrl.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match="algorithm.rollout_correction_cap must be >= 1"):
         load_config(None, ["algorithm.rollout_correction_cap=0.5"])

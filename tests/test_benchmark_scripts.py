@@ -25,7 +25,7 @@ def run_script(args: list[str], out_dir: Path, timeout: int = 300) -> str:
 
 def test_optimizer_step_quick_times_each_offload_share_and_the_baseline(tmp_path):
     baseline = tmp_path / "baseline_optim.py"
-    baseline.write_text((ROOT / "hybridrl/optim.py").read_text())
+    baseline.write_text((ROOT / "hybridrl/training/optim.py").read_text())
     run_script(["benchmarks/optimizer_step.py", "--quick", "--steps", "1", "--baseline", str(baseline)], tmp_path)
     rows = json.loads((tmp_path / "optimizer_step.json").read_text())["rows"]
     assert [(r["offload"], r["version"]) for r in rows] == [(share, version) for share in (1.0, 0.5, 0.0)
@@ -35,7 +35,7 @@ def test_optimizer_step_quick_times_each_offload_share_and_the_baseline(tmp_path
 
 def test_host_batch_times_this_batch_builder_beside_a_baseline_and_the_decoding(tmp_path):
     baseline = tmp_path / "baseline_batch.py"
-    baseline.write_text((ROOT / "hybridrl/batch.py").read_text())
+    baseline.write_text((ROOT / "hybridrl/training/batch.py").read_text())
     out = run_script(["benchmarks/host_batch.py", "--baseline", str(baseline), "--repeats", "1"], tmp_path)
     for row in ("harvest into lists (before)", "harvest as numpy rows (now)", "build_rollout_batch (this, lists)",
                 "build_rollout_batch (this, numpy)", "build_rollout_batch (baseline)", "decode_responses (512, lists)",
@@ -247,9 +247,8 @@ def check_attention_configs_script() -> None:
     (the engine's call: raw q and K/V, RoPE, bias, cache write) passes for the default and another launch and fails
     for a kernel that zeroes the new key and value, and the engine's stand-in keeps the flags the engine reads."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import torch
-
     import attention_configs
+    import torch
     from decode_attention_cases import make_case, rope_inputs, with_new_kv
 
     case, new_kv = with_new_kv(make_case(0, 6, 2, 7, 64, 3, 40, 30, dtype=torch.float16))

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from hybridrl.rollout import builtin
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.builtin import BuiltinBackend
+from hybridrl.rollout.engine import backend as builtin
+from hybridrl.rollout.engine.backend import BuiltinBackend
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, bos_token_id=None,
@@ -263,7 +263,7 @@ def test_compaction_after_early_stops_keeps_greedy_outputs(monkeypatch, attentio
     """Slots 0-5 stop within a few tokens while 6 and 7 run on, so the scheduler moves those two into a smaller
     batch bucket (their KV and per-slot state copied to new slots); every output still equals HF's greedy
     tokens cut at the first stop token. Counts the compactions, so the test cannot pass without one."""
-    from hybridrl.rollout import scheduler as scheduling
+    from hybridrl.rollout.engine import scheduler as scheduling
 
     model = make_model("qwen2")
     prompts = [[i + 1, (3 * i) % 50 + 2, (7 * i) % 40 + 3][: 1 + i % 3] for i in range(8)]
@@ -287,7 +287,7 @@ def test_compaction_after_early_stops_keeps_greedy_outputs(monkeypatch, attentio
 def test_compaction_keeps_each_sequences_random_draws(monkeypatch):
     """Sampled: a sequence's uniforms are drawn at admission, one per response position, and move with it when a
     compaction copies its slot, so its tokens are those of a run with no compaction at all (same seed)."""
-    from hybridrl.rollout import scheduler as scheduling
+    from hybridrl.rollout.engine import scheduler as scheduling
 
     model = make_model("qwen2")
     prompts = [[i + 1, (3 * i) % 50 + 2][: 1 + i % 2] for i in range(8)]
@@ -469,9 +469,9 @@ def test_quantized_projection_weights_are_refused():
 def test_empty_cache_option_decides_whether_cached_memory_goes_back(monkeypatch, empty_cache):
     """`rollout.empty_cuda_cache`: the engine's release and both phase switches call `torch.cuda.empty_cache`
     only when it is on (CUDA faked: the calls are what is checked, not memory)."""
-    from hybridrl.components import build_rollout
-    from hybridrl.config import load_config
-    from hybridrl.hybrid import rollout_phase
+    from hybridrl.config.loading import load_config
+    from hybridrl.training.components import build_rollout
+    from hybridrl.training.phase_switch import rollout_phase
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from hybridrl.rollout import builtin
-from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.builtin import BuiltinBackend
 from test_builtin_engine import PROMPTS, make_lora_model, make_model
+
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine import backend as builtin
+from hybridrl.rollout.engine.backend import BuiltinBackend
 
 
 @pytest.mark.gpu
@@ -131,7 +131,12 @@ def test_prefill_capture_and_slot_bookkeeping_never_wait_for_the_gpu(monkeypatch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_prefill_layer_matches_eager_for_any_prompt_shape():
     """One compilation serves every (prompts, length) of a prefill chunk, and equals the eager layer."""
-    from hybridrl.rollout.llama_forward import compiled_decode_functions, prefill_layer, resolve_weights, rope_table
+    from hybridrl.rollout.engine.llama_forward import (
+        compiled_decode_functions,
+        prefill_layer,
+        resolve_weights,
+        rope_table,
+    )
 
     model = make_model("qwen2").cuda()
     weights = resolve_weights(model, fuse_qkv=True)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import contains_seven, tiny_actor, toy_prompts
-from hybridrl.checkpoint import CheckpointError, find_checkpoint, resolve_resume
-from hybridrl.data import PromptDataset
-from hybridrl.trainer import RLTrainer
+
+from hybridrl.checkpoint.store import CheckpointError, find_checkpoint, resolve_resume
+from hybridrl.data.datasets import PromptDataset
+from hybridrl.training.trainer import RLTrainer
 
 TESTS = Path(__file__).resolve().parent
 TOTAL, KILL_AFTER = 5, 3
@@ -33,8 +33,8 @@ CHILD = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import torch
     from conftest import contains_seven, tiny_actor, toy_prompts
-    from hybridrl.data import PromptDataset
-    from hybridrl.trainer import RLTrainer
+    from hybridrl.data.datasets import PromptDataset
+    from hybridrl.training.trainer import RLTrainer
     calls = []
     def reward(prompts, completions, **columns):
         calls.append(1)

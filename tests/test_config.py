@@ -1,7 +1,8 @@
 import pytest
 
 from hybridrl.cli import main
-from hybridrl.config import Config, ConfigError, load_config, parse_override
+from hybridrl.config.loading import load_config, parse_override
+from hybridrl.config.schema import Config, ConfigError
 
 
 def test_defaults_and_overrides_and_kwargs(tmp_path):
@@ -81,7 +82,7 @@ def test_cli_config_show_and_error_exit(tmp_path, capsys):
 def test_config_show_explain_documents_every_key_and_loads_back(tmp_path, capsys):
     import dataclasses
 
-    from hybridrl.config_docs import field_docs
+    from hybridrl.config.explain import field_docs
 
     docs, config = field_docs(), Config()
     undocumented = [f"{s.name}.{f.name}" for s in dataclasses.fields(config)
@@ -108,8 +109,8 @@ def test_example_configs_load_and_validate(name):
 
 
 def test_stacked_attention_that_cannot_fit_is_refused_before_any_rollout():
-    from hybridrl.components import check_stacked_attention
-    from hybridrl.models import build_tiny_model
+    from hybridrl.models.loading import build_tiny_model
+    from hybridrl.training.components import check_stacked_attention
 
     actor = build_tiny_model("llama").model  # 4 query heads per 2 KV heads: group 2
     check_stacked_attention(load_config(None, rollout__attention="triton-stacked", rollout__num_samples_per_prompt=64), actor)

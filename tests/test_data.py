@@ -1,4 +1,4 @@
-"""Reading, formatting, filtering, sampling and SFT labelling of `hybridrl.data`, on a character tokenizer."""
+"""Reading, formatting, filtering, sampling and SFT labelling of `hybridrl.data.datasets`, on a character tokenizer."""
 
 import json
 import logging
@@ -11,9 +11,16 @@ from tokenizers import Regex, Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from hybridrl.config import DataConfig
-from hybridrl.data import (
-    IGNORE_INDEX, DataError, PromptDataset, PromptSampler, SFTDataset, collate, collate_sft, read_records,
+from hybridrl.config.schema import DataConfig
+from hybridrl.data.datasets import (
+    IGNORE_INDEX,
+    DataError,
+    PromptDataset,
+    PromptSampler,
+    SFTDataset,
+    collate,
+    collate_sft,
+    read_records,
 )
 
 ROWS = [
@@ -194,7 +201,7 @@ def test_chat_template_wraps_prompt_as_user_turn():
 
 
 def test_over_long_prompts_are_dropped_and_counted(caplog):
-    with caplog.at_level(logging.WARNING, logger="hybridrl.data"):
+    with caplog.at_level(logging.WARNING, logger="hybridrl.data.datasets"):
         dataset = PromptDataset(ROWS, make_tokenizer(), max_length=4)
     assert dataset.num_filtered == 1
     assert [item["raw_prompt"] for item in dataset] == ["1+1=", "2+3="]

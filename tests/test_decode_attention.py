@@ -12,18 +12,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridrl.rollout import builtin as builtin_module
-from hybridrl.rollout import decode_attention
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.builtin import BuiltinBackend
-from hybridrl.rollout.kv_cache import CacheGeometry, PrefixSharedKVCache, SlotKVCache, max_slots
-from hybridrl.rollout.scheduler import PromptEntries
-from hybridrl.rollout.decode_attention import reference_decode_attention, rotate_projections, triton_decode_attention
+from hybridrl.rollout.engine import backend as builtin_module
+from hybridrl.rollout.engine.backend import BuiltinBackend
+from hybridrl.rollout.engine.kv_cache import CacheGeometry, PrefixSharedKVCache, SlotKVCache, max_slots
+from hybridrl.rollout.engine.scheduler import PromptEntries
+from hybridrl.rollout.kernels import decode_attention
+from hybridrl.rollout.kernels.decode_attention import (
+    reference_decode_attention,
+    rotate_projections,
+    triton_decode_attention,
+)
 
 sys.path.insert(0, os.path.dirname(__file__))
 import decode_attention_cases as cases  # noqa: E402
-from decode_attention_cases import (  # noqa: E402
-    CASES, TOLERANCE, check_fused_write, check_rope, make_case, rope_inputs)
+from decode_attention_cases import CASES, TOLERANCE, check_fused_write, check_rope, make_case, rope_inputs  # noqa: E402
 from test_builtin_engine import PROMPTS, hf_greedy, hf_logprobs, make_model  # noqa: E402
 
 HAS_TRITON = decode_attention.triton is not None
@@ -286,8 +289,9 @@ def test_prefix_shared_continuous_batching_reuses_entries_and_compacts(family, a
 
 
 def test_attention_option_is_validated_and_plumbed_from_the_config():
-    from hybridrl.components import build_rollout
-    from hybridrl.config import ConfigError, load_config
+    from hybridrl.config.loading import load_config
+    from hybridrl.config.schema import ConfigError
+    from hybridrl.training.components import build_rollout
 
     with pytest.raises(ValueError, match="attention must be one of"):
         BuiltinBackend(make_model("qwen2"), attention="flash")

@@ -15,17 +15,19 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from conftest import tiny_actor
-from hybridrl import algorithms, distributed
-from hybridrl.batch import decode_responses
-from hybridrl.distributed import DistributedSetup
-from hybridrl.logprobs import response_logprobs
-from hybridrl.optim import LeanAdamW
+
+from hybridrl import algorithms
+from hybridrl.models.loading import decoder_layers
+from hybridrl.parallel import fsdp, process_group, sharding
+from hybridrl.parallel.process_group import DistributedSetup
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.builtin import BuiltinBackend
+from hybridrl.rollout.engine.backend import BuiltinBackend
 from hybridrl.rollout.hf import HFBackend
-from hybridrl.update import mini_batches
+from hybridrl.training.batch import decode_responses
+from hybridrl.training.logprobs import response_logprobs
+from hybridrl.training.optim import LeanAdamW
+from hybridrl.training.update import mini_batches
 
 PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [19, 20, 21]]
 GREEDY = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
@@ -61,10 +63,10 @@ def train(model: torch.nn.Module, batch: dict, setup: DistributedSetup, steps_mi
         norm = {"num_tokens": batch["response_mask"][mini].sum().item(), "num_sequences": len(mini),
                 "max_length": batch["response_mask"].shape[1]}
         total = 0.0
-        local = distributed.shard_micro_batches(micros, num_tokens, setup)
-        with distributed.gathered_for_micro_batches(model):
+        local = sharding.shard_micro_batches(micros, num_tokens, setup)
+        with fsdp.gathered_for_micro_batches(model):
             for index, rows in enumerate(local):
-                distributed.sync_gradients(model, index == len(local) - 1)
+                fsdp.sync_gradients(model, index == len(local) - 1)
                 part = {key: value[rows] for key, value in batch.items()}
                 logp, _ = response_logprobs(model, part["input_ids"], part["attention_mask"], part["position_ids"],
                                             part["response_mask"].shape[1])
@@ -75,7 +77,7 @@ def train(model: torch.nn.Module, batch: dict, setup: DistributedSetup, steps_mi
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(distributed.reduce_metrics({"loss": total}, setup, sum_keys=["loss"])["loss"])
+        losses.append(process_group.reduce_metrics({"loss": total}, setup, sum_keys=["loss"])["loss"])
     return losses
 
 
@@ -87,11 +89,11 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def rollouts(model, tokenizer, setup: DistributedSetup) -> list[list[list[int]]]:
     results = []
     for backend in (HFBackend(model, tokenizer), BuiltinBackend(model, tokenizer=tokenizer, kv_cache_memory=0.01)):
-        with distributed.gather_for_rollout(model):
+        with fsdp.gather_for_rollout(model):
             # ranks decode different lengths: forwards inside the block must not need the other rank
-            distributed.generate_sharded(backend, PROMPTS[:1], SamplingParams(max_new_tokens=2 + 5 * setup.rank,
+            sharding.generate_sharded(backend, PROMPTS[:1], SamplingParams(max_new_tokens=2 + 5 * setup.rank,
                                          temperature=0.0, ignore_eos=True), setup)
-            generations = distributed.generate_sharded(backend, PROMPTS, GREEDY, setup,
+            generations = sharding.generate_sharded(backend, PROMPTS, GREEDY, setup,
                                                        decode=lambda share: decode_responses(tokenizer, share))
         backend.release_memory()
         # Each rank decoded only its share; the gathered texts must still be every response's own.
@@ -104,22 +106,22 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    setup = distributed.init_from_env("cpu", timeout_s=60, hang_timeout_s=60)
+    setup = process_group.init_from_env("cpu", timeout_s=60, hang_timeout_s=60)
     model, tokenizer = tiny_actor()
-    distributed.parallelize(model, setup)
+    fsdp.parallelize(model, setup)
     generated = rollouts(model, tokenizer, setup)
     sharded_after = all(type(p).__name__ == "DTensor" for p in model.parameters())
     losses = train(model, make_batch(), setup)
-    rows = distributed.shard_rows(torch.arange(8), make_batch()["attention_mask"].sum(1), setup)
-    gathered = distributed.gather_rows(rows.float()[:, None] * 10, rows, 8, setup)
-    metrics = distributed.reduce_metrics({"a": float(rank), "b": 1.0}, setup, sum_keys=["b"])
-    micros = distributed.match_micro_batch_count([torch.arange(4)] if rank == 0 else [torch.arange(2), torch.arange(2, 4)], setup)
-    state = distributed.full_state_dict(model, setup)
+    rows = sharding.shard_rows(torch.arange(8), make_batch()["attention_mask"].sum(1), setup)
+    gathered = sharding.gather_rows(rows.float()[:, None] * 10, rows, 8, setup)
+    metrics = process_group.reduce_metrics({"a": float(rank), "b": 1.0}, setup, sum_keys=["b"])
+    micros = sharding.match_micro_batch_count([torch.arange(4)] if rank == 0 else [torch.arange(2), torch.arange(2, 4)], setup)
+    state = fsdp.full_state_dict(model, setup)
     torch.save({"generated": generated, "sharded_after": sharded_after, "losses": losses,
                 "params": full_parameters(model), "rows": rows, "gathered": gathered, "metrics": metrics,
                 "micro_sizes": [len(m) for m in micros], "state": state},
                os.path.join(out_dir, f"rank{rank}.pt"))
-    distributed.shutdown(setup)
+    process_group.shutdown(setup)
 
 
 def _rank_main_replicated(rank: int, port: int, out_dir: str) -> None:
@@ -128,19 +130,19 @@ def _rank_main_replicated(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    setup = distributed.init_from_env("cpu", timeout_s=60, hang_timeout_s=None, shard_size=1)
+    setup = process_group.init_from_env("cpu", timeout_s=60, hang_timeout_s=None, shard_size=1)
     model, _ = tiny_actor()
-    distributed.parallelize(model, setup)
+    fsdp.parallelize(model, setup)
     local_numel = sum(p.to_local().numel() for p in model.parameters())
     losses = train(model, make_batch(), setup)
     bf16, _ = tiny_actor()  # bf16 with LeanAdamW's stochastic rounding: the replicas must round alike
-    distributed.parallelize(bf16.to(torch.bfloat16), setup)
+    fsdp.parallelize(bf16.to(torch.bfloat16), setup)
     torch.manual_seed(rank)  # ranks' global RNGs differ in real runs; the rounding must not depend on them
     train(bf16, make_batch(), setup, optimizer_class=LeanAdamW)
     torch.save({"losses": losses, "params": full_parameters(model), "local_numel": local_numel,
                 "mesh": tuple(setup.mesh.shape), "bf16": {n: p.to_local() for n, p in bf16.named_parameters()}},
                os.path.join(out_dir, f"replicated{rank}.pt"))
-    distributed.shutdown(setup)
+    process_group.shutdown(setup)
 
 
 def test_replicated_two_ranks_match_one_process(tmp_path):
@@ -197,7 +199,7 @@ def test_fsdp_two_ranks_match_one_process(tmp_path):
 
 def lora_actor():
     """The tiny actor with rank-4 LoRA on every linear layer and non-zero B, so the adapter changes outputs."""
-    from hybridrl.lora import apply_lora
+    from hybridrl.models.lora import apply_lora
 
     model, tokenizer = tiny_actor()
     torch.manual_seed(0)  # lora_A's init draws from the global RNG, which a forked rank inherits mid-stream
@@ -211,7 +213,7 @@ def lora_actor():
 
 
 def lora_reference_logprobs(model) -> torch.Tensor:
-    from hybridrl.lora import AdapterDisabled
+    from hybridrl.models.lora import AdapterDisabled
 
     batch = make_batch()
     with torch.no_grad():
@@ -220,24 +222,24 @@ def lora_reference_logprobs(model) -> torch.Tensor:
 
 
 def _rank_main_lora(rank: int, port: int, out_dir: str) -> None:
-    from hybridrl.lora import AdapterDisabled
+    from hybridrl.models.lora import AdapterDisabled
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    setup = distributed.init_from_env("cpu", timeout_s=60, hang_timeout_s=None)
+    setup = process_group.init_from_env("cpu", timeout_s=60, hang_timeout_s=None)
     model, tokenizer = lora_actor()
-    distributed.parallelize(model, setup)
+    fsdp.parallelize(model, setup)
     generated = rollouts(model, tokenizer, setup)
     # As the trainer does it: AdapterDisabled holds no FSDP module, so nothing is gathered for the block and
     # each forward gathers its layers. (Inside a gathered block of the peft model, peft's requires_grad
     # toggling would land on the unsharded parameters and leave the sharded adapters frozen.)
-    with distributed.gathered_for_micro_batches(AdapterDisabled(model)):
+    with fsdp.gathered_for_micro_batches(AdapterDisabled(model)):
         reference = lora_reference_logprobs(model)
     losses = train(model, make_batch(), setup)
     torch.save({"generated": generated, "reference": reference, "losses": losses, "params": full_parameters(model)},
                os.path.join(out_dir, f"lora{rank}.pt"))
-    distributed.shutdown(setup)
+    process_group.shutdown(setup)
 
 
 def test_lora_fsdp_two_ranks_match_one_process(tmp_path):
@@ -266,50 +268,50 @@ def test_lora_fsdp_two_ranks_match_one_process(tmp_path):
 
 
 def test_world_size_one_is_the_identity():
-    setup = distributed.init_from_env("cpu")
+    setup = process_group.init_from_env("cpu")
     assert not setup.is_distributed and setup.is_main
     model = tiny_actor().model
-    assert distributed.parallelize(model, setup) is model
+    assert fsdp.parallelize(model, setup) is model
     rows = torch.tensor([3, 1, 2, 0])
-    assert distributed.shard_rows(rows, torch.ones(4), setup) is rows
+    assert sharding.shard_rows(rows, torch.ones(4), setup) is rows
     micros = [rows[:2], rows[2:]]
-    assert distributed.shard_micro_batches(micros, torch.ones(4), setup) is micros
-    assert distributed.match_micro_batch_count(micros, setup) is micros
+    assert sharding.shard_micro_batches(micros, torch.ones(4), setup) is micros
+    assert sharding.match_micro_batch_count(micros, setup) is micros
     values = torch.randn(4, 2)
-    assert distributed.gather_rows(values, rows, 4, setup) is values
+    assert sharding.gather_rows(values, rows, 4, setup) is values
     metrics = {"actor/loss": 1.5}
-    assert distributed.reduce_metrics(metrics, setup) is metrics
-    assert distributed.broadcast_object("x", setup) == "x"
-    with distributed.gather_for_rollout(model) as sync:
+    assert process_group.reduce_metrics(metrics, setup) is metrics
+    assert process_group.broadcast_object("x", setup) == "x"
+    with fsdp.gather_for_rollout(model) as sync:
         assert sync.seconds == 0.0
-    distributed.shutdown(setup)
+    process_group.shutdown(setup)
 
 
 def test_balanced_partition_equal_counts_and_balanced_tokens():
     costs = [100, 1, 1, 1, 90, 5, 5, 2]
-    parts = distributed.balanced_partition(costs, 2)
+    parts = sharding.balanced_partition(costs, 2)
     assert [len(p) for p in parts] == [4, 4]
     assert sorted(parts[0] + parts[1]) == list(range(8))
     sums = [sum(costs[i] for i in p) for p in parts]
     assert abs(sums[0] - sums[1]) <= 10, sums  # 100 and 90 land on different ranks
-    assert [len(p) for p in distributed.balanced_partition(list(range(7)), 3)] == [3, 2, 2]
+    assert [len(p) for p in sharding.balanced_partition(list(range(7)), 3)] == [3, 2, 2]
 
 
 def test_uneven_split_is_refused_with_the_fix():
     setup = DistributedSetup(rank=0, world_size=2)
     with pytest.raises(ValueError, match="multiples of trainer.num_gpus"):
-        distributed.shard_rows(torch.arange(5), torch.ones(5), setup)
+        sharding.shard_rows(torch.arange(5), torch.ones(5), setup)
 
 
 def test_decoder_layers_found_for_causal_lm_and_critic():
-    from hybridrl.models import ValueModel
+    from hybridrl.models.loading import ValueModel
 
     model = tiny_actor().model
-    assert len(distributed.decoder_layers(model)) == 2
-    assert len(distributed.decoder_layers(ValueModel(model))) == 2
-    for layer in distributed.decoder_layers(model):  # what fully_shard does: a subclass named FSDP<Name>
+    assert len(decoder_layers(model)) == 2
+    assert len(decoder_layers(ValueModel(model))) == 2
+    for layer in decoder_layers(model):  # what fully_shard does: a subclass named FSDP<Name>
         layer.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {})
-    assert len(distributed.decoder_layers(model)) == 2  # found again after sharding (model.compile needs this)
+    assert len(decoder_layers(model)) == 2  # found again after sharding (model.compile needs this)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,7 +321,7 @@ def test_decoder_layers_found_for_causal_lm_and_critic():
 def _wired() -> bool:
     import dataclasses
 
-    from hybridrl.config import TrainerConfig
+    from hybridrl.config.schema import TrainerConfig
 
     return "num_gpus" in {f.name for f in dataclasses.fields(TrainerConfig)}
 
@@ -409,14 +411,14 @@ def test_two_process_checkpoint_resumes_exactly_and_on_one_process(tmp_path, off
     FSDP shards), resumed by 2 ranks: the same step-3 and step-4 metrics as a run that never stopped (step 4
     on weights updated with the restored moments); resumed by 1
     process: it loads and trains on (the checkpoint is unsharded). With `actor.optimizer_offload` the moments
-    are per-rank CPU shards, gathered and cut back by `hybridrl/sharded_offload.py`; with a fraction, some
+    are per-rank CPU shards, gathered and cut back by `hybridrl/checkpoint/sharded_offload.py`; with a fraction, some
     moments are CPU shards and the others DTensors."""
     import json
     import shutil
 
     from safetensors import safe_open
 
-    from hybridrl.checkpoint import check_checkpoint
+    from hybridrl.checkpoint.store import check_checkpoint
 
     def overrides(out, steps, processes):
         fraction = [f"actor.optimizer_offload_fraction={offload}"] if not isinstance(offload, bool) else []
@@ -461,22 +463,22 @@ def _rank_main_scoring(rank: int, port: int, out_dir: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
-    setup = distributed.init_from_env("cpu", timeout_s=60, hang_timeout_s=None)
+    setup = process_group.init_from_env("cpu", timeout_s=60, hang_timeout_s=None)
     rewards = RewardComposer([("length", _length_reward, 2.0)])
     completions = ["a" * (i + 1) for i in range(12)]  # 3 prompts x 4 samples
     prompts, columns = [f"p{i // 4}" for i in range(12)], {"answer": [str(i) for i in range(12)]}
     _length_reward.seen = []
-    total, per_function = distributed.score_sharded(rewards.score, prompts, completions, columns, 4, setup)
+    total, per_function = sharding.score_sharded(rewards.score, prompts, completions, columns, 4, setup)
     seen = list(_length_reward.seen)
     try:
-        distributed.score_sharded(rewards.score, prompts, completions[:9] + ["bad"] + completions[10:], columns, 4,
+        sharding.score_sharded(rewards.score, prompts, completions[:9] + ["bad"] + completions[10:], columns, 4,
                                   setup)
         error = None
     except RewardError as raised:
         error = str(raised)
     torch.save({"total": total, "per_function": per_function, "seen": seen, "error": error},
                os.path.join(out_dir, f"scoring{rank}.pt"))
-    distributed.shutdown(setup)
+    process_group.shutdown(setup)
 
 
 def test_rewards_are_scored_in_shares_of_whole_groups_and_gathered(tmp_path):

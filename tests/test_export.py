@@ -4,11 +4,11 @@ import importlib.util
 
 import pytest
 import torch
-
 from conftest import contains_seven, tiny_actor, toy_prompts
+
 from hybridrl.cli import main
-from hybridrl.data import PromptDataset
-from hybridrl.trainer import RLTrainer
+from hybridrl.data.datasets import PromptDataset
+from hybridrl.training.trainer import RLTrainer
 
 SETTINGS = dict(rollout__max_new_tokens=4, rollout__num_samples_per_prompt=4, trainer__prompts_per_step=4,
                 actor__micro_batch_size=16, trainer__device="cpu", logging__sinks=["jsonl"], trainer__save_model=False,

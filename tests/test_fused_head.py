@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from hybridrl import fused_head
-from hybridrl.logprobs import token_logprobs
+from hybridrl.training import fused_head
+from hybridrl.training.logprobs import token_logprobs
 
 sys.path.insert(0, os.path.dirname(__file__))
 from decode_attention_cases import run_in_interpreter  # noqa: E402

@@ -5,12 +5,12 @@ import pickle
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_actor
-from hybridrl.batch import build_rollout_batch
-from hybridrl.logprobs import response_logprobs
+
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.hf import HFBackend
+from hybridrl.training.batch import build_rollout_batch
+from hybridrl.training.logprobs import response_logprobs
 
 
 def encode(tokenizer, texts):
@@ -104,8 +104,8 @@ def test_rollout_batch_equals_a_row_by_row_reference_on_ragged_batches():
 
 def test_decoded_responses_equal_the_tokenizers_own_decode():
     """The Rust batch path and the fallback give the text `tokenizer.decode(..., skip_special_tokens=True)` gives."""
-    from hybridrl.batch import decode_responses
     from hybridrl.rollout.base import Generation
+    from hybridrl.training.batch import decode_responses
 
     _, tokenizer = tiny_actor()
     eos = tokenizer.eos_token_id
@@ -148,7 +148,7 @@ def test_layers_compiled_for_training_run_eagerly_in_generate():
     no frame is compiled during generate, the tokens equal the uncompiled model's, and training still compiles."""
     from torch._dynamo.utils import counters
 
-    from hybridrl.distributed import decoder_layers
+    from hybridrl.models.loading import decoder_layers
 
     model, tokenizer = tiny_actor()
     prompts = encode(tokenizer, ["12+7=", "3-1="])

@@ -14,18 +14,19 @@ import time
 import pytest
 import torch
 
-from hybridrl import distributed, launch
-from hybridrl.launch import LaunchError, find_stalled, rank_environments
+from hybridrl.parallel import launch, process_group, watchdog
+from hybridrl.parallel.launch import LaunchError, rank_environments
+from hybridrl.parallel.watchdog import find_stalled
 
 HANG_SCRIPT = """
 import os, sys, time, torch
-from hybridrl import distributed
-setup = distributed.init_from_env("cpu", timeout_s=60, hang_timeout_s=2.0)
+from hybridrl.parallel import process_group, watchdog
+setup = process_group.init_from_env("cpu", timeout_s=60, hang_timeout_s=2.0)
 for step in range(200):
-    distributed.heartbeat()
+    watchdog.heartbeat()
     if setup.rank == 1 and step == 3:
         time.sleep(120)  # a reward function that never returns
-    distributed.all_reduce(torch.ones(1), setup)
+    process_group.all_reduce(torch.ones(1), setup)
     time.sleep(0.05)
 """
 
@@ -36,7 +37,7 @@ def test_watchdog_stop_waits_for_the_store_call_in_flight():
     import threading
     import time
 
-    from hybridrl.launch import Watchdog
+    from hybridrl.parallel.watchdog import Watchdog
 
     class SlowStore:
         def __init__(self):
@@ -129,16 +130,16 @@ def ray_cluster():
 
 
 def ray_job(mode: str) -> tuple[int, int, float]:
-    setup = distributed.init_from_env("cpu", timeout_s=60)
+    setup = process_group.init_from_env("cpu", timeout_s=60)
     total = torch.zeros(1)
     for _ in range(5):
-        distributed.heartbeat()
+        watchdog.heartbeat()
         if setup.rank == 1 and mode == "die":
             os._exit(3)
         if setup.rank == 1 and mode == "hang":
             time.sleep(120)
-        total = distributed.all_reduce(torch.tensor([setup.rank + 1.0]), setup)
-    distributed.shutdown(setup)
+        total = process_group.all_reduce(torch.tensor([setup.rank + 1.0]), setup)
+    process_group.shutdown(setup)
     return setup.rank, setup.world_size, total.item()
 
 

@@ -5,10 +5,10 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import tiny_actor
-from hybridrl.logprobs import response_logprobs, token_logprobs
-from hybridrl.models import compile_layers, enable_activation_checkpointing
+
+from hybridrl.models.loading import compile_layers, enable_activation_checkpointing
+from hybridrl.training.logprobs import response_logprobs, token_logprobs
 
 TOL = dict(atol=2e-5, rtol=1e-5)  # float32: the only differences are summation order
 
@@ -124,7 +124,7 @@ def test_compile_refuses_a_model_without_decoder_layers():
 
 
 def test_compile_without_a_cpu_compiler_says_so(monkeypatch):
-    from hybridrl import models
+    from hybridrl.models import loading as models
 
     monkeypatch.setattr(models.shutil, "which", lambda name: None)
     model, _ = tiny_actor()
@@ -148,7 +148,7 @@ def test_host_token_count_gives_the_same_values(padded):
 
 
 def test_host_offloaded_weights_visit_the_device_only_inside_the_block():
-    from hybridrl.models import HostOffloadedWeights
+    from hybridrl.models.loading import HostOffloadedWeights
 
     model, _ = tiny_actor()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -4,11 +4,11 @@ import copy
 
 import pytest
 import torch
-
 from conftest import tiny_actor
-from hybridrl.logprobs import response_logprobs
-from hybridrl.lora import AdapterDisabled, apply_lora
 from test_logprobs import padded_batch
+
+from hybridrl.models.lora import AdapterDisabled, apply_lora
+from hybridrl.training.logprobs import response_logprobs
 
 pytest.importorskip("peft")
 

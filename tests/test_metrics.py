@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridrl.cli import main
-from hybridrl.metrics import MetricsLogger
+from hybridrl.metrics.sinks import MetricsLogger
 
 STEPS = [{"reward/mean": 0.1 * step, "actor/kl": 0.01 * step, "actor/entropy": 2.0 - 0.1 * step,
           "rollout/response_length_mean": 10 + step, "perf/tokens_per_s": 100.5 + step} for step in range(1, 7)]
@@ -91,7 +91,7 @@ def test_plot_writes_a_png(tmp_path, capsys):
 
 def test_phase_timer_reports_each_phases_peak_memory(monkeypatch):
     """On CUDA every phase resets the allocator's peak and reads it back; the step's peak is the largest."""
-    from hybridrl.trainer import PhaseTimer
+    from hybridrl.training.trainer import PhaseTimer
 
     allocated = {"peak": 0}
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: allocated.update(peak=0))
@@ -106,7 +106,7 @@ def test_phase_timer_reports_each_phases_peak_memory(monkeypatch):
 
 
 def test_memory_growth_warning_names_a_steady_rise_once(tmp_path, capsys):
-    from hybridrl.metrics import MetricsLogger, memory_growth_warning
+    from hybridrl.metrics.sinks import MetricsLogger, memory_growth_warning
 
     flat = [{"step": s, "perf/memory_held_gib": 3.0 + (0.5 if s == 1 else 0.01 * (s % 2))} for s in range(1, 40)]
     assert memory_growth_warning(flat) is None  # a first-step bump and jitter are not growth

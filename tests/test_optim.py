@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hybridrl.optim import LeanAdamW, build_optimizer, stochastic_round_to_bf16
+from hybridrl.training.optim import LeanAdamW, build_optimizer, stochastic_round_to_bf16
 
 
 def run(optimizer_cls, params, steps=3, **kwargs):
@@ -40,7 +40,7 @@ def test_offload_fraction_keeps_the_first_parameters_resident():
 def test_phase_switch_leaves_offloaded_moments_in_cpu_memory():
     """`actor.offload_during_rollout` moves optimizer state off and back to the device around a rollout; state
     the optimizer offloads itself must stay in CPU memory, not come back to the device afterwards."""
-    from hybridrl.hybrid import move_optimizer_state
+    from hybridrl.training.phase_switch import move_optimizer_state
 
     params = [torch.zeros(4, requires_grad=True), torch.zeros(6, requires_grad=True)]
     optimizer = LeanAdamW(params, offload=0.6)
@@ -70,7 +70,7 @@ def test_bf16_state_is_float32_and_tiny_updates_survive_on_average():
 def test_rounding_noise_is_the_documented_hash_and_uniform():
     """The rounding bits are the high 16 bits of hash32(base + i); the hash is checked against the same
     function on Python ints, and the bits against uniformity (a chi-square test over 16 bins)."""
-    from hybridrl.optim import counter_noise, hash32
+    from hybridrl.training.optim import counter_noise, hash32
 
     base = 0xFFFFFF00  # the counter wraps past 2**32 inside this draw
     bits = counter_noise(torch.tensor([base], dtype=torch.int64), 100_000)
@@ -85,7 +85,7 @@ def test_bf16_updates_do_not_depend_on_chunking_or_offload():
     """The rounding counter of an element is its place among all parameters, so concatenating small
     parameters into one update, cutting large ones into chunks, and offloading moments all give the same
     bits; the small parameters really share updates (calls counted)."""
-    import hybridrl.optim as optim
+    import hybridrl.training.optim as optim
 
     start = [torch.randn(7, 50), torch.randn(301), torch.randn(3), torch.randn(5, 4), torch.randn(20)]
     bf16 = [p.to(torch.bfloat16) for p in start]
@@ -114,8 +114,9 @@ def test_eight_bit_adamw_trains_through_the_trainer(tmp_path):
     trainable tensor through the trainer and keeps uint8 moments for large tensors."""
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install 'hybridrl[bitsandbytes]')")
     from conftest import contains_seven, tiny_actor, toy_prompts
-    from hybridrl.data import PromptDataset
-    from hybridrl.trainer import RLTrainer
+
+    from hybridrl.data.datasets import PromptDataset
+    from hybridrl.training.trainer import RLTrainer
 
     actor = tiny_actor()
     dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
@@ -142,6 +143,7 @@ def test_missing_bitsandbytes_is_one_sentence_from_the_cli(tmp_path, monkeypatch
     import sys
 
     from conftest import toy_prompts
+
     from hybridrl.cli import main
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes -> ImportError
@@ -158,7 +160,7 @@ def test_missing_bitsandbytes_is_one_sentence_from_the_cli(tmp_path, monkeypatch
 def test_fused_chunk_update_equals_torch_adamw_formula_in_place():
     """`adamw_chunk` (what LeanAdamW runs per chunk, compiled on CUDA) on float32 equals torch's AdamW
     step written out by hand, and updates the moments in place."""
-    from hybridrl.optim import adamw_chunk
+    from hybridrl.training.optim import adamw_chunk
 
     generator = torch.Generator().manual_seed(1)
     weights, grad = torch.randn(50, generator=generator), torch.randn(50, generator=generator)
@@ -201,7 +203,7 @@ def test_cuda_compiled_and_streamed_offload_equal_cpu():
 @pytest.mark.gpu
 def test_compiled_rounding_noise_on_cuda_equals_cpu():
     """The counter hash compiled into the CUDA update kernel (int64 products wrapping) gives the CPU's bits."""
-    from hybridrl.optim import counter_noise
+    from hybridrl.training.optim import counter_noise
 
     base = torch.tensor([0xFFFFFF00], dtype=torch.int64)
     compiled = torch.compile(counter_noise, dynamic=True)

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-
 from conftest import tiny_actor
-from hybridrl.logprobs import response_logprobs
-from hybridrl.packing import first_fit_decreasing, group_by_tokens, pack_rows
 from test_logprobs import padded_batch
+
+from hybridrl.training.logprobs import response_logprobs
+from hybridrl.training.packing import first_fit_decreasing, group_by_tokens, pack_rows
 
 
 def test_first_fit_decreasing_respects_capacity_and_keeps_every_item():
@@ -67,7 +67,7 @@ def test_token_budget_update_matches_padded_micro_batches(tmp_path):
 
 
 def test_host_to_device_on_cpu_is_a_plain_copy():
-    from hybridrl.packing import host_to_device
+    from hybridrl.devices import host_to_device
 
     index = torch.tensor([3, 0, 2])
     assert torch.equal(host_to_device(index, "cpu"), index)
@@ -77,7 +77,7 @@ def test_host_to_device_on_cpu_is_a_plain_copy():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_host_to_device_on_cuda_gives_the_values_after_later_host_writes():
     """The non-blocking copy reads a pinned copy of the source, so changing the source afterwards is safe."""
-    from hybridrl.packing import host_to_device
+    from hybridrl.devices import host_to_device
 
     index = torch.arange(1 << 20)
     moved = host_to_device(index, "cuda")

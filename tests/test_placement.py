@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hybridrl.config import ConfigError
-from hybridrl.placement import Placement, resolve_placement
+from hybridrl.config.schema import ConfigError
+from hybridrl.parallel.placement import Placement, resolve_placement
 
 
 def test_default_is_everything_colocated():

@@ -7,10 +7,11 @@ import sys
 
 import pytest
 import torch
-
 from conftest import contains_seven, tiny_actor, toy_prompts
-from hybridrl.config import ConfigError, MissingExtra, load_config
-from hybridrl.models import load_hf_model
+
+from hybridrl.config.loading import load_config
+from hybridrl.config.schema import ConfigError, MissingExtra
+from hybridrl.models.loading import load_hf_model
 
 pytest.importorskip("peft")
 QLORA = dict(model__lora_rank=4, model__load_in_4bit=True)
@@ -21,9 +22,10 @@ def needs_bitsandbytes():
 
 
 def make_trainer(out, actor=None, **overrides):
-    from hybridrl.data import PromptDataset
-    from hybridrl.trainer import RLTrainer
     from test_trainer import FAST
+
+    from hybridrl.data.datasets import PromptDataset
+    from hybridrl.training.trainer import RLTrainer
 
     actor = actor or tiny_actor()
     dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
@@ -34,8 +36,8 @@ def make_trainer(out, actor=None, **overrides):
 
 def test_only_the_adapter_trains_through_the_builtin_engine(tmp_path):
     needs_bitsandbytes()
-    from hybridrl.lora import AdapterDisabled
-    from hybridrl.rollout.builtin import BuiltinBackend
+    from hybridrl.models.lora import AdapterDisabled
+    from hybridrl.rollout.engine.backend import BuiltinBackend
 
     trainer = make_trainer(tmp_path, rollout__backend="builtin", trainer__save_model=True)
     assert isinstance(trainer.parts.rollout, BuiltinBackend)  # its 4-bit path: dequantized per layer
@@ -58,10 +60,11 @@ def test_only_the_adapter_trains_through_the_builtin_engine(tmp_path):
 
 def test_reference_is_the_4bit_base():
     needs_bitsandbytes()
-    from hybridrl.logprobs import response_logprobs
-    from hybridrl.lora import AdapterDisabled, apply_lora
-    from hybridrl.qlora import quantize_4bit
     from test_logprobs import padded_batch
+
+    from hybridrl.models.lora import AdapterDisabled, apply_lora
+    from hybridrl.models.qlora import quantize_4bit
+    from hybridrl.training.logprobs import response_logprobs
 
     model, _ = tiny_actor()
     assert quantize_4bit(model) == 14 and quantize_4bit(model) == 0
@@ -101,12 +104,12 @@ def test_export_merges_into_the_full_precision_base(tmp_path, caplog):
     needs_bitsandbytes()
     from transformers import AutoModelForCausalLM
 
-    from hybridrl.export import export_checkpoint
+    from hybridrl.checkpoint.export import export_checkpoint
 
     tiny = load_hf_model("tiny:llama", dtype="float32")
     make_trainer(tmp_path / "run", actor=load_hf_model("tiny:llama", dtype="float32"), model__path="tiny:llama",
                  trainer__save_every=2).train()
-    with caplog.at_level(logging.WARNING, logger="hybridrl.export"):
+    with caplog.at_level(logging.WARNING, logger="hybridrl.checkpoint.export"):
         export_checkpoint(tmp_path / "run", tmp_path / "merged")
     assert "differs from the trained policy by the 4-bit rounding error" in caplog.text
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
@@ -141,10 +144,10 @@ def test_builtin_engine_on_a_4bit_base_matches_hf_generate_and_forward():
     from peft import LoraConfig, get_peft_model
     from test_builtin_engine import PROMPTS, hf_greedy, hf_logprobs
 
-    from hybridrl.qlora import quantize_4bit
+    from hybridrl.models.qlora import quantize_4bit
     from hybridrl.rollout.base import SamplingParams
-    from hybridrl.rollout.builtin import BuiltinBackend
-    from hybridrl.rollout.llama_forward import resolve_weights
+    from hybridrl.rollout.engine.backend import BuiltinBackend
+    from hybridrl.rollout.engine.llama_forward import resolve_weights
 
     model = load_hf_model("tiny:qwen2").model.eval()
     assert quantize_4bit(model) == 7 * model.config.num_hidden_layers
@@ -171,10 +174,10 @@ def test_auto_backend_picks_the_engine_for_a_4bit_base_on_gpu():
     """On a GPU `auto` picks the engine for a 4-bit base too: on an H200 its rollout of the 7B QLoRA shape took
     18.2 s against HF generate's 36.8 s, at a lower peak (docs/benchmarks.md). On CPU `auto` keeps hf."""
     needs_bitsandbytes()
-    from hybridrl.components import build_rollout
-    from hybridrl.qlora import quantize_4bit
-    from hybridrl.rollout.builtin import BuiltinBackend
+    from hybridrl.models.qlora import quantize_4bit
+    from hybridrl.rollout.engine.backend import BuiltinBackend
     from hybridrl.rollout.hf import HFBackend
+    from hybridrl.training.components import build_rollout
 
     actor = tiny_actor()
     quantize_4bit(actor.model)
@@ -190,12 +193,12 @@ def test_dequantizing_the_4bit_base_once_gives_the_per_step_results(monkeypatch)
     from peft import LoraConfig, get_peft_model
     from test_builtin_engine import PROMPTS
 
-    import hybridrl.rollout.builtin as builtin
-    from hybridrl.qlora import quantize_4bit
+    import hybridrl.rollout.engine.backend as builtin
+    from hybridrl.models.qlora import quantize_4bit
     from hybridrl.rollout.base import SamplingParams
-    from hybridrl.rollout.builtin import BuiltinBackend
-    from hybridrl.rollout.kernel_choices import auto_dequantized_layers, dequantized_layer_bytes, layers_within
-    from hybridrl.rollout.llama_forward import MATRICES, is_packed_4bit, resolve_weights
+    from hybridrl.rollout.engine.backend import BuiltinBackend
+    from hybridrl.rollout.engine.kernel_choices import auto_dequantized_layers, dequantized_layer_bytes, layers_within
+    from hybridrl.rollout.engine.llama_forward import MATRICES, is_packed_4bit, resolve_weights
 
     assert [layers_within([10, 10, 10], budget) for budget in (5, 10, 25, 30, 99)] == [0, 1, 2, 3, 3]
     model = load_hf_model("tiny:qwen2").model.eval()
@@ -240,10 +243,10 @@ def test_dequantized_copies_on_cuda_give_the_per_step_tokens_with_cuda_graphs(mo
     gives the per-step path's greedy tokens and log-probs. (Ran as a script in the 2026-12-01 06:27 UTC session,
     calls 5 and 6: identical, max diff 0.0; as this test, not yet on a GPU.)"""
     needs_bitsandbytes()
-    import hybridrl.rollout.builtin as builtin
-    from hybridrl.qlora import quantize_4bit
+    import hybridrl.rollout.engine.backend as builtin
+    from hybridrl.models.qlora import quantize_4bit
     from hybridrl.rollout.base import SamplingParams
-    from hybridrl.rollout.builtin import BuiltinBackend
+    from hybridrl.rollout.engine.backend import BuiltinBackend
 
     model = load_hf_model("tiny:qwen2").model.to("cuda", torch.bfloat16).eval()
     quantize_4bit(model)

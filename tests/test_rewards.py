@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
-from hybridrl.config import RewardConfig, RewardSpec
+from hybridrl.config.schema import RewardConfig, RewardSpec
 from hybridrl.rewards import (
     BUILTIN_REWARDS,
     RewardComposer,

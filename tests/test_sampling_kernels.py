@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from hybridrl.rollout import sampling_kernels
-from hybridrl.rollout.sampling import SamplerSettings
+from hybridrl.rollout.engine.sampling import SamplerSettings
+from hybridrl.rollout.kernels import sampling_kernels
 
 sys.path.insert(0, os.path.dirname(__file__))
 from decode_attention_cases import run_in_interpreter  # noqa: E402

@@ -3,12 +3,20 @@ entropies and gradients (float32, every attention implementation that takes the 
 
 import pytest
 import torch
-
 from conftest import tiny_actor, toy_prompts
-from hybridrl.batch import RolloutBatch
-from hybridrl.logprobs import response_logprobs
-from hybridrl.shared_prompt import (GROUP_STRIDE, PADDING, PROMPT, PromptLayout, attention_mask_for, flex_kernel_options,
-                                    pack_shared_prompts, visible)
+
+from hybridrl.training.batch import RolloutBatch
+from hybridrl.training.logprobs import response_logprobs
+from hybridrl.training.shared_prompt import (
+    GROUP_STRIDE,
+    PADDING,
+    PROMPT,
+    PromptLayout,
+    attention_mask_for,
+    flex_kernel_options,
+    pack_shared_prompts,
+    visible,
+)
 
 TOL = dict(atol=2e-5, rtol=1e-5)
 
@@ -140,12 +148,12 @@ def test_flash_attention_is_refused_with_the_fix():
 
 
 def test_an_oversized_dense_mask_is_refused_with_the_fix(monkeypatch):
-    from hybridrl import shared_prompt
+    from hybridrl.training import shared_prompt
 
     ids, mask, _, response, prompt_ids = grouped_batch()
     rows = pack_shared_prompts(ids, ids.shape[1] - response, PromptLayout.of(mask, ids.shape[1] - response, prompt_ids))
     model, _ = tiny_actor()
-    from hybridrl.config import ConfigError
+    from hybridrl.config.schema import ConfigError
 
     monkeypatch.setattr(shared_prompt, "DENSE_MASK_LIMIT", 3 * 13 * 13 - 1)  # one element short of these rows
     with pytest.raises(ConfigError, match="set model.attn_implementation=flex_attention"):  # a CLI user error
@@ -155,7 +163,7 @@ def test_an_oversized_dense_mask_is_refused_with_the_fix(monkeypatch):
 
 
 def test_heads_too_small_for_flex_attention_on_cuda_are_refused_with_the_fix():
-    from hybridrl.shared_prompt import attention_problem
+    from hybridrl.training.shared_prompt import attention_problem
 
     model, _ = tiny_actor()  # heads of 8
     model.config._attn_implementation = "flex_attention"
@@ -167,7 +175,7 @@ def test_heads_too_small_for_flex_attention_on_cuda_are_refused_with_the_fix():
 
 
 def test_regrouping_keeps_a_prompts_rows_together_and_counts_the_prompt_once():
-    from hybridrl.update import regroup_by_tokens
+    from hybridrl.training.update import regroup_by_tokens
 
     ids, mask, positions, response, prompt_ids = grouped_batch()
     batch = RolloutBatch(input_ids=ids, attention_mask=mask, position_ids=positions,
@@ -183,8 +191,8 @@ def test_regrouping_keeps_a_prompts_rows_together_and_counts_the_prompt_once():
 def test_ranks_get_whole_prompts_balanced_by_shared_tokens():
     """Data parallelism with shared prompts: each prompt's rows on one rank (else both ranks compute it);
     row sharding where prompts cannot be dealt out (fewer prompts than ranks, or unequal rows when required)."""
-    from hybridrl.distributed import DistributedSetup
-    from hybridrl.update import shard_by_prompt
+    from hybridrl.parallel.process_group import DistributedSetup
+    from hybridrl.training.update import shard_by_prompt
 
     ids, mask, positions, response, prompt_ids = grouped_batch()  # A: rows 0, 2, 5; B: 1, 4; C: 3
     batch = RolloutBatch(input_ids=ids, attention_mask=mask, position_ids=positions,
@@ -215,7 +223,7 @@ def test_training_with_shared_prompts_equals_separate_rows(tmp_path, extra, monk
     reference passes, and with LoRA (whose reference is the actor with its adapter disabled)."""
     from test_trainer import make_trainer
 
-    from hybridrl import logprobs
+    from hybridrl.training import logprobs
 
     groups_per_pass = []
     packer = logprobs.pack_shared_prompts
@@ -236,7 +244,7 @@ def test_training_with_shared_prompts_equals_separate_rows(tmp_path, extra, monk
 
 
 def test_mini_batches_hold_whole_prompts_with_shared_prompts():
-    from hybridrl.update import mini_batches
+    from hybridrl.training.update import mini_batches
 
     groups = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     epochs = list(mini_batches(16, 8, 4, 2, torch.Generator().manual_seed(0), groups))
@@ -254,7 +262,7 @@ def test_shared_prompts_with_several_mini_batches_share_every_prompt(tmp_path, m
     4 samples together (rows dealt at random would leave ~1-2 per prompt and little to share)."""
     from test_trainer import make_trainer
 
-    from hybridrl import logprobs
+    from hybridrl.training import logprobs
 
     rows_per_prompt = []
     packer = logprobs.pack_shared_prompts
@@ -267,7 +275,8 @@ def test_shared_prompts_with_several_mini_batches_share_every_prompt(tmp_path, m
 
 
 def test_flash_attention_with_shared_prompts_is_refused_in_the_config():
-    from hybridrl.config import ConfigError, load_config
+    from hybridrl.config.loading import load_config
+    from hybridrl.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match="actor.share_prompt_tokens needs an attention that takes a mask"):
         load_config(None, ["actor.share_prompt_tokens=true", "model.attn_implementation=flash_attention_2"])
@@ -290,7 +299,7 @@ def test_rows_pad_to_a_multiple_and_short_groups_share_a_row():
 
 
 def test_groups_sharing_a_row_give_the_values_and_gradients_of_separate_rows(monkeypatch):
-    from hybridrl import logprobs
+    from hybridrl.training import logprobs
 
     packer = logprobs.pack_shared_prompts
     monkeypatch.setattr(logprobs, "pack_shared_prompts", lambda *args, **kwargs: packer(*args, **{**kwargs, "multiple": 8}))
@@ -305,8 +314,8 @@ def test_trainer_step_with_flex_compiled_layers_and_checkpointing_on_cuda(tmp_pa
     layers under gradient checkpointing, one update; parameters as with separate rows (float32, 1e-4)."""
     from test_trainer import FAST
 
-    from hybridrl.data import PromptDataset
-    from hybridrl.trainer import RLTrainer
+    from hybridrl.data.datasets import PromptDataset
+    from hybridrl.training.trainer import RLTrainer
 
     def varied(prompts, completions, **columns):  # differs within a group almost surely, so advantages are not 0
         return [float(sum(map(ord, c)) % 5) for c in completions]
@@ -334,7 +343,7 @@ def test_compiled_layers_take_block_masks_without_recompiling():
     pytest.importorskip("torch.nn.attention.flex_attention")
     import torch._dynamo
 
-    from hybridrl.models import compile_layers
+    from hybridrl.models.loading import compile_layers
 
     model, _ = tiny_actor()
     compile_layers(model)
@@ -361,9 +370,9 @@ def test_an_actor_loaded_with_flash_attention_is_refused_before_training(tmp_pat
     one sentence, not in the first update after a rollout."""
     from test_trainer import FAST, contains_seven
 
-    from hybridrl.config import ConfigError
-    from hybridrl.data import PromptDataset
-    from hybridrl.trainer import RLTrainer
+    from hybridrl.config.schema import ConfigError
+    from hybridrl.data.datasets import PromptDataset
+    from hybridrl.training.trainer import RLTrainer
 
     actor = tiny_actor()
     actor.model.config._attn_implementation = "flash_attention_2"
@@ -379,7 +388,7 @@ def test_flex_kernel_options_reach_the_attention_function(monkeypatch):
     from transformers import AttentionInterface
     from transformers.integrations.flex_attention import flex_attention_forward
 
-    import hybridrl.logprobs as logprobs
+    import hybridrl.training.logprobs as logprobs
 
     seen = []
 
@@ -403,7 +412,7 @@ def test_flex_kernel_options_reach_the_attention_function(monkeypatch):
 def test_compiled_block_mask_equals_eager_for_any_shape():
     """The trainer's compiled block-mask build equals the eager one, and micro-batches of new shapes reuse
     the compiled code (dynamic shapes) rather than recompiling each time."""
-    from hybridrl.shared_prompt import block_mask_builder, shared_block_mask
+    from hybridrl.training.shared_prompt import block_mask_builder, shared_block_mask
 
     def segments(rows, length, seed):  # two groups per row: a prompt, then responses 1..3, then padding
         generator = torch.Generator().manual_seed(seed)

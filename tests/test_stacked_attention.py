@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from hybridrl.rollout import stacked_attention
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.builtin import BuiltinBackend
-from hybridrl.rollout.decode_attention import reference_decode_attention
-from hybridrl.rollout.stacked_attention import entry_slot_table, stacked_reference_attention
+from hybridrl.rollout.engine.backend import BuiltinBackend
+from hybridrl.rollout.kernels import stacked_attention
+from hybridrl.rollout.kernels.decode_attention import reference_decode_attention
+from hybridrl.rollout.kernels.stacked_attention import entry_slot_table, stacked_reference_attention
 
 sys.path.insert(0, os.path.dirname(__file__))
 from decode_attention_cases import STACKED_CASES, TOLERANCE, check_fused_write, make_stacked_case, without_table  # noqa: E402
@@ -126,8 +126,8 @@ def test_too_many_stacked_rows_are_refused_with_advice():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @needs_triton
 def test_stacked_kernels_and_engine_on_cuda():
-    from hybridrl.rollout.decode_attention import triton_decode_attention
-    from hybridrl.rollout.stacked_attention import stacked_decode_attention
+    from hybridrl.rollout.kernels.decode_attention import triton_decode_attention
+    from hybridrl.rollout.kernels.stacked_attention import stacked_decode_attention
 
     benchmark = (512, 2, 7, 64, 256, 256, (8,) * 63 + (7,))  # 64 prompts x n = 8, one slot idle
     for seed, shape in enumerate(STACKED_CASES + [benchmark]):

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
+from hybridrl.data.tasks import arithmetic_problems, write_arithmetic_task
 from hybridrl.rewards import exact_match
-from hybridrl.tasks import arithmetic_problems, write_arithmetic_task
 
 
 def test_answers_are_right_and_period_style_fails_exact_match():

@@ -6,14 +6,15 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import contains_seven, tiny_actor, toy_prompts
-from hybridrl import algorithms, distributed
-from hybridrl.config import ConfigError
-from hybridrl.data import PromptDataset
+
+from hybridrl import algorithms
+from hybridrl.config.schema import ConfigError
+from hybridrl.data.datasets import PromptDataset
+from hybridrl.models.loading import decoder_layers
 from hybridrl.rewards import RewardError
-from hybridrl.trainer import RLTrainer
-from hybridrl.update import TrainingError
+from hybridrl.training.trainer import RLTrainer
+from hybridrl.training.update import TrainingError
 
 FAST = dict(rollout__max_new_tokens=4, rollout__num_samples_per_prompt=4, trainer__prompts_per_step=8,
             actor__micro_batch_size=16, trainer__device="cpu", logging__sinks=["jsonl"], trainer__save_model=False)
@@ -37,9 +38,9 @@ def test_gspo_with_rollout_correction_trains_and_logs_the_weights(tmp_path):
 
 
 def test_mask_truncated_leaves_cut_responses_out_of_the_loss_and_its_normaliser(tmp_path):
-    from hybridrl.batch import build_rollout_batch
     from hybridrl.rollout.base import Generation
-    from hybridrl.update import mini_batch_normalizers
+    from hybridrl.training.batch import build_rollout_batch
+    from hybridrl.training.update import mini_batch_normalizers
 
     trainer = make_trainer(tmp_path, algorithm__mask_truncated=True, rollout__num_samples_per_prompt=2)
     generations = [Generation(0, [5, 6, 7], [-1.0] * 3, "length"), Generation(0, [5, 2], [-1.0] * 2, "stop"),
@@ -63,8 +64,8 @@ def test_mask_truncated_leaves_cut_responses_out_of_the_loss_and_its_normaliser(
 
 
 def test_drop_uniform_groups_leaves_groups_that_scored_alike_out_of_the_loss(tmp_path):
-    from hybridrl.batch import build_rollout_batch
     from hybridrl.rollout.base import Generation
+    from hybridrl.training.batch import build_rollout_batch
 
     generations = [Generation(0, [5, 6, 7], [-1.0] * 3, "length"), Generation(0, [5, 2], [-1.0] * 2, "stop"),
                    Generation(1, [8], [-1.0], "stop"), Generation(1, [9, 9, 9], [-1.0] * 3, "length")]
@@ -202,7 +203,7 @@ def test_missing_reward_and_data_are_clear(tmp_path):
 
 
 def test_a_missing_relative_model_directory_is_named_not_sent_to_the_hub(tmp_path, monkeypatch):
-    from hybridrl.models import ModelError, load_hf_model
+    from hybridrl.models.loading import ModelError, load_hf_model
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelError, match="model path 'runs/demo/sft/model' does not exist; check model.path"):
@@ -255,7 +256,7 @@ def test_compiled_layers_train_like_eager_ones(tmp_path):
         trainer = make_trainer(tmp_path / str(compiled), trainer__total_steps=1, actor__lr=1e-3,
                                model__compile=compiled)
         trainer.train()
-        layers = distributed.decoder_layers(trainer.parts.actor)
+        layers = decoder_layers(trainer.parts.actor)
         assert all((layer._compiled_call_impl is not None) == compiled for layer in layers)
         results.append([p.detach().clone() for p in trainer.parts.actor.parameters()])
     for eager, compiled in zip(*results):
@@ -283,7 +284,7 @@ def test_reference_offload_with_several_processes_is_refused(tmp_path):
 
 
 def test_the_first_step_freezes_what_warm_up_built_and_later_steps_do_not(tmp_path, monkeypatch):
-    from hybridrl import trainer as trainer_module
+    from hybridrl.training import trainer as trainer_module
 
     calls = []
     freeze = trainer_module.freeze_warm_up_objects
@@ -300,7 +301,7 @@ def test_activation_checkpointing_is_switched_on_without_a_deprecation_warning()
     """transformers 5.2x renamed `gradient_checkpointing_enable`; the old name warned on every run."""
     import warnings
 
-    from hybridrl.models import enable_activation_checkpointing
+    from hybridrl.models.loading import enable_activation_checkpointing
 
     model = tiny_actor().model
     with warnings.catch_warnings():

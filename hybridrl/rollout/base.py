@@ -7,8 +7,8 @@ prompt-major: the `n` samples of prompt 0, then those of prompt 1, and so on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length"]
@@ -45,7 +45,7 @@ class Generation:
     `logprobs`: log_softmax(logits / temperature) of each response token, taken before top-p/top-k/min-p
     filtering (temperature 1 when greedy), so it is directly comparable to the trainer's log-probs.
     `text`: the response decoded, when the trainer had it decoded where it was generated (several processes each
-    decode their own share: `distributed.generate_sharded`); backends leave it None.
+    decode their own share: `sharding.generate_sharded`); backends leave it None.
 
     A backend may hand over 1-D numpy arrays instead of lists (the built-in engine does: building 131k Python
     ints and floats per rollout took ~9 ms of host time with the GPU idle). `token_ids` and `logprobs` are

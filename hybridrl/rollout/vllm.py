@@ -10,7 +10,7 @@ vLLM is imported only inside this module, so `import hybridrl` never needs it.
 
 from __future__ import annotations
 
-from hybridrl.config import MissingExtra
+from hybridrl.config.schema import MissingExtra
 from hybridrl.rollout.base import Generation, SamplingParams
 
 INSTALL_HINT = "the vllm rollout backend needs vLLM: pip install 'hybridrl[vllm]'"

@@ -1,0 +1,572 @@
+"""Step checkpoints that resume exactly: weights, optimizer, schedulers, RNG, data position, metrics.
+
+Layout of `output_dir/checkpoints/`:
+
+    step_000010/
+        state/            actor, critic and optimizer tensors: plain safetensors files of <= 2 GiB
+        rng.safetensors   RNG states of python, numpy, torch CPU and every CUDA device
+        trainer.json      step, sampler position, scheduler states, optimizer hyper-parameters, metrics
+        hf/               model config, generation config, tokenizer (what `hybridrl export` needs)
+        COMPLETE          written last: every file's size and sha256
+    latest                name of the newest complete checkpoint
+
+Choices:
+- Atomic: a checkpoint is written to `.tmp-step_*` and renamed into place only after its `COMPLETE`
+  marker is written, so an existing checkpoint is never overwritten by a half-written one.
+  A directory whose marker is missing or whose files do not match it is skipped, with a message,
+  for the previous good one.
+- Nothing is unpickled: tensors are read with safetensors, everything else is JSON. RNG states and
+  optimizer states are stored as tensors plus plain numbers.
+- Tensors are full (unsharded) and written with safetensors directly; the state dicts come from
+  `torch.distributed.checkpoint.state_dict` (`get_state_dict`/`set_state_dict`), which also
+  handles FSDP2. DCP's own Hugging Face storage writer was used before, but what torch 2.11 wrote
+  with it on GPUs could not be read back (seen on 2 x H200), so the files are plain safetensors.
+- QLoRA (`model.load_in_4bit`): only the trainable tensors (the adapter) and their optimizer state are
+  saved; the frozen 4-bit base is rebuilt from `model.path` on resume and on export.
+- Several processes (FSDP2): the shards are gathered into full tensors on rank 0's CPU
+  (`StateDictOptions(full_state_dict=True, cpu_offload=True)`), rank 0 writes them as one process
+  would, and on resume every rank reads them and `set_state_dict` keeps its own shard. So a
+  checkpoint does not depend on the number of processes (saved on 2 GPUs, resumed on 1 or 4). Each
+  rank writes its own RNG state (`rng_rank<r>.safetensors`). The cost: rank 0's CPU must hold the
+  whole model and optimizer state while saving (about 16 bytes per parameter with AdamW). Offloaded
+  optimizer moments (per-rank CPU shards) are gathered and cut back by `sharded_offload.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from hybridrl.checkpoint.sharded_offload import gather_optimizer_state, offloaded_shards, scatter_optimizer_state
+from hybridrl.models.qlora import holds_4bit_weights
+from hybridrl.parallel import process_group
+
+STEP_PREFIX = "step_"
+MARKER = "COMPLETE"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as asked (missing, damaged, or from another setup)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Flat tensor state of models and optimizers (what the state/ files hold)
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict without the second name of tied tensors (safetensors refuses aliases)."""
+    state, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            state[name] = tensor
+    return state
+
+
+def trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entries of `state` that train (a QLoRA adapter): a 4-bit base never changes and is rebuilt from
+    `model.path`, so its packed weights and quantization state are not saved (about 4 GiB for a 7B model)."""
+    names = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    return {name: tensor for name, tensor in state.items() if name in names}
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{second name: first name} of parameters registered twice (tied embeddings)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            aliases[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
+    return aliases
+
+
+def _state_options(parts: Any):
+    """Full tensors on rank 0's CPU when the models are sharded over processes, else the live tensors."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if parts.setup.is_distributed:
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return None
+
+
+def _roles(parts: Any):
+    return [(role, model, optimizer) for role, model, optimizer in (
+        ("actor", parts.actor, parts.actor_optimizer), ("critic", parts.critic, parts.critic_optimizer))
+        if model is not None]
+
+
+def tensor_state(parts: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(flat tensors for the state/ files, plain optimizer hyper-parameters) of actor, critic and optimizers.
+
+    With one process the tensors are the live ones (or, for a fresh optimizer, its just-initialised
+    state), so `load_tensors_into` restores them in place. With several, every rank must call this (the
+    shards are gathered); rank 0 gets full CPU copies and the other ranks get nothing.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    tensors, plain = {}, {}
+    for role, model, optimizer in _roles(parts):
+        options = _state_options(parts)
+        if offloaded_shards(optimizer, parts.setup.is_distributed):  # moments are plain per-rank shards
+            model_sd = get_model_state_dict(model, options=options)
+            optim_state = gather_optimizer_state(model, optimizer, parts.setup.is_main)
+        else:
+            model_sd, optim_state = get_state_dict(model, optimizer, options=options)
+        if options is None:
+            model_sd = model_state(model)
+        if holds_4bit_weights(model):
+            model_sd = trainable_state(model, model_sd)
+        aliases = tied_aliases(model)
+        tensors.update({f"{role}.{name}": tensor for name, tensor in model_sd.items() if name not in aliases})
+        for name, slots in optim_state.get("state", {}).items():
+            tensors.update({f"{role}_optim.{name}.{slot}": value for slot, value in slots.items()})
+        plain[role] = optim_state.get("param_groups", [])
+    return tensors, plain
+
+
+def load_tensor_state(parts: Any, tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
+    """One process: `tensors` are the live ones, filled by `load_tensors_into`; put the optimizer slots back."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    for role, model, optimizer in _roles(parts):
+        model_full, optim_state = get_state_dict(model, optimizer)
+        if holds_4bit_weights(model):  # the adapter is already filled in place; nothing of the 4-bit base loads
+            model_full = {}
+        for name, slots in optim_state["state"].items():
+            for slot in slots:
+                slots[slot] = tensors[f"{role}_optim.{name}.{slot}"]
+        optim_state["param_groups"] = _param_groups(plain[role])
+        set_state_dict(model, optimizer, model_state_dict=model_full, optim_state_dict=optim_state)
+
+
+def load_full_state(parts: Any, directory: Path, plain: dict[str, Any]) -> None:
+    """Several processes: every rank reads the full tensors from the files and keeps its own shard.
+
+    Every rank holds the same full dicts, so the collectives inside `set_state_dict` match on every
+    rank (rank 0 reading and broadcasting hung with torch 2.13 when the other ranks passed empty dicts)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+    full = read_tensors(directory)
+    for role, model, optimizer in _roles(parts):
+        aliases = tied_aliases(model)
+        model_sd = {name: full[f"{role}.{aliases.get(name, name)}"] for name in model.state_dict()}
+        slots: dict[str, dict[str, torch.Tensor]] = {}
+        for name, _ in model.named_parameters():
+            prefix = f"{role}_optim.{name}."
+            found = {key[len(prefix):]: value for key, value in full.items()
+                     if key.startswith(prefix) and "." not in key[len(prefix):]}
+            if found:
+                slots[name] = found
+        if offloaded_shards(optimizer, True):  # moments are plain per-rank shards: cut them out here
+            set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True))
+            scatter_optimizer_state(model, optimizer, slots, _param_groups(plain[role]))
+            continue
+        optim_sd = {"state": slots, "param_groups": _param_groups(plain[role])}
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=StateDictOptions(full_state_dict=True))
+
+
+def _param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """JSON turned the betas tuple into a list; the optimizers want it back."""
+    return [{**group, **({"betas": tuple(group["betas"])} if "betas" in group else {})} for group in groups]
+
+
+FILE_BYTES = 2 * 2**30
+"""Tensor files are cut at about this size, so saving copies at most one file's worth to the CPU at once."""
+
+
+def save_tensors(tensors: dict[str, Any], directory: Path) -> None:
+    """Write full tensors as plain safetensors files (`part-00001.safetensors`, ...) under `directory`;
+    plain numbers among them (LeanAdamW's integer `step`) go to `numbers.json`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    numbers = {name: value for name, value in tensors.items() if not isinstance(value, torch.Tensor)}
+    (directory / "numbers.json").write_text(json.dumps(numbers))
+    shard: dict[str, torch.Tensor] = {}
+    size = index = 0
+    for name, tensor in tensors.items():
+        if name in numbers:
+            continue
+        shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        size += tensor.numel() * tensor.element_size()
+        if size >= FILE_BYTES:
+            index += 1
+            save_file(shard, directory / f"part-{index:05d}.safetensors")
+            shard, size = {}, 0
+    if shard or index == 0:
+        save_file(shard, directory / f"part-{index + 1:05d}.safetensors")
+
+
+def read_tensors(directory: Path) -> dict[str, Any]:
+    """Every tensor under `directory`, on the CPU, and the plain numbers saved beside them."""
+    saved: dict[str, Any] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        saved.update(load_file(path))
+    if (directory / "numbers.json").is_file():
+        saved.update(json.loads((directory / "numbers.json").read_text()))
+    return saved
+
+
+def load_tensors_into(tensors: dict[str, Any], directory: Path) -> None:
+    """Copy the saved values into `tensors`: tensors in place, plain numbers by replacing the entry."""
+    saved = read_tensors(directory)
+    missing = sorted(set(tensors) - set(saved))
+    if missing:
+        raise CheckpointError(f"checkpoint {directory.parent} lacks {len(missing)} tensor(s) this run has, e.g. "
+                              f"{missing[0]!r}; it was saved by a different model or algorithm.")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            if isinstance(tensor, torch.Tensor) and isinstance(saved[name], torch.Tensor):
+                tensor.copy_(saved[name])
+            else:
+                tensors[name] = saved[name]
+
+
+# ----------------------------------------------------------------------------------------------
+# RNG states as tensors + plain numbers
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    version, python_state, gauss = random.getstate()
+    kind, numpy_keys, numpy_pos, has_gauss, cached = np.random.get_state()
+    tensors = {"python": torch.tensor(python_state, dtype=torch.int64),
+               "numpy": torch.from_numpy(numpy_keys.astype(np.int64)), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    plain = {"python_version": version, "python_gauss": gauss, "numpy_kind": kind, "numpy_pos": int(numpy_pos),
+             "numpy_has_gauss": int(has_gauss), "numpy_cached_gaussian": float(cached)}
+    return tensors, plain
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
+    random.setstate((plain["python_version"], tuple(tensors["python"].tolist()), plain["python_gauss"]))
+    np.random.set_state((plain["numpy_kind"], tensors["numpy"].numpy().astype(np.uint32), plain["numpy_pos"],
+                         plain["numpy_has_gauss"], plain["numpy_cached_gaussian"]))
+    torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available() and len(tensors["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(list(tensors["cuda"]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving
+
+
+def save_checkpoint(trainer: Any, root: str | Path, keep_last_n: int = 0) -> Path:
+    """Write the trainer's complete state for its current step under `root`; returns the checkpoint dir.
+    With several processes every rank must call it: rank 0 writes, the others add their RNG state."""
+    setup = trainer.parts.setup
+    root = Path(root)
+    name = f"{STEP_PREFIX}{trainer.step_count:06d}"
+    temporary = root / f".tmp-{name}-{process_group.broadcast_object(os.getpid(), setup)}"
+    if setup.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir()
+    tensors, optimizer_groups = tensor_state(trainer.parts)  # collective when sharded
+    process_group.barrier(setup)  # the directory exists for every rank
+    rng_tensors, rng_plain = rng_state()
+    save_file({k: v.contiguous() for k, v in rng_tensors.items()}, temporary / rng_file(setup.rank),
+              metadata={"plain": json.dumps(rng_plain)})
+    if setup.is_main:
+        save_tensors(tensors, temporary / "state")
+        _write_trainer_files(trainer, temporary, optimizer_groups, rng_plain)
+    process_group.barrier(setup)  # every rank's RNG file is written before the marker lists them
+    if setup.is_main:
+        write_marker(temporary, trainer.step_count)
+        _publish(root, temporary, name, keep_last_n)
+    process_group.barrier(setup)  # nobody moves on (or resumes) before the checkpoint is in place
+    return root / name
+
+
+def rng_file(rank: int) -> str:
+    return "rng.safetensors" if rank == 0 else f"rng_rank{rank}.safetensors"
+
+
+def _write_trainer_files(trainer: Any, directory: Path, optimizer_groups: dict[str, Any],
+                         rng_plain: dict[str, Any]) -> None:
+    parts = trainer.parts
+    actor = parts.actor
+    state = {
+        "format_version": FORMAT_VERSION, "step": trainer.step_count, "sampler": trainer.sampler.state_dict(),
+        "schedulers": {role: s.state_dict() for role, s in (("actor", parts.actor_scheduler),
+                                                             ("critic", parts.critic_scheduler)) if s is not None},
+        "optimizer_groups": optimizer_groups, "rng": rng_plain, "history": trainer.logger.history,
+        "actor_dtype": str(next(actor.parameters()).dtype).removeprefix("torch."),
+        "peft": peft_info(actor), "config": trainer.config.to_dict(), "world_size": parts.setup.world_size,
+    }
+    (directory / "trainer.json").write_text(json.dumps(state, indent=1))
+    save_hf_metadata(actor, parts.tokenizer, directory / "hf")
+
+
+def _publish(root: Path, temporary: Path, name: str, keep_last_n: int) -> None:
+    """Rename the finished `temporary` into place, point `latest` at it and prune old checkpoints."""
+    final = root / name
+    if final.exists():  # re-saving a step after resuming from an earlier one: replace only now
+        trash = root / f".old-{name}-{os.getpid()}"
+        os.rename(final, trash)
+        os.rename(temporary, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(temporary, final)
+    fsync_directory(root)
+    write_latest(root, name)
+    prune(root, keep_last_n)
+
+
+def peft_info(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The LoRA adapter config of a peft model (to rebuild it on export), else None."""
+    config = getattr(model, "peft_config", None)
+    if not config:
+        return None
+    adapter = config.get("default") or next(iter(config.values()))
+    return json.loads(json.dumps(adapter.to_dict(), default=lambda value: sorted(value)
+                                 if isinstance(value, set) else str(value)))
+
+
+def save_hf_metadata(model: torch.nn.Module, tokenizer: Any, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.config.save_pretrained(directory)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+def write_marker(directory: Path, step: int) -> None:
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        with path.open("rb") as handle:
+            os.fsync(handle.fileno())
+        files[str(path.relative_to(directory))] = {"size": path.stat().st_size, "sha256": sha256(path)}
+    marker = directory / MARKER
+    marker.write_text(json.dumps({"step": step, "files": files}, indent=1))
+    with marker.open("rb") as handle:
+        os.fsync(handle.fileno())
+    fsync_directory(directory)
+
+
+def write_latest(root: Path, name: str) -> None:
+    temporary = root / ".latest.tmp"
+    temporary.write_text(name + "\n")
+    os.replace(temporary, root / "latest")
+
+
+def prune(root: Path, keep_last_n: int) -> None:
+    if keep_last_n <= 0:
+        return
+    for old in step_directories(root)[keep_last_n:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_directory(path: Path) -> None:
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass  # some filesystems cannot fsync a directory
+    finally:
+        os.close(descriptor)
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding and validating
+
+
+def step_directories(root: Path) -> list[Path]:
+    """`step_*` directories under root, newest step first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)
+             and p.name[len(STEP_PREFIX):].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]), reverse=True)
+
+
+def check_checkpoint(directory: Path) -> str | None:
+    """None if the checkpoint is complete and intact, else why not."""
+    marker = directory / MARKER
+    if not marker.is_file():
+        return f"it has no {MARKER} marker (its write was cut short)"
+    try:
+        listed = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError):
+        return f"its {MARKER} marker is unreadable"
+    for relative, expected in listed.items():
+        path = directory / relative
+        if not path.is_file():
+            return f"{relative} is missing"
+        if path.stat().st_size != expected["size"]:
+            return f"{relative} has {path.stat().st_size} bytes, expected {expected['size']}"
+        if sha256(path) != expected["sha256"]:
+            return f"{relative} does not match its checksum"
+    return None
+
+
+def find_checkpoint(root: str | Path, log: Any = print) -> Path | None:
+    """The newest intact checkpoint under `root`; damaged ones are reported through `log` and skipped."""
+    for directory in step_directories(Path(root)):
+        problem = check_checkpoint(directory)
+        if problem is None:
+            return directory
+        log(f"checkpoint {directory} is damaged and is skipped: {problem}")
+    return None
+
+
+def resolve_resume(setting: str, root: Path, log: Any = print, key: str = "trainer.resume") -> Path | None:
+    """`off` -> None; `auto` -> newest intact checkpoint under root, if any; a path -> that checkpoint
+    (a directory of checkpoints means its newest intact one)."""
+    if setting == "off":
+        return None
+    if setting == "auto":
+        return find_checkpoint(root, log)
+    path = Path(setting)
+    if (path / MARKER).exists() or path.name.startswith(STEP_PREFIX):
+        problem = check_checkpoint(path) if path.is_dir() else "it does not exist"
+        if problem is not None:
+            raise CheckpointError(f"{key}={setting!r} cannot be used: {problem}. "
+                                  "Point it at another checkpoint or use trainer.resume=auto.")
+        return path
+    for candidate in (path, path / "checkpoints"):
+        if step_directories(candidate):
+            found = find_checkpoint(candidate, log)
+            if found is None:
+                raise CheckpointError(f"{key}={setting!r}: no intact checkpoint under {candidate}.")
+            return found
+    raise CheckpointError(f"{key}={setting!r} is not a checkpoint (no {MARKER} marker) nor a directory "
+                          "of checkpoints; give a step_* directory, a run's output_dir, auto or off.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def read_trainer_state(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "trainer.json").read_text())
+
+
+def load_checkpoint(trainer: Any, directory: str | Path) -> float:
+    """Restore the trainer to the checkpoint in `directory`; returns the seconds it took."""
+    start = time.perf_counter()
+    directory = Path(directory)
+    state = read_trainer_state(directory)
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {directory} has format {state.get('format_version')}, "
+                              f"this hybridrl reads format {FORMAT_VERSION}.")
+    parts = trainer.parts
+    for role, present in (("critic", parts.critic is not None),):
+        if present != (role in state["optimizer_groups"]):
+            raise CheckpointError(f"checkpoint {directory} was saved {'with' if not present else 'without'} a "
+                                  f"{role} but this run has {'one' if present else 'none'}; resume with the same "
+                                  "algorithm.name.")
+    if parts.setup.is_distributed:
+        load_full_state(parts, directory / "state", state["optimizer_groups"])
+    else:
+        tensors, _ = tensor_state(parts)
+        load_tensors_into(tensors, directory / "state")
+        load_tensor_state(parts, tensors, state["optimizer_groups"])
+    for role, scheduler in (("actor", parts.actor_scheduler), ("critic", parts.critic_scheduler)):
+        if scheduler is not None and role in state["schedulers"]:
+            scheduler.load_state_dict(state["schedulers"][role])
+    trainer.sampler.load_state_dict(state["sampler"])
+    trainer.step_count = state["step"]
+    trainer.logger.rewind(state["step"], state["history"])
+    rng_path = directory / rng_file(parts.setup.rank)
+    if rng_path.is_file():  # a rank the saving run did not have keeps its fresh seed
+        with safe_open(rng_path, "pt") as file:
+            plain = json.loads((file.metadata() or {}).get("plain", "null")) or state["rng"]
+        set_rng_state(load_file(rng_path), plain)
+    return time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------------------------
+# Stopping cleanly on SIGINT/SIGTERM
+
+
+class StopRequest:
+    """Set by SIGINT/SIGTERM; the trainer finishes its step, saves, and returns."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.signal_name is not None
+
+
+@contextmanager
+def stop_on_signals(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[StopRequest]:
+    """Within the block, the first SIGINT/SIGTERM only sets the flag; a second one acts as usual
+    (KeyboardInterrupt / termination), so an impatient user can still stop at once."""
+    request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request  # signal handlers can only be installed from the main thread
+        return
+    previous = {number: signal.getsignal(number) for number in signals}
+
+    def handler(number: int, frame: Any) -> None:
+        request.signal_name = signal.Signals(number).name
+        print(f"received {request.signal_name}: finishing this step, then saving a checkpoint "
+              "(send it again to stop at once)", flush=True)
+        for other, action in previous.items():
+            signal.signal(other, action)
+
+    for number in signals:
+        signal.signal(number, handler)
+    try:
+        yield request
+    finally:
+        for number, action in previous.items():
+            signal.signal(number, action)
+
+
+def resume_from_config(trainer: Any) -> Path | None:
+    """Apply `trainer.resume` (auto|off|PATH): restore the newest usable checkpoint, report the time."""
+    setting = trainer.config.trainer.resume
+    root = Path(trainer.config.trainer.output_dir) / "checkpoints"
+    setup = trainer.parts.setup
+    choice: Any = None
+    if setup.is_main:  # rank 0 decides, so every rank loads the same checkpoint (or fails the same way)
+        try:
+            choice = resolve_resume(setting, root)
+        except CheckpointError as error:
+            choice = error
+    choice = process_group.broadcast_object(choice, setup)
+    if isinstance(choice, CheckpointError):
+        raise choice
+    directory = choice
+    if directory is None:
+        if trainer.step_count == 0:
+            trainer.logger.rewind(0, [])  # a fresh run: metrics files describe this run only
+        return None
+    seconds = load_checkpoint(trainer, directory)
+    if setup.is_main:
+        print(f"resumed from {directory} at step {trainer.step_count} in {seconds:.2f} s", flush=True)
+    trainer.logger.add_once({"perf/resume_s": seconds})
+    return directory

@@ -1,0 +1,116 @@
+"""Config validation: ranges and cross-field consistency, all in one place.
+
+`build_config` calls `validate` on every config it builds, so each mistake is reported with its dotted key
+and how to fix it, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from hybridrl.config.schema import Config, ConfigError
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(config: Config) -> None:
+    r, a, act, t = config.rollout, config.algorithm, config.actor, config.trainer
+    _require(r.num_samples_per_prompt >= 1, "rollout.num_samples_per_prompt must be at least 1.")
+    _require(r.max_new_tokens >= 1, "rollout.max_new_tokens must be at least 1.")
+    _require(r.temperature >= 0, "rollout.temperature must be >= 0 (0 is greedy).")
+    _require(r.eval_temperature >= 0, "rollout.eval_temperature must be >= 0 (0 is greedy).")
+    _require(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1].")
+    _require(r.top_k >= 0, "rollout.top_k must be >= 0 (0 disables).")
+    _require(0 <= r.min_p < 1, "rollout.min_p must be in [0, 1).")
+    _require(r.kv_cache_memory > 0, "rollout.kv_cache_memory must be > 0.")
+    _require(r.attention in ("auto", "triton", "triton-stacked", "sdpa"),
+             f"rollout.attention must be auto, triton, triton-stacked or sdpa; got {r.attention!r}.")
+    _require(config.data.max_prompt_length >= 1, "data.max_prompt_length must be at least 1.")
+    _require(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low must be in [0, 1).")
+    _require(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high must be >= 0.")
+    _require(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip must be > 1 (e.g. 3.0) or null.")
+    _require(not (a.mask_truncated and r.ignore_eos),
+             "algorithm.mask_truncated leaves responses cut at rollout.max_new_tokens out of the loss, and "
+             "rollout.ignore_eos=true cuts every one of them; turn one of the two off.")
+    _require(not a.drop_uniform_groups or r.num_samples_per_prompt > 1,
+             "algorithm.drop_uniform_groups compares the samples of a prompt, so it needs "
+             "rollout.num_samples_per_prompt > 1.")
+    _require(a.rollout_correction_cap is None or a.rollout_correction_cap >= 1,
+             "algorithm.rollout_correction_cap must be >= 1 (e.g. 2.0) or null.")
+    _require(0 <= a.gamma <= 1, "algorithm.gamma must be in [0, 1].")
+    _require(0 <= a.lam <= 1, "algorithm.lam must be in [0, 1].")
+    _require(a.kl_coef >= 0, "algorithm.kl_coef must be >= 0.")
+    _require(a.value_clip > 0, "algorithm.value_clip must be > 0.")
+    if a.name in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
+        _require(r.num_samples_per_prompt >= 2,
+                 f"algorithm.name={a.name!r} compares samples of the same prompt, so "
+                 "rollout.num_samples_per_prompt must be at least 2.")
+    for section, opt in (("actor", act), ("critic", config.critic)):
+        _require(opt.lr > 0, f"{section}.lr must be > 0.")
+        _require(opt.warmup_steps >= 0, f"{section}.warmup_steps must be >= 0.")
+        _require(opt.max_grad_norm >= 0, f"{section}.max_grad_norm must be >= 0 (0 disables clipping).")
+    _require(act.ppo_epochs >= 1, "actor.ppo_epochs must be at least 1.")
+    _require(act.micro_batch_size >= 1, "actor.micro_batch_size must be at least 1.")
+    _require(act.max_tokens_per_micro_batch >= 0, "actor.max_tokens_per_micro_batch must be >= 0 (0 disables).")
+    _require(not (act.share_prompt_tokens and "flash" in config.model.attn_implementation),
+             f"actor.share_prompt_tokens needs an attention that takes a mask, and model.attn_implementation="
+             f"{config.model.attn_implementation!r} takes none; use flex_attention (or sdpa).")
+    _require(0 < act.optimizer_offload_fraction <= 1, "actor.optimizer_offload_fraction must be in (0, 1] "
+             "(the share of the AdamW state kept in CPU memory; actor.optimizer_offload=false keeps none there).")
+    _require(act.optimizer_offload or act.optimizer_offload_fraction == 1,
+             "actor.optimizer_offload_fraction applies only with actor.optimizer_offload=true; set that too.")
+    _require(not (act.optimizer_8bit and act.optimizer_offload),
+             "actor.optimizer_8bit and actor.optimizer_offload cannot both be true; choose one way to save memory.")
+    _require(config.model.lora_rank >= 0, "model.lora_rank must be >= 0 (0 trains all parameters).")
+    _require(not (config.model.reference_offload and config.trainer.num_gpus > 1),
+             "model.reference_offload works with one process only for now (a sharded reference is already split "
+             "across GPUs); set model.reference_offload=false or trainer.num_gpus=1.")
+    _require(config.model.lora_rank == 0 or config.model.lora_alpha > 0, "model.lora_alpha must be > 0.")
+    validate_4bit(config)
+    _require(t.total_steps >= 1, "trainer.total_steps must be at least 1.")
+    _require(t.prompts_per_step >= 1, "trainer.prompts_per_step must be at least 1.")
+    _require(t.eval_every >= 0, "trainer.eval_every must be >= 0.")
+    _require(t.save_every >= 0, "trainer.save_every must be >= 0 (0 saves only on SIGINT/SIGTERM).")
+    _require(t.keep_last_n >= 0, "trainer.keep_last_n must be >= 0 (0 keeps every checkpoint).")
+    _require(bool(t.resume), "trainer.resume must be auto, off, or the path of a checkpoint.")
+    _require(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
+             f"trainer.device must be auto, cpu, cuda or cuda:N; got {t.device!r}.")
+    batch = config.rollout_batch_size
+    mini = act.mini_batch_size or batch
+    _require(t.num_gpus >= 1, "trainer.num_gpus must be at least 1.")
+    _require(t.fsdp_shard_size >= 0 and (t.fsdp_shard_size == 0 or t.num_gpus % t.fsdp_shard_size == 0),
+             f"trainer.fsdp_shard_size={t.fsdp_shard_size} must be 0 (shard over all GPUs), 1 (replicate) or a divisor "
+             f"of trainer.num_gpus={t.num_gpus}.")
+    _require(t.hang_timeout_s > 0, "trainer.hang_timeout_s must be > 0.")
+    _require(mini % t.num_gpus == 0,
+             f"trainer.num_gpus={t.num_gpus} must divide actor.mini_batch_size={mini} (each process takes an equal "
+             "share of every mini-batch); change actor.mini_batch_size or trainer.prompts_per_step.")
+    _require(batch % mini == 0,
+             f"actor.mini_batch_size={mini} must divide the rollout batch of {batch} sequences "
+             f"(trainer.prompts_per_step={t.prompts_per_step} x rollout.num_samples_per_prompt="
+             f"{r.num_samples_per_prompt}).")
+    _require(mini % act.micro_batch_size == 0 or act.micro_batch_size >= mini,
+             f"actor.micro_batch_size={act.micro_batch_size} must divide actor.mini_batch_size={mini}.")
+    for i, spec in enumerate(config.reward.functions):
+        _require(bool(spec.fn), f"reward.functions[{i}].fn is empty; name a built-in reward or file.py:function.")
+    for sink in config.logging.sinks:
+        _require(sink in ("console", "jsonl", "tensorboard", "wandb"),
+                 f"logging.sinks has unknown sink {sink!r}; choose from console, jsonl, tensorboard, wandb.")
+    s = config.sft
+    _require(s.num_epochs >= 1 and s.batch_size >= 1, "sft.num_epochs and sft.batch_size must be at least 1.")
+    _require(s.lr > 0, "sft.lr must be > 0.")
+
+
+def validate_4bit(config: Config) -> None:
+    """`model.load_in_4bit`: only the adapter can train, and on one process."""
+    m = config.model
+    if not m.load_in_4bit:
+        return
+    _require(m.lora_rank > 0, "model.load_in_4bit=true freezes the base in 4-bit, so it needs an adapter to train: "
+                              "set model.lora_rank > 0 (e.g. 16), or model.load_in_4bit=false.")
+    _require(config.trainer.num_gpus == 1, "model.load_in_4bit works with one process only (FSDP2 sharding loses "
+                                           "bitsandbytes' 4-bit quantization state); set trainer.num_gpus=1.")
+    _require(not (config.algorithm.name == "ppo" and not config.critic.path),
+             "model.load_in_4bit with algorithm.name=ppo needs critic.path (a full-precision model for the critic): "
+             "the critic is otherwise a trainable copy of the actor, whose 4-bit weights cannot train.")

@@ -1,0 +1,372 @@
+"""Typed run configuration: one dataclass per concern, each field documented once.
+
+A YAML file, dotted `key=value` overrides on the command line and keyword arguments in Python are
+three spellings of one thing: each becomes a nested dict that `build_config` turns into a `Config`.
+Every mistake a user can make here (unknown key, wrong type, value out of range, batch sizes that do
+not divide) is reported by `ConfigError` with the dotted key, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message names the key and the fix."""
+
+
+class MissingExtra(ImportError):
+    """An optional package a chosen setting needs is not installed; the message names what to install."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny:llama"
+    """Hugging Face model name or local directory; `tiny:<family>` builds a small random model from a
+    built-in config (families: llama, qwen2, qwen3) with no download."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype; `auto` is bfloat16 on GPU and float32 on CPU."""
+    attn_implementation: str = "auto"
+    """`auto` picks flash_attention_2 when installed, else sdpa; any transformers value is accepted."""
+    trust_remote_code: bool = False
+    """Allow model code shipped with the checkpoint to run (only for models you trust)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute."""
+    compile: bool = False
+    """torch.compile each decoder layer for the training and log-prob passes (fuses norms, rotary and
+    activations; the rollout engine is unaffected). The first step pays the compile time (tens of seconds)."""
+    reference_offload: bool = False
+    """Keep the frozen reference model (algorithm.kl_coef > 0, full-parameter runs) in pinned CPU memory and
+    copy it to the GPU only for its log-prob pass each step: its weights (2 bytes per parameter in bf16)
+    leave the GPU outside that pass, for one host-to-device copy per step. One process only for now."""
+    tokenizer_path: str | None = None
+    """Tokenizer location when it differs from `path`."""
+    lora_rank: int = 0
+    """LoRA rank through peft (`pip install 'hybridrl[peft]'`); 0 trains all parameters. With LoRA the
+    reference model is the actor with its adapter disabled, so no second copy of the weights exists."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator: the adapter's update is multiplied by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA branch; keep 0 in RL so old and new log-probs come from the same function."""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names that get adapters (e.g. [q_proj, v_proj]); `all-linear` is every linear layer but the LM head."""
+    load_in_4bit: bool = False
+    """QLoRA: load the base's linear layers (all but the LM head) as frozen 4-bit NF4 weights through bitsandbytes
+    (`pip install 'hybridrl[qlora]'`) and train only the LoRA adapter, so the base takes about a quarter of its
+    bf16 memory. Needs model.lora_rank > 0. Refused with trainer.num_gpus > 1 (FSDP2 sharding loses bitsandbytes'
+    quantization state: seen on CPU) and with algorithm.name=ppo without critic.path (the critic would be a
+    trainable copy of the 4-bit base). Rollouts run on the hf backend (the built-in engine reads floating-point
+    weights)."""
+
+
+@dataclass
+class DataConfig:
+    train_path: str = ""
+    """Prompts for training: .jsonl, .csv, .parquet, or a saved Hugging Face `datasets` directory."""
+    eval_path: str | None = None
+    """Held-out prompts, evaluated every `trainer.eval_every` steps."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text; every other column is passed to reward functions."""
+    response_key: str = "response"
+    """Column holding the target text (SFT only)."""
+    max_prompt_length: int = 512
+    """Prompts longer than this many tokens are dropped, and the count is reported."""
+    prompt_template: str | None = None
+    """Format string applied to the prompt, e.g. "Question: {prompt}\\nAnswer:"; overrides the chat template."""
+    use_chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template when it has one."""
+    shuffle: bool = True
+    """Shuffle training prompts each epoch (seeded by `trainer.seed`)."""
+    max_eval_samples: int | None = None
+    """Evaluate on at most this many held-out prompts."""
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["auto", "hf", "builtin", "vllm"] = "auto"
+    """Generation engine; `auto` is the built-in engine where it supports the model, else `hf`."""
+    num_samples_per_prompt: int = 8
+    """Responses sampled for each prompt (the group size of GRPO/RLOO)."""
+    max_new_tokens: int = 256
+    """Longest response; longer ones are cut and count as truncated."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely one."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Generation stops after any of these strings (the end-of-sequence token always stops)."""
+    ignore_eos: bool = False
+    """Generate exactly max_new_tokens for every response (benchmarks); explicit stop strings still stop."""
+    eval_temperature: float = 0.0
+    """Sampling temperature for evaluation; 0 is greedy."""
+    kv_cache_memory: float = 0.3
+    """Built-in engine: KV cache size as a fraction of free device memory (or GiB if > 1)."""
+    attention: Literal["auto", "triton", "triton-stacked", "sdpa"] = "auto"
+    """Built-in engine decode attention. `triton`: each prompt's KV is stored once and shared by its samples,
+    read by a Triton kernel (on CPU by its PyTorch reference); `sdpa`: a full KV copy per sequence and PyTorch
+    SDPA; `auto`: triton on CUDA when triton is installed, else sdpa. `triton-stacked` (opt-in; as fast as
+    triton in one H200 run, slower in the next): the triton layout with a prompt kernel per prompt entry that reads its KV
+    once for all samples, then a response kernel per sequence (on CPU a PyTorch reference of the same two phases)."""
+    fuse_qkv: bool = True
+    """Built-in engine: one matrix of each layer's q/k/v weights while generating: one matmul instead of three, and
+    the triton kernel (no q/k norm) adds bias and RoPE itself (grpo-0.5b rollout on an H200: 0.776 -> 0.657 s).
+    Costs q/k/v again while generating (50 MB for Qwen2-0.5B, 0.9 GB for Qwen2.5-7B); LoRA'd projections stay apart."""
+    fuse_gate_up: bool | Literal["auto"] = "auto"
+    """Built-in engine: likewise stack each layer's MLP gate and up weights into one matrix while generating
+    (one matmul instead of two; grpo-0.5b rollout on an H200: 0.625 -> 0.598 s). Costs those weights again during
+    the rollout: 0.4 GB for Qwen2-0.5B, 1.5 GB for Qwen2.5-1.5B, 7.6 GB for Qwen2.5-7B; `auto` stacks them on
+    CUDA when that is at most 5% of the GPU's memory. LoRA'd projections stay separate."""
+    dequantize_4bit: bool | Literal["auto"] = "auto"
+    """Built-in engine with a 4-bit base (`model.load_in_4bit`): make a full-precision copy of the base's projection
+    weights for each rollout, so decode steps run as for a bf16 base, instead of dequantizing every layer at every
+    step. Costs that copy during the rollout (13 GB for a 7B model); `auto` copies as many layers as fit in half of
+    the free GPU memory (an H200: all of a 7B model; a 24 GB card: part), the others are dequantized as they run."""
+    empty_cuda_cache: bool = True
+    """At each train <-> generate switch, and when the KV cache is released, hand the CUDA allocator's cached
+    memory back to the driver (`torch.cuda.empty_cache`). false keeps it cached for the next phase to reuse:
+    no cudaFree / cudaMalloc of the KV cache and training buffers every step, the same peak allocated
+    memory, but nvidia-smi shows the high-water mark and other processes cannot use it. Measured on grpo-0.5b:
+    no gain beyond the run-to-run spread (docs/rollout.md)."""
+
+
+@dataclass
+class RewardSpec:
+    fn: str = ""
+    """A built-in reward name (exact_match, numeric_match, format, length_penalty) or `file.py:function`."""
+    weight: float = 1.0
+    """Weight of this reward in the total."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the function."""
+
+
+@dataclass
+class RewardConfig:
+    functions: list[RewardSpec] = field(default_factory=list)
+    """Reward functions, summed with their weights; each is logged as `reward/<name>`."""
+    reward_model: str | None = None
+    """Hugging Face sequence-classification model scoring decoded text (its own tokenizer)."""
+    reward_model_weight: float = 1.0
+    """Weight of the reward model's score in the total."""
+    shard_scoring: bool = True
+    """Several processes: each scores whole prompt groups of its share and the scores are gathered;
+    false scores the whole batch on every process (for rewards that need the whole batch at once)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"] = "grpo"
+    """Advantage estimator; `ppo` uses GAE with a critic."""
+    normalize_std: bool = True
+    """GRPO: divide group-centred scores by the group's standard deviation."""
+    gamma: float = 1.0
+    """Discount factor (GAE, REINFORCE++)."""
+    lam: float = 0.95
+    """GAE lambda."""
+    clip_ratio_low: float = 0.2
+    """PPO clip below 1 (ratio >= 1 - clip_ratio_low)."""
+    clip_ratio_high: float = 0.2
+    """PPO clip above 1; larger than the low clip is DAPO's clip-higher."""
+    dual_clip: float | None = None
+    """Dual-clip PPO lower bound factor (e.g. 3.0) for negative advantages; null disables."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token (PPO/GRPO) or per sequence (GSPO: exp of the mean token log-ratio; use
+    clip ratios around 3e-4 / 4e-4 with it)."""
+    mask_truncated: bool = False
+    """Leave responses cut at rollout.max_new_tokens out of the policy loss (DAPO's overlong filtering)."""
+    drop_uniform_groups: bool = False
+    """Leave groups whose samples all scored alike out of the policy loss and its token count (DAPO's
+    dynamic-sampling filter, without re-sampling: the step learns from the informative groups only)."""
+    rollout_correction_cap: float | None = None
+    """Weight each token's policy loss by min(pi_old / pi_sampler, cap): truncated importance sampling for
+    the gap between the sampler's and the trainer's log-probs (TRL's vllm_importance_sampling_cap, verl's
+    tis_imp_ratio_cap; 2.0 is usual); null disables."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses become one number."""
+    kl_coef: float = 0.0
+    """Weight of the KL divergence to the reference model; 0 skips the reference forward pass."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman's k1/k2/k3)."""
+    kl_in_reward: bool = False
+    """Subtract the KL from the token rewards (classic RLHF) instead of adding it to the loss."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    value_clip: float = 0.2
+    """Clipping range of the value loss."""
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm; 0 disables."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int = 0
+    """Sequences per optimizer step; 0 means the whole rollout batch (one step per rollout)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    reuse_logprobs_on_policy: bool = True
+    """With one optimizer step per rollout (ppo_epochs=1 and one mini-batch) the old policy is the current
+    one, so the old log-probs are the update's own log-probs, detached, and the separate no-grad forward
+    pass over the batch is skipped (the ratio is exactly 1, as in verl's on-policy mode). Not applied when
+    algorithm.kl_in_reward needs them before the update. False always runs the extra pass."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget per forward/backward: each mini-batch is regrouped into micro-batches of at most this many
+    real (unpadded) tokens and packed without padding; 0 uses micro_batch_size sequences instead."""
+    share_prompt_tokens: bool = False
+    """The responses to one prompt go through the log-prob and update passes with that prompt once (one row:
+    the prompt, then each response, masked so that no response sees another): (P + nR) tokens instead of
+    n(P + R), the same values and gradients. Micro-batches keep a prompt's responses together (a prompt whose
+    responses exceed max_tokens_per_micro_batch together gets a micro-batch of its own). Needs an
+    attention that takes a mask: model.attn_implementation=flex_attention on GPU (block mask); sdpa/eager
+    get a dense mask, which computes every block. Mini-batches are then drawn as whole prompts, and with
+    several ranks each prompt's rows go to one rank.
+    Measured on grpo-0.5b (one H200, flex_attention, six runs): update 2.28 -> 1.49-1.67 s, step 3.10 -> 2.28-2.50 s."""
+    optimizer_state_dtype: Literal["float32", "param"] = "float32"
+    """AdamW moments for bf16/fp16 parameters: float32 (no float32 copy of the weights; the update is applied
+    with stochastic rounding so small steps are not rounded away) or `param` (torch AdamW, state in the
+    parameters' dtype). float32 parameters always get float32 state."""
+    optimizer_offload: bool = False
+    """Keep AdamW state in CPU memory and stream it to the device one parameter at a time in each step:
+    8 bytes per parameter off the GPU for a host-device round trip per step. Measured on grpo-0.5b (H200s):
+    ~0.06 s per step on one GPU, but with two GPUs, each streaming its shard, the update varied 0.90-1.44 s
+    against 0.79-1.10 s with the state on the GPUs; prefer false where the memory allows."""
+    optimizer_offload_fraction: float = 1.0
+    """With optimizer_offload: the share of the AdamW state (by parameter elements, in parameter order) kept in
+    CPU memory; the rest stays on the GPU: 8 bytes per parameter kept there, fewer PCIe bytes every step."""
+    optimizer_8bit: bool = False
+    """8-bit AdamW state through bitsandbytes (`pip install bitsandbytes`, CUDA only)."""
+    offload_during_rollout: bool = False
+    """Hybrid engine: move optimizer state to CPU memory while generating (room for a larger KV cache),
+    and back before the update; the switch time is logged as `perf/weight_sync_s`."""
+
+
+@dataclass
+class CriticConfig:
+    lr: float = 1e-5
+    """Peak learning rate of the critic."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm; 0 disables."""
+    critic_warmup_steps: int = 0
+    """Steps at the start during which only the critic is trained."""
+    path: str | None = None
+    """Backbone for the critic; defaults to the actor's `model.path`."""
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 100
+    """Rollout-and-update steps."""
+    prompts_per_step: int = 32
+    """Prompts per rollout; the batch has prompts_per_step * num_samples_per_prompt sequences."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    device: str = "auto"
+    """`auto` (cuda if visible, else cpu), `cpu`, `cuda` or `cuda:N`."""
+    output_dir: str = "runs/default"
+    """Where metrics, samples and models are written."""
+    eval_every: int = 0
+    """Evaluate on the held-out set every N steps (and before the first and after the last); 0 disables.
+    Logs `eval/reward_mean`, `eval/reward/<fn>` and `eval/accuracy` (fraction of prompts whose total reward is > 0)."""
+    save_model: bool = True
+    """Save the final actor as a Hugging Face directory in `output_dir/model`."""
+    save_every: int = 0
+    """Save a resumable checkpoint in `output_dir/checkpoints` every N steps and after the last; 0 saves only
+    when the run is stopped by SIGINT/SIGTERM."""
+    keep_last_n: int = 3
+    """Checkpoints kept; older ones are deleted after a new one is complete. 0 keeps all."""
+    resume: str = "auto"
+    """`auto` continues from the newest intact checkpoint in `output_dir/checkpoints` if there is one;
+    `off` starts fresh; a path names a checkpoint (or a run directory) to continue from."""
+    num_gpus: int = 1
+    """Training processes, one per GPU (data parallel, FSDP2). Above 1, `hybridrl train` starts them itself
+    (see `launcher`); with trainer.device=cpu it starts that many CPU processes (gloo), for testing."""
+    launcher: Literal["torchrun", "ray"] = "torchrun"
+    """How `hybridrl train` starts the processes: torchrun on this node, or one Ray actor per GPU on the
+    Ray cluster that RAY_ADDRESS names (`pip install 'hybridrl[ray]'`)."""
+    device_mesh: dict[str, Any] = field(default_factory=dict)
+    """CUDA devices per role, e.g. {actor: [0], reward: [1]}; roles not listed share the actor's devices, and
+    the actor defaults to devices 0..num_gpus-1. Checked by `placement.resolve_placement`."""
+    fsdp_shard_size: int = 0
+    """With several GPUs: how many share one copy of the weights and optimizer state. 0 shards over all of
+    them (FSDP, least memory); 1 keeps a full copy on each (replicated, like DDP: no weight gathers before
+    the rollout or in training, gradients all-reduced; each GPU needs the one-GPU memory); a divisor k
+    of trainer.num_gpus shards within groups of k and replicates across groups (HSDP)."""
+    fsdp_reshard_every_micro_batch: bool = False
+    """With several GPUs (FSDP2): false keeps each phase's full weights gathered across its micro-batches and
+    reduce-scatters gradients once per mini-batch (fast; one extra full copy of weights and gradients per GPU
+    during the update); true gathers and reduce-scatters in every micro-batch (least memory, for models whose
+    full weights do not fit twice on one GPU)."""
+    hang_timeout_s: float = 900.0
+    """A multi-process run stops, naming the rank, when one rank completes no trainer phase for this long."""
+
+
+@dataclass
+class LoggingConfig:
+    sinks: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Metric sinks: console, jsonl, tensorboard (`pip install 'hybridrl[tensorboard]'`), wandb
+    (`pip install 'hybridrl[wandb]'`; WANDB_MODE=offline writes locally with no network)."""
+    log_every: int = 1
+    """Print a console line every N steps."""
+    num_samples_to_print: int = 2
+    """Sample prompts/completions/rewards printed with each console line; 0 disables."""
+
+
+@dataclass
+class SFTConfig:
+    num_epochs: int = 1
+    """Passes over the SFT data."""
+    batch_size: int = 32
+    """Examples per optimizer step."""
+    lr: float = 1e-3
+    """Peak learning rate (cosine decay after warm-up)."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps; 0 runs all epochs."""
+    max_length: int = 512
+    """Prompt + response tokens; longer examples are dropped and counted."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    @property
+    def rollout_batch_size(self) -> int:
+        """Sequences generated per step."""
+        return self.trainer.prompts_per_step * self.rollout.num_samples_per_prompt
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)

@@ -1,0 +1,78 @@
+"""`hybridrl plot RUN_DIR`: PNG curves of a run from its `metrics.jsonl` (matplotlib, imported lazily).
+
+One figure, a panel per quantity that the run logged (reward, KL, entropy, response length,
+tokens/s, eval accuracy), each with the raw values faint and a moving average on top, so a noisy
+RL curve still shows its trend.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from hybridrl.config.schema import MissingExtra
+
+PANELS = [
+    ("reward/mean", "reward (mean)"), ("actor/kl", "KL to reference"), ("actor/entropy", "entropy"),
+    ("rollout/response_length_mean", "response length (tokens)"), ("perf/tokens_per_s", "generated tokens/s"),
+    ("eval/accuracy", "eval accuracy"),
+]
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; give the output_dir of a run that logged to jsonl.")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    out, total, queue = [], 0.0, []
+    for value in values:
+        queue.append(value)
+        total += value
+        if len(queue) > window:
+            total -= queue.pop(0)
+        out.append(total / len(queue))
+    return out
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write `out` (default RUN_DIR/curves.png) and return its path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MissingExtra("plotting needs matplotlib: pip install 'hybridrl[plot]'.") from None
+    rows = read_metrics(run_dir)
+    panels = [(key, title) for key, title in PANELS if any(key in row for row in rows)]
+    if not panels:
+        raise ValueError(f"{run_dir}/metrics.jsonl has none of {', '.join(k for k, _ in PANELS)}.")
+    columns = min(3, len(panels))
+    lines = math.ceil(len(panels) / columns)
+    figure, axes = plt.subplots(lines, columns, figsize=(4.6 * columns, 3.3 * lines), squeeze=False)
+    for ax, (key, title) in zip(axes.flat, panels):
+        points = [(row["step"], row[key]) for row in rows if key in row and math.isfinite(row[key])]
+        steps, values = [p[0] for p in points], [p[1] for p in points]
+        window = max(1, len(values) // 20)
+        if window > 1:
+            ax.plot(steps, values, color="tab:blue", alpha=0.3, linewidth=1)
+            ax.plot(steps, moving_average(values, window), color="tab:blue", linewidth=2,
+                    label=f"moving average ({window})")
+            ax.legend(fontsize=8, loc="best")
+        else:
+            ax.plot(steps, values, color="tab:blue", linewidth=2, marker="o" if len(values) < 30 else None)
+        ax.set_title(title, fontsize=11)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    figure.suptitle(str(Path(run_dir)), fontsize=10)
+    figure.tight_layout()
+    out = Path(out) if out is not None else Path(run_dir) / "curves.png"
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out

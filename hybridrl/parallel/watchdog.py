@@ -1,0 +1,139 @@
+"""Hang detection: each rank counts its progress (`heartbeat()`), and a `Watchdog` thread turns a rank whose
+count stops into an error that names it.
+
+A stalled rank that is computing (not waiting inside a torch.distributed call) is the one to blame;
+ranks waiting in a collective are only held up by it (`find_stalled`). Under Ray the driver runs the same
+check over the actors' counts (`launch.py`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+_progress = 0
+
+
+_training_thread: int | None = None
+
+
+def heartbeat() -> None:
+    """Mark progress (the trainer calls it at every phase); the watchdog stops runs whose ranks stop beating."""
+    global _progress, _training_thread
+    _progress += 1
+    _training_thread = threading.get_ident()
+
+
+def progress() -> int:
+    return _progress
+
+
+def waiting_in_collective() -> bool:
+    """Whether the thread that last called `heartbeat()` is inside torch.distributed code right now (waiting
+    for other ranks), as opposed to computing: how the watchdog tells the rank that hangs from those it holds up."""
+    frame = sys._current_frames().get(_training_thread) if _training_thread is not None else None
+    while frame is not None:
+        if _DISTRIBUTED_CODE in frame.f_code.co_filename.replace(os.sep, "/"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_DISTRIBUTED_CODE = "/torch/distributed/"
+
+
+STALL_EXIT_CODE = 75
+"""Exit status of a worker whose watchdog stopped the run."""
+
+
+def find_stalled(counts: dict[int, int], changed_at: dict[int, float], now: float, timeout_s: float,
+                 waiting: dict[int, bool] | None = None) -> str | None:
+    """Which rank holds the run up, if any. A rank is stalled when its heartbeat count has not changed
+    for `timeout_s`; a stalled rank that is computing (not waiting inside a torch.distributed call) is
+    the one to blame, while stalled ranks waiting in a collective are only held up by it."""
+    waiting = waiting or {}
+    stalled = [r for r in sorted(counts) if now - changed_at[r] > timeout_s]
+    culprits = [r for r in stalled if not waiting.get(r, False)]
+    if culprits:
+        idle = max(now - changed_at[r] for r in culprits)
+        names = ", ".join(str(r) for r in culprits)
+        held = [r for r in stalled if r not in culprits]
+        also = f"; rank {', '.join(map(str, held))} wait(s) for it in a collective" if held else ""
+        return (f"rank {names} made no progress for {idle:.0f} s (stuck after heartbeat "
+                f"{min(counts[r] for r in culprits)}, outside any collective){also}")
+    if stalled and len(stalled) == len(counts):
+        idle = min(now - changed_at[r] for r in stalled)
+        where = ", ".join(f"rank {r} at heartbeat {counts[r]}" for r in stalled)
+        return (f"every rank has waited in a collective for {idle:.0f} s ({where}): a rank died inside it, or "
+                "the ranks called different collectives")
+    return None
+
+
+class Watchdog(threading.Thread):
+    """Publishes this rank's heartbeat count to the rendezvous store and reads every rank's; when
+    `find_stalled` names a rank, calls `on_stall(message)` (default: print it and exit the process)."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float, interval_s: float | None = None,
+                 on_stall: Callable[[str], None] | None = None, startup_grace_s: float = 600.0):
+        super().__init__(name="hybridrl-watchdog", daemon=True)
+        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.startup_grace_s = startup_grace_s
+        """Extra time before a rank's first heartbeat (model loading); after it, the clock starts."""
+        self.interval_s = interval_s or min(10.0, max(0.5, timeout_s / 5))
+        self.on_stall = on_stall or _exit_with_message
+        self._stop_event = threading.Event()
+
+    @classmethod
+    def from_env(cls, rank: int, world_size: int, timeout_s: float, **kwargs: Any) -> Watchdog:
+        import torch.distributed as dist
+
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                               timeout=datetime.timedelta(seconds=max(30.0, timeout_s)))
+        return cls(dist.PrefixStore("hybridrl/heartbeat/", client), rank, world_size, timeout_s, **kwargs)
+
+    def stop(self, wait_s: float = 10.0) -> None:
+        """Stop and wait for the thread to finish the store call it may be in. A daemon thread still running
+        when the interpreter finalizes is ended with pthread_exit as it re-takes the GIL after a store call;
+        unwinding through the binding's noexcept GIL guard then aborts the process ("terminate called without
+        an active exception": 2-process CPU runs in CI that had otherwise finished). Runs at exit too."""
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(wait_s)
+
+    def run(self) -> None:
+        counts: dict[int, int] = {}
+        waiting: dict[int, bool] = {}
+        changed_at: dict[int, float] = {}
+        started = time.monotonic()
+        while not self._stop_event.wait(self.interval_s):
+            try:
+                self.store.set(str(self.rank), f"{progress()} {int(waiting_in_collective())}")
+                for rank in range(self.world_size):
+                    text = self.store.get(str(rank)).decode() if self.store.check([str(rank)]) else "0 0"
+                    count, waiting[rank] = int(text.split()[0]), text.split()[1] == "1"
+                    if counts.get(rank) != count:
+                        counts[rank], changed_at[rank] = count, time.monotonic()
+            except Exception as error:  # the store lives in rank 0's process (or torchrun's agent)
+                if self._stop_event.is_set():
+                    return
+                self.on_stall(f"rank {self.rank} lost the rendezvous store ({type(error).__name__}: {error}); "
+                              "rank 0 or the launcher probably died")
+                return
+            for rank in range(self.world_size):
+                if counts.get(rank, 0) == 0:
+                    changed_at[rank] = started + self.startup_grace_s
+            message = find_stalled(counts, changed_at, time.monotonic(), self.timeout_s, waiting)
+            if message:
+                self.on_stall(message)
+                return
+
+
+def _exit_with_message(message: str) -> None:
+    print(f"hybridrl: {message}; stopping the run (trainer.hang_timeout_s).", file=sys.stderr, flush=True)
+    os._exit(STALL_EXIT_CODE)
+
+

@@ -1,0 +1,222 @@
+"""Builds what a run needs from its config: device, models, optimizers, rollout backend, rewards, data.
+
+Kept apart from the trainer so the loop holds no construction code, and so that every user error
+(an invisible device, a missing data file, a bad reward spec) surfaces here, before training starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from hybridrl.config.schema import Config, ConfigError
+from hybridrl.data.datasets import PromptDataset
+from hybridrl.models.loading import (
+    HFModel,
+    HostOffloadedWeights,
+    ValueModel,
+    compile_layers,
+    enable_activation_checkpointing,
+    load_hf_model,
+    make_reference,
+)
+from hybridrl.models.lora import AdapterDisabled, apply_lora
+from hybridrl.models.qlora import quantize_4bit
+from hybridrl.parallel import fsdp, process_group
+from hybridrl.parallel.placement import resolve_placement
+from hybridrl.rewards import RewardComposer, WeightedReward, load_reward_function
+from hybridrl.rollout.base import RolloutBackend
+from hybridrl.rollout.hf import HFBackend
+from hybridrl.training.optim import build_optimizer, build_scheduler
+from hybridrl.training.shared_prompt import attention_problem, uses_flex_attention
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    device: torch.device
+    actor: nn.Module
+    tokenizer: Any
+    pad_token_id: int
+    reference: nn.Module | None
+    critic: ValueModel | None
+    actor_optimizer: torch.optim.Optimizer
+    actor_scheduler: Any
+    critic_optimizer: torch.optim.Optimizer | None
+    critic_scheduler: Any
+    rollout: RolloutBackend
+    setup: process_group.DistributedSetup
+    rewards: RewardComposer
+    dataset: PromptDataset
+    eval_dataset: PromptDataset | None
+    reference_offload: HostOffloadedWeights | None = None  # `model.reference_offload`: weights on the host
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> cuda if visible else cpu; a CUDA device that is not visible is a clear error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        env = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={env!r})" if env is not None else ""
+        if visible == 0:
+            raise ConfigError(f"trainer.device={name!r} but no CUDA device is visible{where}; "
+                              "use trainer.device=cpu or auto.")
+        if device.index is not None and device.index >= visible:
+            raise ConfigError(f"trainer.device={name!r} but only {visible} CUDA device(s) are visible{where}; "
+                              f"use an index below {visible}.")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_rewards(config: Config, reward_fn: str | Callable | list | None, device: torch.device) -> RewardComposer:
+    if reward_fn is None:
+        if not config.reward.functions and not config.reward.reward_model:
+            raise ConfigError("no reward is configured; set reward.functions (e.g. [{fn: exact_match}]) "
+                              "or reward.reward_model, or pass reward_fn= in Python.")
+        return RewardComposer.from_config(config.reward, device=device)
+    items = reward_fn if isinstance(reward_fn, list) else [reward_fn]
+    rewards = []
+    for item in items:
+        fn = load_reward_function(item) if isinstance(item, str) else item
+        rewards.append(WeightedReward(getattr(fn, "__name__", str(item)), fn, 1.0))
+    return RewardComposer(rewards)
+
+
+def check_stacked_attention(config: Config, actor: nn.Module) -> None:
+    """`rollout.attention=triton-stacked` stacks n x group query rows per prompt program; refuse, before any
+    rollout, a model and n whose rows do not fit the kernel (the engine would only fail at its first step)."""
+    if config.rollout.attention != "triton-stacked":
+        return
+    from hybridrl.rollout.kernels.stacked_attention import MAX_STACKED_ROWS, stacked_rows
+
+    text = actor.config.get_text_config()
+    group = text.num_attention_heads // (getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+    n = config.rollout.num_samples_per_prompt
+    if stacked_rows(n, group) > MAX_STACKED_ROWS:
+        raise ConfigError(f"rollout.attention=triton-stacked stacks {n} samples x {group} query heads per KV head "
+                          f"= {n * group} rows per prompt, more than its {MAX_STACKED_ROWS}; use "
+                          "rollout.attention=triton, or fewer rollout.num_samples_per_prompt.")
+
+
+def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torch.device) -> RolloutBackend:
+    """`auto` takes the built-in engine where it supports the model, with one line saying why not."""
+    backend = config.rollout.backend
+    if backend in ("auto", "builtin"):
+        try:
+            from hybridrl.rollout.engine.backend import BuiltinBackend
+        except ImportError:
+            supported, reason = False, "the built-in engine is not available in this install"
+        else:  # `supports` is a static method: builtin.py exports no module-level `supports`
+            supported, reason = BuiltinBackend.supports(actor)
+        if supported and (backend == "builtin" or device.type == "cuda"):
+            check_stacked_attention(config, actor)
+            return BuiltinBackend(actor, tokenizer=tokenizer, kv_cache_memory=config.rollout.kv_cache_memory,
+                                  attention=config.rollout.attention, fuse_qkv=config.rollout.fuse_qkv,
+                                  fuse_gate_up=config.rollout.fuse_gate_up,
+                                  empty_cache=config.rollout.empty_cuda_cache,
+                                  dequantize_4bit=config.rollout.dequantize_4bit)
+        if backend == "builtin":
+            logger.warning("rollout.backend=builtin falls back to hf: %s", reason)
+    if backend == "vllm":
+        from hybridrl.rollout.vllm import VLLMBackend
+        return VLLMBackend(actor, tokenizer=tokenizer)
+    return HFBackend(actor, tokenizer)
+
+
+def build_components(config: Config, actor: HFModel | None = None, reward_fn: Any = None,
+                     dataset: PromptDataset | None = None, eval_dataset: PromptDataset | None = None) -> Components:
+    device = resolve_device(config.trainer.device)
+    placement = resolve_placement(config.trainer.device_mesh, config.trainer.num_gpus, device.type)
+    setup = process_group.init_from_env(device, placement.actor, hang_timeout_s=config.trainer.hang_timeout_s,
+                                      shard_size=config.trainer.fsdp_shard_size)
+    device = setup.device
+    seed_everything(config.trainer.seed)
+    rewards = build_rewards(config, reward_fn, placement.device("reward", setup.local_rank))  # cheap errors first
+    m = config.model
+    if actor is None:
+        actor = load_hf_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                              trust_remote_code=m.trust_remote_code, device=device,
+                              tokenizer_path=m.tokenizer_path, seed=config.trainer.seed, load_in_4bit=m.load_in_4bit)
+    model, tokenizer = actor
+    if config.actor.share_prompt_tokens and (problem := attention_problem(model, device)):
+        raise ConfigError(problem)
+    if config.actor.share_prompt_tokens and device.type == "cuda" and not uses_flex_attention(model):
+        logger.warning("actor.share_prompt_tokens with %s attention builds a dense mask and computes every block of "
+                       "the long shared rows; model.attn_implementation=flex_attention skips them (docs/training.md)",
+                       getattr(model.config, "_attn_implementation", "?"))
+    if device.type == "cuda" and config.rollout.num_samples_per_prompt >= 4 and not config.actor.share_prompt_tokens:
+        logger.info("tip: actor.share_prompt_tokens=true with model.attn_implementation=flex_attention trains each "
+                    "prompt once for its %d samples (grpo-0.5b on an H200: step 3.10 -> 2.28-2.50 s; docs/training.md)",
+                    config.rollout.num_samples_per_prompt)
+    if device.type == "cuda" and setup.world_size > 1 and config.actor.optimizer_offload:
+        shards = config.trainer.fsdp_shard_size or setup.world_size
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        logger.info("tip: actor.optimizer_offload=false would keep this GPU's share of the AdamW moments on it "
+                    "(%.1f GiB): on 2 H200s the offloaded update varied 0.90-1.44 s per step, the resident one "
+                    "0.79-1.10 s (docs/multi_gpu.md)", 8 * trainable / shards / 2**30)
+    model.to(device)
+    if m.load_in_4bit:  # a model passed in Python (or the benchmark's) is quantized here; a loaded one already is
+        quantize_4bit(model)
+    if dataset is None:
+        if not config.data.train_path:
+            raise ConfigError("data.train_path is empty; point it at a .jsonl/.csv/.parquet file of prompts.")
+        dataset = PromptDataset.from_config(config.data, tokenizer, config.data.train_path, seed=config.trainer.seed)
+    if eval_dataset is None and config.data.eval_path:
+        eval_dataset = PromptDataset.from_config(config.data, tokenizer, config.data.eval_path, seed=config.trainer.seed)
+    if m.lora_rank:
+        model = apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules)
+    if m.gradient_checkpointing:
+        enable_activation_checkpointing(model)  # non-reentrant in transformers 5: LoRA needs no input grads
+    model.config.use_cache = False
+    reference = None
+    if config.algorithm.kl_coef > 0:  # LoRA: the base is the adapter-disabled actor, no second copy
+        reference = AdapterDisabled(model) if m.lora_rank else make_reference(model)
+    a, total = config.actor, config.trainer.total_steps
+    critic = None
+    if config.algorithm.name == "ppo":  # copies are made before sharding
+        critic_base = model if not config.critic.path else load_hf_model(config.critic.path, dtype=m.dtype, device=device).model
+        critic = fsdp.parallelize(ValueModel(make_reference(critic_base).requires_grad_(True)).to(device), setup)
+    if reference is not None and not m.lora_rank:
+        reference = fsdp.parallelize(reference, setup)
+    model = fsdp.parallelize(model, setup)
+    if m.compile:
+        compiled = sum(compile_layers(module) for module in (model, reference, critic)
+                       if module is not None and not isinstance(module, AdapterDisabled))
+        logger.info("model.compile: %d decoder layers compile during the first step (tens of seconds on a GPU)", compiled)
+    actor_optimizer = build_optimizer(model.parameters(), a.lr, a.weight_decay, state_dtype=a.optimizer_state_dtype,
+                                      offload=a.optimizer_offload_fraction if a.optimizer_offload else False,
+                                      eight_bit=a.optimizer_8bit, seed=config.trainer.seed)
+    critic_optimizer = critic_scheduler = None
+    if critic is not None:
+        critic_optimizer = build_optimizer(critic.parameters(), config.critic.lr, seed=config.trainer.seed + 1)
+        critic_scheduler = build_scheduler(critic_optimizer, config.critic.lr_schedule, config.critic.warmup_steps, total)
+    reference_offload = None
+    if m.reference_offload and reference is not None:
+        if m.lora_rank:
+            logger.warning("model.reference_offload has no effect with LoRA: the reference is the actor with its "
+                           "adapter disabled, not a second copy.")
+        else:
+            reference_offload = HostOffloadedWeights(reference, device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return Components(
+        device=device, actor=model, tokenizer=tokenizer, pad_token_id=pad_id, reference=reference, critic=critic,
+        actor_optimizer=actor_optimizer, actor_scheduler=build_scheduler(actor_optimizer, a.lr_schedule, a.warmup_steps, total),
+        critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
+        rollout=build_rollout(config, model, tokenizer, device), setup=setup, rewards=rewards, dataset=dataset,
+        eval_dataset=eval_dataset, reference_offload=reference_offload)

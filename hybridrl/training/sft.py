@@ -1,0 +1,63 @@
+"""Supervised fine-tuning on prompt/response pairs (loss on response tokens only).
+
+A policy has to start somewhere: `hybridrl sft` turns a base (or tiny random) model into one that
+answers in the task's format, which RL then improves. Same config file format as `train`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from hybridrl.config.schema import Config, ConfigError
+from hybridrl.data.datasets import SFTDataset, collate_sft
+from hybridrl.metrics.sinks import MetricsLogger
+from hybridrl.models.loading import enable_activation_checkpointing, load_hf_model, save_hf_model
+from hybridrl.training.components import resolve_device, seed_everything
+from hybridrl.training.optim import build_optimizer, build_scheduler
+
+
+def run_sft(config: Config) -> Path:
+    """Train with cross-entropy on responses; saves a Hugging Face directory and returns its path."""
+    device = resolve_device(config.trainer.device)
+    seed_everything(config.trainer.seed)
+    if not config.data.train_path:
+        raise ConfigError("data.train_path is empty; point it at a .jsonl/.csv/.parquet file with prompt and response columns.")
+    m, s = config.model, config.sft
+    model, tokenizer = load_hf_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                                     trust_remote_code=m.trust_remote_code, device=device,
+                                     tokenizer_path=m.tokenizer_path, seed=config.trainer.seed)
+    if m.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    dataset = SFTDataset.from_config(config.data, s, tokenizer, config.data.train_path)
+    steps_per_epoch = len(dataset) // s.batch_size or 1
+    total = steps_per_epoch * s.num_epochs if not s.max_steps else min(s.max_steps, steps_per_epoch * s.num_epochs)
+    optimizer = build_optimizer(model.parameters(), s.lr, weight_decay=0.0)
+    scheduler = build_scheduler(optimizer, "cosine", s.warmup_steps, total)
+    output_dir = Path(config.trainer.output_dir)
+    logger = MetricsLogger(output_dir, config.logging.sinks, total, log_every=max(1, total // 20))
+    generator = torch.Generator().manual_seed(config.trainer.seed)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    model.train()
+    step, start = 0, time.time()
+    while step < total:
+        for indices in torch.randperm(len(dataset), generator=generator).split(s.batch_size):
+            if step >= total or len(indices) < s.batch_size:
+                break
+            batch = {k: v.to(device) for k, v in collate_sft([dataset[i] for i in indices.tolist()], pad_id).items()}
+            loss = model(**batch).loss
+            if not torch.isfinite(loss):
+                raise ConfigError(f"the SFT loss became {loss.item()} at step {step + 1}; lower sft.lr.")
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            logger.log(step, {"sft/loss": loss, "sft/grad_norm": grad_norm, "sft/lr": scheduler.get_last_lr()[0],
+                              "timing/elapsed_s": time.time() - start})
+    logger.close()
+    save_hf_model(model, tokenizer, output_dir / "model")
+    return output_dir / "model"

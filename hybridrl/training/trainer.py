@@ -1,0 +1,361 @@
+"""The RL loop: one controller whose `step()` reads like the algorithm.
+
+rollout -> score -> old/reference log-probs and values -> advantages -> update -> log. Everything
+model-specific lives in `components.py` (building models, backends, optimizers), the update
+epochs in `update.py`, and the math in `algorithms.py`.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from hybridrl import algorithms
+from hybridrl.checkpoint import store as checkpoint
+from hybridrl.config.loading import load_config
+from hybridrl.config.schema import Config
+from hybridrl.data.datasets import PromptDataset
+from hybridrl.metrics.sinks import MetricsLogger
+from hybridrl.models.loading import HFModel, save_hf_model
+from hybridrl.parallel import fsdp, process_group, sharding, watchdog
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.timeline import phase_seconds
+from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_responses
+from hybridrl.training.components import Components, build_components
+from hybridrl.training.logprobs import response_logprobs
+from hybridrl.training.phase_switch import rollout_phase
+from hybridrl.training.shared_prompt import PromptLayout
+from hybridrl.training.update import shard_by_prompt, update_actor, update_critic
+
+
+class PhaseTimer:
+    """Wall time per phase (device-synchronised), reported as `timing/<phase>_s`, and on CUDA each phase's
+    peak allocated memory (`perf/peak_memory_<phase>_gib`): which phase sets the step's peak is what
+    decides the next memory saving (KV cache size, micro-batch size, optimizer offload)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.peak_bytes: dict[str, int] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        watchdog.heartbeat()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        with torch.profiler.record_function(f"phase:{phase}"):  # named ranges in a profile; no cost without one
+            yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.peak_bytes[phase] = max(self.peak_bytes.get(phase, 0), peak)
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+class RLTrainer:
+    """PPO/GRPO-family trainer. Build from a `Config` (or YAML path) plus keyword overrides.
+
+    `actor`, `reward_fn`, `dataset` and `eval_dataset` may be given as objects instead of through the
+    config (the Python API); anything left out is built from the config.
+    """
+
+    def __init__(self, config: Config | str | None = None, *, actor: HFModel | None = None,
+                 reward_fn: str | Callable | list | None = None, dataset: PromptDataset | None = None,
+                 eval_dataset: PromptDataset | None = None, **overrides: Any):
+        if not isinstance(config, Config):
+            config = load_config(config, **overrides)
+        elif overrides:
+            config = load_config(None, **{**config.to_dict(), **overrides})
+        self.config = config
+        self.parts: Components = build_components(config, actor=actor, reward_fn=reward_fn, dataset=dataset,
+                                                  eval_dataset=eval_dataset)
+        self.device = self.parts.device
+        self.step_count = 0
+        self.froze_warm_up_objects = False  # see `freeze_warm_up_objects`, done after this process's first step
+        self.switch_seconds: dict[str, float] = {}  # train <-> generate switch time of the current step
+        self.rollout_phases: dict[str, float] = {}  # the last rollout's split (`rollout/timeline.phase_seconds`)
+        self.output_dir = Path(config.trainer.output_dir)
+        sinks = config.logging.sinks if self.parts.setup.is_main else []  # rank 0 logs
+        self.logger = MetricsLogger(self.output_dir, sinks, config.trainer.total_steps,
+                                    config.logging.log_every, config.logging.num_samples_to_print, config.to_dict(),
+                                    warn=self.parts.setup.is_main)
+        self.sampler = self.parts.dataset.sampler(config.trainer.prompts_per_step)
+
+    # ------------------------------------------------------------------------------------------
+    # The loop
+
+    def train(self) -> list[dict[str, float]]:
+        """Run until `trainer.total_steps`, evaluating every `eval_every` steps; returns the metric history."""
+        cfg = self.config.trainer
+        if self.parts.setup.is_main:
+            print(self.describe(), flush=True)
+        checkpoint.resume_from_config(self)
+        with checkpoint.stop_on_signals() as stop:
+            if cfg.eval_every and self.parts.eval_dataset is not None and self.step_count == 0:
+                self.logger.log(0, self.evaluate())
+            while self.step_count < cfg.total_steps and not stop:
+                metrics = self.step()
+                done = self.step_count == cfg.total_steps
+                if cfg.eval_every and self.parts.eval_dataset is not None and (self.step_count % cfg.eval_every == 0 or done):
+                    metrics.update(self.evaluate())
+                self.logger.log(self.step_count, metrics)
+                if stop or (cfg.save_every and (self.step_count % cfg.save_every == 0 or done)):
+                    checkpoint.save_checkpoint(self, self.output_dir / "checkpoints", cfg.keep_last_n)
+        if stop:
+            print(f"stopped by {stop.signal_name} after step {self.step_count}; checkpoint saved in "
+                  f"{self.output_dir / 'checkpoints'}; rerun with trainer.resume=auto to continue", flush=True)
+        elif cfg.save_model:
+            state = fsdp.full_state_dict(self.parts.actor, self.parts.setup)
+            if self.parts.setup.is_main:
+                save_hf_model(self.parts.actor, self.parts.tokenizer, self.output_dir / "model", state_dict=state)
+                print(f"saved the trained model to {self.output_dir / 'model'} (a Hugging Face directory)", flush=True)
+        self.logger.close()
+        process_group.shutdown(self.parts.setup)
+        return self.logger.history
+
+    def describe(self) -> str:
+        """One line on what this run is about to do: algorithm, model, devices, rollout, batch, output."""
+        c, parts = self.config, self.parts
+        trainable = sum(p.numel() for p in parts.actor.parameters() if p.requires_grad)
+        dtype = str(next(parts.actor.parameters()).dtype).removeprefix("torch.")
+        rollout = type(parts.rollout).__name__.removesuffix("Backend").lower()
+        if rollout == "builtin":
+            from hybridrl.rollout.engine.kernel_choices import resolve_attention
+
+            rollout += f" engine, {resolve_attention(parts.rollout.attention, self.device)} decode attention"
+        processes = f" x {parts.setup.world_size} processes" if parts.setup.is_distributed else ""
+        engine_compiles = (rollout.startswith("builtin") and self.device.type == "cuda"
+                           and getattr(parts.rollout, "compile", None) is not False)
+        compiling = [what for what, on in (("the rollout engine", engine_compiles), ("the model's layers", c.model.compile))
+                     if on]
+        note = (f"; the first step compiles {' and '.join(compiling)} (a minute or so; later steps reuse it)"
+                if compiling else "")
+        return (f"hybridrl: {c.algorithm.name} with {c.model.path} ({trainable / 1e6:.2f}M trainable parameters, {dtype}) "
+                f"on {self.device.type}{processes}; rollout: {rollout}; {c.trainer.prompts_per_step} prompts x "
+                f"{c.rollout.num_samples_per_prompt} samples per step, {c.trainer.total_steps} steps; "
+                f"output in {self.output_dir}{note}")
+
+    def step(self) -> dict[str, float]:
+        """One rollout-and-update step."""
+        timer = PhaseTimer(self.device)
+        self.switch_seconds = {}
+        self.step_count += 1
+        prompts = self.parts.dataset.batch(next(self.sampler))
+        with timer("rollout"):
+            batch = self.rollout(prompts)
+        rollout_phases = self.rollout_phases  # before an evaluation rollout could replace them
+        with timer("reward"):
+            reward_metrics = self.score(batch, prompts)
+        with timer("logprobs"):
+            self.compute_logprobs(batch)
+        with timer("advantages"):
+            self.compute_advantages(batch)
+        with timer("update"):
+            update_metrics = self.update(batch)
+        if not self.froze_warm_up_objects:
+            freeze_warm_up_objects()
+            self.froze_warm_up_objects = True
+        return {**rollout_metrics(batch), **reward_metrics, **update_metrics, **perf_metrics(batch, timer, self.device),
+                "perf/weight_sync_s": self.switch_seconds["weight_sync"], **rollout_phase_metrics(rollout_phases)}
+
+    # ------------------------------------------------------------------------------------------
+    # Phases
+
+    def sampling_params(self, evaluation: bool = False) -> SamplingParams:
+        r = self.config.rollout
+        return SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.eval_temperature if evaluation else r.temperature,
+            top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, n=1 if evaluation else r.num_samples_per_prompt,
+            stop_strings=list(r.stop_strings), ignore_eos=r.ignore_eos and not evaluation,
+            seed=self.config.trainer.seed * 100_003 + self.step_count)
+
+    @torch.no_grad()
+    def rollout(self, prompts: dict[str, Any], evaluation: bool = False) -> RolloutBatch:
+        params = self.sampling_params(evaluation)
+        with rollout_phase(self.parts.actor, self.parts.actor_optimizer, self.device,
+                           self.config.actor.offload_during_rollout, self.switch_seconds,
+                           self.config.rollout.empty_cuda_cache), \
+                fsdp.gather_for_rollout(self.parts.actor) as sync:
+            generations = sharding.generate_sharded(  # each process decodes the texts of its own share
+                self.parts.rollout, prompts["prompt_ids"], params, self.parts.setup,
+                decode=lambda share: decode_responses(self.parts.tokenizer, share))
+            self.parts.rollout.release_memory()
+        self.switch_seconds["weight_sync"] += sync.seconds
+        engine_stats = getattr(self.parts.rollout, "last_stats", None) or {}
+        self.rollout_phases = phase_seconds(engine_stats.get("timeline_ms", {}))
+        batch = build_rollout_batch(prompts["prompt_ids"], generations, self.parts.pad_token_id, params.max_new_tokens)
+        batch.texts = [generation.text for generation in generations]
+        return batch.to(self.device)
+
+    def score(self, batch: RolloutBatch, prompts: dict[str, Any]) -> dict[str, float]:
+        rows = batch.prompt_index.tolist()
+        columns = {key: [values[i] for i in rows] for key, values in prompts["columns"].items()}
+        prompt_texts = [prompts["raw_prompts"][i] for i in rows]
+        total, per_function = self._score(prompt_texts, batch.texts, columns, self.config.rollout.num_samples_per_prompt)
+        batch.scores = total.to(self.device)
+        self.logger.add_samples(prompt_texts, batch.texts, total.tolist())
+        metrics = {"reward/mean": total.mean(), "reward/std": total.std() if len(total) > 1 else 0.0}
+        group = self.config.rollout.num_samples_per_prompt
+        if group > 1 and len(total) % group == 0:  # groups that teach nothing (all samples scored alike)
+            metrics["reward/uniform_group_fraction"] = algorithms.uniform_groups(total, group).float().mean()
+        metrics.update({f"reward/{name}": sum(v) / len(v) for name, v in per_function.items()})
+        return metrics
+
+    def _score(self, prompts: list[str], texts: list[str], columns: dict[str, list], group_size: int):
+        """The rewards of the whole batch: with several processes each scores a share (`reward.shard_scoring`)."""
+        if not self.config.reward.shard_scoring:
+            return self.parts.rewards.score(prompts, texts, columns)
+        return sharding.score_sharded(self.parts.rewards.score, prompts, texts, columns, group_size,
+                                         self.parts.setup)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch) -> None:
+        """Old-policy and reference log-probs, and critic values, before any update of this step.
+
+        Each model runs over this rank's rows in turn, with its weights gathered once (FSDP) and freed
+        before the next model, so at most one model is whole on a GPU at a time."""
+        temperature = self.config.rollout.temperature
+        actor, reference, critic = self.parts.actor, self.parts.reference, self.parts.critic
+
+        # Rows of one prompt are adjacent (prompt-major rollouts), so micro-batches mostly hold whole prompts.
+        layout = PromptLayout.of(batch.attention_mask, batch.input_ids.shape[1] - batch.response_length,
+                                 batch.prompt_index.tolist()) if self.config.actor.share_prompt_tokens else None
+
+        def logprobs_of(model):
+            return lambda part, rows: response_logprobs(
+                model, part.input_ids, part.attention_mask, part.position_ids, part.response_length, temperature,
+                prompt_layout=layout.select(rows.tolist()) if layout else None)[0]
+
+        passes = {  # batch field -> (model, what it computes per micro-batch)
+            "old_logp": None if self.reuses_update_logprobs(len(batch)) else (actor, logprobs_of(actor)),
+            "ref_logp": None if reference is None else (reference, logprobs_of(reference)),
+            "old_values": None if critic is None else (critic, lambda part, rows: critic(
+                part.input_ids, part.attention_mask, part.position_ids)[:, -part.response_length - 1:-1]),
+        }
+        setup = self.parts.setup
+        rows = (shard_by_prompt(batch, torch.arange(len(batch)), setup, equal_rows=True) if layout else
+                sharding.shard_rows(torch.arange(len(batch)), batch.attention_mask.sum(1), setup))
+        gather_once = not self.config.trainer.fsdp_reshard_every_micro_batch
+        for field, job in passes.items():
+            setattr(batch, field, None)  # None for old_logp means: the update provides it
+            if job is None:
+                continue
+            model, compute = job
+            offloaded = self.parts.reference_offload if field == "ref_logp" else None
+            with fsdp.gathered_for_micro_batches(model, gather_once), \
+                    (offloaded.on_device() if offloaded is not None else nullcontext()):
+                outputs = [compute(batch.select(index), index) for index in rows.split(self.config.actor.micro_batch_size)]
+            setattr(batch, field, sharding.gather_rows(torch.cat(outputs), rows, len(batch), setup))
+
+    def reuses_update_logprobs(self, batch_size: int) -> bool:
+        """True when the old-policy pass is skipped (`actor.reuse_logprobs_on_policy`): one optimizer step
+        per rollout, and nothing needs the old log-probs before the update."""
+        act, a = self.config.actor, self.config.algorithm
+        one_step = act.ppo_epochs == 1 and (act.mini_batch_size == 0 or act.mini_batch_size >= batch_size)
+        needed_early = a.kl_in_reward and self.parts.reference is not None
+        return act.reuse_logprobs_on_policy and one_step and not needed_early
+
+    def compute_advantages(self, batch: RolloutBatch) -> None:
+        a = self.config.algorithm
+        mask = batch.response_mask
+        token_rewards = algorithms.outcome_to_token_rewards(batch.scores, mask)
+        if a.kl_in_reward and batch.ref_logp is not None:
+            kl = algorithms.kl_penalty(batch.old_logp, batch.ref_logp, a.kl_estimator)
+            token_rewards = token_rewards - a.kl_coef * kl * mask
+        batch.advantages, batch.returns = algorithms.ADVANTAGE_ESTIMATORS[a.name](
+            scores=batch.scores, token_rewards=token_rewards, values=batch.old_values, mask=mask,
+            group_size=self.config.rollout.num_samples_per_prompt, gamma=a.gamma, lam=a.lam,
+            normalize_std=a.normalize_std)
+        batch.loss_mask = algorithms.policy_loss_mask(mask, batch.truncated, batch.scores,
+                                                      self.config.rollout.num_samples_per_prompt,
+                                                      a.mask_truncated, a.drop_uniform_groups)
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        generator = torch.Generator().manual_seed(self.config.trainer.seed * 7919 + self.step_count)
+        if self.parts.critic is not None:
+            metrics.update(update_critic(self.parts, self.config, batch, generator))
+        if self.step_count > self.config.critic.critic_warmup_steps or self.parts.critic is None:
+            metrics.update(update_actor(self.parts, self.config, batch, generator, self.step_count))
+        return metrics
+
+    # ------------------------------------------------------------------------------------------
+    # Evaluation
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Greedy (eval_temperature) responses on the held-out prompts, scored by the same rewards."""
+        dataset = self.parts.eval_dataset
+        limit = self.config.data.max_eval_samples or len(dataset)
+        indices = list(range(min(limit, len(dataset))))
+        scores, per_fn_sums = [], {}
+        for start in range(0, len(indices), 256):
+            prompts = dataset.batch(indices[start:start + 256])
+            batch = self.rollout(prompts, evaluation=True)
+            columns = prompts["columns"]
+            total, per_function = self._score(prompts["raw_prompts"], batch.texts, columns, 1)
+            scores += total.tolist()
+            for name, values in per_function.items():
+                per_fn_sums[name] = per_fn_sums.get(name, 0.0) + sum(values)
+        metrics = {"eval/reward_mean": sum(scores) / len(scores),
+                   "eval/accuracy": sum(s > 0 for s in scores) / len(scores)}
+        metrics.update({f"eval/reward/{name}": total / len(scores) for name, total in per_fn_sums.items()})
+        return metrics
+
+
+def freeze_warm_up_objects() -> None:
+    """Collect once, then move every surviving Python object to the permanent generation (`gc.freeze`).
+
+    A full (generation 2) garbage collection walks every tracked object, and after the first step those
+    include all that `torch.compile` and graph capture made: on two H200s one such walk stopped a rank for
+    0.54 s in the middle of step 3, and the other rank waited for it in the next collective. Frozen objects
+    are never walked again, so later full collections see only what later steps allocate. (A frozen object that
+    later becomes part of unreachable cycles is not reclaimed: at most what the first step left alive.)"""
+    gc.collect()
+    gc.freeze()
+
+
+def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """Response lengths, truncation, and the sampler-vs-trainer log-prob mismatch."""
+    mask = batch.response_mask
+    lengths = mask.sum(1)
+    metrics = {"rollout/response_length_mean": lengths.mean(), "rollout/response_length_max": lengths.max(),
+               "rollout/truncation_rate": batch.truncated.float().mean()}
+    if batch.old_logp is not None:
+        diff = (batch.old_logp - batch.sampler_logp).abs() * mask
+        metrics["rollout/logprob_diff_mean"] = diff.sum() / mask.sum()
+        metrics["rollout/logprob_diff_max"] = diff.max()
+        metrics["rollout/logprob_kl"] = algorithms.masked_mean(
+            algorithms.kl_penalty(batch.sampler_logp, batch.old_logp, "k3"), mask)
+    return metrics
+
+
+def rollout_phase_metrics(phases: dict[str, float]) -> dict[str, float]:
+    """The built-in engine's split of `timing/rollout_s` (this process's share of the batch): before the first
+    decode step, decoding, after it (`rollout/timeline.py`); nothing for backends that do not report it."""
+    return {f"timing/rollout_{name}_s": seconds for name, seconds in phases.items()}
+
+
+def perf_metrics(batch: RolloutBatch, timer: PhaseTimer, device: torch.device) -> dict[str, float]:
+    generated = batch.response_mask.sum().item()
+    total_tokens = batch.attention_mask.sum().item()
+    step_s = sum(timer.seconds.values())
+    metrics = {f"timing/{phase}_s": seconds for phase, seconds in timer.seconds.items()}
+    metrics.update({"timing/step_s": step_s, "perf/tokens_per_s": generated / step_s,
+                    "perf/rollout_tokens_per_s": generated / max(timer.seconds["rollout"], 1e-9),
+                    "perf/update_tokens_per_s": total_tokens / max(timer.seconds["update"], 1e-9)})
+    if device.type == "cuda":  # this step's peak, over its phases
+        metrics.update({f"perf/peak_memory_{phase}_gib": peak / 2**30 for phase, peak in timer.peak_bytes.items()})
+        metrics["perf/peak_memory_gib"] = max(timer.peak_bytes.values(), default=0) / 2**30
+        # What the step leaves allocated: flat in a healthy run, so a rise from step to step is a leak.
+        metrics["perf/memory_held_gib"] = torch.cuda.memory_allocated(device) / 2**30
+    else:  # peak resident memory of the process (Linux reports KiB)
+        metrics["perf/peak_memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return metrics
