@@ -133,7 +133,7 @@ def test_read_errors_name_file_and_problem(tmp_path):
     folder.mkdir()
     assert "not a saved Hugging Face dataset" in _error(folder)
 
-    assert "list of records" in _error([{"prompt": "x"}, "y"]) and "row index 1" in _error([{"prompt": "x"}, "y"])
+    assert "list of records" in _error([{"prompt": "x"}, "y"]) and "record 2 is a str" in _error([{"prompt": "x"}, "y"])
 
 
 def test_missing_optional_packages_name_the_extra(tmp_path, monkeypatch):
@@ -218,8 +218,45 @@ def test_prompt_dataset_errors():
     message = str(info.value)
     assert "no column 'question'" in message and "prompt, answer, source" in message and "data.prompt_key" in message
 
-    with pytest.raises(DataError, match="row index 1 .* no value in column 'prompt'"):
+    with pytest.raises(DataError, match="record 2 has no value in column 'prompt'"):
         PromptDataset([{"prompt": "x"}, {"prompt": None}], make_tokenizer())
+
+
+def test_every_bad_row_is_reported_at_once_with_one_based_lines(tmp_path):
+    """One error names every bad line of a file, numbered as an editor shows them (from 1)."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1="}\n{oops\n\n[1]\n{"prompt": "2+2="}\n{"prompt": 3}\n{"prompt": "  "}\n')
+    with pytest.raises(DataError) as info:
+        read_records(bad)
+    message = str(info.value)
+    assert "2 bad rows" in message and "line 2 is not valid JSON" in message and "line 4 holds a JSON list" in message
+
+    bad.write_text('{"prompt": "1+1="}\n{"answer": "2"}\n\n{"prompt": 3}\n{"prompt": "  "}\n{"prompt": "ok"}\n')
+    with pytest.raises(DataError) as info:
+        PromptDataset(bad, make_tokenizer())
+    message = str(info.value)
+    assert "3 bad rows" in message
+    assert "line 2 has no value in column 'prompt'" in message and "line 4 has a value of type int in column 'prompt'" in message
+    assert "line 5 has an empty 'prompt'" in message and "line 1" not in message and "line 6" not in message
+
+    table = tmp_path / "bad.csv"
+    table.write_text("prompt,answer\n1+1=,2\n,3\n")
+    with pytest.raises(DataError, match="line 3 has an empty 'prompt'"):
+        PromptDataset(table, make_tokenizer())
+
+
+def test_a_data_error_lists_twenty_rows_then_a_count():
+    rows = [{"prompt": ""} for _ in range(25)]
+    with pytest.raises(DataError) as info:
+        PromptDataset(rows, make_tokenizer())
+    message = str(info.value)
+    assert "25 bad rows" in message and "record 20 has" in message and "record 21" not in message
+    assert "and 5 more" in message
+
+
+def test_an_empty_prompt_is_refused():
+    with pytest.raises(DataError, match="record 2 has an empty 'prompt'"):
+        PromptDataset([{"prompt": "1+1="}, {"prompt": ""}], make_tokenizer())
 
 
 def test_from_config(tmp_path):

@@ -8,6 +8,10 @@ Choices made here:
   column), else with the tokenizer's chat template as one user turn plus the generation prompt, else
   as the raw text. Tokenizing adds no special tokens: a BOS token, if the model wants one, comes from
   the chat template (most include it) or the prompt template. `prompt_ids` is exactly what the model sees.
+- Bad rows are reported all at once, not one per run: every problem found in a source (up to
+  `MAX_REPORTED_ROWS`, then a count) goes into one `DataError`, each row named by its 1-based line in
+  the file (JSON lines, CSV) or its 1-based position (JSON lists, data sets, lists of records).
+- An empty or whitespace-only prompt is refused (the model would be asked nothing).
 - Prompts longer than `max_length` tokens are dropped, not truncated (a cut question has a different
   answer); the count is logged and kept as `num_filtered`.
 - `PromptSampler` yields batches of indices forever; its whole state is (epoch, position), so a run
@@ -36,8 +40,35 @@ IGNORE_INDEX = -100
 """Label value that the cross-entropy loss skips."""
 
 
+MAX_REPORTED_ROWS = 20
+"""A data error lists at most this many bad rows, then how many more there are."""
+
+
 class DataError(ValueError):
     """A problem with the user's data; the message names the source and the fix."""
+
+
+class Records(list):
+    """Rows read from a source (a list of dicts), each with the place a user finds it at: `places[i]` is
+    "line 7" for a JSON-lines or CSV file, "record 7" otherwise (both 1-based)."""
+
+    def __init__(self, rows: list[Any], places: list[str]):
+        super().__init__(rows)
+        self.places = places
+
+
+def _records(rows: list[Any], places: list[str] | None = None) -> Records:
+    return Records(rows, places if places is not None else [f"record {i}" for i in range(1, len(rows) + 1)])
+
+
+def raise_row_problems(name: str, problems: list[str], fix: str) -> None:
+    """One `DataError` listing every bad row of `name` ("line 3: ..."), at most `MAX_REPORTED_ROWS` of them."""
+    if not problems:
+        return
+    shown = problems[:MAX_REPORTED_ROWS]
+    more = f"; and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+    count = "1 bad row" if len(problems) == 1 else f"{len(problems)} bad rows"
+    raise DataError(f"{name} has {count}: {'; '.join(shown)}{more}. {fix}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,13 +96,14 @@ def _load(source: Any) -> tuple[list[dict[str, Any]], str]:
     else:
         raise DataError(f"cannot read prompts from a {type(source).__name__}; pass a file path "
                         f"({SUPPORTED_SOURCES}), a datasets.Dataset, or a list of dicts.")
+    if not isinstance(rows, Records):
+        rows = _records(list(rows))
     if len(rows) == 0:
         raise DataError(f"{name} has no rows; it needs at least one record.")
-    for index, row in enumerate(rows):
-        if not isinstance(row, Mapping):
-            raise DataError(f"row index {index} of {name} is a {type(row).__name__}, not a record "
-                            "with named columns; each row must be an object such as {\"prompt\": \"...\"}.")
-    return [dict(row) for row in rows], name
+    raise_row_problems(name, [f"{place} is a {type(row).__name__}, not a record with named columns"
+                              for row, place in zip(rows, rows.places) if not isinstance(row, Mapping)],
+                       "Each row must be an object such as {\"prompt\": \"...\"}.")
+    return Records([dict(row) for row in rows], rows.places), name
 
 
 def _read_path(path: Path, name: str) -> list[Any]:
@@ -89,8 +121,8 @@ def _read_path(path: Path, name: str) -> list[Any]:
         raise DataError(f"{name} is not UTF-8 text; re-save it with UTF-8 encoding.") from None
 
 
-def _read_jsonl(path: Path, name: str) -> list[Any]:
-    rows = []
+def _read_jsonl(path: Path, name: str) -> Records:
+    rows, places, problems = [], [], []
     with path.open(encoding="utf-8") as file:
         for number, line in enumerate(file, start=1):
             if not line.strip():
@@ -98,13 +130,15 @@ def _read_jsonl(path: Path, name: str) -> list[Any]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
-                raise DataError(f"{name} line {number} is not valid JSON ({error.msg}); "
-                                "each line must hold one JSON object.") from None
+                problems.append(f"line {number} is not valid JSON ({error.msg})")
+                continue
             if not isinstance(row, dict):
-                raise DataError(f"{name} line {number} holds a JSON {type(row).__name__}, not an object; "
-                                "write one object per line, such as {\"prompt\": \"...\"}.")
+                problems.append(f"line {number} holds a JSON {type(row).__name__}, not an object")
+                continue
             rows.append(row)
-    return rows
+            places.append(f"line {number}")
+    raise_row_problems(name, problems, "Each line must hold one JSON object, such as {\"prompt\": \"...\"}.")
+    return Records(rows, places)
 
 
 def _read_json(path: Path, name: str) -> list[Any]:
@@ -124,9 +158,14 @@ def _read_json(path: Path, name: str) -> list[Any]:
     return data
 
 
-def _read_csv(path: Path, name: str) -> list[Any]:
+def _read_csv(path: Path, name: str) -> Records:
     with path.open(encoding="utf-8-sig", newline="") as file:  # -sig drops the BOM Excel writes
-        return list(csv.DictReader(file))
+        reader = csv.DictReader(file)
+        rows, places = [], []
+        for row in reader:
+            rows.append(row)
+            places.append(f"line {reader.line_num}")  # the row's last line: the header is line 1
+        return Records(rows, places)
 
 
 def _read_parquet(path: Path, name: str) -> list[Any]:
@@ -175,16 +214,21 @@ def _dataset_rows(dataset: Any, name: str) -> list[Any]:
     return dataset.to_list() if hasattr(dataset, "to_list") else [dict(row) for row in dataset]
 
 
-def _require_text_column(rows: list[dict[str, Any]], key: str, name: str, config_key: str) -> None:
+def _require_text_column(rows: Records, key: str, name: str, config_key: str) -> None:
+    """Every row has non-empty text in column `key`; all rows that do not are reported together."""
     if all(key not in row for row in rows):
         columns = ", ".join(dict.fromkeys(k for row in rows[:100] for k in row))
         raise DataError(f"{name} has no column '{key}' (its columns are: {columns}); "
                         f"set {config_key} to the column that holds the text.")
-    for index, row in enumerate(rows):
-        if not isinstance(row.get(key), str):
-            found = "no value" if row.get(key) is None else f"a {type(row[key]).__name__}"
-            raise DataError(f"row index {index} of {name} has {found} in column '{key}' where text is "
-                            "expected; fix or remove that row.")
+    problems = []
+    for row, place in zip(rows, rows.places):
+        value = row.get(key)
+        if not isinstance(value, str):
+            found = "no value" if value is None else f"a value of type {type(value).__name__}"
+            problems.append(f"{place} has {found} in column '{key}' where text is expected")
+        elif not value.strip():
+            problems.append(f"{place} has an empty '{key}'")
+    raise_row_problems(name, problems, "Fix or remove those rows.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,17 +265,17 @@ def format_prompt(row: dict[str, Any], prompt_key: str, tokenizer: Any, prompt_t
     return raw
 
 
-def _format_all(rows: list[dict[str, Any]], name: str, prompt_key: str, tokenizer: Any,
+def _format_all(rows: Records, name: str, prompt_key: str, tokenizer: Any,
                 prompt_template: str | None, use_chat_template: bool) -> list[str]:
     if prompt_template is not None:
         check_prompt_template(prompt_template, list(rows[0]), name)
-    texts = []
-    for index, row in enumerate(rows):
+    texts, problems = [], []
+    for row, place in zip(rows, rows.places):
         try:
             texts.append(format_prompt(row, prompt_key, tokenizer, prompt_template, use_chat_template))
         except KeyError as error:
-            raise DataError(f"row index {index} of {name} has no column {error} that "
-                            "data.prompt_template names; fill it in or remove that row.") from None
+            problems.append(f"{place} has no column {error}, which data.prompt_template names")
+    raise_row_problems(name, problems, "Fill those columns in or remove the rows.")
     return texts
 
 
