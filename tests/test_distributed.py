@@ -318,21 +318,12 @@ def test_decoder_layers_found_for_causal_lm_and_critic():
 # The whole trainer: `hybridrl train ... trainer.num_gpus=2` on the CPU
 
 
-def _wired() -> bool:
-    import dataclasses
-
-    from hybridrl.config.schema import TrainerConfig
-
-    return "num_gpus" in {f.name for f in dataclasses.fields(TrainerConfig)}
-
-
 REWARD_FILE = '''
 def contains_seven(prompts, completions, **columns):
     return [float("7" in c) for c in completions]
 '''
 
 
-@pytest.mark.skipif(not _wired(), reason="trainer.num_gpus is not wired into config/components/trainer yet")
 def test_cli_trains_with_two_processes(tmp_path):
     import json
     import subprocess
@@ -359,7 +350,6 @@ def test_cli_trains_with_two_processes(tmp_path):
     assert (out / "model" / "model.safetensors").is_file()
 
 
-@pytest.mark.skipif(not _wired(), reason="trainer.num_gpus is not wired into config/components/trainer yet")
 def test_shared_prompts_on_two_processes_match_separate_rows(tmp_path):
     """`actor.share_prompt_tokens` with 2 processes (each prompt's rows on one rank, in the update and in the
     old-policy and reference passes): the losses and gradient norms of the same run without sharing (float32)."""
@@ -404,7 +394,6 @@ def _train(tmp_path, overrides: list[str]) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.skipif(not _wired(), reason="trainer.num_gpus is not wired into config/components/trainer yet")
 @pytest.mark.parametrize("offload", [False, True, 0.5], ids=["moments-sharded", "moments-offloaded", "half-offloaded"])
 def test_two_process_checkpoint_resumes_exactly_and_on_one_process(tmp_path, offload):
     """bf16 parameters, so LeanAdamW with DTensor moments, as on GPUs. Saved by 2 ranks (rank 0 gathers the
