@@ -58,9 +58,9 @@ class ModelConfig:
     """QLoRA: load the base's linear layers (all but the LM head) as frozen 4-bit NF4 weights through bitsandbytes
     (`pip install 'hybridrl[qlora]'`) and train only the LoRA adapter, so the base takes about a quarter of its
     bf16 memory. Needs model.lora_rank > 0. Refused with trainer.num_gpus > 1 (FSDP2 sharding loses bitsandbytes'
-    quantization state: seen on CPU) and with algorithm.name=ppo without critic.path (the critic would be a
-    trainable copy of the 4-bit base). Rollouts run on the hf backend (the built-in engine reads floating-point
-    weights)."""
+    quantization state) and with algorithm.name=ppo without critic.path (the critic would be a trainable copy of
+    the 4-bit base). On GPU the built-in engine generates from the 4-bit base (see the rollout engine's
+    dequantize_4bit); on CPU rollouts run on the hf backend."""
 
 
 @dataclass
@@ -235,17 +235,17 @@ class ActorConfig:
     responses exceed max_tokens_per_micro_batch together gets a micro-batch of its own). Needs an
     attention that takes a mask: model.attn_implementation=flex_attention on GPU (block mask); sdpa/eager
     get a dense mask, which computes every block. Mini-batches are then drawn as whole prompts, and with
-    several ranks each prompt's rows go to one rank.
-    Measured on grpo-0.5b (one H200, flex_attention, six runs): update 2.28 -> 1.49-1.67 s, step 3.10 -> 2.28-2.50 s."""
+    several ranks each prompt's rows go to one rank. Worth turning on for GRPO-style groups (several samples per
+    prompt) on GPU with flex_attention; the longer the prompts, the more it saves."""
     optimizer_state_dtype: Literal["float32", "param"] = "float32"
     """AdamW moments for bf16/fp16 parameters: float32 (no float32 copy of the weights; the update is applied
     with stochastic rounding so small steps are not rounded away) or `param` (torch AdamW, state in the
     parameters' dtype). float32 parameters always get float32 state."""
     optimizer_offload: bool = False
     """Keep AdamW state in CPU memory and stream it to the device one parameter at a time in each step:
-    8 bytes per parameter off the GPU for a host-device round trip per step. Measured on grpo-0.5b (H200s):
-    ~0.06 s per step on one GPU, but with two GPUs, each streaming its shard, the update varied 0.90-1.44 s
-    against 0.79-1.10 s with the state on the GPUs; prefer false where the memory allows."""
+    8 bytes per parameter off the GPU for a host-device round trip of the state every step. Turn it on when the
+    moments do not fit; with several GPUs each streams its shard at once and the update slows more than on one,
+    so prefer false where the memory allows (optimizer_offload_fraction offloads only part)."""
     optimizer_offload_fraction: float = 1.0
     """With optimizer_offload: the share of the AdamW state (by parameter elements, in parameter order) kept in
     CPU memory; the rest stays on the GPU: 8 bytes per parameter kept there, fewer PCIe bytes every step."""

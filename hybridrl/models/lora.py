@@ -8,7 +8,7 @@ Choices:
   make them differ even before any update.
 - Rollout: the `hf` backend runs a peft model as it is. The built-in engine applies the default
   adapter in place (x W^T + s (x A^T) B^T, no merge, so the base weights are never rounded); tested
-  against peft on CPU and, compiled with CUDA graphs, on an H200 (`tests/test_builtin_engine_gpu.py`),
+  against peft on CPU and, compiled with CUDA graphs, on a GPU (`tests/test_builtin_engine_gpu.py`),
   so `rollout.backend=auto` runs LoRA models on it on GPU (see `docs/rollout.md`).
 """
 

@@ -54,8 +54,8 @@ def parallelize(model: nn.Module, setup: DistributedSetup, param_dtype: torch.dt
         # logprobs.py runs the decoder and applies the LM head itself (chunked), bypassing the root's
         # forward; registering that call as a forward gathers the root's parameters (embeddings, final
         # norm, head) for it, and the root's gradients are reduced after backward as usual. The method
-        # takes the input tensors: FSDP2's root pre-forward on CUDA (torch 2.11) indexes its positional
-        # arguments, so registering the argument-less `get_decoder` failed there (seen on 2 x H200).
+        # takes the input tensors: FSDP2's root pre-forward on CUDA indexes its positional arguments, so
+        # an argument-less method (such as `get_decoder`) cannot be registered.
         root.fsdp_hidden_states = functools.partial(decoder_hidden_states, root)
         register_fsdp_forward_method(root, "fsdp_hidden_states")
     for module in model.modules():

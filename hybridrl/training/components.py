@@ -162,14 +162,14 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
                        getattr(model.config, "_attn_implementation", "?"))
     if device.type == "cuda" and config.rollout.num_samples_per_prompt >= 4 and not config.actor.share_prompt_tokens:
         logger.info("tip: actor.share_prompt_tokens=true with model.attn_implementation=flex_attention trains each "
-                    "prompt once for its %d samples (grpo-0.5b on an H200: step 3.10 -> 2.28-2.50 s; docs/training.md)",
+                    "prompt once for its %d samples (docs/training.md)",
                     config.rollout.num_samples_per_prompt)
     if device.type == "cuda" and setup.world_size > 1 and config.actor.optimizer_offload:
         shards = config.trainer.fsdp_shard_size or setup.world_size
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         logger.info("tip: actor.optimizer_offload=false would keep this GPU's share of the AdamW moments on it "
-                    "(%.1f GiB): on 2 H200s the offloaded update varied 0.90-1.44 s per step, the resident one "
-                    "0.79-1.10 s (docs/multi_gpu.md)", 8 * trainable / shards / 2**30)
+                    "(%.1f GiB); with several GPUs the offloaded update is slower and varies more (docs/multi_gpu.md)",
+                    8 * trainable / shards / 2**30)
     model.to(device)
     if m.load_in_4bit:  # a model passed in Python (or the benchmark's) is quantized here; a loaded one already is
         quantize_4bit(model)

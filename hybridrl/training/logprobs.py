@@ -48,7 +48,7 @@ GRAD_CHUNKS_PER_PRODUCT = 4
 """The backward pass makes each chunk's d(loss)/d(logits) as the forward makes its logits, one chunk at a time, but
 keeps this many chunks of them side by side for the products with the head weight. The weight's gradient is a
 float32 (V, H) sum that a product reads and writes whole: one product per chunk of ~440 positions is bound by that
-traffic, not by its arithmetic (270 TFLOP/s for the grpo-0.5b head on an H200, 2026-11-30 profile). Costs
+traffic, not by its arithmetic. Costs
 (this - 1) more chunks of logits (128 MiB each at the default size) during the head's backward, only where the
 head is trained (a frozen head, as under LoRA, keeps one chunk at a time)."""
 

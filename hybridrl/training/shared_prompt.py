@@ -38,10 +38,9 @@ TUNED_FLEX_TILES = {  # (GPU compute capability, head dim): FlexAttention kernel
     ((9, 0), 64): dict(fwd_BLOCK_M=64, fwd_BLOCK_N=64, fwd_num_warps=4, fwd_num_stages=3,
                        bwd_BLOCK_M1=32, bwd_BLOCK_N1=64, bwd_BLOCK_M2=64, bwd_BLOCK_N2=32, bwd_num_warps=4, bwd_num_stages=3),
 }
-"""Torch's default forward tile for Hopper and 64-dim heads (128 x 128, 4 warps) ran the shared rows' masked
-attention at 77 TFLOP/s; `benchmarks/flex_layouts.py --sweep` (one H200, 2026-11-30, grpo-0.5b's micro-batch)
-measured forward 0.531 -> 0.223 ms with 64 x 64 tiles and backward 0.95 -> 0.76 ms with these. Other GPUs and
-head sizes keep torch's defaults (not measured)."""
+"""Torch's default forward tile for Hopper and 64-dim heads (128 x 128, 4 warps) runs the shared rows' masked
+attention slower than these tiles, forward and backward, in `benchmarks/kernels/flex_layouts.py --sweep` (figures
+in docs/benchmarks.md). Other GPUs and head sizes keep torch's defaults (not measured)."""
 
 
 @dataclass
@@ -198,8 +197,8 @@ _COMPILED_BLOCK_MASK = None
 
 def block_mask_builder(device: torch.device):
     """`shared_block_mask`, compiled on CUDA (dynamic shapes, so micro-batches of other sizes reuse it): built
-    eagerly, the mask evaluates `visible` through vmap on the host, ~10 ms per micro-batch and pass with the
-    GPU idle, against 0.22 ms compiled (H200, `benchmarks/flex_layouts.py`)."""
+    eagerly, the mask evaluates `visible` through vmap on the host, with the GPU idle, for every micro-batch and
+    pass; compiled, it is a few small kernels (`benchmarks/kernels/flex_layouts.py` times both)."""
     global _COMPILED_BLOCK_MASK
     if device.type != "cuda":
         return shared_block_mask
