@@ -16,12 +16,14 @@ from hybridrl.checkpoint.store import CheckpointError
 from hybridrl.config.loading import load_config
 from hybridrl.config.schema import ConfigError, MissingExtra
 from hybridrl.data.datasets import DataError
+from hybridrl.metrics.plot import PlotError
 from hybridrl.models.loading import ModelError
 from hybridrl.parallel.launch import LaunchError
 from hybridrl.rewards import RewardError, RewardSpecError
 from hybridrl.training.update import TrainingError
 
-USER_ERRORS = (LaunchError, ConfigError, MissingExtra, DataError, ModelError, RewardError, RewardSpecError, TrainingError, CheckpointError)
+USER_ERRORS = (LaunchError, ConfigError, MissingExtra, DataError, ModelError, RewardError, RewardSpecError, TrainingError,
+               CheckpointError, PlotError)
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 DEMO_PERIOD_RATE = 0.5  # see tasks.py: half the SFT answers end with a period the verifier rejects
 

@@ -89,6 +89,25 @@ def test_plot_writes_a_png(tmp_path, capsys):
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
+def test_plot_of_a_wrong_directory_is_one_sentence_not_a_traceback(tmp_path, capsys):
+    assert main(["plot", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "has no metrics.jsonl" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "timing/elapsed_s": 1.0}\n')
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "none of" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed (pip install 'hybridrl[plot]')")
+def test_plot_of_an_sft_run_and_of_a_run_still_writing(tmp_path):
+    """An SFT run dir gets its loss panels; a half-written last line (the run is writing it) is skipped."""
+    rows = [{"step": s, "sft/loss": 2.0 / s, "sft/grad_norm": 1.0} for s in range(1, 8)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 8, "sft/lo')
+    assert main(["plot", str(tmp_path)]) == 0
+    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_phase_timer_reports_each_phases_peak_memory(monkeypatch):
     """On CUDA every phase resets the allocator's peak and reads it back; the step's peak is the largest."""
     from hybridrl.training.trainer import PhaseTimer

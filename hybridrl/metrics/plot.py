@@ -1,7 +1,7 @@
 """`hybridrl plot RUN_DIR`: PNG curves of a run from its `metrics.jsonl` (matplotlib, imported lazily).
 
 One figure, a panel per quantity that the run logged (reward, KL, entropy, response length,
-tokens/s, eval accuracy), each with the raw values faint and a moving average on top, so a noisy
+tokens/s, eval accuracy; for an SFT run its loss and gradient norm), each with the raw values faint and a moving average on top, so a noisy
 RL curve still shows its trend.
 """
 
@@ -16,15 +16,31 @@ from hybridrl.config.schema import MissingExtra
 PANELS = [
     ("reward/mean", "reward (mean)"), ("actor/kl", "KL to reference"), ("actor/entropy", "entropy"),
     ("rollout/response_length_mean", "response length (tokens)"), ("perf/tokens_per_s", "generated tokens/s"),
-    ("eval/accuracy", "eval accuracy"),
+    ("eval/accuracy", "eval accuracy"), ("sft/loss", "SFT loss"), ("sft/grad_norm", "SFT gradient norm"),
 ]
 
 
+class PlotError(ValueError):
+    """The run directory cannot be plotted; the message says why and what to pass instead."""
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
-    path = Path(run_dir) / "metrics.jsonl"
+    """The rows of RUN_DIR/metrics.jsonl. A last line cut off by a run still writing it is skipped."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise PlotError(f"{run_dir} is not a directory; give a run's trainer.output_dir (e.g. runs/demo/grpo).")
+    path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; give the output_dir of a run that logged to jsonl.")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        raise PlotError(f"{run_dir} has no metrics.jsonl; give the trainer.output_dir of a run that logged to jsonl.")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise PlotError(f"{path} line {number} is not valid JSON; the file is damaged.") from None
+    return rows
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -40,6 +56,7 @@ def moving_average(values: list[float], window: int) -> list[float]:
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write `out` (default RUN_DIR/curves.png) and return its path."""
+    rows = read_metrics(run_dir)  # a wrong directory is reported before asking for matplotlib
     try:
         import matplotlib
 
@@ -47,10 +64,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise MissingExtra("plotting needs matplotlib: pip install 'hybridrl[plot]'.") from None
-    rows = read_metrics(run_dir)
     panels = [(key, title) for key, title in PANELS if any(key in row for row in rows)]
     if not panels:
-        raise ValueError(f"{run_dir}/metrics.jsonl has none of {', '.join(k for k, _ in PANELS)}.")
+        raise PlotError(f"{run_dir}/metrics.jsonl has none of {', '.join(k for k, _ in PANELS)} yet; "
+                        "plot it once the run has logged a step.")
     columns = min(3, len(panels))
     lines = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(lines, columns, figsize=(4.6 * columns, 3.3 * lines), squeeze=False)
