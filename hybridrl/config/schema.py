@@ -83,6 +83,9 @@ class DataConfig:
     """Shuffle training prompts each epoch (seeded by `trainer.seed`)."""
     max_eval_samples: int | None = None
     """Evaluate on at most this many held-out prompts."""
+    answer_key: str | None = "answer"
+    """Column holding each prompt's reference answer: `eval/accuracy` is the share of held-out prompts whose
+    stripped completion equals it (RL and SFT). Data without this column logs reward means only."""
 
 
 @dataclass

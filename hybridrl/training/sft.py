@@ -1,7 +1,9 @@
 """Supervised fine-tuning on prompt/response pairs (loss on response tokens only).
 
 A policy has to start somewhere: `hybridrl sft` turns a base (or tiny random) model into one that
-answers in the task's format, which RL then improves. Same config file format as `train`.
+answers in the task's format, which RL then improves. Same config file format as `train`. With
+`data.eval_path` set, the held-out loss (where the data has responses) and greedy exact-match accuracy
+(where it has `data.answer_key`) are logged every `trainer.eval_every` steps and at the end.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from pathlib import Path
 import torch
 
 from hybridrl.config.schema import Config, ConfigError
-from hybridrl.data.datasets import SFTDataset, collate_sft
+from hybridrl.data.datasets import DataError, PromptDataset, SFTDataset, collate_sft, read_records
 from hybridrl.metrics.sinks import MetricsLogger
 from hybridrl.models.loading import enable_activation_checkpointing, load_hf_model, save_hf_model
 from hybridrl.training.components import resolve_device, seed_everything
+from hybridrl.training.evaluation import greedy_accuracy, sft_eval_loss
 from hybridrl.training.optim import build_optimizer, build_scheduler
 
 
@@ -40,6 +43,7 @@ def run_sft(config: Config) -> Path:
     logger = MetricsLogger(output_dir, config.logging.sinks, total, log_every=max(1, total // 20))
     generator = torch.Generator().manual_seed(config.trainer.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    evaluate = held_out_evaluation(config, model, tokenizer, pad_id)
     model.train()
     step, start = 0, time.time()
     while step < total:
@@ -58,6 +62,46 @@ def run_sft(config: Config) -> Path:
             step += 1
             logger.log(step, {"sft/loss": loss, "sft/grad_norm": grad_norm, "sft/lr": scheduler.get_last_lr()[0],
                               "timing/elapsed_s": time.time() - start})
+            if evaluate and config.trainer.eval_every and step % config.trainer.eval_every == 0 and step < total:
+                logger.log(step, evaluate())
+    if evaluate:
+        final = evaluate()
+        logger.log(step, final)
+        print("held-out after SFT: " + ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in final.items()),
+              flush=True)
     logger.close()
     save_hf_model(model, tokenizer, output_dir / "model")
     return output_dir / "model"
+
+
+def held_out_evaluation(config: Config, model: torch.nn.Module, tokenizer, pad_id: int):
+    """A function returning the held-out metrics of `data.eval_path` for the model as it is now, or None
+    without an eval set. The loss needs a response column, the accuracy `data.answer_key`; each is left out
+    where the data lacks its column, and data with neither is refused before training starts."""
+    if not config.data.eval_path:
+        return None
+    d, s = config.data, config.sft
+    columns = {key for row in read_records(d.eval_path) for key in row}
+    losses = SFTDataset.from_config(d, s, tokenizer, d.eval_path) if d.response_key in columns else None
+    prompts = PromptDataset(d.eval_path, tokenizer, prompt_key=d.prompt_key, max_length=d.max_prompt_length,
+                            prompt_template=d.prompt_template, use_chat_template=d.use_chat_template, shuffle=False)
+    if losses is None and d.answer_key not in columns:
+        raise DataError(f"data.eval_path {d.eval_path!r} has neither a '{d.response_key}' column (for the held-out "
+                        f"loss) nor a '{d.answer_key}' column (for accuracy); add one, or set data.response_key / "
+                        "data.answer_key to the columns it has.")
+    max_new_tokens = max(1, s.max_length - min(len(item["prompt_ids"]) for item in prompts))
+
+    def evaluate() -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        metrics = {}
+        if losses is not None:
+            metrics["eval/loss"] = sft_eval_loss(model, losses, pad_id, s.batch_size)
+        accuracy = greedy_accuracy(model, tokenizer, prompts, d.answer_key, max_new_tokens, d.max_eval_samples)
+        if accuracy is not None:
+            metrics["eval/accuracy"] = accuracy
+        model.train(was_training)
+        return metrics
+
+    return evaluate
+
