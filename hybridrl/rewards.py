@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from hybridrl.config.schema import RewardConfig
+from hybridrl.user_code import where
 
 RewardFunction = Callable[..., Sequence[float]]
 
@@ -349,11 +350,11 @@ def _call_checked(reward: WeightedReward, prompts: list[str], completions: list[
     except Exception as error:
         index, sample_error = _first_failing_sample(call, prompts, completions, columns)
         if index is None:
-            raise RewardError(f"reward function {reward.name!r} raised {type(error).__name__}: {error} while scoring "
-                              f"a batch of {size}, though each sample alone scored fine.") from error
-        raise RewardError(f"reward function {reward.name!r} raised {type(sample_error).__name__}: {sample_error} "
-                          f"on sample {first_index + index} (the first failing one of a batch of {size}); fix the "
-                          "function or that sample's data.") from error
+            raise RewardError(f"reward function {reward.name!r} raised {type(error).__name__}: {error}{where(error)} "
+                              f"while scoring a batch of {size}, though each sample alone scored fine.") from error
+        raise RewardError(f"reward function {reward.name!r} raised {type(sample_error).__name__}: {sample_error}"
+                          f"{where(sample_error)} on sample {first_index + index} (the first failing one of a batch "
+                          f"of {size}); fix the function or that sample's data.") from error
     if hasattr(values, "tolist"):  # a tensor or an array
         values = values.tolist()
     if not isinstance(values, Sequence) or isinstance(values, str):

@@ -160,6 +160,20 @@ def test_raising_reward_names_function_and_first_failing_sample():
     assert isinstance(info.value, RuntimeError)
 
 
+def test_raising_user_reward_names_its_own_file_and_line(tmp_path):
+    """The message points into the user's file (innermost frame first), not into hybridrl."""
+    source = tmp_path / "my_rewards.py"
+    source.write_text("def parse(text):\n    return int(text)\n\n\ndef score(prompts, completions, **columns):\n"
+                      "    return [float(parse(c)) for c in completions]\n")
+    composer = RewardComposer([("score", load_reward_function(f"{source}:score"), 1.0)])
+    with pytest.raises(RewardError) as info:
+        composer.score(["q"] * 3, ["1", "x", "2"])
+    message = str(info.value)
+    inner, outer = message.find(f"(at {source}:2 in parse <- "), message.find(f"{source}:6 in score")
+    assert 0 <= inner < outer and "on sample 1" in message
+    assert "hybridrl/rewards.py" not in message
+
+
 def test_missing_column_in_builtin_becomes_reward_error():
     composer = RewardComposer([("numeric_match", numeric_match, 1.0)])
     with pytest.raises(RewardError, match="'numeric_match'.*column 'answer'.*sample 0"):
