@@ -1,9 +1,9 @@
 """GRPO step benchmark: hybridrl's full step (phases, peak memory, update MFU) next to TRL's GRPOTrainer.
 
-    python benchmarks/grpo_step.py                     # all modes below, TRL included, table last
-    python benchmarks/grpo_step.py --modes grpo-0.5b   # one mode
-    python benchmarks/grpo_step.py --quick             # tiny shapes on CPU: checks the script, measures nothing
-    python benchmarks/grpo_step.py --modes grpo-0.5b-fast,1.5b-full --gpus 1,2   # issue 5: the trainer itself
+    python -m benchmarks.grpo_step                     # all modes below, TRL included, table last
+    python -m benchmarks.grpo_step --modes grpo-0.5b   # one mode
+    python -m benchmarks.grpo_step --quick             # tiny shapes on CPU: checks the script, measures nothing
+    python -m benchmarks.grpo_step --modes grpo-0.5b-fast,1.5b-full --gpus 1,2   # issue 5: the trainer itself
         # on 1 and 2 GPUs (torchrun, same global batch); on nvidia-h200-x2 export NCCL_NVLS_ENABLE=0
         # TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 first
 
@@ -101,8 +101,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from step_profiling import live_blocks, print_memory_growth, profiled, update_with_gap_report, warm_up_counters
+from benchmarks.profiling.step_profiling import live_blocks, print_memory_growth, profiled, update_with_gap_report, warm_up_counters
 
+ROOT = Path(__file__).resolve().parents[1]
 PEAK_FLOPS, BANDWIDTH = 785e12, 4.2e12
 SHAPES = {
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -346,14 +347,20 @@ def run_trl(script: str, timeout: int) -> dict:
     return {"mode": "trl", "step_s": out["steady_step_s"], "peak_alloc_gib": out["peak_alloc_GiB"], "raw": out}
 
 
+def with_root_on_path() -> dict:
+    """This process's environment with the repository root first on PYTHONPATH, so a child finds `benchmarks`."""
+    path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
 def child(mode: str, timeout: int, quick: bool, gpus: int = 1) -> dict:
     """Run one mode in a fresh process (its own peak memory), or `gpus` processes under torchrun; a
     failure becomes an `error` entry."""
     launcher = [] if gpus == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
-    command = [sys.executable, *launcher, __file__, "--child", mode] + (["--quick"] if quick else [])
+    command = [sys.executable, *launcher, "-m", "benchmarks.grpo_step", "--child", mode] + (["--quick"] if quick else [])
     mode = mode if gpus == 1 else f"{mode} x{gpus}"
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=with_root_on_path())
     except subprocess.TimeoutExpired as error:
         return {"mode": mode, "error": f"timed out after {timeout} s", "log": str(error.stdout)[-1500:]}
     print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("RESULT ")), flush=True)
@@ -406,7 +413,7 @@ def print_table(results: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default="grpo-0.5b,trl,1.5b-full,7b-lora,grpo-0.5b-offload")
-    parser.add_argument("--trl-script", default=str(Path(__file__).resolve().parents[2] / "shared/peers/trl_grpo_gpu.py"))
+    parser.add_argument("--trl-script", default=str(ROOT.parent / "shared/peers/trl_grpo_gpu.py"))
     parser.add_argument("--timeout", type=int, default=150, help="seconds per mode")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU, no TRL")
     parser.add_argument("--profile", action="store_true",

@@ -36,7 +36,7 @@ baseline=""; [ -f benchmarks/_baseline_optim.py ] && baseline="--baseline _basel
 echo "== optimizer_step: exit $? after $(elapsed)"; tail -7 "$OUT/optimizer_step.log"
 
 if [ "${WITH_FLEX:-0}" = 1 ]; then  # measured 2026-11-30 (18:21 UTC section of docs/benchmarks.md); --sweep for tiles
-    timeout -k 20 150 python3 benchmarks/flex_layouts.py > "$OUT/flex_layouts.log" 2>&1
+    timeout -k 20 150 python3 -m benchmarks.kernels.flex_layouts > "$OUT/flex_layouts.log" 2>&1
     echo "== flex_layouts: exit $? after $(elapsed)"; tail -9 "$OUT/flex_layouts.log"
 fi
 
@@ -44,7 +44,7 @@ fi
 # Skipped: plain triton (unfused q/k/v) and triton-stacked, slower in earlier runs (its launch sweep:
 # decode_attention.py --no-sweep --stacked).
 if [ "${WITH_ROLLOUT:-0}" = 1 ]; then
-    timeout -k 20 190 python3 benchmarks/rollout.py --no-eager-baseline --no-triton --no-triton-stacked --agreement-sequences 32 \
+    timeout -k 20 190 python3 -m benchmarks.rollout --no-eager-baseline --no-triton --no-triton-stacked --agreement-sequences 32 \
         > "$OUT/rollout.log" 2>&1
     echo "== rollout: exit $? after $(elapsed)"; grep -A11 "tokens  seconds" "$OUT/rollout.log" | head -14
 fi
@@ -57,6 +57,6 @@ else
     echo "== TRL skipped: no .bench/trl-*.whl or .bench/trl_grpo_gpu.py here (git-ignored: carry .bench)"
 fi
 left=$(( 585 - $(date +%s) + start ))  # what the device call's 600 s leave
-timeout -k 20 $left python3 benchmarks/grpo_step.py --modes "$MODES" --steps 6 --profile --trl-script .bench/trl_grpo_gpu.py \
+timeout -k 20 $left python3 -m benchmarks.grpo_step --modes "$MODES" --steps 6 --profile --trl-script .bench/trl_grpo_gpu.py \
     --timeout -k 20 200 > "$OUT/grpo_step.log" 2>&1
 echo "== grpo_step: exit $? after $(elapsed)"; tail -8 "$OUT/grpo_step.log"

@@ -1,7 +1,7 @@
 """Rollout throughput: the built-in engine vs Hugging Face `generate` on the grpo-0.5b shape, with the floor.
 
-    python benchmarks/rollout.py            # 64 prompts x n=8, prompt 256, response 256 forced; HF on 128 seqs
-    python benchmarks/rollout.py --quick    # a smaller run that finishes in well under a minute
+    python -m benchmarks.rollout            # 64 prompts x n=8, prompt 256, response 256 forced; HF on 128 seqs
+    python -m benchmarks.rollout --quick    # a smaller run that finishes in well under a minute
 
 The model is Qwen2-0.5B-shaped (hidden 896, intermediate 4864, 24 layers, 14 heads, 2 KV heads, vocab
 151936, tied embeddings), random init, bf16. Responses are forced to full length (`ignore_eos`) and

@@ -15,5 +15,5 @@ timeout -k 20 200 python3 -m pytest -q -m gpu tests/test_builtin_engine_gpu.py >
 echo "== gpu tests: exit $? after $(elapsed)"; tail -2 "$OUT/gpu_tests.log"
 timeout -k 20 60 python3 -m pytest -q tests/test_sampling_kernels.py > "$OUT/kernel_tests.log" 2>&1
 echo "== kernel tests (interpreter, lowering): exit $? after $(elapsed)"; tail -1 "$OUT/kernel_tests.log"
-timeout -k 20 60 python3 benchmarks/sampling_kernels.py > "$OUT/sampling_kernels.log" 2>&1
+timeout -k 20 60 python3 -m benchmarks.kernels.sampling_kernels > "$OUT/sampling_kernels.log" 2>&1
 echo "== sampling_kernels: exit $? after $(elapsed)"; tail -9 "$OUT/sampling_kernels.log"

@@ -1,8 +1,8 @@
 """Data-parallel scaling of one GRPO step: 1 GPU vs 2 GPUs on the same global batch, with the floor.
 
-    python benchmarks/scaling.py --compare                        # runs torchrun with 1 and 2 processes
-    torchrun --nproc_per_node 2 benchmarks/scaling.py --shape grpo-0.5b   # one configuration
-    python benchmarks/scaling.py --compare --tiny --device cpu    # smoke test on a CPU (numbers meaningless)
+    python -m benchmarks.scaling --compare                        # runs torchrun with 1 and 2 processes
+    torchrun --nproc_per_node 2 -m benchmarks.scaling --shape grpo-0.5b   # one configuration
+    python -m benchmarks.scaling --compare --tiny --device cpu    # smoke test on a CPU (numbers meaningless)
 
 One step, as the trainer runs it with `hybridrl.parallel.distributed`: (1) gather the sharded weights
 (`gather_for_rollout`), each rank samples n=8 responses for its share of the 64 prompts with the
@@ -262,9 +262,11 @@ def compare(args) -> None:
         for gpus in [int(g) for g in args.gpus.split(",")]:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-                           __file__, *passthrough, "--shape", shape, "--out", out.name]
+                           "-m", "benchmarks.scaling", *passthrough, "--shape", shape, "--out", out.name]
                 print(f"== {shape} on {gpus} process(es): {' '.join(command)}", flush=True)
-                finished = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where `benchmarks` is found
+                path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+                finished = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
                 if finished.returncode != 0:  # keep going: the other configurations still get measured
                     print(f"== {shape} on {gpus} process(es) FAILED (exit {finished.returncode})", flush=True)
                     continue

@@ -12,7 +12,7 @@ WORK=$(mktemp -d)
 run() { echo "== $*"; "$@"; echo "== exit $?"; }
 
 python3 -m hybridrl.cli make-data "$WORK/data" >/dev/null
-python3 benchmarks/tiny_reward_model.py "$WORK/reward_model"
+python3 -m benchmarks.tiny_reward_model "$WORK/reward_model"
 DEVICE=${DEVICE:-cuda}
 COMMON=(model.path=tiny:qwen2 trainer.device=$DEVICE "data.train_path=$WORK/data/train.jsonl"
         "data.eval_path=$WORK/data/eval.jsonl" trainer.eval_every=0 logging.sinks=[jsonl] trainer.save_model=false)
@@ -56,4 +56,4 @@ run timeout -k 20 240 python3 -m hybridrl.cli train examples/arithmetic_grpo.yam
 echo "split-end $(date +%T.%N)"
 tail -1 "$WORK/split/metrics.jsonl" | tr ',' '\n' | grep -E "reward|step_s|peak"
 kill $SMI
-[ "$SHAPES" = none ] || run timeout -k 20 420 python3 benchmarks/scaling.py --compare --shapes "$SHAPES" --steps 2
+[ "$SHAPES" = none ] || run timeout -k 20 420 python3 -m benchmarks.scaling --compare --shapes "$SHAPES" --steps 2

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.profiling.gaps import gap_report, kernel_table
+from benchmarks.profiling.step_profiling import update_with_gap_report
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -26,7 +29,7 @@ def run_script(args: list[str], out_dir: Path, timeout: int = 300) -> str:
 def test_optimizer_step_quick_times_each_offload_share_and_the_baseline(tmp_path):
     baseline = tmp_path / "baseline_optim.py"
     baseline.write_text((ROOT / "hybridrl/training/optim.py").read_text())
-    run_script(["benchmarks/optimizer_step.py", "--quick", "--steps", "1", "--baseline", str(baseline)], tmp_path)
+    run_script(["-m", "benchmarks.kernels.optimizer_step", "--quick", "--steps", "1", "--baseline", str(baseline)], tmp_path)
     rows = json.loads((tmp_path / "optimizer_step.json").read_text())["rows"]
     assert [(r["offload"], r["version"]) for r in rows] == [(share, version) for share in (1.0, 0.5, 0.0)
                                                             for version in ("this", "baseline")]
@@ -36,7 +39,7 @@ def test_optimizer_step_quick_times_each_offload_share_and_the_baseline(tmp_path
 def test_host_batch_times_this_batch_builder_beside_a_baseline_and_the_decoding(tmp_path):
     baseline = tmp_path / "baseline_batch.py"
     baseline.write_text((ROOT / "hybridrl/training/batch.py").read_text())
-    out = run_script(["benchmarks/host_batch.py", "--baseline", str(baseline), "--repeats", "1"], tmp_path)
+    out = run_script(["-m", "benchmarks.profiling.host_batch", "--baseline", str(baseline), "--repeats", "1"], tmp_path)
     for row in ("harvest into lists (before)", "harvest as numpy rows (now)", "build_rollout_batch (this, lists)",
                 "build_rollout_batch (this, numpy)", "build_rollout_batch (baseline)", "decode_responses (512, lists)",
                 "decode_responses (512, numpy)"):
@@ -44,7 +47,7 @@ def test_host_batch_times_this_batch_builder_beside_a_baseline_and_the_decoding(
 
 
 def test_flex_layouts_quick_times_every_layout(tmp_path):
-    stdout = run_script(["benchmarks/flex_layouts.py", "--quick"], tmp_path)
+    stdout = run_script(["-m", "benchmarks.kernels.flex_layouts", "--quick"], tmp_path)
     results = json.loads((tmp_path / "flex_layouts.json").read_text())["results"]
     assert {(r["layout"], r["kv"]) for r in results} == {(layout, kv) for layout in ("separate", "shared", "causal")
                                                          for kv in ("gqa", "repeat")}
@@ -59,7 +62,7 @@ def test_flex_layouts_quick_times_every_layout(tmp_path):
 @pytest.mark.slow
 def test_grpo_step_quick_runs_and_writes_its_table(tmp_path):
     """The recommended mode (compiled layers, offloaded moments, fused projections) for two steps."""
-    stdout = run_script(["benchmarks/grpo_step.py", "--quick", "--modes", "grpo-0.5b-fused", "--steps", "2"], tmp_path)
+    stdout = run_script(["-m", "benchmarks.grpo_step", "--quick", "--modes", "grpo-0.5b-fused", "--steps", "2"], tmp_path)
     assert "mode                 step s" in stdout and "grpo-0.5b-fused" in stdout.split("mode                 step s")[1]
     result = json.loads((tmp_path / "grpo_step.json").read_text())
     assert "grpo-0.5b-fused" in json.dumps(result)
@@ -69,7 +72,7 @@ def test_grpo_step_quick_runs_and_writes_its_table(tmp_path):
 @pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~1 min)")
 def test_rollout_benchmark_runs_every_engine_variant(tmp_path):
     """Every engine variant of `rollout.py` (on CPU the attention kernels' PyTorch references) and HF generate."""
-    stdout = run_script(["benchmarks/rollout.py", "--quick", "--prompts", "2", "--n", "2", "--prompt-len", "8",
+    stdout = run_script(["-m", "benchmarks.rollout", "--quick", "--prompts", "2", "--n", "2", "--prompt-len", "8",
                          "--response-len", "4", "--hf-sequences", "2", "--agreement-sequences", "2",
                          "--agreement-tokens", "4", "--repeats", "1", "--no-eager-baseline"], tmp_path)
     assert "floor (computed)" in stdout and "+ RoPE in kernel" in stdout
@@ -78,9 +81,6 @@ def test_rollout_benchmark_runs_every_engine_variant(tmp_path):
 
 def test_gap_report_sums_idle_time_by_size_and_kernel_pair(capsys):
     """`gaps.gap_report` (decode_gaps.py, grpo_step.py --gaps) on a hand-made timeline (µs): overlapping kernels leave no gap."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gaps import gap_report
-
     gap_report([(0, 10, "gemm"), (11.5, 20, "attn"), (19, 25, "norm"), (125, 130, "gemm"), (131, 140, "attn")])
     out = capsys.readouterr().out
     assert "idle between kernels: 0.1 ms in 3 gaps" in out
@@ -90,9 +90,6 @@ def test_gap_report_sums_idle_time_by_size_and_kernel_pair(capsys):
 
 def test_kernel_table_sums_gpu_time_by_kernel_name_per_unit(capsys):
     """`gaps.kernel_table` (decode_gaps.py's profile): total, count and µs per call and per unit (decode step)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gaps import kernel_table
-
     kernel_table([(0, 30, "attn"), (40, 50, "gemm"), (60, 90, "attn"), (100, 104, "norm")], per=2)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "GPU time by kernel (0.1 ms in all; us per unit: of 2):"
@@ -102,9 +99,6 @@ def test_kernel_table_sums_gpu_time_by_kernel_name_per_unit(capsys):
 
 def test_grpo_step_gap_report_wraps_the_update_and_returns_its_metrics(capsys):
     """`grpo_step.py --gaps` swaps in a profiled update; without a GPU it still returns the update's metrics."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from step_profiling import update_with_gap_report
-
     calls = []
     traced = update_with_gap_report(lambda batch: calls.append(batch) or {"actor/policy_loss": 0.5}, "mode", False)
     assert traced("batch") == {"actor/policy_loss": 0.5} and calls == ["batch"]
@@ -113,7 +107,7 @@ def test_grpo_step_gap_report_wraps_the_update_and_returns_its_metrics(capsys):
 
 def test_grpo_step_refuses_gaps_with_too_few_steps(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "benchmarks/grpo_step.py", "--quick", "--gaps", "--steps", "3"], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "benchmarks.grpo_step", "--quick", "--gaps", "--steps", "3"], cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "--gaps needs --steps 4 or more" in result.stderr
 
@@ -135,7 +129,7 @@ def test_trace_report_names_the_operator_that_waited_and_the_phase_gaps(tmp_path
     import gzip
     with gzip.open(path, "wt") as file:
         json.dump({"traceEvents": events}, file)
-    out = run_script(["benchmarks/trace_report.py", str(path), "--gap-ms", "1", "--wait-ms", "1"], tmp_path)
+    out = run_script(["-m", "benchmarks.profiling.trace_report", str(path), "--gap-ms", "1", "--wait-ms", "1"], tmp_path)
     assert "== rollout: 0.0-20.0 ms" in out and "GPU activity 6.0 ms in 4 kernels and copies" in out
     assert "idle   6.00 ms from     3.00 ms, then Memcpy HtoD" in out
     assert "idle   0.10" not in out
@@ -160,14 +154,14 @@ def test_trace_report_host_window_lists_outermost_operations_and_untraced_stretc
     import gzip
     with gzip.open(path, "wt") as file:
         json.dump({"traceEvents": events}, file)
-    out = run_script(["benchmarks/trace_report.py", str(path), "--host", "0-10", "--host-ms", "1"], tmp_path)
+    out = run_script(["-m", "benchmarks.profiling.trace_report", str(path), "--host", "0-10", "--host-ms", "1"], tmp_path)
     assert "GPU busy 30% of the window" in out  # 2.5 + 0.5 ms of 10 ms
     assert "1.00 ms     1.50 ms  Torch-Compiled Region: 0/0" in out
     assert "2.50 ms     3.00 ms  (no traced operation)" in out  # 3.5 -> 6.5 ms
     assert "5.80 ms     2.20 ms  (no traced operation)" in out and "8.00 ms     1.10 ms  aten::item" in out
     for hidden in ("cudaLaunchKernel", "aten::zeros", "worker op", "phase:rollout"):
         assert hidden not in out
-    bad = subprocess.run([sys.executable, "benchmarks/trace_report.py", str(path), "--host", "5"], cwd=ROOT,
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.profiling.trace_report", str(path), "--host", "5"], cwd=ROOT,
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "--host takes a window in ms like 540-640" in bad.stderr
 
@@ -192,7 +186,7 @@ def test_trace_report_rates_each_matrix_product_by_shape(tmp_path):
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as file:
         json.dump({"traceEvents": events}, file)
-    out = run_script(["benchmarks/trace_report.py", str(path)], tmp_path)
+    out = run_script(["-m", "benchmarks.profiling.trace_report", str(path)], tmp_path)
     # 2*4096^3 = 137.4 GFLOP in 200 us = 687 TFLOP/s; 2*2048*1024*1024 = 4.29 GFLOP in 20 us = 215 TFLOP/s.
     rows = {line.split()[0] + " " + line.split()[1]: line.split()[-3:] for line in out.splitlines()
             if line.strip().startswith("aten::")}
@@ -200,56 +194,22 @@ def test_trace_report_rates_each_matrix_product_by_shape(tmp_path):
     assert "matrix products: 0.2 ms of kernels, 644 TFLOP/s on average" in out  # (137.4 + 4.3) GFLOP / 220 us
 
 
-@pytest.mark.parametrize("splits", [2, 4])
-def test_decode_gemms_split_k_equals_the_plain_projection(splits):
-    """decode_gemms.py's split-K (K cut into slices, one batched matmul, slices summed) computes the same
-    rmsnorm(residual + x W^T) as the plain projection, in float32 on CPU; a slice taken from the wrong rows of W
-    would not."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from decode_gemms import plain, split_k
-
-    torch = pytest.importorskip("torch")
-    generator = torch.Generator().manual_seed(0)
-    x, w = torch.randn(24, 64, generator=generator), torch.randn(40, 64, generator=generator)
-    residual, norm_weight = torch.randn(24, 40, generator=generator), torch.rand(40, generator=generator) + 0.5
-    expected = plain(x, w, residual, norm_weight)
-    torch.testing.assert_close(split_k(x, w, residual, norm_weight, splits, fp32_out=False), expected,
-                               rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(split_k(x, w.roll(8, dims=1), residual, norm_weight, splits, fp32_out=False), expected)
-
-
 def test_engine_ab_parses_named_option_sets():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from engine_ab import parse_option_set
+    from benchmarks.profiling.engine_ab import parse_option_set  # imports the engine: here, not at collection
 
     assert parse_option_set("default:") == ("default", {})
-    assert parse_option_set("mixed:attention=triton-stacked,sync_every=32,empty_cache=False") == (
-        "mixed", {"attention": "triton-stacked", "sync_every": 32, "empty_cache": False})
-
-
-def test_engine_ab_builds_the_cpp_wrapper_set_with_inductor_options(monkeypatch):
-    import torch
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from engine_ab import CPP_WRAPPER_MODE, with_cpp_wrapper_mode
-
-    calls = []
-    recorder = lambda fn, **kwargs: calls.append(kwargs) or fn  # noqa: E731
-    monkeypatch.setattr(torch, "compile", recorder)
-    build = with_cpp_wrapper_mode(lambda mode=None: torch.compile(len, fullgraph=True, mode=mode))
-    build(None), build(CPP_WRAPPER_MODE)
-    assert calls == [{"fullgraph": True, "mode": None}, {"fullgraph": True, "options": {"cpp_wrapper": True}}]
-    assert torch.compile is recorder  # put back after building
+    assert parse_option_set("mixed:attention=sdpa,sync_every=32,use_cuda_graphs=False") == (
+        "mixed", {"attention": "sdpa", "sync_every": 32, "use_cuda_graphs": False})
 
 
 def check_attention_configs_script() -> None:
     """Run by the test below in Triton's interpreter: `attention_configs.py`'s check of a launch configuration
     (the engine's call: raw q and K/V, RoPE, bias, cache write) passes for the default and another launch and fails
     for a kernel that zeroes the new key and value, and the engine's stand-in keeps the flags the engine reads."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import attention_configs
     import torch
     from decode_attention_cases import make_case, rope_inputs, with_new_kv
+
+    from benchmarks.kernels import attention_configs
 
     case, new_kv = with_new_kv(make_case(0, 6, 2, 7, 64, 3, 40, 30, dtype=torch.float16))
     cos, sin, bias = rope_inputs(case, with_bias=True)
@@ -271,8 +231,7 @@ def check_attention_configs_script() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter)")
 def test_attention_configs_checks_each_launch_against_the_reference():
-    sys.path.insert(0, str(ROOT / "tests"))
-    from decode_attention_cases import run_in_interpreter
+    from decode_attention_cases import run_in_interpreter  # tests/ is on sys.path under pytest
 
     output = run_in_interpreter("test_benchmark_scripts", "check_attention_configs_script")
     assert "attention_configs checks passed" in output

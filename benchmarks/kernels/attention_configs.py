@@ -8,7 +8,7 @@ stages and, beside the 1-2 warp launches, the prompt part in 64-key blocks — c
 first, at 512 slots (64 prompts x 8) and 256 slots (32 x 8: one rank's share of the batch on 2 GPUs). Then the fastest
 configuration of each size runs in rollouts of that size against the default launch, alternating in one process.
 
-    python3 benchmarks/attention_configs.py [--rounds 3] [--response-len 128]
+    python -m benchmarks.kernels.attention_configs [--rounds 3] [--response-len 128]
 """
 
 from __future__ import annotations
@@ -16,21 +16,17 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from cuda_timing import graph_time_us  # noqa: E402
-from decode_attention_cases import TOLERANCE, make_case, rope_inputs, with_new_kv  # noqa: E402
-from rollout import build_model  # noqa: E402
-
-from hybridrl.rollout.base import SamplingParams  # noqa: E402
-from hybridrl.rollout.engine.backend import BuiltinBackend  # noqa: E402
-from hybridrl.rollout.kernels import decode_attention  # noqa: E402
+from benchmarks.kernels.cuda_timing import graph_time_us
+from benchmarks.rollout import build_model
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine.backend import BuiltinBackend
+from hybridrl.rollout.kernels import decode_attention
+from tests.decode_attention_cases import TOLERANCE, make_case, rope_inputs, with_new_kv
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, PROMPT_LEN = 24, 2, 7, 64, 256
 DEFAULT = dict(block_n=decode_attention.BLOCK_N, num_warps=decode_attention.NUM_WARPS, num_stages=None,
@@ -121,7 +117,7 @@ def main() -> None:
     parser.add_argument("--response-len", type=int, default=128, help="every slot's response length in the sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/attention_configs.py needs a CUDA GPU.")
+        sys.exit("benchmarks/kernels/attention_configs.py needs a CUDA GPU.")
     best = {}
     for slots, entries in ((512, 64), (256, 32)):
         rows = sweep(slots, entries, args.response_len)

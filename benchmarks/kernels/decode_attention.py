@@ -10,7 +10,7 @@ default launch with the prompt part in blocks of 16, 64 and 128 keys (`prompt_bl
 its block size), and the engine's old unfused path (index_put of the new K/V, then the kernel) against the fused
 write.
 
-    python3 benchmarks/decode_attention.py [--response-len 128] [--bandwidth-tbs 4.2] [--stacked]
+    python -m benchmarks.kernels.decode_attention [--response-len 128] [--bandwidth-tbs 4.2] [--stacked]
 
 The floor is the bytes a layer must read once (each prompt entry's KV, each slot's response KV, the
 queries) at `--bandwidth-tbs`. JSON goes to $OUT/decode_attention.json when $OUT is set.
@@ -26,11 +26,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from cuda_timing import graph_time_us  # noqa: E402
-from decode_attention_cases import TOLERANCE, check_fused_write, make_case  # noqa: E402
-
-from hybridrl.rollout.kernels.decode_attention import reference_decode_attention, triton_decode_attention  # noqa: E402
+from benchmarks.kernels.cuda_timing import graph_time_us
+from hybridrl.rollout.kernels.decode_attention import reference_decode_attention, triton_decode_attention
+from tests.decode_attention_cases import TOLERANCE, check_fused_write, make_case
 
 
 def time_stacked(case: dict, new_kv: torch.Tensor, args) -> list[dict]:
@@ -70,7 +68,7 @@ def main() -> None:
                              "slot) over its launch configurations, with the fused K/V write")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/decode_attention.py needs a CUDA GPU (it times Triton kernels).")
+        sys.exit("benchmarks/kernels/decode_attention.py needs a CUDA GPU (it times Triton kernels).")
     dtype, kv_heads, group, head_dim = torch.bfloat16, 2, 7, 64
     case = make_case(0, args.slots, kv_heads, group, head_dim, args.entries, args.prompt_len, 256, dtype=dtype,
                      device="cuda")

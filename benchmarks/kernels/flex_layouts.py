@@ -18,9 +18,9 @@ times, the visible (query, key) pairs, the TFLOP/s on them, the floor at the GPU
 time of building the block mask (eagerly, as the trainer does; on GPU also through
 `torch.compile(create_block_mask)`, printed last: whether compiling the build would pay).
 
-    python benchmarks/flex_layouts.py                      # grpo-0.5b's micro-batch: 14 prompts x 8, P = R = 256
-    python benchmarks/flex_layouts.py --quick              # CPU, tiny shapes, forward only, not compiled
-    python benchmarks/flex_layouts.py --sweep              # + kernel options at the shared layout, SDPA beside
+    python -m benchmarks.kernels.flex_layouts                      # grpo-0.5b's micro-batch: 14 prompts x 8, P = R = 256
+    python -m benchmarks.kernels.flex_layouts --quick              # CPU, tiny shapes, forward only, not compiled
+    python -m benchmarks.kernels.flex_layouts --sweep              # + kernel options at the shared layout, SDPA beside
 
 `--sweep` then times the shared layout (K/V repeated, as transformers runs Qwen2) under FlexAttention kernel
 options (tile sizes, warps and stages of the forward and the backward, TMA, the safe-rows and pre-scaled QK

@@ -5,9 +5,9 @@ measured in the same run, the two directions overlapping; the update's HBM traff
 `--baseline FILE` times another version of `hybridrl/training/optim.py` (for example the previous commit's, saved with
 `git show HEAD~1:hybridrl/training/optim.py > /tmp/old_optim.py`) side by side, on the same parameters and gradients.
 
-    python benchmarks/optimizer_step.py                      # one GPU: the grpo-0.5b shape (Qwen2-0.5B)
-    python benchmarks/optimizer_step.py --shape 1.5b --baseline /tmp/old_optim.py
-    python benchmarks/optimizer_step.py --quick              # CPU, the tiny shape: that it runs
+    python -m benchmarks.kernels.optimizer_step                      # one GPU: the grpo-0.5b shape (Qwen2-0.5B)
+    python -m benchmarks.kernels.optimizer_step --shape 1.5b --baseline /tmp/old_optim.py
+    python -m benchmarks.kernels.optimizer_step --quick              # CPU, the tiny shape: that it runs
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import os
 import time
 
 import torch
-from grpo_step import BANDWIDTH, SHAPES
+
+from benchmarks.grpo_step import BANDWIDTH, SHAPES
 
 
 def parameters(shape: str, device: str) -> list[torch.nn.Parameter]:

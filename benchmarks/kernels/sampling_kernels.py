@@ -3,7 +3,7 @@ compiled PyTorch `sample_and_record` against the two Triton kernels (`hybridrl/r
 several launch configurations of the stats kernel, each in a CUDA graph over 8 distinct logits tensors (so the
 logits come from HBM, as after the LM head's 155 MB write). Checks that the kernels draw the same tokens first.
 
-    python3 benchmarks/sampling_kernels.py
+    python -m benchmarks.kernels.sampling_kernels
 
 Prints µs per step and the bandwidth of one read of the logits; the floor is that read at --bandwidth.
 """
@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_timing import graph_time_us  # noqa: E402
-
-from hybridrl.rollout.engine.decode_state import DecodeState, compiled_sample_and_record  # noqa: E402
-from hybridrl.rollout.engine.sampling import SamplerSettings  # noqa: E402
-from hybridrl.rollout.kernels.sampling_kernels import triton_sample_and_record  # noqa: E402
+from benchmarks.kernels.cuda_timing import graph_time_us
+from hybridrl.rollout.engine.decode_state import DecodeState, compiled_sample_and_record
+from hybridrl.rollout.engine.sampling import SamplerSettings
+from hybridrl.rollout.kernels.sampling_kernels import triton_sample_and_record
 
 ROWS, VOCAB, RESPONSE, COPIES = 512, 151936, 256, 8
 
@@ -32,7 +29,7 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=4.2e12, help="bytes/s of HBM (DESIGN.md's H200 figure)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/sampling_kernels.py needs a CUDA GPU.")
+        sys.exit("benchmarks/kernels/sampling_kernels.py needs a CUDA GPU.")
     torch.manual_seed(0)
     logits = [(torch.randn(ROWS, VOCAB, device="cuda") * 3).to(torch.bfloat16) for _ in range(COPIES)]
     settings, compiled = SamplerSettings(temperature=1.0), compiled_sample_and_record()

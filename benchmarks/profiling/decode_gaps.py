@@ -3,23 +3,19 @@ the grpo-0.5b shape of `rollout.py`, timed with several `sync_every` values (dec
 for finished sequences; while the host checks, the GPU waits), then one profiled run whose idle gaps between
 kernels are summed by size and by the pair of kernels around them, and its GPU time by kernel (per decode step).
 
-    python3 benchmarks/decode_gaps.py [--sync-every 16,64,256] [--response-len 256]
+    python -m benchmarks.profiling.decode_gaps [--sync-every 16,64,256] [--response-len 256]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gaps import cuda_events, gap_report, host_work_in_gaps, kernel_table  # noqa: E402
-from rollout import build_model, time_engine, timeline_line  # noqa: E402
-
-from hybridrl.rollout.base import SamplingParams  # noqa: E402
-from hybridrl.rollout.engine.backend import BuiltinBackend  # noqa: E402
+from benchmarks.profiling.gaps import cuda_events, gap_report, host_work_in_gaps, kernel_table
+from benchmarks.rollout import build_model, time_engine, timeline_line
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine.backend import BuiltinBackend
 
 
 def parse_args() -> argparse.Namespace:

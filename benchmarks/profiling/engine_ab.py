@@ -1,14 +1,11 @@
 """Engine options A/B in one process: the grpo-0.5b rollout of `rollout.py` (64 prompts x 8, prompt 256, response
 256 forced, temperature 1) with each named set of `BuiltinBackend` options, run in turn (a, b, a, b, ...), so the
-sets share the process, the GPU's clocks and the host; rollout times differ by 3-5% from process to process.
+sets share the process, the GPU's clocks and the host (rollout times vary by a few percent between processes).
 
-    python3 benchmarks/engine_ab.py default: sdpa:attention=sdpa [--rounds 4] [--prompts 32]
-    python3 benchmarks/engine_ab.py default: cpp:cpp_wrapper=True --prompts 32   # Inductor's C++ wrapper
+    python -m benchmarks.profiling.engine_ab default: sdpa:attention=sdpa [--rounds 4] [--prompts 32]
 
 Each argument is NAME:OPTIONS, OPTIONS a comma-separated list of key=value (values parsed as Python literals where
-they parse, else strings); every set starts from the defaults. `cpp_wrapper=True` is not an engine option: that
-engine's compiled pieces are built with `torch.compile(options={"cpp_wrapper": True})` (measured no faster,
-2026-12-01, docs/rollout.md). Prints every run's seconds and each set's best and
+they parse, else strings); every set starts from the defaults. Prints every run's seconds and each set's best and
 median, with the attention and sampler its stats report.
 """
 
@@ -16,44 +13,19 @@ from __future__ import annotations
 
 import argparse
 import ast
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rollout import build_model  # noqa: E402
-
-import hybridrl.rollout.engine.backend as builtin  # noqa: E402
-from hybridrl.rollout.base import SamplingParams  # noqa: E402
-from hybridrl.rollout.engine.backend import BuiltinBackend  # noqa: E402
-
-CPP_WRAPPER_MODE = "cpp-wrapper"
-"""A `compile` value only this script understands: the default mode with Inductor's C++ wrapper."""
-
-
-def with_cpp_wrapper_mode(compiled_decode_functions):
-    """`compiled_decode_functions` that builds CPP_WRAPPER_MODE's pieces with options={"cpp_wrapper": True}."""
-    def build(mode=None):
-        if mode != CPP_WRAPPER_MODE:
-            return compiled_decode_functions(mode)
-        real_compile = torch.compile
-
-        def compile_with_cpp_wrapper(fn, **kwargs):
-            kwargs.pop("mode", None)
-            return real_compile(fn, options={"cpp_wrapper": True}, **kwargs)
-        torch.compile = compile_with_cpp_wrapper
-        try:
-            return compiled_decode_functions(None)
-        finally:
-            torch.compile = real_compile
-    return build
+from benchmarks.rollout import build_model
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine.backend import BuiltinBackend
 
 
 def parse_option_set(text: str) -> tuple[str, dict]:
-    """'split:attention=triton-split,sync_every=16' -> ('split', {'attention': 'triton-split', 'sync_every': 16})."""
+    """'graphs:attention=sdpa,sync_every=16' -> ('graphs', {'attention': 'sdpa', 'sync_every': 16})."""
     name, _, options = text.partition(":")
     parsed = {}
     for item in filter(None, options.split(",")):
@@ -73,17 +45,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64, help="prompts per rollout (8 samples each)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/engine_ab.py needs a CUDA GPU.")
+        sys.exit("benchmarks/profiling/engine_ab.py needs a CUDA GPU.")
     model = build_model("cuda")
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.config.vocab_size, (args.prompts, 256), generator=generator).tolist()
     params = SamplingParams(max_new_tokens=args.response_len, temperature=1.0, n=8, seed=0, ignore_eos=True)
-    builtin.compiled_decode_functions = with_cpp_wrapper_mode(builtin.compiled_decode_functions)
-    engines = {}
-    for name, options in map(parse_option_set, args.sets):
-        if options.pop("cpp_wrapper", False):
-            options["compile"] = CPP_WRAPPER_MODE
-        engines[name] = BuiltinBackend(model, **options)
+    engines = {name: BuiltinBackend(model, **options) for name, options in map(parse_option_set, args.sets)}
     for engine in engines.values():  # compile, load kernels, capture once
         engine.generate(prompts, params)
     seconds: dict[str, list[float]] = {name: [] for name in engines}

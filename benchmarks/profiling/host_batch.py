@@ -6,7 +6,7 @@ batches are checked equal; decoding numpy-held ones includes making the lists). 
 `--baseline FILE` (a copy of another version's `hybridrl/training/batch.py`) that version's `build_rollout_batch` is
 timed beside it on the same generations and checked to give the same tensors.
 
-    python3 benchmarks/host_batch.py [--baseline /tmp/old_batch.py] [--repeats 7]
+    python -m benchmarks.profiling.host_batch [--baseline /tmp/old_batch.py] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grpo_step import build_tokenizer  # noqa: E402
-
-from hybridrl.rollout.base import Generation  # noqa: E402
-from hybridrl.training.batch import build_rollout_batch, decode_responses  # noqa: E402
+from benchmarks.grpo_step import build_tokenizer
+from hybridrl.rollout.base import Generation
+from hybridrl.training.batch import build_rollout_batch, decode_responses
 
 VOCAB, PROMPTS, SAMPLES, PROMPT_LEN, RESPONSE_LEN = 151936, 64, 8, 256, 256
 

@@ -6,7 +6,7 @@ Prints, for the last of `--calls` warm calls: the host milliseconds inside each 
 profiler running) and the timeline; then one more call under cProfile, its top functions by own time and by
 cumulative time (cProfile slows Python-heavy code, so read those as shares, not as milliseconds).
 
-    python3 benchmarks/host_profile.py [--calls 3] [--top 30]
+    python -m benchmarks.profiling.host_profile [--calls 3] [--top 30]
 """
 
 from __future__ import annotations
@@ -14,19 +14,15 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
-import os
 import pstats
-import sys
 import time
 from collections import defaultdict
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rollout import build_model, timeline_line  # noqa: E402
-
-from hybridrl.rollout.base import SamplingParams  # noqa: E402
-from hybridrl.rollout.engine import backend as builtin  # noqa: E402
+from benchmarks.rollout import build_model, timeline_line
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine import backend as builtin
 
 PHASES = ("_allocate", "_prefill", "_prefill_chunk", "_warm_up", "_capture", "_sync", "_compact", "release_memory")
 MODULE_FUNCTIONS = ("resolve_weights", "rope_table", "auto_fuses_gate_up", "DecodeState")

@@ -11,12 +11,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.profiling.gaps import cuda_events, gap_report, host_work_in_gaps
+
 
 def update_with_gap_report(update, name: str, with_host: bool):
     """`trainer.update` profiled once: where its GPU idle time goes (`gaps.py`), by gap size and by the GPU
     activities around each gap; `with_host` also traces the CPU, which stretches the gaps but names the host
     operations running during the largest ones."""
-    from gaps import cuda_events, gap_report, host_work_in_gaps
     from torch.profiler import ProfilerActivity, profile
 
     def traced(batch):

@@ -11,8 +11,8 @@ stretches in which it ran no traced operation at all (Python: tokenizing, buildi
 share of the window the GPU was busy — how the 23:29 UTC session of 2026-11-30 found the compiled prefill
 host-bound (~1 ms of host per layer for ~0.4 ms of GPU work) and ~70 ms of plain Python after a 2-GPU rollout.
 
-    python3 benchmarks/trace_report.py TRACE.json.gz [--phases rollout,update] [--gap-ms 0.3] [--wait-ms 1]
-    python3 benchmarks/trace_report.py TRACE.json.gz --host 540-640 [--host-ms 1]
+    python -m benchmarks.profiling.trace_report TRACE.json.gz [--phases rollout,update] [--gap-ms 0.3] [--wait-ms 1]
+    python -m benchmarks.profiling.trace_report TRACE.json.gz --host 540-640 [--host-ms 1]
 """
 
 from __future__ import annotations
