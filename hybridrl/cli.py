@@ -1,4 +1,4 @@
-"""Command line: `hybridrl train|sft|demo|make-data|export|plot|config show`.
+"""Command line: `hybridrl train|sft|demo|make-data|export|plot|watch|config show`.
 
 Every user mistake the library reports as a typed error (config, data, model, reward, training)
 is printed as one line and exit code 2; anything else is a bug and keeps its traceback.
@@ -109,6 +109,12 @@ def cmd_export(args: argparse.Namespace) -> None:
     print(f"wrote a Hugging Face model to {path} (load it with AutoModelForCausalLM.from_pretrained)")
 
 
+def cmd_watch(args: argparse.Namespace) -> None:
+    from hybridrl.metrics.watch import watch
+
+    watch(args.run_dir, interval_s=args.interval, once=args.once)
+
+
 def cmd_plot(args: argparse.Namespace) -> None:
     from hybridrl.metrics.plot import plot_run
 
@@ -154,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
     plot.set_defaults(fn=cmd_plot)
+    watch = commands.add_parser("watch", help="live terminal view of a run: curves, latest samples (needs [watch])")
+    watch.add_argument("run_dir")
+    watch.add_argument("--interval", type=float, default=2.0, help="seconds between redraws")
+    watch.add_argument("--once", action="store_true", help="print one frame and exit")
+    watch.set_defaults(fn=cmd_watch)
     return parser
 
 
