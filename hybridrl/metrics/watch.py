@@ -29,7 +29,8 @@ def sparkline(values: list[float], width: int = HISTORY) -> str:
         return ""
     low, high = min(values), max(values)
     span = high - low
-    return "".join(SPARK[0 if span == 0 else min(len(SPARK) - 1, int((v - low) / span * len(SPARK)))] for v in values)
+    top = len(SPARK) - 1
+    return "".join(SPARK[0 if span == 0 else int((v - low) / span * top + 0.5)] for v in values)
 
 
 def latest_samples(run_dir: Path, limit: int = 8) -> tuple[int | None, list[dict[str, Any]]]:
