@@ -259,6 +259,12 @@ def _seq_mean_token_mean(loss: Tensor, mask: Tensor, num_tokens: Normalizer, num
     return per_sequence.sum() / (loss.shape[0] if num_sequences is None else num_sequences)
 
 
+def _seq_mean_token_sum(loss: Tensor, mask: Tensor, num_tokens: Normalizer, num_sequences: Normalizer,
+                        max_length: int | None) -> Tensor:
+    per_sequence = (loss * mask).sum(dim=-1)  # (B,)
+    return per_sequence.sum() / (loss.shape[0] if num_sequences is None else num_sequences)
+
+
 def _seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, num_tokens: Normalizer, num_sequences: Normalizer,
                              max_length: int | None) -> Tensor:
     per_sequence = (loss * mask).sum(dim=-1) / (loss.shape[-1] if max_length is None else max_length)  # (B,)
@@ -268,6 +274,7 @@ def _seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, num_tokens: Normalizer,
 _AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
     "token-mean": _token_mean,
     "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum": _seq_mean_token_sum,
     "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
 }
 
@@ -282,6 +289,8 @@ def aggregate_loss(
       responses weigh more, per token equally (DAPO).
     - "seq-mean-token-mean": mean over each sequence's tokens, then sum / `num_sequences`
       (default: B here). Each response weighs the same (original GRPO).
+    - "seq-mean-token-sum": sum over each sequence's tokens, then sum / `num_sequences`: no division
+      by any length, so a sequence's weight grows with its length (verl's "seq-mean-token-sum").
     - "seq-mean-token-sum-norm": sum over each sequence's tokens / `max_length` (a constant;
       default T here), then sum / `num_sequences`. Dr.GRPO's fix of the length bias; pass the
       rollout's max response length so the constant does not change with padding.
@@ -302,6 +311,7 @@ _KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
     "k1": lambda log_ratio: log_ratio,
     "k2": lambda log_ratio: 0.5 * log_ratio**2,
     "k3": lambda log_ratio: torch.exp(-log_ratio) + log_ratio - 1,
+    "abs": lambda log_ratio: log_ratio.abs(),
 }
 
 
@@ -309,7 +319,8 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     """Per-token estimate (B, T) of KL(policy || reference) from tokens sampled by the policy.
 
     k1 = logp - ref (unbiased, can be negative), k2 = 0.5 * (logp - ref)^2 (biased, low variance),
-    k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, never negative; Schulman 2020).
+    k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, never negative; Schulman 2020),
+    abs = |logp - ref| (never negative; its gradient pushes every token's log-ratio towards 0 at the same rate).
     """
     if estimator not in _KL_ESTIMATORS:
         raise ValueError(f"Unknown KL estimator {estimator!r}; allowed: {', '.join(_KL_ESTIMATORS)}.")

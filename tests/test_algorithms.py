@@ -170,6 +170,8 @@ MASK = t([[1, 1, 1], [1, 0, 0]])
         ("token-mean", {"num_tokens": 8}, 1.25),  # 10 / 8
         ("seq-mean-token-mean", {}, 3.0),  # mean(2, 4)
         ("seq-mean-token-mean", {"num_sequences": 4}, 1.5),  # (2 + 4) / 4
+        ("seq-mean-token-sum", {}, 5.0),  # (6 + 4) / 2
+        ("seq-mean-token-sum", {"num_sequences": 4}, 2.5),  # (6 + 4) / 4
         ("seq-mean-token-sum-norm", {}, 10 / 6),  # (6 / 3 + 4 / 3) / 2
         ("seq-mean-token-sum-norm", {"max_length": 5}, 1.0),  # (6 / 5 + 4 / 5) / 2
     ],
@@ -266,6 +268,7 @@ def test_micro_batch_accumulation_equals_whole_batch(mode):
         ("k1", [1.0, -1.0, 0.0]),
         ("k2", [0.5, 0.5, 0.0]),
         ("k3", [math.exp(-1), math.e - 2, 0.0]),  # exp(ref - logp) - (ref - logp) - 1
+        ("abs", [1.0, 1.0, 0.0]),  # |logp - ref|
     ],
 )
 def test_kl_penalty_estimators(estimator, expected):

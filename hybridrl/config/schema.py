@@ -191,12 +191,13 @@ class AlgorithmConfig:
     """Weight each token's policy loss by min(pi_old / pi_sampler, cap): truncated importance sampling for
     the gap between the sampler's and the trainer's log-probs (TRL's vllm_importance_sampling_cap, verl's
     tis_imp_ratio_cap; 2.0 is usual); null disables."""
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    """How per-token losses become one number."""
+    loss_aggregation: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses become one number (see `algorithms.aggregate_loss` for each mode)."""
     kl_coef: float = 0.0
     """Weight of the KL divergence to the reference model; 0 skips the reference forward pass."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman's k1/k2/k3)."""
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
+    """KL estimator: Schulman's k1/k2/k3, or abs (|log-ratio|)."""
     kl_in_reward: bool = False
     """Subtract the KL from the token rewards (classic RLHF) instead of adding it to the loss."""
     entropy_coef: float = 0.0
