@@ -410,8 +410,9 @@ def print_table(results: list[dict]) -> None:
             print(f"{name}: {per_gpu:,.0f} tokens/s per GPU{switch_text}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.grpo_step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default="grpo-0.5b,trl,1.5b-full,7b-lora,grpo-0.5b-offload")
     parser.add_argument("--trl-script", default=str(ROOT.parent / "shared/peers/trl_grpo_gpu.py"))
     parser.add_argument("--timeout", type=int, default=150, help="seconds per mode")
@@ -432,6 +433,11 @@ def main() -> None:
                         help="process counts per mode, e.g. 1,2: the trainer under torchrun with the same global "
                              "batch; the table adds each mode's speed-up over its 1-process run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     prompt_len, response_len, device = (16, 8, "cpu") if args.quick else (256, 256, "cuda")
     if args.child:

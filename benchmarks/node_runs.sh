@@ -22,19 +22,19 @@ echo "== $VISIBLE GPUs visible; GPU counts $GPUS"
 
 case "$PART" in
 scaling-0.5b)
-    timeout -k 20 570 python3 -m benchmarks.grpo_step --modes grpo-0.5b-fused-shared-resident --gpus "$GPUS" --timeout -k 20 140 \
+    timeout -k 20 570 python3 -m benchmarks.grpo_step --modes grpo-0.5b-fused-shared-resident --gpus "$GPUS" --timeout 140 \
         > "$OUT/scaling_0.5b.log" 2>&1; echo "== exit $?"; tail -12 "$OUT/scaling_0.5b.log" ;;
 scaling-1.5b)
-    timeout -k 20 570 python3 -m benchmarks.grpo_step --modes 1.5b-full --gpus "$GPUS" --timeout -k 20 140 \
+    timeout -k 20 570 python3 -m benchmarks.grpo_step --modes 1.5b-full --gpus "$GPUS" --timeout 140 \
         > "$OUT/scaling_1.5b.log" 2>&1; echo "== exit $?"; tail -12 "$OUT/scaling_1.5b.log" ;;
 profile-0.5b)
     TORCH_LOGS=recompiles timeout -k 20 570 python3 -m benchmarks.grpo_step --modes grpo-0.5b-fused-shared-resident \
-        --gpus "${GPUS##*,}" --steps 5 --profile --timeout -k 20 300 > "$OUT/profile_0.5b.log" 2>&1
+        --gpus "${GPUS##*,}" --steps 5 --profile --timeout 300 > "$OUT/profile_0.5b.log" 2>&1
     echo "== exit $?"; tail -4 "$OUT/profile_0.5b.log"
     for trace in "$OUT"/trace_*.json.gz; do python3 -m benchmarks.profiling.trace_report "$trace" --gap-ms 2 --wait-ms 5 | grep -v "^    "; done
     grep -h -i "recompil" "$OUT"/stderr_*.log | head -20 ;;
 7b)
-    timeout -k 20 570 python3 -m benchmarks.grpo_step --modes 7b-full --gpus "${GPUS##*,}" --timeout -k 20 560 \
+    timeout -k 20 570 python3 -m benchmarks.grpo_step --modes 7b-full --gpus "${GPUS##*,}" --timeout 560 \
         > "$OUT/7b_full.log" 2>&1; echo "== exit $?"; tail -6 "$OUT/7b_full.log" ;;
 split)
     [ "$VISIBLE" -ge 8 ] || { echo "split needs 8 GPUs; $VISIBLE visible"; exit 1; }

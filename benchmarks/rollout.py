@@ -2,33 +2,30 @@
 
     python -m benchmarks.rollout            # 64 prompts x n=8, prompt 256, response 256 forced; HF on 128 seqs
     python -m benchmarks.rollout --quick    # a smaller run that finishes in well under a minute
+    python -m benchmarks.rollout --tiny --quick --agreement-sequences 0   # CPU: checks the script, measures nothing
 
 The model is Qwen2-0.5B-shaped (hidden 896, intermediate 4864, 24 layers, 14 heads, 2 KV heads, vocab
 151936, tied embeddings), random init, bf16. Responses are forced to full length (`ignore_eos`) and
 sampled at temperature 1 (top-p 1, top-k off), as in GRPO. HF `generate` runs on fewer sequences
 (`--hf-sequences`) because it is slow; both report generated tokens per second.
 
-The engine is timed compiled (`torch.compile`, the GPU default) and, for comparison, uncompiled
-(`--no-eager-baseline` skips that); both with `attention="sdpa"` (per-slot KV cache, SDPA decode
-attention). When triton is installed, the compiled engine is also timed with `attention="triton"`
-(prefix-shared KV: each prompt's KV stored once, Triton decode kernel; `--no-triton` skips it), in
-the same run and the same table, with its own log-prob mismatch and greedy agreement; so is the opt-in
-`attention="triton-stacked"` (same layout, a prompt kernel per prompt entry that stacks the n samples'
-queries plus a response kernel per slot; `--no-triton-stacked` skips it), and the triton engine with
-`fuse_qkv=True` (one stacked q/k/v matmul per layer, whose raw output the kernel biases and rotates
-itself; also timed with a RoPE kernel, `rope_in_attention=False`; `--no-fused-qkv` skips them) and with
-`fuse_qkv` and `fuse_gate_up` (also one gate/up matmul; skipped with it). The first `generate` of a fresh engine compiles; it is timed
-on its own ("compile + first call") and not in the engine's tokens/s, because the trainer reuses the
-compiled code every step. Each timed run still includes KV allocation and CUDA-graph capture
-(`warmup_s` in its stats).
+The engine is timed compiled (`torch.compile`, the GPU default) and uncompiled (`--no-eager-baseline` skips
+that); both with `attention="sdpa"` (per-slot KV cache, SDPA decode attention). When triton is installed, the
+compiled engine is also timed with `attention="triton"` (prefix-shared KV: each prompt's KV stored once, Triton
+decode kernel; `--no-triton` skips it), in the same run and the same table, with its own log-prob mismatch and
+greedy agreement; so is the triton engine with `fuse_qkv=True` (one stacked q/k/v matmul per layer, whose raw
+output the kernel biases and rotates itself) and with `fuse_qkv` and `fuse_gate_up` (also one gate/up matmul);
+`--no-fused-qkv` skips those two. The first `generate` of a fresh engine compiles; it is timed on its own
+("compile + first call") and not in the engine's tokens/s, because the trainer reuses the compiled code every
+step. Each timed run still includes KV allocation and CUDA-graph capture (`warmup_s` in its stats).
 
 The floor is computed, not measured: every decode step must read the weights once and each sequence's
 keys/values for its current context (no prefix-shared attention assumed, so the triton engine is not
 bound by it: it reads a prompt's KV once per step for all n samples if L2 serves the repeats), and must do 2 * params
 FLOPs per token; a step costs max(bytes / bandwidth, flops / peak). Prefill costs 2 * params FLOPs
-per distinct prompt token. Defaults are the H200 figures from DESIGN.md (4.2 TB/s, 785 TFLOP/s).
+per distinct prompt token. Defaults are the H200's figures from DESIGN.md (4.2 TB/s, 785 TFLOP/s).
 
-Greedy agreement (first `--agreement-tokens` tokens of `--agreement-sequences` prompts) is reported
+Greedy agreement (first `--agreement-tokens` tokens of `--agreement-sequences` prompts; 0 skips it) is reported
 against HF `generate` in bf16 and against a float32 copy of the model, next to HF bf16's own agreement
 with float32. A random-init model's logits are nearly flat, so bf16 rounding alone flips near-ties
 and no bf16 implementation agrees with another on most sequences; the float32 line says whether the
@@ -52,41 +49,53 @@ from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.backend import BuiltinBackend, triton_available
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.rollout", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=64, help="distinct prompts")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--response-len", type=int, default=256)
     parser.add_argument("--hf-sequences", type=int, default=128, help="sequences for HF generate (0 skips it)")
-    parser.add_argument("--agreement-sequences", type=int, default=64, help="greedy sequences compared with HF")
+    parser.add_argument("--agreement-sequences", type=int, default=64,
+                        help="greedy sequences compared with HF (0 skips the agreement check)")
     parser.add_argument("--agreement-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="timed engine runs (the best is reported)")
     parser.add_argument("--kv-cache-memory", type=float, default=0.3)
     parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
     parser.add_argument("--peak-tflops", type=float, default=785.0)
     parser.add_argument("--quick", action="store_true", help="16 prompts x 8, response 64, HF on 32 sequences")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a 2-layer model with a 1,000-token vocabulary instead of the grpo-0.5b shape (checks the "
+                             "script on CPU; measures nothing)")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--no-compile", action="store_true", help="time the engine without torch.compile")
     parser.add_argument("--no-eager-baseline", action="store_true", help="skip timing the uncompiled engine too")
     parser.add_argument("--try-efficient-attention", action="store_true",
                         help="also time the compiled engine with SDPA restricted to the mem-efficient backend")
     parser.add_argument("--no-triton", action="store_true", help="skip the attention='triton' engine")
-    parser.add_argument("--no-triton-stacked", action="store_true", help="skip the attention='triton-stacked' engine")
     parser.add_argument("--no-fused-qkv", action="store_true", help="skip the triton engine with fuse_qkv=True")
-    parser.add_argument("--autotune", action="store_true",
-                        help="also time the fused-qkv engine with compile='max-autotune-no-cudagraphs' (Inductor picks "
-                             "Triton or cuBLAS per projection shape; compiling takes minutes), with gate/up fused and not")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one engine run (each engine)")
-    if "--quick" in sys.argv:  # new defaults; flags given explicitly still win
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    if "--quick" in (sys.argv[1:] if argv is None else argv):  # new defaults; flags given explicitly still win
         parser.set_defaults(prompts=16, response_len=64, hf_sequences=32, agreement_sequences=16)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
-def build_model(device: str):
-    config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                         max_position_embeddings=32768, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+GRPO_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, vocab_size=151936)
+"""Qwen2-0.5B's shape (tied embeddings)."""
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=1000)
+
+
+def build_model(device: str, shape: dict = GRPO_05B):
+    config = Qwen2Config(**shape, tie_word_embeddings=True, max_position_embeddings=32768, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -176,8 +185,11 @@ def equal_fraction(ours: list[list[int]], theirs: list[list[int]], num_tokens: i
 
 
 def greedy_agreement(model, engine: BuiltinBackend, prompts, num_tokens: int, device: str,
-                     float32_tokens: list[list[int]] | None = None) -> dict:
-    """The engine's bf16 greedy tokens vs HF's bf16 greedy tokens (and, given, vs HF float32's)."""
+                     float32_tokens: list[list[int]] | None = None) -> dict | None:
+    """The engine's bf16 greedy tokens vs HF's bf16 greedy tokens (and, given, vs HF float32's); None without
+    prompts (`--agreement-sequences 0`)."""
+    if not prompts:
+        return None
     ours = [g.token_ids for g in engine.generate(prompts, SamplingParams(max_new_tokens=num_tokens, temperature=0,
                                                                          ignore_eos=True))]
     reference = hf_greedy(model, prompts, num_tokens, device)
@@ -230,20 +242,17 @@ def floor(model, num_prompts: int, n: int, prompt_len: int, response_len: int, b
                 tokens_per_s=sequences * response_len / seconds, kv_bytes_per_token=kv_bytes_per_token)
 
 
-def time_triton(model, prompts, params, args, device: str, attention: str = "triton",
-                float32_tokens: list[list[int]] | None = None, fuse_qkv: bool = False,
-                fuse_gate_up: bool = False, rope_in_attention: bool = True, compile_mode: str | None = None) -> dict:
-    """The compiled engine with a prefix-shared attention ("triton" or "triton-stacked"), timed and checked
-    like the sdpa one; `fuse_qkv` / `fuse_gate_up` add the stacked q/k/v / gate-up projections (with fused
-    q/k/v the kernel applies bias and RoPE unless `rope_in_attention` is False)."""
+def time_triton(model, prompts, params, args, device: str, float32_tokens: list[list[int]] | None = None,
+                fuse_qkv: bool = False, fuse_gate_up: bool = False) -> dict:
+    """The compiled engine with the prefix-shared attention ("triton"), timed and checked like the sdpa one;
+    `fuse_qkv` / `fuse_gate_up` add the stacked q/k/v / gate-up projections (with fused q/k/v the kernel applies
+    the bias and RoPE itself)."""
     engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
-                            compile=False if args.no_compile else compile_mode, attention=attention, fuse_qkv=fuse_qkv,
-                            fuse_gate_up=fuse_gate_up, rope_in_attention=rope_in_attention)
+                            compile=False if args.no_compile else None, attention="triton", fuse_qkv=fuse_qkv,
+                            fuse_gate_up=fuse_gate_up)
     result = time_engine(engine, prompts, params, args.repeats)
     result["stats"]["attention"] = (result["stats"].get("attention", "") + (" + fused qkv" if fuse_qkv else "")
-                                    + (" + fused gate/up" if fuse_gate_up else "")
-                                    + (" + RoPE in kernel" if result["stats"].get("rope_in_attention") else "")
-                                    + (f" + {compile_mode}" if compile_mode and result["stats"].get("compiled") else ""))
+                                    + (" + fused gate/up" if fuse_gate_up else ""))
     print(f"engine (attention={result['stats'].get('attention')}): {result['seconds']:.3f} s, "
           f"{result['tokens_per_s']:.0f} tok/s, compile + first call {result['first_call_s']:.1f} s, "
           f"stats {result['stats']}", flush=True)
@@ -282,69 +291,79 @@ def profile(engine: BuiltinBackend, prompts, params) -> None:
           f"({(span - busy) / max(1, len(kernels)):.2f} us per event)", flush=True)
 
 
-def main() -> None:
-    args = parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_model(device)
-    generator = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len), generator=generator).tolist()
-    params = SamplingParams(max_new_tokens=args.response_len, temperature=1.0, n=args.n, seed=0, ignore_eos=True)
-    print(f"engine: {args.prompts} prompts x n={args.n}, prompt {args.prompt_len}, response {args.response_len}", flush=True)
-    agreement_prompts = prompts[: args.agreement_sequences]
-    float32_tokens = float32_greedy(model, agreement_prompts, args.agreement_tokens, device)
-    hf_vs_float32 = equal_fraction(hf_greedy(model, agreement_prompts, args.agreement_tokens, device), float32_tokens,
+def float32_reference(model, prompts, args, device: str) -> tuple[list[list[int]] | None, float | None]:
+    """HF float32's greedy tokens on the agreement prompts and HF bf16's agreement with them (the bf16 noise
+    floor); (None, None) when `--agreement-sequences 0` leaves no prompts to compare."""
+    if not prompts:
+        print("greedy agreement: skipped (--agreement-sequences 0)", flush=True)
+        return None, None
+    float32_tokens = float32_greedy(model, prompts, args.agreement_tokens, device)
+    hf_vs_float32 = equal_fraction(hf_greedy(model, prompts, args.agreement_tokens, device), float32_tokens,
                                    args.agreement_tokens)
     print(f"HF bf16 greedy equal to HF float32 on the first {args.agreement_tokens} tokens: "
-          f"{100 * hf_vs_float32:.0f}% of {len(agreement_prompts)} sequences (the bf16 noise floor)", flush=True)
-    eager = None
-    if not args.no_compile and not args.no_eager_baseline:
-        eager_engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory,
-                                      use_cuda_graphs=not args.no_cuda_graphs, compile=False, attention="sdpa")
-        eager = time_engine(eager_engine, prompts, params, args.repeats)
-        eager.pop("outputs")
-        print(f"engine (not compiled): {eager['seconds']:.3f} s, {eager['tokens_per_s']:.0f} tok/s, "
-              f"stats {eager['stats']}", flush=True)
-        del eager_engine
+          f"{100 * hf_vs_float32:.0f}% of {len(prompts)} sequences (the bf16 noise floor)", flush=True)
+    return float32_tokens, hf_vs_float32
+
+
+def time_sdpa(model, prompts, params, args, device: str, float32_tokens) -> dict:
+    """The default engine with `attention="sdpa"`: timed, optionally profiled and with SDPA's mem-efficient
+    backend, its log-probs and greedy tokens checked against HF."""
     engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
                             compile=False if args.no_compile else None, attention="sdpa")
     ours = time_engine(engine, prompts, params, args.repeats)
     print(f"engine: {ours['seconds']:.3f} s, {ours['tokens_per_s']:.0f} tok/s, compile + first call "
           f"{ours['first_call_s']:.1f} s, stats {ours['stats']}", flush=True)
-    efficient = None
+    ours["efficient"] = None
     if args.try_efficient_attention and device == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):  # read at dispatch, so captured into the graphs
-            efficient = time_engine(engine, prompts, params, args.repeats)
-        efficient.pop("outputs")
-        print(f"engine (SDPA mem-efficient backend): {efficient['seconds']:.3f} s, {efficient['tokens_per_s']:.0f} tok/s",
-              flush=True)
+            ours["efficient"] = time_engine(engine, prompts, params, args.repeats)
+        ours["efficient"].pop("outputs")
+        print(f"engine (SDPA mem-efficient backend): {ours['efficient']['seconds']:.3f} s, "
+              f"{ours['efficient']['tokens_per_s']:.0f} tok/s", flush=True)
     if args.profile:
         profile(engine, prompts, params)
-    mismatch = logprob_mismatch(model, prompts, ours.pop("outputs"), 32, device)
-    print(f"logprob mismatch: {mismatch}", flush=True)
-    agreement = greedy_agreement(model, engine, agreement_prompts, args.agreement_tokens, device, float32_tokens)
-    print(f"greedy agreement: {agreement}", flush=True)
-    del engine
-    triton_result = None if args.no_triton or not triton_available() else \
-        time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens)
-    autotuned = []
-    if args.autotune and triton_available():
-        # With gate and up as two matmuls, Inductor may fuse SiLU(gate) * up into the second one's epilogue.
-        autotuned = [time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens, fuse_qkv=True,
-                                 fuse_gate_up=fuse_gate_up, compile_mode="max-autotune-no-cudagraphs")
-                     for fuse_gate_up in (True, False)]
-    stacked_result = None
-    if not args.no_triton_stacked and triton_available():
-        stacked_result = time_triton(model, prompts, params, args, device, attention="triton-stacked",
-                                     float32_tokens=float32_tokens)
-    fused_result = fused_all_result = rope_kernel_result = None
-    if not args.no_fused_qkv and triton_available():
-        rope_kernel_result = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens,
-                                         fuse_qkv=True, rope_in_attention=False)
-        fused_result = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens, fuse_qkv=True)
-        fused_all_result = time_triton(model, prompts, params, args, device, float32_tokens=float32_tokens,
-                                       fuse_qkv=True, fuse_gate_up=True)
+    ours["logprob_mismatch"] = logprob_mismatch(model, prompts, ours.pop("outputs"), 32, device)
+    print(f"logprob mismatch: {ours['logprob_mismatch']}", flush=True)
+    ours["greedy_agreement"] = greedy_agreement(model, engine, prompts[: args.agreement_sequences],
+                                                args.agreement_tokens, device, float32_tokens)
+    print(f"greedy agreement: {ours['greedy_agreement']}", flush=True)
+    return ours
+
+
+def time_not_compiled(model, prompts, params, args) -> dict | None:
+    if args.no_compile or args.no_eager_baseline:
+        return None
+    engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
+                            compile=False, attention="sdpa")
+    eager = time_engine(engine, prompts, params, args.repeats)
+    eager.pop("outputs")
+    print(f"engine (not compiled): {eager['seconds']:.3f} s, {eager['tokens_per_s']:.0f} tok/s, "
+          f"stats {eager['stats']}", flush=True)
+    return eager
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(device, TINY if args.tiny else GRPO_05B)
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len), generator=generator).tolist()
+    params = SamplingParams(max_new_tokens=args.response_len, temperature=1.0, n=args.n, seed=0, ignore_eos=True)
+    print(f"engine: {args.prompts} prompts x n={args.n}, prompt {args.prompt_len}, response {args.response_len}", flush=True)
+    float32_tokens, hf_vs_float32 = float32_reference(model, prompts[: args.agreement_sequences], args, device)
+    eager = time_not_compiled(model, prompts, params, args)
+    ours = time_sdpa(model, prompts, params, args, device, float32_tokens)
+    triton = not args.no_triton and triton_available()
+    fused = triton and not args.no_fused_qkv
+    prefix_shared = {
+        "engine_triton": time_triton(model, prompts, params, args, device, float32_tokens) if triton else None,
+        "engine_triton_fused_qkv": time_triton(model, prompts, params, args, device, float32_tokens, fuse_qkv=True)
+        if fused else None,
+        "engine_triton_fused_qkv_gate_up": time_triton(model, prompts, params, args, device, float32_tokens,
+                                                       fuse_qkv=True, fuse_gate_up=True) if fused else None,
+    }
     hf = time_hf(model, prompts, args.hf_sequences, args.response_len, device) if args.hf_sequences else None
     if hf:
         print(f"hf generate: {hf}", flush=True)
@@ -352,66 +371,64 @@ def main() -> None:
                   args.bandwidth_tbs * 1e12, args.peak_tflops * 1e12)
     result = dict(args=vars(args), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   torch=torch.__version__, engine=ours, engine_not_compiled=eager,
-                  engine_sdpa_efficient=efficient, engine_triton=triton_result,
-                  engine_triton_stacked=stacked_result, engine_triton_fused_qkv_rope_kernel=rope_kernel_result,
-                  engine_triton_fused_qkv=fused_result,
-                  engine_triton_fused_qkv_gate_up=fused_all_result, engine_autotuned=autotuned,
-                  hf_generate=hf, floor=bound,
+                  engine_sdpa_efficient=ours.pop("efficient"), **prefix_shared, hf_generate=hf, floor=bound,
                   percent_of_floor=100 * bound["seconds"] / ours["seconds"],
                   speedup_vs_hf=ours["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
-                  greedy_agreement=agreement, logprob_mismatch=mismatch, hf_bf16_vs_float32_equal_fraction=hf_vs_float32)
+                  greedy_agreement=ours["greedy_agreement"], logprob_mismatch=ours["logprob_mismatch"],
+                  hf_bf16_vs_float32_equal_fraction=hf_vs_float32)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "rollout_benchmark.json"), "w") as handle:
             json.dump(result, handle, indent=2, default=str)
     print_table(result)
 
 
+def agreement_text(agreement: dict | None) -> str:
+    if agreement is None:
+        return "greedy agreement skipped"
+    return (f"greedy first {agreement['tokens']} equal: {100 * agreement['all_equal_fraction']:.0f}% "
+            f"(mean prefix {agreement['mean_matching_prefix']:.1f})")
+
+
+def table_row(name: str, run: dict) -> tuple[str, ...]:
+    return (name, f"{run['tokens']}", f"{run['seconds']:.3f}", f"{run['tokens_per_s']:,.0f}", f"{run['peak_gib']:.1f}")
+
+
 def print_table(result: dict) -> None:
     ours, hf, bound = result["engine"], result["hf_generate"], result["floor"]
-    eager = result["engine_not_compiled"]
-    label = "engine (compiled, sdpa)" if ours["stats"].get("compiled") else "engine (sdpa)"
-    rows = [(label, f"{ours['tokens']}", f"{ours['seconds']:.3f}", f"{ours['tokens_per_s']:,.0f}", f"{ours['peak_gib']:.1f}")]
-    prefix_shared = [r for r in (result["engine_triton"], result.get("engine_triton_stacked"),
-                                 result.get("engine_triton_fused_qkv_rope_kernel"), result.get("engine_triton_fused_qkv"),
-                                 result.get("engine_triton_fused_qkv_gate_up"), *result.get("engine_autotuned", []))
-                      if r]
-    for shared in prefix_shared:
-        name = shared["stats"].get("attention")
-        rows.append((f"engine (compiled, {name})" if shared["stats"].get("compiled") else f"engine ({name})",
-                     f"{shared['tokens']}", f"{shared['seconds']:.3f}", f"{shared['tokens_per_s']:,.0f}",
-                     f"{shared['peak_gib']:.1f}"))
+    def compiled(run: dict, name: str) -> str:
+        return f"engine (compiled, {name})" if run["stats"].get("compiled") else f"engine ({name})"
+
+    rows = [table_row(compiled(ours, "sdpa"), ours)]
+    prefix_shared = [result[key] for key in ("engine_triton", "engine_triton_fused_qkv",
+                                             "engine_triton_fused_qkv_gate_up") if result.get(key)]
+    rows += [table_row(compiled(shared, shared["stats"].get("attention")), shared) for shared in prefix_shared]
     if result["engine_sdpa_efficient"]:
-        other = result["engine_sdpa_efficient"]
-        rows.append(("engine (SDPA mem-efficient)", f"{other['tokens']}", f"{other['seconds']:.3f}",
-                     f"{other['tokens_per_s']:,.0f}", f"{other['peak_gib']:.1f}"))
-    if eager:
-        rows.append(("engine (not compiled)", f"{eager['tokens']}", f"{eager['seconds']:.3f}",
-                     f"{eager['tokens_per_s']:,.0f}", f"{eager['peak_gib']:.1f}"))
+        rows.append(table_row("engine (SDPA mem-efficient)", result["engine_sdpa_efficient"]))
+    if result["engine_not_compiled"]:
+        rows.append(table_row("engine (not compiled)", result["engine_not_compiled"]))
     if hf:
-        rows.append((f"hf generate ({hf['sequences']} seqs)", f"{hf['tokens']}", f"{hf['seconds']:.3f}",
-                     f"{hf['tokens_per_s']:,.0f}", f"{hf['peak_gib']:.1f}"))
+        rows.append(table_row(f"hf generate ({hf['sequences']} seqs)", hf))
     rows.append(("floor (computed)", f"{ours['tokens']}", f"{bound['seconds']:.3f}", f"{bound['tokens_per_s']:,.0f}", "-"))
     print(f"\n{'':48} {'tokens':>8} {'seconds':>8} {'tok/s':>10} {'peak GiB':>9}")
     for row in rows:
         print(f"{row[0]:48} {row[1]:>8} {row[2]:>8} {row[3]:>10} {row[4]:>9}")
     speedup = f"{result['speedup_vs_hf']:.1f}x" if result["speedup_vs_hf"] else "n/a"
-    agreement, mismatch = result["greedy_agreement"], result["logprob_mismatch"]
+    mismatch = result["logprob_mismatch"]
     print(f"% of floor: {result['percent_of_floor']:.1f}   speedup vs HF: {speedup}   "
-          f"greedy first {agreement['tokens']} equal: {100 * agreement['all_equal_fraction']:.0f}% "
-          f"(mean prefix {agreement['mean_matching_prefix']:.1f})   "
+          f"{agreement_text(result['greedy_agreement'])}   "
           f"logprob |diff| mean {mismatch['mean_abs']:.2e} max {mismatch['max_abs']:.2e}")
     for shared in prefix_shared:
-        agreement, mismatch = shared["greedy_agreement"], shared["logprob_mismatch"]
+        mismatch = shared["logprob_mismatch"]
         print(f"{shared['stats'].get('attention')}: % of floor {100 * bound['seconds'] / shared['seconds']:.1f}   "
               f"vs sdpa: {shared['tokens_per_s'] / ours['tokens_per_s']:.2f}x   "
-              f"greedy first {agreement['tokens']} equal: {100 * agreement['all_equal_fraction']:.0f}% "
-              f"(mean prefix {agreement['mean_matching_prefix']:.1f})   "
+              f"{agreement_text(shared['greedy_agreement'])}   "
               f"logprob |diff| mean {mismatch['mean_abs']:.2e} max {mismatch['max_abs']:.2e}")
-    engines = [("sdpa", result["greedy_agreement"])] + [(r["stats"].get("attention"), r["greedy_agreement"])
-                                                         for r in prefix_shared]
-    print(f"greedy first {agreement['tokens']} equal to HF float32: HF bf16 "
-          f"{100 * result['hf_bf16_vs_float32_equal_fraction']:.0f}%, "
-          + ", ".join(f"engine {name} {100 * a['vs_float32_equal_fraction']:.0f}%" for name, a in engines))
+    if result["hf_bf16_vs_float32_equal_fraction"] is not None:
+        engines = [("sdpa", result["greedy_agreement"])] + [(r["stats"].get("attention"), r["greedy_agreement"])
+                                                             for r in prefix_shared]
+        print(f"greedy first {result['greedy_agreement']['tokens']} equal to HF float32: HF bf16 "
+              f"{100 * result['hf_bf16_vs_float32_equal_fraction']:.0f}%, "
+              + ", ".join(f"engine {name} {100 * a['vs_float32_equal_fraction']:.0f}%" for name, a in engines))
     print(f"compile + first call: {ours['first_call_s']:.1f} s (once per engine; not in tok/s); "
           f"graph warm-up + capture inside the timed run: {ours['stats'].get('warmup_s', 0):.3f} s")
 

@@ -47,8 +47,9 @@ SHAPES = {
 }
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scaling", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=list(SHAPES), default="grpo-0.5b")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
@@ -76,7 +77,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gpus", default="1,2", help="process counts for --compare")
     parser.add_argument("--shapes", default="grpo-0.5b,qwen2.5-1.5b", help="shapes for --compare")
     parser.add_argument("--tiny", action="store_true", help="tiny shape, 4 prompts x 2, 16+16 tokens (smoke test)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.tiny:
         args.shape, args.shapes = "tiny", "tiny"
         args.prompts, args.n, args.prompt_len, args.response_len, args.micro_batch, args.steps = 4, 2, 16, 16, 2, 1

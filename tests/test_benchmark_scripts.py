@@ -6,12 +6,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import grpo_step, rollout, scaling
 from benchmarks.profiling.gaps import gap_report, kernel_table
 from benchmarks.profiling.step_profiling import update_with_gap_report
 
@@ -24,6 +27,53 @@ def run_script(args: list[str], out_dir: Path, timeout: int = 300) -> str:
     result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
+
+
+def script_command_lines(script: Path) -> list[tuple[str, list[str]]]:
+    """(module, arguments) of each `python3 -m benchmarks.X ...` in a shell script: continuation lines joined,
+    the arguments cut at the first redirection, pipe or command separator (variables stay as written)."""
+    text = script.read_text().replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        for match in re.finditer(r"-m (benchmarks(?:\.\w+)+)", line):
+            arguments = []
+            for token in shlex.split(line[match.end():]):
+                if any(mark in token for mark in (">", "|", ";", "&&")) or token == ")":
+                    break
+                arguments.append(token)
+            commands.append((match.group(1), arguments))
+    return commands
+
+
+PARSERS = {"benchmarks.grpo_step": lambda args: grpo_step.build_parser().parse_args(args),
+           "benchmarks.rollout": lambda args: rollout.parse_args(args),
+           "benchmarks.scaling": lambda args: scaling.parse_args(args)}
+
+
+@pytest.mark.parametrize("script, expected", [
+    ("gpu_checks.sh", {"benchmarks.grpo_step", "benchmarks.rollout"}), ("node_runs.sh", {"benchmarks.grpo_step"}),
+    ("two_gpu_runs.sh", {"benchmarks.scaling"})])
+def test_shell_scripts_pass_arguments_their_scripts_accept(script, expected):
+    """Every grpo_step / rollout / scaling command line in the device-call scripts parses with that script's own
+    argparse parser (an unknown flag or a flag without its value exits here, not in a device call)."""
+    commands = [(module, args) for module, args in script_command_lines(ROOT / "benchmarks" / script)
+                if module in PARSERS]
+    assert {module for module, _ in commands} == expected
+    for module, args in commands:
+        try:
+            PARSERS[module](args)
+        except SystemExit as error:
+            raise AssertionError(f"{script}: python3 -m {module} {shlex.join(args)} does not parse") from error
+
+
+def test_rollout_with_no_agreement_sequences_skips_the_agreement_check(tmp_path):
+    """`--agreement-sequences 0` runs the rest of the benchmark and says the agreement check was skipped."""
+    stdout = run_script(["-m", "benchmarks.rollout", "--tiny", "--quick", "--prompts", "2", "--n", "2",
+                         "--prompt-len", "8", "--response-len", "4", "--hf-sequences", "2", "--agreement-sequences", "0",
+                         "--repeats", "1", "--no-eager-baseline", "--no-triton"], tmp_path)
+    assert "greedy agreement skipped" in stdout and "floor (computed)" in stdout
+    result = json.loads((tmp_path / "rollout_benchmark.json").read_text())
+    assert result["greedy_agreement"] is None and result["hf_bf16_vs_float32_equal_fraction"] is None
 
 
 def test_optimizer_step_quick_times_each_offload_share_and_the_baseline(tmp_path):

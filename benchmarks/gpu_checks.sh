@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The one-GPU checks (nvidia-h200), in parts chosen by argument; each part has its own time limit, so a hang in one
+# still leaves the others' logs, and every log goes to $OUT. One device call allows 600 s: pick parts that fit.
+#
+#   OUT=/tmp/out bash benchmarks/gpu_checks.sh [PART ...]        (no PART: optimizer grpo)
+#
+# Parts (limit in seconds):
+#   tests      every GPU test (`pytest -m gpu tests/`)                                          300
+#   engine     the engine's GPU tests, the sampler kernels' tests (Triton's interpreter and lowering) and
+#              benchmarks/kernels/sampling_kernels.py                                            320
+#   optimizer  LeanAdamW's step resident, half and fully offloaded (benchmarks/kernels/optimizer_step.py);
+#              beside another version when benchmarks/_baseline_optim.py exists (untracked, e.g.
+#              `git show BASE:hybridrl/training/optim.py > benchmarks/_baseline_optim.py`)      90
+#   flex       FlexAttention at the update's two layouts (benchmarks/kernels/flex_layouts.py)      150
+#   rollout    the rollout table (benchmarks/rollout.py: engine variants, HF generate, greedy agreement) 190
+#   grpo       the GRPO step table (benchmarks/grpo_step.py) with TRL beside it, TRL first; 6 steps, the 6th
+#              profiled and left out of the mean, its Chrome trace saved to $OUT as trace_<mode>.json.gz
+#              (read it with benchmarks/profiling/trace_report.py); modes from $MODES     what the call has left
+#
+# TRL runs when its wheels and script are in .bench/ (see docs/benchmarks.md); otherwise it is skipped with a line
+# saying so. .bench/ is git-ignored: with the device tool, pass carry [".bench"].
+# The limits are `timeout -k 20`: the trainer takes a first SIGTERM as "finish the step, save, stop" (and the signal
+# also reaches torch.compile's worker processes), so without a KILL after it a part can outlive its limit.
+set -u -o pipefail
+OUT=${OUT:-/tmp/hybridrl-gpu-checks}; mkdir -p "$OUT"
+MODES=${MODES:-grpo-0.5b-fused-shared-offload50,grpo-0.5b-fused-shared}
+PARTS=("$@"); [ ${#PARTS[@]} -gt 0 ] || PARTS=(optimizer grpo)
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+start=$(date +%s)
+elapsed() { echo "$(( $(date +%s) - start )) s"; }
+
+for part in "${PARTS[@]}"; do
+    case "$part" in
+    tests)
+        timeout -k 20 300 python3 -m pytest -q -m gpu tests/ > "$OUT/gpu_tests.log" 2>&1
+        echo "== gpu tests: exit $? after $(elapsed)"; tail -2 "$OUT/gpu_tests.log" ;;
+    engine)
+        timeout -k 20 200 python3 -m pytest -q -m gpu tests/test_builtin_engine_gpu.py > "$OUT/engine_gpu_tests.log" 2>&1
+        echo "== engine gpu tests: exit $? after $(elapsed)"; tail -2 "$OUT/engine_gpu_tests.log"
+        timeout -k 20 60 python3 -m pytest -q tests/test_sampling_kernels.py > "$OUT/kernel_tests.log" 2>&1
+        echo "== sampler kernel tests (interpreter, lowering): exit $? after $(elapsed)"; tail -1 "$OUT/kernel_tests.log"
+        timeout -k 20 60 python3 -m benchmarks.kernels.sampling_kernels > "$OUT/sampling_kernels.log" 2>&1
+        echo "== sampling_kernels: exit $? after $(elapsed)"; tail -9 "$OUT/sampling_kernels.log" ;;
+    optimizer)
+        baseline=(); [ -f benchmarks/_baseline_optim.py ] && baseline=(--baseline benchmarks/_baseline_optim.py)
+        timeout -k 20 90 python3 -m benchmarks.kernels.optimizer_step "${baseline[@]}" > "$OUT/optimizer_step.log" 2>&1
+        echo "== optimizer_step: exit $? after $(elapsed)"; tail -7 "$OUT/optimizer_step.log" ;;
+    flex)
+        timeout -k 20 150 python3 -m benchmarks.kernels.flex_layouts > "$OUT/flex_layouts.log" 2>&1
+        echo "== flex_layouts: exit $? after $(elapsed)"; tail -9 "$OUT/flex_layouts.log" ;;
+    rollout)
+        timeout -k 20 190 python3 -m benchmarks.rollout --no-eager-baseline --no-triton --agreement-sequences 32 \
+            > "$OUT/rollout.log" 2>&1
+        echo "== rollout: exit $? after $(elapsed)"; grep -A11 "tokens  seconds" "$OUT/rollout.log" | head -14 ;;
+    grpo)
+        modes=$MODES
+        if ls .bench/trl-*.whl > /dev/null 2>&1 && [ -f .bench/trl_grpo_gpu.py ]; then
+            python3 -m pip install -q --no-index --no-deps --target /tmp/hybridrl-site .bench/*.whl > /dev/null 2>&1
+            export PYTHONPATH=$PWD:/tmp/hybridrl-site
+            modes="trl,$modes"
+        else
+            echo "== TRL skipped: no .bench/trl-*.whl or .bench/trl_grpo_gpu.py here (git-ignored: carry .bench)"
+        fi
+        left=$(( 585 - $(date +%s) + start ))  # what the device call's 600 s leave
+        timeout -k 20 $left python3 -m benchmarks.grpo_step --modes "$modes" --steps 6 --profile \
+            --trl-script .bench/trl_grpo_gpu.py --timeout 200 > "$OUT/grpo_step.log" 2>&1
+        echo "== grpo_step: exit $? after $(elapsed)"; tail -8 "$OUT/grpo_step.log" ;;
+    *) echo "unknown part $part: tests, engine, optimizer, flex, rollout or grpo"; exit 2 ;;
+    esac
+done
