@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from hybridrl.checkpoint.run_lock import RunLockError, output_dir_lock
 from hybridrl.checkpoint.store import CheckpointError
 from hybridrl.config.loading import load_config
 from hybridrl.config.schema import ConfigError, MissingExtra
@@ -23,8 +24,10 @@ from hybridrl.rewards import RewardError, RewardSpecError
 from hybridrl.training.update import TrainingError
 
 USER_ERRORS = (LaunchError, ConfigError, MissingExtra, DataError, ModelError, RewardError, RewardSpecError, TrainingError,
-               CheckpointError, PlotError)
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+               CheckpointError, PlotError, RunLockError)
+DEMO_CONFIGS = Path(__file__).resolve().parent / "config" / "demo"
+"""The demo's SFT, GRPO and PPO configs: package data, so `hybridrl demo` runs from an installed wheel too
+(examples/arithmetic_*.yaml link to them)."""
 DEMO_PERIOD_RATE = 0.5  # see tasks.py: half the SFT answers end with a period the verifier rejects
 
 
@@ -34,8 +37,10 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     config = load_config(args.config, args.overrides)
     t = config.trainer
-    code = launch.maybe_relaunch(["train", args.config, *args.overrides], t.num_gpus, t.launcher, t.hang_timeout_s,
-                                 entry=main)
+    relaunching = t.num_gpus > 1 and not launch.is_worker()  # then this process holds the run's lock for its workers
+    with output_dir_lock(t.output_dir, enabled=relaunching):
+        code = launch.maybe_relaunch(["train", args.config, *args.overrides], t.num_gpus, t.launcher, t.hang_timeout_s,
+                                     entry=main)
     if code is None:
         RLTrainer(config).train()
     elif code:
@@ -78,8 +83,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from hybridrl.training.sft import run_sft
     from hybridrl.training.trainer import RLTrainer
 
-    if not (EXAMPLES / "arithmetic_sft.yaml").is_file():
-        raise ConfigError(f"the demo configs are not at {EXAMPLES}; run `hybridrl demo` from a source checkout.")
+    if not (DEMO_CONFIGS / "arithmetic_sft.yaml").is_file():
+        raise ConfigError(f"the demo configs are not at {DEMO_CONFIGS}: this hybridrl install is incomplete; "
+                          "reinstall it (`pip install --force-reinstall hybridrl`).")
     out = Path(args.out_dir)
     start = time.time()
     data = write_arithmetic_task(out / "data", period_rate=DEMO_PERIOD_RATE)
@@ -89,9 +95,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
         print(f"== 1/2 SFT: reusing {sft_model} (delete it to train it again)", flush=True)
     else:
         print("== 1/2 SFT: tiny random Llama -> arithmetic answers", flush=True)
-        sft_model = run_sft(load_config(EXAMPLES / "arithmetic_sft.yaml",
+        sft_model = run_sft(load_config(DEMO_CONFIGS / "arithmetic_sft.yaml",
                                         data_overrides + [f"trainer.output_dir={out / 'sft'}"] + args.overrides))
-    rl_config = EXAMPLES / f"arithmetic_{args.algorithm}.yaml"
+    rl_config = DEMO_CONFIGS / f"arithmetic_{args.algorithm}.yaml"
     print(f"== 2/2 RL ({args.algorithm}) from the SFT model, exact-match reward", flush=True)
     history = RLTrainer(load_config(rl_config, data_overrides + [
         f"model.path={sft_model}", f"trainer.output_dir={out / args.algorithm}"] + args.overrides)).train()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from hybridrl.checkpoint.run_lock import lock_owner, output_dir_lock
 from hybridrl.config.schema import Config, ConfigError
 from hybridrl.data.datasets import DataError, PromptDataset, SFTDataset, collate_sft, read_records
 from hybridrl.metrics.sinks import MetricsLogger
@@ -23,7 +24,13 @@ from hybridrl.training.optim import build_optimizer, build_scheduler
 
 
 def run_sft(config: Config) -> Path:
-    """Train with cross-entropy on responses; saves a Hugging Face directory and returns its path."""
+    """Train with cross-entropy on responses; saves a Hugging Face directory and returns its path. The output
+    directory is locked for the run (`checkpoint/run_lock.py`)."""
+    with output_dir_lock(config.trainer.output_dir, enabled=lock_owner()):
+        return _train(config)
+
+
+def _train(config: Config) -> Path:
     device = resolve_device(config.trainer.device)
     seed_everything(config.trainer.seed)
     if not config.data.train_path:
