@@ -19,7 +19,7 @@ from hybridrl.config.schema import ConfigError, MissingExtra
 from hybridrl.data.datasets import DataError
 from hybridrl.metrics.plot import PlotError
 from hybridrl.models.loading import ModelError
-from hybridrl.parallel.launch import LaunchError
+from hybridrl.parallel.launch import LaunchError, StoppedBySignal
 from hybridrl.rewards import RewardError, RewardSpecError
 from hybridrl.training.update import TrainingError
 
@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except StoppedBySignal as stop:
+        print(f"hybridrl: {stop}", file=sys.stderr)
+        return stop.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -484,3 +484,51 @@ def test_rewards_are_scored_in_shares_of_whole_groups_and_gathered(tmp_path):
         assert result["total"].tolist() == [2 * n for n in lengths]
         assert result["per_function"] == {"length": lengths}
         assert "on sample 9 (the first failing one" in result["error"]
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_cleanly_with_a_checkpoint(tmp_path):
+    """What a scheduler does: SIGTERM to `hybridrl train` of a 2-process run. Each rank gets one SIGTERM,
+    finishes its step and saves; the launcher exits 143 and no process of the run is left."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from conftest import toy_prompts
+
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in toy_prompts()))
+    (tmp_path / "rewards.py").write_text(REWARD_FILE)
+    out = tmp_path / "run"
+    overrides = [f"data.train_path={tmp_path / 'prompts.jsonl'}", "data.max_prompt_length=16",
+                 f"reward.functions=[{{fn: '{tmp_path / 'rewards.py'}:contains_seven'}}]", "model.path=tiny:llama",
+                 "rollout.max_new_tokens=4", "rollout.num_samples_per_prompt=4", "trainer.prompts_per_step=8",
+                 "actor.micro_batch_size=8", "trainer.total_steps=100000", "trainer.device=cpu",
+                 "trainer.num_gpus=2", f"trainer.output_dir={out}", "logging.sinks=[jsonl]", "trainer.save_every=0"]
+    config = tmp_path / "config.yaml"
+    config.write_text("{}\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "hybridrl.cli", "train", str(config), *overrides],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-3000:]
+            time.sleep(0.5)
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=90)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 143, stderr[-3000:]
+    assert "SIGTERM passed to 2 rank(s)" in stderr and "stopped by SIGTERM" in stderr
+    assert list((out / "checkpoints").glob("step_*")), "the ranks saved no checkpoint"
+    time.sleep(1)
+    left = [p for p in Path("/proc").glob("[0-9]*/cmdline") if str(out).encode() in _read(p)]
+    assert not left, f"processes of the run still alive: {[p.parent.name for p in left]}"
+
+
+def _read(path):
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""

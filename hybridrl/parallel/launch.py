@@ -17,16 +17,22 @@ A run never hangs silently:
   its rank;
 - under Ray, the driver does both: it watches the actors (a dead one ends the run at once) and polls
   their heartbeat counts.
-"""
 
+A scheduler's SIGTERM (or Ctrl-C) to the launcher stops the run cleanly: torchrun runs in a session of its
+own, so the terminal's signal reaches only the launcher, which passes exactly one SIGTERM/SIGINT to each
+rank (a second one would end a rank at once) and waits while every rank finishes its step and saves; it
+then exits with 128 + the signal's number (`StoppedBySignal`).
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from hybridrl.parallel.watchdog import find_stalled, progress, waiting_in_collective
@@ -34,6 +40,15 @@ from hybridrl.parallel.watchdog import find_stalled, progress, waiting_in_collec
 
 class LaunchError(RuntimeError):
     """A worker of a multi-process run failed, hung, or could not be started; the message names the rank."""
+
+
+class StoppedBySignal(Exception):
+    """The launcher was asked to stop and every rank stopped cleanly; `exit_code` is 128 + the signal."""
+
+    def __init__(self, signum: int):
+        self.signum, self.exit_code = signum, 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}: every rank finished its step and saved a "
+                         "checkpoint; run the same command again to resume (trainer.resume=auto)")
 
 
 def is_worker() -> bool:
@@ -72,10 +87,47 @@ def torchrun_command(argv: Sequence[str], num_processes: int) -> list[str]:
 
 def run_torchrun(argv: Sequence[str], num_processes: int) -> int:
     """Run `hybridrl <argv>` in `num_processes` local workers; torchrun stops them all when one fails
-    and prints which rank failed first."""
+    and prints which rank failed first. SIGTERM/SIGINT here is passed on to the ranks (module docstring);
+    raises `StoppedBySignal` when they then all stop cleanly."""
     command = torchrun_command(argv, num_processes)
     print("hybridrl: starting", num_processes, "processes:", " ".join(command), file=sys.stderr, flush=True)
-    return subprocess.run(command, env={**os.environ, "HYBRIDRL_WORKER": "1"}).returncode
+    agent = subprocess.Popen(command, env={**os.environ, "HYBRIDRL_WORKER": "1"}, start_new_session=True)
+    received: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        received.append(signum)
+        ranks = child_pids(agent.pid)
+        for pid in ranks or [agent.pid]:  # no /proc (not Linux): torchrun passes SIGTERM on itself
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        if len(received) == 1:
+            print(f"hybridrl: {signal.Signals(signum).name} passed to {len(ranks)} rank(s); waiting while they "
+                  "finish the step and save (send it again to stop them at once)", file=sys.stderr, flush=True)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = agent.wait()
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    if received and code == 0:
+        raise StoppedBySignal(received[0])
+    return code
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of `pid` (torchrun's ranks), read from /proc; [] where there is none."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while we looked
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return sorted(children)
 
 
 class _RayWorker:
