@@ -45,7 +45,8 @@ def test_mask_truncated_leaves_cut_responses_out_of_the_loss_and_its_normaliser(
     trainer = make_trainer(tmp_path, algorithm__mask_truncated=True, rollout__num_samples_per_prompt=2)
     generations = [Generation(0, [5, 6, 7], [-1.0] * 3, "length"), Generation(0, [5, 2], [-1.0] * 2, "stop"),
                    Generation(1, [8], [-1.0], "stop"), Generation(1, [9, 9, 9], [-1.0] * 3, "length")]
-    batch = build_rollout_batch([[1, 2], [3]], generations, pad_token_id=0, max_new_tokens=3)
+    batch = build_rollout_batch([[1, 2], [3]], generations, pad_token_id=0, max_new_tokens=3,
+                                sampling=trainer.sampling_params())  # 2 samples per prompt
     batch.scores = torch.tensor([1.0, 0.0, 1.0, 0.0])
     trainer.compute_advantages(batch)
     assert batch.loss_mask.tolist() == [[0, 0, 0], [1, 1, 0], [1, 0, 0], [0, 0, 0]]
@@ -72,7 +73,8 @@ def test_drop_uniform_groups_leaves_groups_that_scored_alike_out_of_the_loss(tmp
     for extra, expected in (({}, [[1, 1, 1], [1, 1, 0], [0, 0, 0], [0, 0, 0]]),
                             ({"algorithm__mask_truncated": True}, [[0, 0, 0], [1, 1, 0], [0, 0, 0], [0, 0, 0]])):
         trainer = make_trainer(tmp_path, algorithm__drop_uniform_groups=True, rollout__num_samples_per_prompt=2, **extra)
-        batch = build_rollout_batch([[1, 2], [3]], generations, pad_token_id=0, max_new_tokens=3)
+        batch = build_rollout_batch([[1, 2], [3]], generations, pad_token_id=0, max_new_tokens=3,
+                                    sampling=trainer.sampling_params())  # 2 samples per prompt
         batch.scores = torch.tensor([1.0, 0.0, 1.0, 1.0])  # prompt 1's two samples scored alike
         trainer.compute_advantages(batch)
         assert batch.loss_mask.tolist() == expected
@@ -166,7 +168,7 @@ def test_reward_that_raises_names_function_and_sample(tmp_path):
         return [0.0] * len(completions)
 
     trainer = make_trainer(tmp_path, reward=picky, trainer__total_steps=1)
-    with pytest.raises(RewardError, match=r"'picky' raised ValueError: cannot score threes on sample \d+") as info:
+    with pytest.raises(RewardError, match=r"'picky' raised ValueError: cannot score threes \(at .*\) on sample \d+") as info:
         trainer.train()
     index = int(str(info.value).split("on sample ")[1].split()[0])
     assert index < 32

@@ -3,6 +3,10 @@
 Layout: prompts left-padded to P columns, responses right-padded to R columns, so response token t of
 every sequence sits at column P + t and every per-token quantity (log-probs, advantages, masks) is a
 (B, R) tensor aligned with `response_mask`.
+
+The batch carries the sampling settings it was generated with (`sampling`): the log-prob passes and the
+update must score tokens at the temperature that sampled them, so they read it here rather than from the
+config, and an evaluation batch (greedy) cannot be scored at the training temperature by mistake.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import numpy as np
 import torch
 
 from hybridrl.devices import host_to_device
-from hybridrl.rollout.base import Generation, as_list
+from hybridrl.rollout.base import Generation, SamplingParams, as_list
 
 
 @dataclass
@@ -34,6 +38,7 @@ class RolloutBatch:
     returns: torch.Tensor | None = None  # (B, R)
     loss_mask: torch.Tensor | None = None  # (B, R) tokens the policy loss counts; None: response_mask
     texts: list[str] = field(default_factory=list)  # decoded responses, for rewards and logs
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # how the responses were sampled
 
     @property
     def response_length(self) -> int:
@@ -68,8 +73,8 @@ def decode_responses(tokenizer, generations: list[Generation]) -> list[str]:
     """The responses as text (special tokens dropped), for rewards and logs.
 
     A fast tokenizer decodes the whole batch in its Rust backend, in parallel (transformers' own
-    `batch_decode` loops in Python, ~0.2 s for 512 x 256 tokens); tokenizers whose decode adds a
-    Python clean-up step, and slow ones, go through `batch_decode` so the text is the same."""
+    `batch_decode` loops in Python); tokenizers whose decode adds a Python clean-up step, and slow ones,
+    go through `batch_decode` so the text is the same."""
     # Lists for the tokenizer, made here and not kept: a generation holding numpy rows keeps them (the gather
     # across processes pickles arrays faster than lists, and the batch builder reads them as they are).
     token_lists = [as_list(g.token_values) for g in generations]
@@ -87,13 +92,13 @@ def _flatten(rows: list, dtype, total: int) -> np.ndarray:
 
 
 def build_rollout_batch(prompts: list[list[int]], generations: list[Generation], pad_token_id: int,
-                        max_new_tokens: int) -> RolloutBatch:
-    """Pad prompts left and responses right into one tensor batch (on CPU).
+                        max_new_tokens: int, sampling: SamplingParams | None = None) -> RolloutBatch:
+    """Pad prompts left and responses right into one tensor batch (on CPU); `sampling` is what generated
+    them (default: `SamplingParams(max_new_tokens)`, temperature 1).
 
     All responses' tokens and log-probs are read into numpy in one pass each and scattered to their rows with
-    one indexed store, and each distinct prompt is padded once and gathered to its samples' rows (512 x (256 +
-    256) tokens on two CPU cores: 18.5 ms against 23.5 ms with a slice store per row, `benchmarks/host_batch.py`);
-    what remains is mostly reading the Python lists."""
+    one indexed store (not a slice store per row), and each distinct prompt is padded once and gathered to its
+    samples' rows (`benchmarks/host_batch.py` times it); what remains is mostly reading the Python lists."""
     num = len(generations)
     prompt_lens = np.array([len(prompts[g.prompt_index]) for g in generations], dtype=np.int64)
     response_lens = np.array([len(g.token_values) for g in generations], dtype=np.int64)
@@ -123,4 +128,5 @@ def build_rollout_batch(prompts: list[list[int]], generations: list[Generation],
         response_mask=attention_mask[:, prompt_len:].float(), sampler_logp=sampler_logp,
         truncated=torch.tensor([g.finish_reason == "length" for g in generations]),
         prompt_index=torch.tensor([g.prompt_index for g in generations]),
+        sampling=sampling if sampling is not None else SamplingParams(max_new_tokens=max_new_tokens),
     )

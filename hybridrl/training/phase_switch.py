@@ -30,27 +30,25 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
 
 @contextmanager
 def rollout_phase(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                  offload_optimizer: bool, timings: dict[str, float], empty_cache: bool = True) -> Iterator[None]:
+                  offload_optimizer: bool, timings: dict[str, float]) -> Iterator[None]:
     """Memory layout for generation inside the block; training layout restored after.
 
-    Adds the seconds spent switching (both directions) to `timings["weight_sync"]`. `empty_cache`: hand
-    the allocator's cached blocks back to the driver at each switch (`rollout.empty_cuda_cache`).
+    Adds the seconds spent switching (both directions) to `timings["weight_sync"]`. The allocator's cached
+    blocks go back to the driver at each switch, so the phase after it can use what the one before freed.
     """
     start = time.perf_counter()
     model.zero_grad(set_to_none=True)  # gradients are dead between steps; free them for the KV cache
     if offload_optimizer and device.type == "cuda":
         move_optimizer_state(optimizer, "cpu")
         torch.cuda.synchronize(device)
-        if empty_cache:
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
     timings["weight_sync"] = timings.get("weight_sync", 0.0) + time.perf_counter() - start
     try:
         yield
     finally:
         start = time.perf_counter()
         if device.type == "cuda":
-            if empty_cache:
-                torch.cuda.empty_cache()  # the KV cache of the rollout is gone; give its blocks back
+            torch.cuda.empty_cache()  # the KV cache of the rollout is gone; give its blocks back
             if offload_optimizer:
                 move_optimizer_state(optimizer, device)
             torch.cuda.synchronize(device)

@@ -1,8 +1,8 @@
 """The RL loop: one controller whose `step()` reads like the algorithm.
 
-rollout -> score -> old/reference log-probs and values -> advantages -> update -> log. Everything
-model-specific lives in `components.py` (building models, backends, optimizers), the update
-epochs in `update.py`, and the math in `algorithms.py`.
+rollout -> score -> old/reference log-probs and values -> advantages -> update, then log and checkpoint
+in `train()`. Everything model-specific lives in `components.py` (building models, backends,
+optimizers), the update epochs in `update.py`, and the math in `algorithms.py`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import gc
 import resource
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -59,6 +60,22 @@ class PhaseTimer:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
+@dataclass
+class RolloutTimings:
+    """Where a rollout's time went, besides the phase's own wall time (`timing/rollout_s`)."""
+
+    weight_sync_s: float
+    """The train <-> generate switch, both directions, with FSDP's weight gather (`perf/weight_sync_s`)."""
+    engine_phases: dict[str, float]
+    """The built-in engine's split of its call (`rollout/timeline.phase_seconds`); empty for other backends."""
+
+    def metrics(self) -> dict[str, float]:
+        """`perf/weight_sync_s` and the engine's split as `timing/rollout_<phase>_s` (this process's share of the
+        batch: before the first decode step, decoding, after it)."""
+        return {"perf/weight_sync_s": self.weight_sync_s,
+                **{f"timing/rollout_{name}_s": seconds for name, seconds in self.engine_phases.items()}}
+
+
 class RLTrainer:
     """PPO/GRPO-family trainer. Build from a `Config` (or YAML path) plus keyword overrides.
 
@@ -79,8 +96,6 @@ class RLTrainer:
         self.device = self.parts.device
         self.step_count = 0
         self.froze_warm_up_objects = False  # see `freeze_warm_up_objects`, done after this process's first step
-        self.switch_seconds: dict[str, float] = {}  # train <-> generate switch time of the current step
-        self.rollout_phases: dict[str, float] = {}  # the last rollout's split (`rollout/timeline.phase_seconds`)
         self.output_dir = Path(config.trainer.output_dir)
         sinks = config.logging.sinks if self.parts.setup.is_main else []  # rank 0 logs
         self.logger = MetricsLogger(self.output_dir, sinks, config.trainer.total_steps,
@@ -98,27 +113,51 @@ class RLTrainer:
             print(self.describe(), flush=True)
         checkpoint.resume_from_config(self)
         with checkpoint.stop_on_signals() as stop:
-            if cfg.eval_every and self.parts.eval_dataset is not None and self.step_count == 0:
+            if self.step_count == 0 and self.due(cfg.eval_every) and self.parts.eval_dataset is not None:
                 self.logger.log(0, self.evaluate())
             while self.step_count < cfg.total_steps and not stop:
                 metrics = self.step()
-                done = self.step_count == cfg.total_steps
-                if cfg.eval_every and self.parts.eval_dataset is not None and (self.step_count % cfg.eval_every == 0 or done):
+                if self.due(cfg.eval_every) and self.parts.eval_dataset is not None:
                     metrics.update(self.evaluate())
                 self.logger.log(self.step_count, metrics)
-                if stop or (cfg.save_every and (self.step_count % cfg.save_every == 0 or done)):
+                if stop or self.due(cfg.save_every):
                     checkpoint.save_checkpoint(self, self.output_dir / "checkpoints", cfg.keep_last_n)
         if stop:
             print(f"stopped by {stop.signal_name} after step {self.step_count}; checkpoint saved in "
                   f"{self.output_dir / 'checkpoints'}; rerun with trainer.resume=auto to continue", flush=True)
         elif cfg.save_model:
-            state = fsdp.full_state_dict(self.parts.actor, self.parts.setup)
-            if self.parts.setup.is_main:
-                save_hf_model(self.parts.actor, self.parts.tokenizer, self.output_dir / "model", state_dict=state)
-                print(f"saved the trained model to {self.output_dir / 'model'} (a Hugging Face directory)", flush=True)
+            self.save_model()
         self.logger.close()
         process_group.shutdown(self.parts.setup)
         return self.logger.history
+
+    def step(self) -> dict[str, float]:
+        """One rollout-and-update step: rollout -> score -> log-probs -> advantages -> update; its metrics."""
+        timer = PhaseTimer(self.device)
+        self.step_count += 1
+        prompts = self.parts.dataset.batch(next(self.sampler))
+        with timer("rollout"):
+            batch, rollout_timings = self.rollout(prompts)
+        with timer("reward"):
+            reward_metrics = self.score(batch, prompts)
+        with timer("logprobs"):
+            self.compute_logprobs(batch)
+        with timer("advantages"):
+            self.compute_advantages(batch)
+        with timer("update"):
+            update_metrics = self.update(batch)
+        self.freeze_after_first_step()
+        return {**rollout_metrics(batch), **reward_metrics, **update_metrics, **perf_metrics(batch, timer, self.device),
+                **rollout_timings.metrics()}
+
+    def due(self, every: int) -> bool:
+        """Whether something done every `every` steps (0: never) is due after this step; the last step counts."""
+        return bool(every) and (self.step_count % every == 0 or self.step_count == self.config.trainer.total_steps)
+
+    def freeze_after_first_step(self) -> None:
+        if not self.froze_warm_up_objects:
+            freeze_warm_up_objects()
+            self.froze_warm_up_objects = True
 
     def describe(self) -> str:
         """One line on what this run is about to do: algorithm, model, devices, rollout, batch, output."""
@@ -142,33 +181,19 @@ class RLTrainer:
                 f"{c.rollout.num_samples_per_prompt} samples per step, {c.trainer.total_steps} steps; "
                 f"output in {self.output_dir}{note}")
 
-    def step(self) -> dict[str, float]:
-        """One rollout-and-update step."""
-        timer = PhaseTimer(self.device)
-        self.switch_seconds = {}
-        self.step_count += 1
-        prompts = self.parts.dataset.batch(next(self.sampler))
-        with timer("rollout"):
-            batch = self.rollout(prompts)
-        rollout_phases = self.rollout_phases  # before an evaluation rollout could replace them
-        with timer("reward"):
-            reward_metrics = self.score(batch, prompts)
-        with timer("logprobs"):
-            self.compute_logprobs(batch)
-        with timer("advantages"):
-            self.compute_advantages(batch)
-        with timer("update"):
-            update_metrics = self.update(batch)
-        if not self.froze_warm_up_objects:
-            freeze_warm_up_objects()
-            self.froze_warm_up_objects = True
-        return {**rollout_metrics(batch), **reward_metrics, **update_metrics, **perf_metrics(batch, timer, self.device),
-                "perf/weight_sync_s": self.switch_seconds["weight_sync"], **rollout_phase_metrics(rollout_phases)}
+    def save_model(self) -> None:
+        """The trained actor as a Hugging Face directory in `output_dir/model` (gathered from every process)."""
+        state = fsdp.full_state_dict(self.parts.actor, self.parts.setup)
+        if self.parts.setup.is_main:
+            save_hf_model(self.parts.actor, self.parts.tokenizer, self.output_dir / "model", state_dict=state)
+            print(f"saved the trained model to {self.output_dir / 'model'} (a Hugging Face directory)", flush=True)
 
     # ------------------------------------------------------------------------------------------
     # Phases
 
     def sampling_params(self, evaluation: bool = False) -> SamplingParams:
+        """How this step's rollout samples: the only place the sampling settings are read from the config (the
+        batch carries them on to the log-prob passes and the update)."""
         r = self.config.rollout
         return SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.eval_temperature if evaluation else r.temperature,
@@ -177,32 +202,36 @@ class RLTrainer:
             seed=self.config.trainer.seed * 100_003 + self.step_count)
 
     @torch.no_grad()
-    def rollout(self, prompts: dict[str, Any], evaluation: bool = False) -> RolloutBatch:
+    def rollout(self, prompts: dict[str, Any], evaluation: bool = False) -> tuple[RolloutBatch, RolloutTimings]:
+        """Generate responses to `prompts` with the actor's current weights (evaluation: one sample each, at
+        `rollout.eval_temperature`); the batch (on the device, with its texts and sampling settings) and where
+        the time went."""
         params = self.sampling_params(evaluation)
+        switch: dict[str, float] = {}
         with rollout_phase(self.parts.actor, self.parts.actor_optimizer, self.device,
-                           self.config.actor.offload_during_rollout, self.switch_seconds,
-                           self.config.rollout.empty_cuda_cache), \
+                           self.config.actor.offload_during_rollout, switch), \
                 fsdp.gather_for_rollout(self.parts.actor) as sync:
             generations = sharding.generate_sharded(  # each process decodes the texts of its own share
                 self.parts.rollout, prompts["prompt_ids"], params, self.parts.setup,
                 decode=lambda share: decode_responses(self.parts.tokenizer, share))
             self.parts.rollout.release_memory()
-        self.switch_seconds["weight_sync"] += sync.seconds
         engine_stats = getattr(self.parts.rollout, "last_stats", None) or {}
-        self.rollout_phases = phase_seconds(engine_stats.get("timeline_ms", {}))
-        batch = build_rollout_batch(prompts["prompt_ids"], generations, self.parts.pad_token_id, params.max_new_tokens)
+        timings = RolloutTimings(weight_sync_s=switch["weight_sync"] + sync.seconds,
+                                 engine_phases=phase_seconds(engine_stats.get("timeline_ms", {})))
+        batch = build_rollout_batch(prompts["prompt_ids"], generations, self.parts.pad_token_id, params.max_new_tokens,
+                                    sampling=params)
         batch.texts = [generation.text for generation in generations]
-        return batch.to(self.device)
+        return batch.to(self.device), timings
 
     def score(self, batch: RolloutBatch, prompts: dict[str, Any]) -> dict[str, float]:
         rows = batch.prompt_index.tolist()
         columns = {key: [values[i] for i in rows] for key, values in prompts["columns"].items()}
         prompt_texts = [prompts["raw_prompts"][i] for i in rows]
-        total, per_function = self._score(prompt_texts, batch.texts, columns, self.config.rollout.num_samples_per_prompt)
+        group = batch.sampling.n
+        total, per_function = self._score(prompt_texts, batch.texts, columns, group)
         batch.scores = total.to(self.device)
         self.logger.add_samples(prompt_texts, batch.texts, total.tolist())
         metrics = {"reward/mean": total.mean(), "reward/std": total.std() if len(total) > 1 else 0.0}
-        group = self.config.rollout.num_samples_per_prompt
         if group > 1 and len(total) % group == 0:  # groups that teach nothing (all samples scored alike)
             metrics["reward/uniform_group_fraction"] = algorithms.uniform_groups(total, group).float().mean()
         metrics.update({f"reward/{name}": sum(v) / len(v) for name, v in per_function.items()})
@@ -221,7 +250,7 @@ class RLTrainer:
 
         Each model runs over this rank's rows in turn, with its weights gathered once (FSDP) and freed
         before the next model, so at most one model is whole on a GPU at a time."""
-        temperature = self.config.rollout.temperature
+        temperature = batch.sampling.temperature  # the one that sampled these tokens
         actor, reference, critic = self.parts.actor, self.parts.reference, self.parts.critic
 
         # Rows of one prompt are adjacent (prompt-major rollouts), so micro-batches mostly hold whole prompts.
@@ -271,10 +300,8 @@ class RLTrainer:
             token_rewards = token_rewards - a.kl_coef * kl * mask
         batch.advantages, batch.returns = algorithms.ADVANTAGE_ESTIMATORS[a.name](
             scores=batch.scores, token_rewards=token_rewards, values=batch.old_values, mask=mask,
-            group_size=self.config.rollout.num_samples_per_prompt, gamma=a.gamma, lam=a.lam,
-            normalize_std=a.normalize_std)
-        batch.loss_mask = algorithms.policy_loss_mask(mask, batch.truncated, batch.scores,
-                                                      self.config.rollout.num_samples_per_prompt,
+            group_size=batch.sampling.n, gamma=a.gamma, lam=a.lam, normalize_std=a.normalize_std)
+        batch.loss_mask = algorithms.policy_loss_mask(mask, batch.truncated, batch.scores, batch.sampling.n,
                                                       a.mask_truncated, a.drop_uniform_groups)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -298,7 +325,7 @@ class RLTrainer:
         scores, per_fn_sums = [], {}
         for start in range(0, len(indices), 256):
             prompts = dataset.batch(indices[start:start + 256])
-            batch = self.rollout(prompts, evaluation=True)
+            batch, _ = self.rollout(prompts, evaluation=True)
             columns = prompts["columns"]
             total, per_function = self._score(prompts["raw_prompts"], batch.texts, columns, 1)
             scores += total.tolist()
@@ -314,9 +341,9 @@ def freeze_warm_up_objects() -> None:
     """Collect once, then move every surviving Python object to the permanent generation (`gc.freeze`).
 
     A full (generation 2) garbage collection walks every tracked object, and after the first step those
-    include all that `torch.compile` and graph capture made: on two H200s one such walk stopped a rank for
-    0.54 s in the middle of step 3, and the other rank waited for it in the next collective. Frozen objects
-    are never walked again, so later full collections see only what later steps allocate. (A frozen object that
+    include all that `torch.compile` and graph capture made: such a walk stops its rank in the middle of a step,
+    and with several processes the others wait for it at the next collective. Frozen objects are never walked
+    again, so later full collections see only what later steps allocate. (A frozen object that
     later becomes part of unreachable cycles is not reclaimed: at most what the first step left alive.)"""
     gc.collect()
     gc.freeze()
@@ -335,12 +362,6 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
         metrics["rollout/logprob_kl"] = algorithms.masked_mean(
             algorithms.kl_penalty(batch.sampler_logp, batch.old_logp, "k3"), mask)
     return metrics
-
-
-def rollout_phase_metrics(phases: dict[str, float]) -> dict[str, float]:
-    """The built-in engine's split of `timing/rollout_s` (this process's share of the batch): before the first
-    decode step, decoding, after it (`rollout/timeline.py`); nothing for backends that do not report it."""
-    return {f"timing/rollout_{name}_s": seconds for name, seconds in phases.items()}
 
 
 def perf_metrics(batch: RolloutBatch, timer: PhaseTimer, device: torch.device) -> dict[str, float]:

@@ -182,7 +182,7 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
 
     def micro_loss(part: RolloutBatch, norm: dict[str, float], rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         logp, entropy = response_logprobs(parts.actor, part.input_ids, part.attention_mask, part.position_ids,
-                                          part.response_length, config.rollout.temperature, with_entropy=True,
+                                          part.response_length, batch.sampling.temperature, with_entropy=True,
                                           real_tokens=sum(lengths[row] for row in rows.tolist()),
                                           prompt_layout=layout.select(rows.tolist()) if share else None)
         mask = part.response_mask if part.loss_mask is None else part.loss_mask
