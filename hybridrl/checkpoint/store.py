@@ -1,5 +1,10 @@
 """Step checkpoints that resume exactly: weights, optimizer, schedulers, RNG, data position, metrics.
 
+What is saved is what the trainer says its state is (`state_dict()`, restored by `load_state_dict()`, the
+`Checkpointable` protocol): live models with their optimizers, whose tensors this module gathers and fills
+back in place, and plain JSON (step, data position, schedulers, metric history, config). RNG states are
+per process and are saved here.
+
 Layout of `output_dir/checkpoints/`:
 
     step_000010/
@@ -19,8 +24,8 @@ Choices:
   optimizer states are stored as tensors plus plain numbers.
 - Tensors are full (unsharded) and written with safetensors directly; the state dicts come from
   `torch.distributed.checkpoint.state_dict` (`get_state_dict`/`set_state_dict`), which also
-  handles FSDP2. DCP's own Hugging Face storage writer was used before, but what torch 2.11 wrote
-  with it on GPUs could not be read back (seen on 2 x H200), so the files are plain safetensors.
+  handles FSDP2. DCP's own Hugging Face storage writer is not used: files it wrote from GPUs did not
+  read back, and plain safetensors files are readable by any safetensors reader (`export.py`).
 - QLoRA (`model.load_in_4bit`): only the trainable tensors (the adapter) and their optimizer state are
   saved; the frozen 4-bit base is rebuilt from `model.path` on resume and on export.
 - Several processes (FSDP2): the shards are gathered into full tensors on rank 0's CPU
@@ -44,7 +49,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -54,14 +59,30 @@ from safetensors.torch import load_file, save_file
 from hybridrl.checkpoint.sharded_offload import gather_optimizer_state, offloaded_shards, scatter_optimizer_state
 from hybridrl.models.qlora import holds_4bit_weights
 from hybridrl.parallel import process_group
+from hybridrl.parallel.process_group import DistributedSetup
 
 STEP_PREFIX = "step_"
 MARKER = "COMPLETE"
 FORMAT_VERSION = 1
 
+Models = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
+"""Role ("actor", "critic") -> (model, its optimizer): the live objects whose tensors a checkpoint holds."""
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used as asked (missing, damaged, or from another setup)."""
+
+
+class Checkpointable(Protocol):
+    """What a checkpoint saves and restores (the trainer).
+
+    `state_dict()` returns `{"step": int, "models": Models, ...}`: the rest of its entries are plain JSON and
+    are written as they are. `load_state_dict(saved)` gets those JSON entries back (with "step"), after the
+    tensors of its `models` have been filled in place."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,23 +119,17 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _state_options(parts: Any):
+def _state_options(setup: DistributedSetup):
     """Full tensors on rank 0's CPU when the models are sharded over processes, else the live tensors."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    if parts.setup.is_distributed:
+    if setup.is_distributed:
         return StateDictOptions(full_state_dict=True, cpu_offload=True)
     return None
 
 
-def _roles(parts: Any):
-    return [(role, model, optimizer) for role, model, optimizer in (
-        ("actor", parts.actor, parts.actor_optimizer), ("critic", parts.critic, parts.critic_optimizer))
-        if model is not None]
-
-
-def tensor_state(parts: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(flat tensors for the state/ files, plain optimizer hyper-parameters) of actor, critic and optimizers.
+def tensor_state(models: Models, setup: DistributedSetup) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(flat tensors for the state/ files, plain optimizer hyper-parameters) of the models and their optimizers.
 
     With one process the tensors are the live ones (or, for a fresh optimizer, its just-initialised
     state), so `load_tensors_into` restores them in place. With several, every rank must call this (the
@@ -123,11 +138,11 @@ def tensor_state(parts: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     tensors, plain = {}, {}
-    for role, model, optimizer in _roles(parts):
-        options = _state_options(parts)
-        if offloaded_shards(optimizer, parts.setup.is_distributed):  # moments are plain per-rank shards
+    for role, (model, optimizer) in models.items():
+        options = _state_options(setup)
+        if offloaded_shards(optimizer, setup.is_distributed):  # moments are plain per-rank shards
             model_sd = get_model_state_dict(model, options=options)
-            optim_state = gather_optimizer_state(model, optimizer, parts.setup.is_main)
+            optim_state = gather_optimizer_state(model, optimizer, setup.is_main)
         else:
             model_sd, optim_state = get_state_dict(model, optimizer, options=options)
         if options is None:
@@ -142,11 +157,11 @@ def tensor_state(parts: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return tensors, plain
 
 
-def load_tensor_state(parts: Any, tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
+def load_tensor_state(models: Models, tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
     """One process: `tensors` are the live ones, filled by `load_tensors_into`; put the optimizer slots back."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    for role, model, optimizer in _roles(parts):
+    for role, (model, optimizer) in models.items():
         model_full, optim_state = get_state_dict(model, optimizer)
         if holds_4bit_weights(model):  # the adapter is already filled in place; nothing of the 4-bit base loads
             model_full = {}
@@ -157,15 +172,15 @@ def load_tensor_state(parts: Any, tensors: dict[str, torch.Tensor], plain: dict[
         set_state_dict(model, optimizer, model_state_dict=model_full, optim_state_dict=optim_state)
 
 
-def load_full_state(parts: Any, directory: Path, plain: dict[str, Any]) -> None:
+def load_full_state(models: Models, directory: Path, plain: dict[str, Any]) -> None:
     """Several processes: every rank reads the full tensors from the files and keeps its own shard.
 
     Every rank holds the same full dicts, so the collectives inside `set_state_dict` match on every
-    rank (rank 0 reading and broadcasting hung with torch 2.13 when the other ranks passed empty dicts)."""
+    rank (with rank 0 reading and broadcasting while the other ranks pass empty dicts, they can hang)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     full = read_tensors(directory)
-    for role, model, optimizer in _roles(parts):
+    for role, (model, optimizer) in models.items():
         aliases = tied_aliases(model)
         model_sd = {name: full[f"{role}.{aliases.get(name, name)}"] for name in model.state_dict()}
         slots: dict[str, dict[str, torch.Tensor]] = {}
@@ -268,28 +283,33 @@ def set_rng_state(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> No
 # Saving
 
 
-def save_checkpoint(trainer: Any, root: str | Path, keep_last_n: int = 0) -> Path:
-    """Write the trainer's complete state for its current step under `root`; returns the checkpoint dir.
-    With several processes every rank must call it: rank 0 writes, the others add their RNG state."""
-    setup = trainer.parts.setup
+def save_checkpoint(trainer: Checkpointable, root: str | Path, setup: DistributedSetup, keep_last_n: int = 0,
+                    tokenizer: Any = None) -> Path:
+    """Write `trainer.state_dict()` (and this process's RNG state) under `root`; returns the checkpoint dir.
+    `tokenizer` is saved beside the model config for export. With several processes every rank must call it:
+    rank 0 writes, the others add their RNG state."""
+    state = dict(trainer.state_dict())
+    models = state.pop("models")
     root = Path(root)
-    name = f"{STEP_PREFIX}{trainer.step_count:06d}"
+    name = f"{STEP_PREFIX}{state['step']:06d}"
     temporary = root / f".tmp-{name}-{process_group.broadcast_object(os.getpid(), setup)}"
     if setup.is_main:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir()
-    tensors, optimizer_groups = tensor_state(trainer.parts)  # collective when sharded
+    tensors, optimizer_groups = tensor_state(models, setup)  # collective when sharded
     process_group.barrier(setup)  # the directory exists for every rank
     rng_tensors, rng_plain = rng_state()
     save_file({k: v.contiguous() for k, v in rng_tensors.items()}, temporary / rng_file(setup.rank),
               metadata={"plain": json.dumps(rng_plain)})
     if setup.is_main:
         save_tensors(tensors, temporary / "state")
-        _write_trainer_files(trainer, temporary, optimizer_groups, rng_plain)
+        actor = models["actor"][0]
+        _write_trainer_json(temporary, state, optimizer_groups, rng_plain, actor, setup.world_size)
+        save_hf_metadata(actor, tokenizer, temporary / "hf")
     process_group.barrier(setup)  # every rank's RNG file is written before the marker lists them
     if setup.is_main:
-        write_marker(temporary, trainer.step_count)
+        write_marker(temporary, state["step"])
         _publish(root, temporary, name, keep_last_n)
     process_group.barrier(setup)  # nobody moves on (or resumes) before the checkpoint is in place
     return root / name
@@ -299,20 +319,18 @@ def rng_file(rank: int) -> str:
     return "rng.safetensors" if rank == 0 else f"rng_rank{rank}.safetensors"
 
 
-def _write_trainer_files(trainer: Any, directory: Path, optimizer_groups: dict[str, Any],
-                         rng_plain: dict[str, Any]) -> None:
-    parts = trainer.parts
-    actor = parts.actor
-    state = {
-        "format_version": FORMAT_VERSION, "step": trainer.step_count, "sampler": trainer.sampler.state_dict(),
-        "schedulers": {role: s.state_dict() for role, s in (("actor", parts.actor_scheduler),
-                                                             ("critic", parts.critic_scheduler)) if s is not None},
-        "optimizer_groups": optimizer_groups, "rng": rng_plain, "history": trainer.logger.history,
-        "actor_dtype": str(next(actor.parameters()).dtype).removeprefix("torch."),
-        "peft": peft_info(actor), "config": trainer.config.to_dict(), "world_size": parts.setup.world_size,
-    }
-    (directory / "trainer.json").write_text(json.dumps(state, indent=1))
-    save_hf_metadata(actor, parts.tokenizer, directory / "hf")
+STORE_KEYS = ("format_version", "optimizer_groups", "rng", "actor_dtype", "peft", "world_size")
+"""The entries of trainer.json that this module writes (the rest are the trainer's `state_dict()`)."""
+
+
+def _write_trainer_json(directory: Path, state: dict[str, Any], optimizer_groups: dict[str, Any],
+                        rng_plain: dict[str, Any], actor: torch.nn.Module, world_size: int) -> None:
+    clash = sorted(set(state) & set(STORE_KEYS))
+    assert not clash, f"state_dict() entries {clash} would overwrite the checkpoint's own"
+    record = {"format_version": FORMAT_VERSION, **state, "optimizer_groups": optimizer_groups, "rng": rng_plain,
+              "actor_dtype": str(next(actor.parameters()).dtype).removeprefix("torch."), "peft": peft_info(actor),
+              "world_size": world_size}
+    (directory / "trainer.json").write_text(json.dumps(record, indent=1))
 
 
 def _publish(root: Path, temporary: Path, name: str, keep_last_n: int) -> None:
@@ -472,33 +490,31 @@ def read_trainer_state(directory: Path) -> dict[str, Any]:
     return json.loads((directory / "trainer.json").read_text())
 
 
-def load_checkpoint(trainer: Any, directory: str | Path) -> float:
-    """Restore the trainer to the checkpoint in `directory`; returns the seconds it took."""
+def load_checkpoint(trainer: Checkpointable, directory: str | Path, setup: DistributedSetup) -> float:
+    """Restore the trainer to the checkpoint in `directory`: the tensors of its `state_dict()["models"]` in
+    place, then `load_state_dict` with the saved JSON entries, then this process's RNG state; returns the
+    seconds it took. With several processes every rank must call it."""
     start = time.perf_counter()
     directory = Path(directory)
     state = read_trainer_state(directory)
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {directory} has format {state.get('format_version')}, "
                               f"this hybridrl reads format {FORMAT_VERSION}.")
-    parts = trainer.parts
-    for role, present in (("critic", parts.critic is not None),):
+    models = trainer.state_dict()["models"]
+    for role in ("critic",):
+        present = role in models
         if present != (role in state["optimizer_groups"]):
             raise CheckpointError(f"checkpoint {directory} was saved {'with' if not present else 'without'} a "
                                   f"{role} but this run has {'one' if present else 'none'}; resume with the same "
                                   "algorithm.name.")
-    if parts.setup.is_distributed:
-        load_full_state(parts, directory / "state", state["optimizer_groups"])
+    if setup.is_distributed:
+        load_full_state(models, directory / "state", state["optimizer_groups"])
     else:
-        tensors, _ = tensor_state(parts)
+        tensors, _ = tensor_state(models, setup)
         load_tensors_into(tensors, directory / "state")
-        load_tensor_state(parts, tensors, state["optimizer_groups"])
-    for role, scheduler in (("actor", parts.actor_scheduler), ("critic", parts.critic_scheduler)):
-        if scheduler is not None and role in state["schedulers"]:
-            scheduler.load_state_dict(state["schedulers"][role])
-    trainer.sampler.load_state_dict(state["sampler"])
-    trainer.step_count = state["step"]
-    trainer.logger.rewind(state["step"], state["history"])
-    rng_path = directory / rng_file(parts.setup.rank)
+        load_tensor_state(models, tensors, state["optimizer_groups"])
+    trainer.load_state_dict({key: value for key, value in state.items() if key not in STORE_KEYS})
+    rng_path = directory / rng_file(setup.rank)
     if rng_path.is_file():  # a rank the saving run did not have keeps its fresh seed
         with safe_open(rng_path, "pt") as file:
             plain = json.loads((file.metadata() or {}).get("plain", "null")) or state["rng"]
@@ -546,13 +562,11 @@ def stop_on_signals(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) 
             signal.signal(number, action)
 
 
-def resume_from_config(trainer: Any) -> Path | None:
-    """Apply `trainer.resume` (auto|off|PATH): restore the newest usable checkpoint, report the time."""
-    setting = trainer.config.trainer.resume
-    root = Path(trainer.config.trainer.output_dir) / "checkpoints"
-    setup = trainer.parts.setup
+def resume_directory(setting: str, root: Path, setup: DistributedSetup) -> Path | None:
+    """`resolve_resume` decided on rank 0 and sent to every rank, so every rank loads the same checkpoint
+    (or fails with the same error)."""
     choice: Any = None
-    if setup.is_main:  # rank 0 decides, so every rank loads the same checkpoint (or fails the same way)
+    if setup.is_main:
         try:
             choice = resolve_resume(setting, root)
         except CheckpointError as error:
@@ -560,13 +574,4 @@ def resume_from_config(trainer: Any) -> Path | None:
     choice = process_group.broadcast_object(choice, setup)
     if isinstance(choice, CheckpointError):
         raise choice
-    directory = choice
-    if directory is None:
-        if trainer.step_count == 0:
-            trainer.logger.rewind(0, [])  # a fresh run: metrics files describe this run only
-        return None
-    seconds = load_checkpoint(trainer, directory)
-    if setup.is_main:
-        print(f"resumed from {directory} at step {trainer.step_count} in {seconds:.2f} s", flush=True)
-    trainer.logger.add_once({"perf/resume_s": seconds})
-    return directory
+    return choice

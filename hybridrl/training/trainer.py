@@ -2,7 +2,8 @@
 
 rollout -> score -> old/reference log-probs and values -> advantages -> update, then log and checkpoint
 in `train()`. Everything model-specific lives in `components.py` (building models, backends,
-optimizers), the update epochs in `update.py`, and the math in `algorithms.py`.
+optimizers), the update epochs in `update.py`, the math in `algorithms.py`, and how a checkpoint is
+written in `checkpoint/store.py`: the trainer only says what its state is (`state_dict`).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class RLTrainer:
         cfg = self.config.trainer
         if self.parts.setup.is_main:
             print(self.describe(), flush=True)
-        checkpoint.resume_from_config(self)
+        self.resume()
         with checkpoint.stop_on_signals() as stop:
             if self.step_count == 0 and self.due(cfg.eval_every) and self.parts.eval_dataset is not None:
                 self.logger.log(0, self.evaluate())
@@ -121,7 +122,7 @@ class RLTrainer:
                     metrics.update(self.evaluate())
                 self.logger.log(self.step_count, metrics)
                 if stop or self.due(cfg.save_every):
-                    checkpoint.save_checkpoint(self, self.output_dir / "checkpoints", cfg.keep_last_n)
+                    self.save_checkpoint()
         if stop:
             print(f"stopped by {stop.signal_name} after step {self.step_count}; checkpoint saved in "
                   f"{self.output_dir / 'checkpoints'}; rerun with trainer.resume=auto to continue", flush=True)
@@ -180,6 +181,51 @@ class RLTrainer:
                 f"on {self.device.type}{processes}; rollout: {rollout}; {c.trainer.prompts_per_step} prompts x "
                 f"{c.rollout.num_samples_per_prompt} samples per step, {c.trainer.total_steps} steps; "
                 f"output in {self.output_dir}{note}")
+
+    # ------------------------------------------------------------------------------------------
+    # State: what a checkpoint holds
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's state (`checkpoint.Checkpointable`). `models`: role -> (model, optimizer), the live objects,
+        whose tensors the checkpoint gathers (FSDP shards included) and fills back in place; the other entries
+        are plain JSON: step, data position, schedulers, metric history, and the config (for export)."""
+        parts = self.parts
+        models = {"actor": (parts.actor, parts.actor_optimizer)}
+        schedulers = {"actor": parts.actor_scheduler.state_dict()}
+        if parts.critic is not None:
+            models["critic"] = (parts.critic, parts.critic_optimizer)
+            schedulers["critic"] = parts.critic_scheduler.state_dict()
+        return {"step": self.step_count, "sampler": self.sampler.state_dict(), "schedulers": schedulers,
+                "history": self.logger.history, "config": self.config.to_dict(), "models": models}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the JSON entries of `state_dict()` (its `models` are filled in place by the checkpoint, and the
+        saved config is a record, not applied: this run's config stands)."""
+        schedulers = (("actor", self.parts.actor_scheduler), ("critic", self.parts.critic_scheduler))
+        for role, scheduler in schedulers:
+            if scheduler is not None and role in state["schedulers"]:
+                scheduler.load_state_dict(state["schedulers"][role])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step_count = state["step"]
+        self.logger.rewind(state["step"], state["history"])
+
+    def save_checkpoint(self) -> Path:
+        cfg = self.config.trainer
+        return checkpoint.save_checkpoint(self, self.output_dir / "checkpoints", self.parts.setup, cfg.keep_last_n,
+                                          tokenizer=self.parts.tokenizer)
+
+    def resume(self) -> None:
+        """Apply `trainer.resume` (auto|off|PATH): restore the newest usable checkpoint and report the time."""
+        setup = self.parts.setup
+        directory = checkpoint.resume_directory(self.config.trainer.resume, self.output_dir / "checkpoints", setup)
+        if directory is None:
+            if self.step_count == 0:
+                self.logger.rewind(0, [])  # a fresh run: metrics files describe this run only
+            return
+        seconds = checkpoint.load_checkpoint(self, directory, setup)
+        if setup.is_main:
+            print(f"resumed from {directory} at step {self.step_count} in {seconds:.2f} s", flush=True)
+        self.logger.add_once({"perf/resume_s": seconds})
 
     def save_model(self) -> None:
         """The trained actor as a Hugging Face directory in `output_dir/model` (gathered from every process)."""
