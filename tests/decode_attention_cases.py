@@ -56,10 +56,8 @@ def check_kernel_cases() -> None:
     for seed, shape in enumerate(CASES):
         for dtype in (torch.float32, torch.float16):
             case = make_case(seed, *shape, dtype=dtype)
-            expected = reference_decode_attention(**case)
-            for prompt_block_n in (None, 16, 64):  # the prompt part in its own block size too
-                torch.testing.assert_close(triton_decode_attention(**case, prompt_block_n=prompt_block_n), expected,
-                                           **TOLERANCE[dtype])
+            torch.testing.assert_close(triton_decode_attention(**case), reference_decode_attention(**case),
+                                       **TOLERANCE[dtype])
     case = make_case(9, 3, 2, 4, 32, 2, 8, 8)
     case["prompt_len"][1], case["response_len"][1] = 0, 0
     assert torch.equal(triton_decode_attention(**case)[1], torch.zeros(2, 4, 32))
@@ -92,7 +90,7 @@ def check_fused_write(attention, case: dict, tolerance: dict) -> None:
     written["response_k"][slots.to(new_kv.device), :, at.to(new_kv.device)] = new_kv[:, 0]
     written["response_v"][slots.to(new_kv.device), :, at.to(new_kv.device)] = new_kv[:, 1]
     out = attention(**fused, new_kv=new_kv)
-    torch.testing.assert_close(out, reference_decode_attention(**without_table(written)), **tolerance)
+    torch.testing.assert_close(out, reference_decode_attention(**written), **tolerance)
     assert torch.equal(fused["response_k"], written["response_k"]) and torch.equal(fused["response_v"], written["response_v"])
 
 
@@ -119,34 +117,36 @@ def check_rope(attention, case: dict, tolerance: dict, with_bias: bool) -> None:
     rotated, _ = with_new_kv(case)
     rotated["q"], rotated_kv = rotate_projections(case["q"], raw_kv, cos, sin, bias)
     out = attention(**fused, new_kv=raw_kv, rope=(cos, sin), qkv_bias=bias)
-    expected = reference_decode_attention(**without_table(rotated), new_kv=rotated_kv)
+    expected = reference_decode_attention(**rotated, new_kv=rotated_kv)
     torch.testing.assert_close(out, expected, **tolerance)
     torch.testing.assert_close(fused["response_k"], rotated["response_k"], **tolerance)
     assert torch.equal(fused["response_v"], rotated["response_v"]) or with_bias
     torch.testing.assert_close(fused["response_v"], rotated["response_v"], **tolerance)
 
 
-def check_engine_with_kernel(attention: str = "triton", **engine_options) -> None:
-    """The engine with the Triton kernel(s) themselves (interpret mode) in place of the CPU reference: greedy
-    tokens equal to the sdpa engine's, log-probs within 1e-5, with continuous batching (5 slots)."""
+def check_engine_with_kernel(**engine_options) -> None:
+    """The engine with the Triton kernel itself (interpret mode) in place of the CPU reference: greedy tokens equal
+    to the sdpa engine's, log-probs within 1e-5, with continuous batching (5 slots)."""
     import sys
 
     from test_builtin_engine import PROMPTS, make_model
 
     from hybridrl.rollout.base import SamplingParams
-    from hybridrl.rollout.engine import backend as builtin
-    from hybridrl.rollout.kernels.stacked_attention import stacked_decode_attention
+    from hybridrl.rollout.engine import runner
+    from hybridrl.rollout.engine.backend import BuiltinBackend
+    from hybridrl.rollout.engine.kernel_choices import AttentionPath
+    from hybridrl.rollout.engine.kv_cache import PrefixSharedKVCache
 
     torch.set_num_threads(1)
     engine_options.setdefault("fuse_qkv", False)  # without: RoPE in a compiled step piece, the kernel plain
-    kernel = stacked_decode_attention if attention == "triton-stacked" else triton_decode_attention
-    builtin._decode_attention_function = lambda option, device: ("triton-interpret", kernel)
+    runner.attention_path = lambda option, device: AttentionPath("triton-interpret", PrefixSharedKVCache,
+                                                                 triton_decode_attention)
     model, params = make_model("qwen2"), SamplingParams(max_new_tokens=8, temperature=0, n=2)
-    engine = builtin.BuiltinBackend(model, attention=attention, max_num_seqs=5, sync_every=2, **engine_options)
+    engine = BuiltinBackend(model, attention="triton", max_num_seqs=5, sync_every=2, **engine_options)
     shared = engine.generate(PROMPTS, params)
     assert engine.last_stats["attention"] == "triton-interpret" and engine.last_stats["prefill_waves"] >= 2
     assert engine.last_stats["rope_in_attention"] == bool(engine_options.get("fuse_qkv"))
-    per_slot = builtin.BuiltinBackend(model, attention="sdpa").generate(PROMPTS, params)
+    per_slot = BuiltinBackend(model, attention="sdpa").generate(PROMPTS, params)
     assert [g.token_ids for g in shared] == [g.token_ids for g in per_slot]
     for a, b in zip(shared, per_slot):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
@@ -156,10 +156,6 @@ def check_engine_with_kernel(attention: str = "triton", **engine_options) -> Non
 def check_engine_with_kernel_rope() -> None:
     """fuse_qkv on Qwen2 (q/k/v biases): RoPE and the biases applied inside the kernel."""
     check_engine_with_kernel(fuse_qkv=True)
-
-
-def check_engine_with_stacked_kernels() -> None:
-    check_engine_with_kernel("triton-stacked")
 
 
 def run_in_interpreter(module: str, check: str, timeout: int = 300) -> str:
@@ -190,65 +186,3 @@ if hasattr(interpreter, "_patch_lang_tensor"):
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
     interpreter._patch_lang_tensor = _patched
 """
-
-
-# (batch, kv_heads, group, head_dim, prompt_max, response_max, samples per entry): each entry's count of
-# live slots, from 8 (n = 8) down to 0 (an entry with no live slot); slots beyond their sum are idle.
-# Float32 key blocks are 32 keys, 16-bit ones 64: 150 and 130 keys end in a partial block.
-STACKED_CASES = [(12, 2, 7, 64, 150, 130, (8, 2, 1, 0)), (7, 3, 1, 32, 40, 20, (3, 0, 2, 1)),
-                 (9, 1, 7, 32, 9, 70, (0, 5, 3)), (5, 2, 4, 64, 65, 33, (1, 1, 1, 1))]
-
-
-def make_stacked_case(seed: int, batch: int, kv_heads: int, group: int, head_dim: int, prompt_max: int,
-                      response_max: int, counts: tuple[int, ...], dtype=torch.float32, device: str = "cpu") -> dict:
-    """`make_case` inputs plus `entry_slots`, as the engine keeps them: slots of an entry scattered over the
-    batch (a random permutation, so not adjacent), one prompt_len per entry (1 for the first non-empty
-    entry, the maximum for the last), response lengths 1 and the maximum among them, and idle slots
-    (prompt_len 0, response_len 1, in no entry's row)."""
-    from hybridrl.rollout.kernels.stacked_attention import entry_slot_table
-
-    case = make_case(seed, batch, kv_heads, group, head_dim, len(counts), prompt_max, response_max, dtype, device)
-    generator = torch.Generator().manual_seed(seed + 100)
-    order = torch.randperm(batch, generator=generator).tolist()
-    entry_of = [entry for entry, count in enumerate(counts) for _ in range(count)]
-    assert len(entry_of) < batch, "leave at least one idle slot"
-    slot_entries = dict(zip(order, entry_of))
-    entry_len = torch.randint(1, prompt_max + 1, (len(counts),), generator=generator)
-    filled = [entry for entry, count in enumerate(counts) if count]
-    entry_len[filled[0]], entry_len[filled[-1]] = 1, prompt_max
-    prompt_index = torch.zeros(batch, dtype=torch.long)
-    prompt_len = torch.zeros(batch, dtype=torch.long)
-    response_len = torch.ones(batch, dtype=torch.long)
-    for slot, entry in slot_entries.items():
-        prompt_index[slot], prompt_len[slot] = entry, entry_len[entry]
-        response_len[slot] = int(torch.randint(1, response_max + 1, (1,), generator=generator))
-    live = sorted(slot_entries)
-    response_len[live[0]], response_len[live[-1]] = response_max, 1
-    width = max(max(counts), 1)
-    return dict(case, prompt_index=prompt_index.to(device), prompt_len=prompt_len.to(device),
-                response_len=response_len.to(device),
-                entry_slots=entry_slot_table(slot_entries, len(counts), width).to(device))
-
-
-def without_table(case: dict) -> dict:
-    return {key: value for key, value in case.items() if key != "entry_slots"}
-
-
-def check_stacked_kernel_cases() -> None:
-    """Run with TRITON_INTERPRET=1: the two stacked kernels equal the one-slot reference (float32 and float16;
-    bf16 cannot run in the interpreter, see `check_kernel_cases`), and the PyTorch two-phase reference too."""
-    from hybridrl.rollout.kernels.stacked_attention import stacked_decode_attention, stacked_reference_attention
-
-    worst = 0.0
-    for seed, shape in enumerate(STACKED_CASES):
-        for dtype in (torch.float32, torch.float16):
-            case = make_stacked_case(seed, *shape, dtype=dtype)
-            expected = reference_decode_attention(**without_table(case))
-            out = stacked_decode_attention(**case)
-            torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
-            torch.testing.assert_close(stacked_reference_attention(**case), expected, **TOLERANCE[dtype])
-            assert out.isfinite().all()
-            check_fused_write(stacked_decode_attention, make_stacked_case(seed, *shape, dtype=dtype), TOLERANCE[dtype])
-            if dtype == torch.float32:
-                worst = max(worst, (out - expected).abs().max().item())
-    print(f"stacked kernel cases passed (float32 max abs error {worst:.1e})")

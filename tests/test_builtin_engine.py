@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.engine import backend as builtin
+from hybridrl.rollout.engine import runner
 from hybridrl.rollout.engine.backend import BuiltinBackend
+from hybridrl.rollout.engine.graphs import DecodeGraphs, step_signature
+from hybridrl.rollout.engine.kernel_choices import auto_fuses_gate_up
+from hybridrl.rollout.engine.llama_forward import resolve_weights
+from hybridrl.rollout.engine.sampling import SamplerSettings
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, bos_token_id=None,
@@ -191,7 +196,7 @@ def test_continuous_batching_matches_one_big_batch(monkeypatch):
     params = SamplingParams(max_new_tokens=12, temperature=0, n=2)
     big = BuiltinBackend(model).generate(prompts, params)
     small_engine = BuiltinBackend(model, max_num_seqs=3, sync_every=2)
-    monkeypatch.setattr(builtin, "KV_LEN_BUCKET", 4)  # decode attention over growing key prefixes too
+    monkeypatch.setattr(runner, "KV_LEN_BUCKET", 4)  # decode attention over growing key prefixes too
     small = small_engine.generate(prompts, params)
     assert small_engine.last_stats["num_slots"] == 3 and small_engine.last_stats["prefill_waves"] >= 5
     # The call's timeline: first prefill and decode of the first wave, the last sync, in time order (CPU: host only).
@@ -249,7 +254,7 @@ def test_freed_slot_of_a_long_prompt_does_not_break_shorter_key_buckets(monkeypa
     long_prompt, short_prompts = list(range(1, 41)), [[5], [6, 7], [8]]  # 4 slots: no compaction
     eos = BuiltinBackend(model).generate([long_prompt], SamplingParams(max_new_tokens=4, temperature=0))[0].token_ids[1]
     model.generation_config.eos_token_id = eos
-    monkeypatch.setattr(builtin, "KV_LEN_BUCKET", 4)
+    monkeypatch.setattr(runner, "KV_LEN_BUCKET", 4)
     params = SamplingParams(max_new_tokens=12, temperature=0)
     outputs = BuiltinBackend(model, sync_every=1).generate([long_prompt] + short_prompts, params)
     assert outputs[0].finish_reason == "stop" and len(outputs[0].token_ids) == 2
@@ -403,7 +408,7 @@ def test_fused_projections_give_the_same_tokens_and_logprobs(family):
         for mine, reference in zip(fused, plain):
             assert mine.token_ids == reference.token_ids
             torch.testing.assert_close(torch.tensor(mine.logprobs), torch.tensor(reference.logprobs), atol=1e-5, rtol=0)
-    layers = builtin.resolve_weights(model, fuse_qkv=True, fuse_gate_up=True).layers
+    layers = resolve_weights(model, fuse_qkv=True, fuse_gate_up=True).layers
     assert all((layer.qkv_weight is None) == (family == "qwen2-lora") for layer in layers)
     assert all((layer.gate_up_weight is None) == (family == "qwen2-lora") for layer in layers)
 
@@ -414,21 +419,24 @@ def test_fuse_gate_up_auto_keeps_the_projections_apart_on_cpu_and_bad_values_are
         engine = BuiltinBackend(model, fuse_gate_up=option)
         engine.generate(PROMPTS[:2], params)
         assert engine.last_stats["fuse_gate_up"] is fused, option
-    assert builtin.auto_fuses_gate_up(model) is False  # on CUDA: see the GPU test in test_decode_attention.py
+    assert auto_fuses_gate_up(model) is False  # on CUDA: see the GPU test in test_decode_attention.py
     with pytest.raises(ValueError, match="fuse_gate_up must be true, false or 'auto'"):
         BuiltinBackend(model, fuse_gate_up="yes")
     with pytest.raises(ValueError, match="dequantize_4bit must be true, false or 'auto'"):
         BuiltinBackend(model, dequantize_4bit="yes")
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        BuiltinBackend(model, sampler="triton")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_rope_inside_the_attention_gives_the_same_tokens_and_logprobs(family):
     """With fused q/k/v and the prefix-shared attention, bias and RoPE move into the attention (its CPU
-    reference here; the kernel in `test_decode_attention.py`); Qwen3's q/k norm keeps them in the step."""
+    reference here; the kernel in `test_decode_attention.py`); Qwen3's q/k norm keeps them in the step, as do
+    unfused projections."""
     model, params = make_model(family), SamplingParams(max_new_tokens=12, temperature=0, n=2)
     plain = BuiltinBackend(model, attention="sdpa").generate(PROMPTS, params)
     inside = BuiltinBackend(model, attention="triton", fuse_qkv=True)
-    kept = BuiltinBackend(model, attention="triton", fuse_qkv=True, rope_in_attention=False)
+    kept = BuiltinBackend(model, attention="triton", fuse_qkv=False)
     for engine in (inside, kept):
         for mine, reference in zip(engine.generate(PROMPTS, params), plain):
             assert mine.token_ids == reference.token_ids
@@ -437,18 +445,9 @@ def test_rope_inside_the_attention_gives_the_same_tokens_and_logprobs(family):
     assert not kept.last_stats["rope_in_attention"]
 
 
-def test_compile_mode_reaches_torch_compile(monkeypatch):
-    """`compile="max-autotune-no-cudagraphs"` (a torch.compile mode) reaches the decode pieces and the prefill layer."""
-    modes = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **options: modes.append(options.get("mode")) or fn)
-    engine = BuiltinBackend(make_model("llama"), compile="max-autotune-no-cudagraphs")
-    engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=3, temperature=0))
-    assert engine.last_stats["compiled"] and modes.count("max-autotune-no-cudagraphs") == 4
-
-
 def test_compiling_raises_dynamos_recompile_limit(monkeypatch):
     """Every engine variant (shape, LoRA, fused copies) adds a compilation of the same decode functions; at
-    Dynamo's default limit of 8 the ninth failed under fullgraph=True (seen on an H200, 2026-11-30)."""
+    Dynamo's default limit of 8 the ninth would fail under fullgraph=True."""
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
     with torch._dynamo.config.patch(recompile_limit=8):  # restored on exit
         BuiltinBackend(make_model("llama"), compile=True).generate(PROMPTS[:2], SamplingParams(max_new_tokens=2))
@@ -465,28 +464,37 @@ def test_quantized_projection_weights_are_refused():
     assert not ok and "torch.uint8 (quantized?)" in reason
 
 
-@pytest.mark.parametrize("empty_cache", [True, False])
-def test_empty_cache_option_decides_whether_cached_memory_goes_back(monkeypatch, empty_cache):
-    """`rollout.empty_cuda_cache`: the engine's release and both phase switches call `torch.cuda.empty_cache`
-    only when it is on (CUDA faked: the calls are what is checked, not memory)."""
+def test_releasing_the_engine_hands_cached_memory_back(monkeypatch):
+    """The engine's release calls `torch.cuda.empty_cache` (CUDA faked: the call is what is checked, not memory),
+    and the removed option `rollout.empty_cuda_cache` is an unknown key."""
     from hybridrl.config.loading import load_config
-    from hybridrl.training.components import build_rollout
-    from hybridrl.training.phase_switch import rollout_phase
+    from hybridrl.config.schema import ConfigError
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    engine = BuiltinBackend(make_model("llama"), empty_cache=empty_cache)
-    engine.release_memory()
-    model = torch.nn.Linear(2, 2)
-    timings = {}
-    with rollout_phase(model, torch.optim.AdamW(model.parameters()), torch.device("cuda"), True, timings,
-                       empty_cache=empty_cache):
-        pass
-    assert calls == (["empty"] * 3 if empty_cache else []) and timings["weight_sync"] >= 0
-    config = load_config(None, ["rollout.backend=builtin", f"rollout.empty_cuda_cache={str(empty_cache).lower()}"])
-    assert build_rollout(config, make_model("llama"), None, torch.device("cpu")).empty_cache is empty_cache
+    BuiltinBackend(make_model("llama")).release_memory()
+    assert calls == ["empty"]
+    with pytest.raises(ConfigError, match="unknown config key 'rollout.empty_cuda_cache'"):
+        load_config(None, ["rollout.empty_cuda_cache=false"])
+
+
+def test_engine_section_of_the_config_reaches_the_engine():
+    """`rollout.engine.*` (the advanced section) is what `build_rollout` hands the engine; each old top-level key
+    names its new place."""
+    from hybridrl.config.loading import load_config
+    from hybridrl.config.schema import ConfigError
+    from hybridrl.training.components import build_rollout
+
+    config = load_config(None, ["rollout.backend=builtin", "rollout.engine.attention=sdpa", "rollout.engine.fuse_qkv=false",
+                                "rollout.engine.fuse_gate_up=true", "rollout.engine.sampler=torch",
+                                "rollout.engine.dequantize_4bit=false"])
+    engine = build_rollout(config, make_model("llama"), None, torch.device("cpu"))
+    assert engine.options == runner.EngineOptions(attention="sdpa", fuse_qkv=False, fuse_gate_up=True, sampler="torch",
+                                                  dequantize_4bit=False)
+    for key in ("attention", "fuse_qkv", "fuse_gate_up", "dequantize_4bit"):
+        with pytest.raises(ConfigError, match=f"'rollout.{key}' is now 'rollout.engine.{key}'"):
+            load_config(None, [f"rollout.{key}=auto"])
 
 
 def test_timeline_keeps_the_first_mark_or_with_last_the_latest():
@@ -516,3 +524,74 @@ def test_phase_seconds_counts_each_mark_when_both_clocks_reached_it():
     uncaptured = {name: {"host_ms": mark["host_ms"]} for name, mark in report.items() if name != "replay"}
     assert phase_seconds(uncaptured) == pytest.approx({"before_decode": 0.030, "decode": 0.520, "after_decode": 0.010})
     assert phase_seconds({"start": {"host_ms": 0}}) == {}
+
+
+class RecordingGraphs(DecodeGraphs):
+    """`DecodeGraphs` on CPU: a warm-up runs the step, a "capture" records it without running it and its replay
+    runs it, as a CUDA graph's would; `events` lists what happened, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    def warm_up(self, run_step) -> None:
+        self.events.append("warm_up")
+        run_step()
+
+    def capture(self, key, run_step, synchronize: bool):
+        self.events.append("capture")
+        self.graphs[key] = graph = SimpleNamespace(replay=run_step)
+        return graph
+
+
+def engine_with_recorded_graphs(model, monkeypatch, **options) -> tuple[BuiltinBackend, RecordingGraphs]:
+    """An engine on CPU that takes the CUDA-graph path with `RecordingGraphs` in place of real graphs."""
+    engine = BuiltinBackend(model, **options)
+    engine.runner.graphs = graphs = RecordingGraphs()
+    begin = engine.runner.begin
+
+    def begin_with_graphs(*args):
+        num_slots = begin(*args)
+        engine.runner.run.use_graphs = True
+        return num_slots
+
+    monkeypatch.setattr(engine.runner, "begin", begin_with_graphs)
+    return engine, graphs
+
+
+def test_a_new_sampler_is_warmed_up_before_capture_even_at_known_shapes(monkeypatch):
+    """A greedy call after a sampled one with the same tensor shapes: the greedy sampler has never run, so its
+    first step must run for real (a warm-up, where a compiled sampler compiles) before any capture; capturing it
+    straight away compiled inside the CUDA-graph capture, which fails. The same call again captures without a
+    warm-up; a new temperature, batch or length warms up again. Tokens equal the engine without graphs."""
+    model = make_model("qwen2")
+    prompts = [[3, 4, 5], [9, 10, 11], [12, 13, 14], [15, 16, 17], [1, 2, 3], [6, 7, 8], [18, 19, 20], [21, 22, 23]]
+    calls = [(prompts[:4], SamplingParams(max_new_tokens=8, n=2, temperature=1.0, seed=1, ignore_eos=True)),
+             (prompts, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)),  # same shapes, greedy
+             (prompts, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)),  # all warmed now
+             (prompts, SamplingParams(max_new_tokens=8, temperature=0.7, seed=2, ignore_eos=True)),
+             (prompts[:3], SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)),
+             (prompts[:5], SamplingParams(max_new_tokens=12, n=3, temperature=1.0, top_p=0.8, seed=3, ignore_eos=True))]
+    engine, graphs = engine_with_recorded_graphs(model, monkeypatch, sync_every=3)
+    reference = BuiltinBackend(model, sync_every=3, use_cuda_graphs=False)
+    for index, (call_prompts, params) in enumerate(calls):
+        graphs.events.clear()
+        outputs = engine.generate(call_prompts, params)
+        assert [g.token_ids for g in outputs] == [g.token_ids for g in reference.generate(call_prompts, params)]
+        stats = engine.last_stats
+        assert graphs.events and stats["graphs_captured"] >= 1, index
+        if index == 2:  # a repeat: every signature was warmed by the call before
+            assert "warm_up" not in graphs.events and stats["captures_without_warmup"] == stats["graphs_captured"]
+        else:  # a new sampler or new shapes: warmed up before the first capture, and none captured cold
+            assert graphs.events[0] == "warm_up" and stats["captures_without_warmup"] == 0, (index, graphs.events)
+
+
+def test_step_signature_tells_samplers_and_shapes_apart():
+    tensors = (torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))
+    greedy, sampled = SamplerSettings(temperature=0), SamplerSettings(temperature=1.0)
+    base = step_signature(4, 128, (sampled, "triton"), tensors)
+    assert base == step_signature(4, 128, (sampled, "triton"), tuple(t.clone() for t in tensors))
+    for other in (step_signature(4, 128, (greedy, "torch"), tensors), step_signature(4, 128, (sampled, "torch"), tensors),
+                  step_signature(2, 128, (sampled, "triton"), tensors),
+                  step_signature(4, 128, (sampled, "triton"), (torch.zeros(4, 9), tensors[1]))):
+        assert other != base

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.engine import backend as builtin_module
+from hybridrl.rollout.engine import kernel_choices
 from hybridrl.rollout.engine.backend import BuiltinBackend
 from hybridrl.rollout.engine.kv_cache import CacheGeometry, PrefixSharedKVCache, SlotKVCache, max_slots
 from hybridrl.rollout.engine.scheduler import PromptEntries
@@ -143,7 +143,7 @@ def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool 
     signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride")}, qk_scale="fp32")
     pad = lambda value: max(decode_attention.MIN_DOT_ROWS, 1 << (value - 1).bit_length())  # noqa: E731
     constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=pad(group), BLOCK_D=pad(head_dim),
-                     BLOCK_N=decode_attention.BLOCK_N, PROMPT_BLOCK_N=decode_attention.BLOCK_N, IEEE=dtype == "fp32",
+                     BLOCK_N=decode_attention.BLOCK_N, IEEE=dtype == "fp32",
                      WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope)  # the variants the engine runs
     return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
                                            target=GPUTarget("cuda", arch, 32),
@@ -221,34 +221,28 @@ def test_prefix_shared_layout_stores_prompts_once_so_more_slots_fit():
     assert max_slots(lambda s: PrefixSharedKVCache.bytes_for(geometry, s), budget, 512) == 512
 
 
-# On CPU both options run the prefix-shared layout with a PyTorch reference for the attention; the stacked
-# one reads the engine's entry -> slots table, so these tests also check that bookkeeping.
-PREFIX_SHARED = [("triton", "reference"), ("triton-stacked", "stacked-reference")]
-
-
-@pytest.mark.parametrize("attention, name", PREFIX_SHARED)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_prefix_shared_engine_matches_hf(family, attention, name):
+def test_prefix_shared_engine_matches_hf(family):
+    """On CPU attention="triton" runs the prefix-shared layout with the PyTorch reference for the attention."""
     model = make_model(family)
-    engine = BuiltinBackend(model, attention=attention)
+    engine = BuiltinBackend(model, attention="triton")
     outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0, n=3))
-    assert engine.last_stats["attention"] == name
+    assert engine.last_stats["attention"] == "reference"
     for generation in outputs:
         prompt = PROMPTS[generation.prompt_index]
         assert generation.token_ids == hf_greedy(model, prompt, 16)
         torch.testing.assert_close(torch.tensor(generation.logprobs), hf_logprobs(model, prompt, generation.token_ids),
                                    atol=1e-4, rtol=0)
     sampled = SamplingParams(max_new_tokens=10, temperature=0.9, n=3, seed=4)
-    shared = BuiltinBackend(model, attention=attention).generate(PROMPTS, sampled)
+    shared = BuiltinBackend(model, attention="triton").generate(PROMPTS, sampled)
     per_slot = BuiltinBackend(model, attention="sdpa").generate(PROMPTS, sampled)
     assert [g.token_ids for g in shared] == [g.token_ids for g in per_slot]
     for a, b in zip(shared, per_slot):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["triton", "triton-stacked"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_prefix_shared_continuous_batching_reuses_entries_and_compacts(family, attention, monkeypatch):
+def test_prefix_shared_continuous_batching_reuses_entries_and_compacts(family, monkeypatch):
     model = make_model(family)
     prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(10)]
     free_run = BuiltinBackend(model, attention="sdpa").generate(prompts, SamplingParams(max_new_tokens=12, temperature=0))
@@ -268,19 +262,12 @@ def test_prefix_shared_continuous_batching_reuses_entries_and_compacts(family, a
         return written_rows, entries
 
     monkeypatch.setattr(PrefixSharedKVCache, "prefill_writes", prefill_writes)
-    tables = []  # stacked: the entry -> slots tables the decode steps saw
-    original_track = PrefixSharedKVCache.track_slots
-    monkeypatch.setattr(PrefixSharedKVCache, "track_slots", lambda self, live: (
-        original_track(self, live), tables.append(None if self.entry_slots is None else self.entry_slots.tolist())))
-    engine = BuiltinBackend(model, attention=attention, max_num_seqs=5, sync_every=2, release_after_generate=False)
+    engine = BuiltinBackend(model, attention="triton", max_num_seqs=5, sync_every=2, release_after_generate=False)
     outputs = engine.generate(prompts, params)
     assert engine.last_stats["num_slots"] == 5 and engine.last_stats["prefill_waves"] >= 5
     assert engine.cache.prompt_kv.shape[2] == 5  # 10 prompts through 5 entries: entries were reused
     assert moves, "no compaction happened"
     assert resident, "no prompt was admitted while its entry was live"
-    if attention == "triton-stacked":  # entries shared by several slots, and by slots that are not adjacent
-        rows = [[slot for slot in row if slot >= 0] for table in tables for row in table]
-        assert max(map(len, rows)) == 3 and any(row[-1] - row[0] >= len(row) for row in rows if row)
     assert [g.token_ids for g in outputs] == [g.token_ids for g in reference]
     assert [g.finish_reason for g in outputs] == [g.finish_reason for g in reference]
     assert {g.finish_reason for g in reference} == {"stop", "length"}
@@ -295,13 +282,17 @@ def test_attention_option_is_validated_and_plumbed_from_the_config():
 
     with pytest.raises(ValueError, match="attention must be one of"):
         BuiltinBackend(make_model("qwen2"), attention="flash")
-    with pytest.raises(ConfigError, match="rollout.attention must be one of"):
-        load_config(None, ["rollout.attention=flash"])
-    for option in ("triton", "triton-stacked"):
-        config = load_config(None, [f"rollout.attention={option}", "rollout.backend=builtin"])
+    for removed in ("flash", "triton-stacked"):
+        with pytest.raises(ConfigError, match="rollout.engine.attention must be one of"):
+            load_config(None, [f"rollout.engine.attention={removed}"])
+    for option in ("triton", "sdpa"):
+        config = load_config(None, [f"rollout.engine.attention={option}", "rollout.backend=builtin"])
         backend = build_rollout(config, make_model("qwen2"), None, torch.device("cpu"))
         assert isinstance(backend, BuiltinBackend) and backend.attention == option
-    assert load_config(None, []).rollout.attention == "auto"
+    assert load_config(None, []).rollout.engine.attention == "auto"
+    # The key moved into the advanced section: the old spelling names the new one.
+    with pytest.raises(ConfigError, match="'rollout.attention' is now 'rollout.engine.attention'"):
+        load_config(None, ["rollout.attention=triton"])
 
 
 def assert_same_samples(ours, reference, allowed_boundary_flips: int) -> None:
@@ -345,7 +336,7 @@ def test_triton_kernel_and_engine_on_cuda():
                                        **TOLERANCE[dtype])
             check_rope(triton_decode_attention, case, TOLERANCE[dtype], with_bias=seed % 2 == 0)
     model = make_model("qwen2").cuda()
-    assert builtin_module.auto_fuses_gate_up(model)  # a tiny model's gate/up copy is far under 5% of the GPU
+    assert kernel_choices.auto_fuses_gate_up(model)  # a tiny model's gate/up copy is far under 5% of the GPU
     prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(9)]
     for params in (SamplingParams(max_new_tokens=20, temperature=0, n=2),
                    SamplingParams(max_new_tokens=12, temperature=0.9, n=3, seed=5)):

@@ -171,8 +171,8 @@ def test_builtin_engine_on_a_4bit_base_matches_hf_generate_and_forward():
 
 
 def test_auto_backend_picks_the_engine_for_a_4bit_base_on_gpu():
-    """On a GPU `auto` picks the engine for a 4-bit base too: on an H200 its rollout of the 7B QLoRA shape took
-    18.2 s against HF generate's 36.8 s, at a lower peak (docs/benchmarks.md). On CPU `auto` keeps hf."""
+    """On a GPU `auto` picks the engine for a 4-bit base too (faster than HF generate at a lower peak,
+    docs/benchmarks.md). On CPU `auto` keeps hf."""
     needs_bitsandbytes()
     from hybridrl.models.qlora import quantize_4bit
     from hybridrl.rollout.engine.backend import BuiltinBackend
@@ -193,7 +193,7 @@ def test_dequantizing_the_4bit_base_once_gives_the_per_step_results(monkeypatch)
     from peft import LoraConfig, get_peft_model
     from test_builtin_engine import PROMPTS
 
-    import hybridrl.rollout.engine.backend as builtin
+    import hybridrl.rollout.engine.runner as runner
     from hybridrl.models.qlora import quantize_4bit
     from hybridrl.rollout.base import SamplingParams
     from hybridrl.rollout.engine.backend import BuiltinBackend
@@ -218,7 +218,7 @@ def test_dequantizing_the_4bit_base_once_gives_the_per_step_results(monkeypatch)
             if "lora_B" in name:
                 param.normal_(0, 0.3)
     params = SamplingParams(max_new_tokens=8, temperature=0)
-    monkeypatch.setattr(builtin, "auto_dequantized_layers", lambda model: 1)
+    monkeypatch.setattr(runner, "auto_dequantized_layers", lambda model: 1)
     for candidate in (model, adapted.eval()):
         packed = [[is_packed_4bit(getattr(layer, name)) for name in MATRICES]
                   for layer in resolve_weights(candidate, fuse_qkv=True, dequantize_layers=1).layers]
@@ -240,10 +240,9 @@ def test_dequantizing_the_4bit_base_once_gives_the_per_step_results(monkeypatch)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_dequantized_copies_on_cuda_give_the_per_step_tokens_with_cuda_graphs(monkeypatch):
     """On a GPU (bf16, NF4): the engine with every layer copied (CUDA graphs captured) and with one layer copied
-    gives the per-step path's greedy tokens and log-probs. (Ran as a script in the 2026-12-01 06:27 UTC session,
-    calls 5 and 6: identical, max diff 0.0; as this test, not yet on a GPU.)"""
+    gives the per-step path's greedy tokens and log-probs."""
     needs_bitsandbytes()
-    import hybridrl.rollout.engine.backend as builtin
+    import hybridrl.rollout.engine.runner as runner
     from hybridrl.models.qlora import quantize_4bit
     from hybridrl.rollout.base import SamplingParams
     from hybridrl.rollout.engine.backend import BuiltinBackend
@@ -255,7 +254,7 @@ def test_dequantized_copies_on_cuda_give_the_per_step_tokens_with_cuda_graphs(mo
     expected = per_step.generate(prompts, params)
     for option, layers in ((True, None), ("auto", 1)):
         if layers is not None:
-            monkeypatch.setattr(builtin, "auto_dequantized_layers", lambda model: layers)
+            monkeypatch.setattr(runner, "auto_dequantized_layers", lambda model: layers)
         engine = BuiltinBackend(model, dequantize_4bit=option)
         for _ in range(2):  # the second call replays kept graphs where they were captured
             outputs = engine.generate(prompts, params)

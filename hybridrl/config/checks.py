@@ -24,8 +24,8 @@ def validate(config: Config) -> None:
     _require(r.top_k >= 0, "rollout.top_k must be >= 0 (0 disables).")
     _require(0 <= r.min_p < 1, "rollout.min_p must be in [0, 1).")
     _require(r.kv_cache_memory > 0, "rollout.kv_cache_memory must be > 0.")
-    _require(r.attention in ("auto", "triton", "triton-stacked", "sdpa"),
-             f"rollout.attention must be auto, triton, triton-stacked or sdpa; got {r.attention!r}.")
+    _require(r.engine.attention in ("auto", "triton", "sdpa"),
+             f"rollout.engine.attention must be auto, triton or sdpa; got {r.engine.attention!r}.")
     _require(config.data.max_prompt_length >= 1, "data.max_prompt_length must be at least 1.")
     _require(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low must be in [0, 1).")
     _require(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high must be >= 0.")

@@ -40,15 +40,26 @@ def explained_yaml(config: config_module.Config, width: int = 100) -> str:
     docs = field_docs()
     lines: list[str] = []
     for section in dataclasses.fields(config):
-        value = getattr(config, section.name)
         lines.append(f"{section.name}:")
-        for item in dataclasses.fields(value):
-            doc = docs.get(type(value).__name__, {}).get(item.name, "")
-            for line in textwrap.wrap(" ".join(doc.split()), width - 6):
-                lines.append(f"  # {line}")
-            lines.append(f"  {item.name}: {_dump(getattr(value, item.name))}")
+        lines.extend(_section_lines(getattr(config, section.name), docs, "  ", width))
         lines.append("")
     return "\n".join(lines)
+
+
+def _section_lines(value: Any, docs: dict[str, dict[str, str]], indent: str, width: int) -> list[str]:
+    """The documented keys of one section; a nested section (e.g. `rollout.engine`) is indented under its key."""
+    lines = []
+    for item in dataclasses.fields(value):
+        doc = docs.get(type(value).__name__, {}).get(item.name, "")
+        for line in textwrap.wrap(" ".join(doc.split()), width - len(indent) - 2):
+            lines.append(f"{indent}# {line}")
+        child = getattr(value, item.name)
+        if dataclasses.is_dataclass(child):
+            lines.append(f"{indent}{item.name}:")
+            lines.extend(_section_lines(child, docs, indent + "  ", width))
+        else:
+            lines.append(f"{indent}{item.name}: {_dump(child)}")
+    return lines
 
 
 def _dump(value: Any) -> str:

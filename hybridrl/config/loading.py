@@ -93,6 +93,9 @@ def _build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
     values = {}
     for key, value in raw.items():
         if key not in names:
+            moved = getattr(cls, "moved_keys", {})  # a section's ClassVar: old key -> its new place
+            if key in moved:
+                raise ConfigError(f"'{prefix}{key}' is now '{prefix}{moved[key]}'; set that key instead.")
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" Did you mean '{prefix}{close[0]}'?" if close else f" Known keys: {', '.join(names)}."
             raise ConfigError(f"unknown config key '{prefix}{key}'.{hint}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
@@ -89,6 +89,33 @@ class DataConfig:
 
 
 @dataclass
+class EngineConfig:
+    """Advanced: kernel choices of the built-in engine (`rollout.backend=builtin`, or `auto` where it runs). The
+    defaults pick by device and model; change one to work around a problem on your hardware, or to compare."""
+
+    attention: Literal["auto", "triton", "sdpa"] = "auto"
+    """Decode attention. `triton`: each prompt's KV is stored once and shared by its samples, read by a Triton
+    kernel (on CPU by its PyTorch reference); `sdpa`: a KV copy per sequence and PyTorch SDPA, which fits fewer
+    sequences in the same memory; `auto`: triton on CUDA when triton is installed, else sdpa."""
+    fuse_qkv: bool = True
+    """Copy each layer's q/k/v weights into one matrix while generating: one matmul instead of three, and with
+    `triton` attention (and no q/k norm) the kernel adds bias and RoPE itself. Costs the q/k/v weights again during
+    the rollout; set false when that memory is short. LoRA'd projections stay apart."""
+    fuse_gate_up: bool | Literal["auto"] = "auto"
+    """Likewise stack each layer's MLP gate and up weights into one matrix while generating (one matmul instead of
+    two). Costs those weights again during the rollout; `auto` stacks them on CUDA when the copy is at most 5% of
+    the GPU's memory. LoRA'd projections stay separate."""
+    sampler: Literal["auto", "torch"] = "auto"
+    """`auto`: plain temperature sampling (no top-k/top-p/min-p) runs as two Triton kernels on CUDA with triton,
+    anything else in the (compiled) PyTorch sampler; `torch`: always the PyTorch sampler."""
+    dequantize_4bit: bool | Literal["auto"] = "auto"
+    """With a 4-bit base (`model.load_in_4bit`): make a full-precision copy of the base's projection weights for each
+    rollout, so decode steps run as for a bf16 base (CUDA graphs included) instead of dequantizing every layer at
+    every step. Costs that copy during the rollout; `auto` copies as many layers as fit in half of the free GPU
+    memory, the others are dequantized as they run; false keeps the rollout's memory at the 4-bit size."""
+
+
+@dataclass
 class RolloutConfig:
     backend: Literal["auto", "hf", "builtin", "vllm"] = "auto"
     """Generation engine; `auto` is the built-in engine where it supports the model, else `hf`."""
@@ -112,32 +139,12 @@ class RolloutConfig:
     """Sampling temperature for evaluation; 0 is greedy."""
     kv_cache_memory: float = 0.3
     """Built-in engine: KV cache size as a fraction of free device memory (or GiB if > 1)."""
-    attention: Literal["auto", "triton", "triton-stacked", "sdpa"] = "auto"
-    """Built-in engine decode attention. `triton`: each prompt's KV is stored once and shared by its samples,
-    read by a Triton kernel (on CPU by its PyTorch reference); `sdpa`: a full KV copy per sequence and PyTorch
-    SDPA; `auto`: triton on CUDA when triton is installed, else sdpa. `triton-stacked` (opt-in; as fast as
-    triton in one H200 run, slower in the next): the triton layout with a prompt kernel per prompt entry that reads its KV
-    once for all samples, then a response kernel per sequence (on CPU a PyTorch reference of the same two phases)."""
-    fuse_qkv: bool = True
-    """Built-in engine: one matrix of each layer's q/k/v weights while generating: one matmul instead of three, and
-    the triton kernel (no q/k norm) adds bias and RoPE itself (grpo-0.5b rollout on an H200: 0.776 -> 0.657 s).
-    Costs q/k/v again while generating (50 MB for Qwen2-0.5B, 0.9 GB for Qwen2.5-7B); LoRA'd projections stay apart."""
-    fuse_gate_up: bool | Literal["auto"] = "auto"
-    """Built-in engine: likewise stack each layer's MLP gate and up weights into one matrix while generating
-    (one matmul instead of two; grpo-0.5b rollout on an H200: 0.625 -> 0.598 s). Costs those weights again during
-    the rollout: 0.4 GB for Qwen2-0.5B, 1.5 GB for Qwen2.5-1.5B, 7.6 GB for Qwen2.5-7B; `auto` stacks them on
-    CUDA when that is at most 5% of the GPU's memory. LoRA'd projections stay separate."""
-    dequantize_4bit: bool | Literal["auto"] = "auto"
-    """Built-in engine with a 4-bit base (`model.load_in_4bit`): make a full-precision copy of the base's projection
-    weights for each rollout, so decode steps run as for a bf16 base, instead of dequantizing every layer at every
-    step. Costs that copy during the rollout (13 GB for a 7B model); `auto` copies as many layers as fit in half of
-    the free GPU memory (an H200: all of a 7B model; a 24 GB card: part), the others are dequantized as they run."""
-    empty_cuda_cache: bool = True
-    """At each train <-> generate switch, and when the KV cache is released, hand the CUDA allocator's cached
-    memory back to the driver (`torch.cuda.empty_cache`). false keeps it cached for the next phase to reuse:
-    no cudaFree / cudaMalloc of the KV cache and training buffers every step, the same peak allocated
-    memory, but nvidia-smi shows the high-water mark and other processes cannot use it. Measured on grpo-0.5b:
-    no gain beyond the run-to-run spread (docs/rollout.md)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Advanced: the built-in engine's kernel choices (`rollout.engine.attention` and so on)."""
+
+    moved_keys: ClassVar[dict[str, str]] = {key: f"engine.{key}" for key in
+                                            ("attention", "fuse_qkv", "fuse_gate_up", "dequantize_4bit")}
+    """Keys that moved into `rollout.engine`: a config that still sets one is told the new key."""
 
 
 @dataclass

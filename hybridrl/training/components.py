@@ -98,22 +98,6 @@ def build_rewards(config: Config, reward_fn: str | Callable | list | None, devic
     return RewardComposer(rewards)
 
 
-def check_stacked_attention(config: Config, actor: nn.Module) -> None:
-    """`rollout.attention=triton-stacked` stacks n x group query rows per prompt program; refuse, before any
-    rollout, a model and n whose rows do not fit the kernel (the engine would only fail at its first step)."""
-    if config.rollout.attention != "triton-stacked":
-        return
-    from hybridrl.rollout.kernels.stacked_attention import MAX_STACKED_ROWS, stacked_rows
-
-    text = actor.config.get_text_config()
-    group = text.num_attention_heads // (getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
-    n = config.rollout.num_samples_per_prompt
-    if stacked_rows(n, group) > MAX_STACKED_ROWS:
-        raise ConfigError(f"rollout.attention=triton-stacked stacks {n} samples x {group} query heads per KV head "
-                          f"= {n * group} rows per prompt, more than its {MAX_STACKED_ROWS}; use "
-                          "rollout.attention=triton, or fewer rollout.num_samples_per_prompt.")
-
-
 def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torch.device) -> RolloutBackend:
     """`auto` takes the built-in engine where it supports the model, with one line saying why not."""
     backend = config.rollout.backend
@@ -122,15 +106,14 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
             from hybridrl.rollout.engine.backend import BuiltinBackend
         except ImportError:
             supported, reason = False, "the built-in engine is not available in this install"
-        else:  # `supports` is a static method: builtin.py exports no module-level `supports`
+        else:  # `supports` is a static method of the backend class
             supported, reason = BuiltinBackend.supports(actor)
         if supported and (backend == "builtin" or device.type == "cuda"):
-            check_stacked_attention(config, actor)
+            engine = config.rollout.engine
             return BuiltinBackend(actor, tokenizer=tokenizer, kv_cache_memory=config.rollout.kv_cache_memory,
-                                  attention=config.rollout.attention, fuse_qkv=config.rollout.fuse_qkv,
-                                  fuse_gate_up=config.rollout.fuse_gate_up,
-                                  empty_cache=config.rollout.empty_cuda_cache,
-                                  dequantize_4bit=config.rollout.dequantize_4bit)
+                                  attention=engine.attention, fuse_qkv=engine.fuse_qkv,
+                                  fuse_gate_up=engine.fuse_gate_up, sampler=engine.sampler,
+                                  dequantize_4bit=engine.dequantize_4bit)
         if backend == "builtin":
             logger.warning("rollout.backend=builtin falls back to hf: %s", reason)
     if backend == "vllm":

@@ -1,17 +1,23 @@
-"""Which kernels a `generate` call of the built-in engine runs on its device: the decode attention's layout and
-implementation, whether gate/up are stacked, whether a 4-bit base is dequantized once, and the sampler. Kept apart from `builtin.py`, which runs the phases;
-the engine reports each choice in `last_stats` under the names given here."""
+"""Which kernels a `generate` call of the built-in engine runs on its device: the decode attention path, whether
+gate/up are stacked, how many layers of a 4-bit base are dequantized once, and the sampler.
+
+Kept apart from the runner so that each choice is one small function of the user's option and the device, testable
+on CPU; the engine reports each choice in `last_stats` under the names given here.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from hybridrl.rollout.engine.kv_cache import PrefixSharedKVCache, SlotKVCache
 from hybridrl.rollout.engine.llama_forward import PROJECTIONS, is_packed_4bit, unwrap
 from hybridrl.rollout.engine.sampling import SamplerSettings
 
-ATTENTION_OPTIONS = ("auto", "triton", "triton-stacked", "sdpa")
+ATTENTION_OPTIONS = ("auto", "triton", "sdpa")
+SAMPLER_OPTIONS = ("auto", "torch")
 
 
 def triton_available() -> bool:
@@ -22,33 +28,41 @@ def triton_available() -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class AttentionPath:
+    """One decode-attention path: the KV cache layout it reads, the attention function of the prefix-shared
+    layout (None for the per-slot layout, whose attention is SDPA inside `decode_logits`) and its name for
+    `last_stats`."""
+
+    name: str
+    layout: type
+    attention: Callable | None = None
+
+
 def resolve_attention(option: str, device: torch.device) -> str:
     """`auto` -> "triton" on CUDA when triton imports, else "sdpa". On CPU `auto` keeps the per-slot SDPA
     layout (the prefix-shared one would run the slow PyTorch reference); "triton" on CPU means the
-    prefix-shared layout with that reference standing in for the kernel (how its logic is tested).
-    "triton-stacked" (opt-in, never chosen by `auto`: 2% faster than "triton" in its one H200 run, inside
-    run-to-run variation) is the same layout with the two stacked kernels; on CPU their PyTorch two-phase
-    reference."""
+    prefix-shared layout with that reference standing in for the kernel (how its logic is tested)."""
+    if option not in ATTENTION_OPTIONS:
+        raise ValueError(f"attention must be one of {ATTENTION_OPTIONS}; got {option!r}.")
     if option == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "sdpa"
-    if option in ("triton", "triton-stacked") and device.type == "cuda" and not triton_available():
-        raise ValueError(f"attention={option!r} needs the triton package on CUDA (pip install triton); "
-                         "use attention='sdpa' (rollout.attention=sdpa) or 'auto'.")
+    if option == "triton" and device.type == "cuda" and not triton_available():
+        raise ValueError("attention='triton' needs the triton package on CUDA (pip install triton); "
+                         "use rollout.engine.attention=sdpa or auto.")
     return option
 
 
-def decode_attention_function(attention: str, device: torch.device) -> tuple[str, Callable]:
-    """The prefix-shared attention (`triton` or `triton-stacked`) for this device, and its name for
-    `last_stats`. Imported here so that the per-slot path never imports triton."""
-    from hybridrl.rollout.kernels import decode_attention, stacked_attention
+def attention_path(option: str, device: torch.device) -> AttentionPath:
+    """The attention path for the user's `option` on `device`. The kernels' module is imported only here, so the
+    per-slot path never imports triton."""
+    if resolve_attention(option, device) == "sdpa":
+        return AttentionPath("sdpa", SlotKVCache)
+    from hybridrl.rollout.kernels import decode_attention
 
-    if attention == "triton-stacked":
-        if device.type == "cuda":
-            return "triton-stacked", stacked_attention.stacked_decode_attention
-        return "stacked-reference", stacked_attention.stacked_reference_attention
     if device.type == "cuda":
-        return "triton", decode_attention.triton_decode_attention
-    return "reference", decode_attention.reference_decode_attention
+        return AttentionPath("triton", PrefixSharedKVCache, decode_attention.triton_decode_attention)
+    return AttentionPath("reference", PrefixSharedKVCache, decode_attention.reference_decode_attention)
 
 
 AUTO_FUSE_GATE_UP_MAX_FRACTION = 0.05
@@ -56,11 +70,9 @@ AUTO_FUSE_GATE_UP_MAX_FRACTION = 0.05
 
 
 def auto_fuses_gate_up(model) -> bool:
-    """Whether `fuse_gate_up="auto"` stacks each layer's gate and up weights for the rollout: on CUDA, when
-    the copy is at most `AUTO_FUSE_GATE_UP_MAX_FRACTION` of the device's memory. The stacked matmul made the
-    grpo-0.5b rollout 4% faster on an H200 (0.625 -> 0.598 s, `docs/benchmarks.md`); the copy is 0.4 GB for
-    Qwen2-0.5B (on for any card of 8 GB or more), 1.5 GB for Qwen2.5-1.5B (on for an H200, off for a 24 GB
-    card) and 7.6 GB for Qwen2.5-7B (off for both). On CPU the plain projections are kept."""
+    """Whether `fuse_gate_up="auto"` stacks each layer's gate and up weights for the rollout: on CUDA, when the copy
+    is at most `AUTO_FUSE_GATE_UP_MAX_FRACTION` of the device's memory (one matmul fewer per layer and step is worth
+    a small copy, not a large one next to the KV cache). On CPU the plain projections are kept."""
     weight = next(model.parameters())
     if weight.device.type != "cuda":
         return False
@@ -103,9 +115,8 @@ def layers_within(sizes: list[int], budget: float) -> int:
 def auto_dequantized_layers(model) -> int:
     """How many decoder layers, from the first, `dequantize_4bit="auto"` copies at full precision for a `generate`:
     on CUDA, as many as fit in `AUTO_DEQUANTIZE_MAX_FREE_FRACTION` of the free memory (the allocator's unused cache
-    counts as free); the others are dequantized as they run, at every step. All of them (13 GB for a 7B model) on an
-    H200: the rollout then runs as for a bf16 base, CUDA graphs included (`docs/benchmarks.md`); part of them on a
-    24 GB card. None on CPU, or without 4-bit weights."""
+    counts as free); the others are dequantized as they run, at every step. With all of them copied the rollout runs
+    as for a bf16 base, CUDA graphs included. None on CPU, or without 4-bit weights."""
     weight = next(model.parameters())
     sizes = dequantized_layer_bytes(model)
     if weight.device.type != "cuda" or not any(sizes):
@@ -115,10 +126,15 @@ def auto_dequantized_layers(model) -> int:
     return layers_within(sizes, AUTO_DEQUANTIZE_MAX_FREE_FRACTION * free)
 
 
-def sampler_name(sampling_kernel: bool, settings: SamplerSettings, device: torch.device, vocab: int) -> str:
+def sampling_kernels_on(sampler: str, device: torch.device) -> bool:
+    """Whether the Triton sampling kernels may run: `sampler="auto"` on CUDA with triton installed."""
+    return sampler == "auto" and device.type == "cuda" and triton_available()
+
+
+def sampler_name(sampler: str, settings: SamplerSettings, device: torch.device, vocab: int) -> str:
     """Which sampler a call's decode steps run: "triton" (`sampling_kernels.py`) or "torch" (the compiled or eager
     `sample_and_record`); `sampling_kernels.with_sampling_kernel` decides the same way."""
-    if not (sampling_kernel and device.type == "cuda" and triton_available()):
+    if not sampling_kernels_on(sampler, device):
         return "torch"
     from hybridrl.rollout.kernels.sampling_kernels import sampling_kernel_applies
 

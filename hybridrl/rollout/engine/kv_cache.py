@@ -4,15 +4,12 @@
   its whole context, so prefill copies a prompt's KV into the slots of all its samples and decode
   attention is SDPA over keys [0, kv_len) with a per-slot mask (`kv_len` is a bucket chosen by the
   engine, so the CUDA graphs are keyed by it).
-- `PrefixSharedKVCache` (attention="triton" or "triton-stacked"): a prompt cache `(layers, 2, entries,
-  Hkv, prompt_max_len, D)` holds each live prompt's KV once, a response cache `(layers, 2, slots, Hkv,
-  response_max_len, D)` each sequence's own; decode attention (`decode_attention.py`) reads both up to each slot's own
-  lengths, so no key-length bucket is needed and prompt KV takes 1/n of the memory. With
-  attention="triton-stacked" it also keeps `entry_slots` (entries, width), the live slots of each
-  entry, which the stacked kernels (`stacked_attention.py`) read; the engine refreshes it at every
-  sync point through `track_slots`, in place, so captured CUDA graphs see the current table.
+- `PrefixSharedKVCache` (attention="triton"): a prompt cache `(layers, 2, entries, Hkv, prompt_max_len, D)`
+  holds each live prompt's KV once, a response cache `(layers, 2, slots, Hkv, response_max_len, D)` each
+  sequence's own; decode attention (`decode_attention.py`) reads both up to each slot's own lengths, so no
+  key-length bucket is needed and prompt KV takes 1/n of the memory.
 
-Both expose the same six members, so the engine picks a layout once and never branches on it again.
+Both expose the same members, so the engine picks a layout once and never branches on it again.
 Which sequence sits in which slot and which prompt in which entry is `scheduler.py`'s business; these
 classes only own tensors. Buffers are zeros, not empty: SDPA meets masked keys with a 0 weight, and
 0 * NaN would be NaN.
@@ -20,7 +17,6 @@ classes only own tensors. Buffers are zeros, not empty: SDPA meets masked keys w
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -52,8 +48,6 @@ class CacheGeometry:
     longest_prompt: int
     max_new_tokens: int
     num_prompts: int
-    samples_per_prompt: int = 1
-    """n: the most live slots that can share one prompt entry (the width of the stacked kernels' table)."""
 
     @property
     def max_len(self) -> int:
@@ -109,9 +103,6 @@ class SlotKVCache:
     def move(self, source: torch.Tensor, destination: torch.Tensor) -> None:
         self.kv[:, :, destination] = self.kv[:, :, source]
 
-    def track_slots(self, live: dict[int, SequenceSlot]) -> None:
-        """Nothing to track: every slot holds its own prompt KV."""
-
     @property
     def is_cuda(self) -> bool:
         return self.kv.is_cuda
@@ -121,15 +112,12 @@ class PrefixSharedKVCache:
     """Prompt KV once per live prompt, response KV per slot (see the module docstring).
 
     prompt_kv (layers, 2, entries, Hkv, prompt_max_len, D); response_kv (layers, 2, slots, Hkv,
-    response_max_len, D). `attention` is `triton_decode_attention` or `reference_decode_attention`, or with
-    `stacked` `stacked_decode_attention` or `stacked_reference_attention`, which also get `entry_slots`.
-    `rope_in_attention`: let an attention that can apply RoPE do so (see `decode_logits_prefix_shared`).
+    response_max_len, D). `attention` is `triton_decode_attention` or `reference_decode_attention`.
     """
 
     reads_kv_len = False  # the attention stops at each slot's own lengths
 
-    def __init__(self, geometry: CacheGeometry, num_slots: int, device, dtype, attention: Callable,
-                 stacked: bool = False, rope_in_attention: bool = True) -> None:
+    def __init__(self, geometry: CacheGeometry, num_slots: int, device, dtype, attention: Callable) -> None:
         g = geometry
         entries = prompt_entries_needed(g.num_prompts, num_slots)
         shape = (g.num_layers, 2)
@@ -137,12 +125,7 @@ class PrefixSharedKVCache:
                                      dtype=dtype, device=device)
         self.response_kv = torch.zeros(*shape, num_slots, g.num_kv_heads, _round_up(g.max_new_tokens), g.head_dim,
                                        dtype=dtype, device=device)
-        self.attention, self.entry_slots, self.rope_in_attention = attention, None, rope_in_attention
-        if stacked:  # one address for the whole generate call: graphs captured with it stay valid
-            width = min(g.samples_per_prompt, num_slots)
-            self.entry_slots = torch.full((entries, width), -1, dtype=torch.int32, device=device)  # (entries, width)
-            self.attention = functools.partial(attention, entry_slots=self.entry_slots)
-            self.attention.writes_new_kv = getattr(attention, "writes_new_kv", False)  # partial() drops it
+        self.attention = attention
 
     @staticmethod
     def bytes_for(geometry: CacheGeometry, num_slots: int) -> int:
@@ -164,21 +147,11 @@ class PrefixSharedKVCache:
                functions: DecodeFunctions) -> torch.Tensor:
         """Logits (B, V) of one decode step; `kv_len` is unused (the engine passes 0)."""
         return decode_logits_prefix_shared(w, self.prompt_kv, self.response_kv, cos, sin, tokens, prompt_entry,
-                                           prompt_len, gen_len, self.attention, functions, self.rope_in_attention)
+                                           prompt_len, gen_len, self.attention, functions)
 
     def move(self, source: torch.Tensor, destination: torch.Tensor) -> None:
         """Compaction moves response KV only; the slot's prompt entry index moves with the per-slot state."""
         self.response_kv[:, :, destination] = self.response_kv[:, :, source]
-
-    def track_slots(self, live: dict[int, SequenceSlot]) -> None:
-        """Write the live slots of each entry into `entry_slots` (stacked attention only); call it after
-        admission, harvesting and compaction, before the next decode steps (a host-to-device copy)."""
-        if self.entry_slots is None:
-            return
-        from hybridrl.rollout.kernels.stacked_attention import entry_slot_table  # not on the per-slot path
-
-        table = entry_slot_table({slot: sequence.entry for slot, sequence in live.items()}, *self.entry_slots.shape)
-        self.entry_slots.copy_(table)
 
     @property
     def is_cuda(self) -> bool:

@@ -393,9 +393,8 @@ def prefill_layer(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos: torch
     num_prompts, length, _ = h.shape
     q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (P, heads, L, D)
-    # enable_gqa: keys and values are not repeated per query head. On the grpo-0.5b prefill (64 prompts of 256
-    # tokens, H200) the layout kernels around the attention went from 72 x 39.9 us to 24 x 44.6 us and the prefill's
-    # GPU time from 26.9 to 24.9 ms (`decode_gaps.py`, docs/benchmarks.md).
+    # enable_gqa: keys and values are not repeated per query head, which saves the layout kernels that a repeat
+    # would launch around the attention.
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     attn = attn.transpose(1, 2).reshape(num_prompts, length, w.num_heads * w.head_dim)
     h = h + _linear(attn, lw.o_weight, lw.o_bias, lw.o_lora)
@@ -453,17 +452,15 @@ class DecodeFunctions:
 EAGER_DECODE = DecodeFunctions(attention_inputs, attention_output_and_mlp, final_logits, prefill_layer)
 
 
-def compiled_decode_functions(mode: str | None = None) -> DecodeFunctions:
+def compiled_decode_functions() -> DecodeFunctions:
     """`torch.compile`d decode pieces. The batch dimension is marked dynamic on the first call, so one
     compilation covers every batch bucket; weights are arguments, never constants, so in-place
-    updates are seen. Compilation happens on the first call of each piece (the caller's warm-up).
-    `mode`: torch.compile's, e.g. "max-autotune-no-cudagraphs" (Inductor times Triton matmul templates
-    against cuBLAS for each projection shape; minutes of compilation; the engine captures graphs itself)."""
+    updates are seen. Compilation happens on the first call of each piece (the caller's warm-up)."""
     # Dynamo caches compilations per code object (8 by default); every engine variant (model shape, LoRA,
     # fused copies, bias) adds one, and a process that builds many engines (a benchmark, a test suite)
     # would otherwise fail with "recompile limit exceeded" under fullgraph=True.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    compiled = [torch.compile(fn, fullgraph=True, mode=mode)
+    compiled = [torch.compile(fn, fullgraph=True)
                 for fn in (attention_inputs, attention_output_and_mlp, final_logits, prefill_layer)]
 
     def dynamic_batch(fn, activation_arg: int):
@@ -543,7 +540,6 @@ def decode_logits_prefix_shared(
     response_len: torch.Tensor,
     attention: Callable,
     functions: DecodeFunctions = EAGER_DECODE,
-    rope_in_attention: bool = True,
 ) -> torch.Tensor:
     """One decode step over the prefix-shared layout (see `decode_attention.py`) for slots 0..B-1.
 
@@ -551,21 +547,15 @@ def decode_logits_prefix_shared(
     response_cache (layers, 2, slots, Hkv, response_max_len, D) each slot's response. tokens,
     prompt_entry, prompt_len, response_len: (B,). The token fed now is response token
     response_len - 1: its position is prompt_len + response_len - 1 and its KV is written at
-    response index response_len - 1, then visible; attentions marked `writes_new_kv` write it themselves
-    (`new_kv=`), the others get it written here first. `attention` is `triton_decode_attention` or
-    `reference_decode_attention`. No host sync and no length-dependent shape (graph-safe).
-    `rope_in_attention`: when the attention can (`applies_rope`) and every layer has fused q/k/v and no q/k
-    norm, the attention gets the raw projections and applies bias and RoPE itself: one kernel fewer per layer.
+    response index response_len - 1 by the attention itself (`new_kv=`), then visible. `attention` is
+    `triton_decode_attention` or `reference_decode_attention`. When every layer has fused q/k/v and no q/k norm
+    (`rotates_projections`), the attention gets the raw projections and applies bias and RoPE itself: one kernel
+    fewer per layer. No host sync and no length-dependent shape (graph-safe).
     """
-    batch = tokens.shape[0]
-    slots = torch.arange(batch, device=tokens.device)
     positions = prompt_len + response_len - 1  # (B,)
-    write_at = response_len - 1
     scale = w.head_dim ** -0.5  # SDPA's default, which the per-slot path uses
-
-    writes_new_kv = getattr(attention, "writes_new_kv", False)  # the kernel stores kv itself: one kernel fewer
     cos, sin = cos_table[positions], sin_table[positions]
-    rotate_inside = rope_in_attention and rotates_projections(attention, w)
+    rotate_inside = rotates_projections(w)
 
     def attend(layer_index: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         prompt_k, prompt_v = prompt_cache[layer_index, 0], prompt_cache[layer_index, 1]
@@ -573,19 +563,15 @@ def decode_logits_prefix_shared(
         if rotate_inside:
             return attention(q, prompt_k, prompt_v, response_k, response_v, prompt_entry, prompt_len, response_len,
                              scale, new_kv=kv, rope=(cos, sin), qkv_bias=w.layers[layer_index].qkv_bias)
-        if writes_new_kv:
-            return attention(q, prompt_k, prompt_v, response_k, response_v, prompt_entry, prompt_len, response_len,
-                             scale, new_kv=kv)
-        response_cache[layer_index][:, slots, :, write_at] = kv  # (B, 2, Hkv, D), as in decode_logits
-        return attention(q, prompt_k, prompt_v, response_k, response_v, prompt_entry, prompt_len, response_len, scale)
+        return attention(q, prompt_k, prompt_v, response_k, response_v, prompt_entry, prompt_len, response_len,
+                         scale, new_kv=kv)
 
     if rotate_inside:
         return _decode_layers(w, tokens, None, None, functions, attend)
     return _decode_layers(w, tokens, cos, sin, functions, attend)
 
 
-def rotates_projections(attention: Callable, w: ModelWeights) -> bool:
-    """Whether a decode step can leave bias and RoPE to `attention`: it takes `rope=` (`applies_rope`) and every
-    layer's q/k/v is one matmul (`fuse_qkv`) with no q/k norm between projection and RoPE (Qwen3 has one)."""
-    return getattr(attention, "applies_rope", False) and all(
-        lw.qkv_weight is not None and lw.q_norm is None for lw in w.layers)
+def rotates_projections(w: ModelWeights) -> bool:
+    """Whether a prefix-shared decode step leaves bias and RoPE to the attention: every layer's q/k/v is one matmul
+    (`fuse_qkv`) with no q/k norm between projection and RoPE (Qwen3 has one)."""
+    return all(lw.qkv_weight is not None and lw.q_norm is None for lw in w.layers)

@@ -1,6 +1,8 @@
 """Continuous-batching bookkeeping in pure Python: which sequence sits in which KV slot.
 
-No tensors here (the runner in `builtin.py` owns them). Sequences wait in prompt-major order; free
+No tensors here (the runner in `runner.py` owns them), so every decision of the engine's loop (whom to admit,
+how to chunk a prefill, how many steps until the next sync, who finished and why, which slots to compact) can be
+read and tested without a model. Sequences wait in prompt-major order; free
 slots are handed out lowest-first, so the live sequences stay packed at the front and a decode step
 only has to run over slots `0..batch-1`. When nothing is waiting and the live sequences have thinned
 out, `compaction_moves` proposes moving the ones in high slots down so that a smaller batch-size
@@ -18,6 +20,7 @@ import bisect
 import heapq
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 
 @dataclass
@@ -97,6 +100,7 @@ class Scheduler:
             sequence = self.waiting.popleft()
             sequence.slot = heapq.heappop(self.free_slots)
             sequence.entry, sequence.fills_entry = self.entries.acquire(sequence.prompt_index)
+            sequence.generated = 1  # its prefill draws the first token
             self.live[sequence.slot] = sequence
             admitted.append(sequence)
         return admitted
@@ -106,6 +110,44 @@ class Scheduler:
         heapq.heappush(self.free_slots, slot)
         self.entries.release(sequence.prompt_index)
         return sequence
+
+    def steps_until_sync(self, sync_every: int, max_new_tokens: int) -> int:
+        """Decode steps before the next host check: `sync_every`, or fewer when a sequence reaches its length
+        limit sooner (the host knows every length bound, so such a sequence is harvested at once)."""
+        return min([sync_every] + [max_new_tokens - s.generated for s in self.live.values()])
+
+    def furthest_position(self) -> int:
+        """The furthest position (prompt + response tokens) any live sequence has reached, as of the last sync."""
+        return max(s.prompt_len + s.generated for s in self.live.values())
+
+    def rows_in_use(self) -> int:
+        """Slots 0..rows-1 hold every live sequence (0 when none is live)."""
+        return max(self.live) + 1 if self.live else 0
+
+    def record_progress(self, gen_len: Sequence[int]) -> None:
+        """Response lengths read at a sync point, indexed by slot."""
+        for slot, sequence in self.live.items():
+            sequence.generated = gen_len[slot]
+
+    def harvest(self, done: Sequence[int], tokens, stop_ids: set[int],
+                cut_at_stop_string: Callable[[list[int]], int | None] | None) -> list[Finished]:
+        """Finish the live sequences that are done (stop token or length) or contain a stop string, and free
+        their slots. `tokens` (rows, max_new_tokens) indexable by slot; `cut_at_stop_string(response)` -> how many
+        tokens to keep, or None (`find_stop_string`)."""
+        finished = []
+        for slot in list(self.live):
+            if not (done[slot] or cut_at_stop_string):
+                continue
+            length, reason = self.live[slot].generated, None
+            if cut_at_stop_string:
+                cut = cut_at_stop_string(tokens[slot, :length].tolist())
+                if cut is not None:
+                    length, reason = cut, "stop"
+            if reason is None and done[slot]:
+                reason = "stop" if int(tokens[slot, length - 1]) in stop_ids else "length"
+            if reason is not None:
+                finished.append(Finished(self.finish(slot), slot, length, reason))
+        return finished
 
     def batch_size(self) -> int:
         """The smallest bucket that covers every live slot."""
@@ -131,6 +173,32 @@ class Scheduler:
             self.free_slots.append(source)
         heapq.heapify(self.free_slots)
         return moves
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A harvested sequence: it sat in `slot`, and its response is the first `length` tokens there."""
+
+    sequence: SequenceSlot
+    slot: int
+    length: int
+    reason: str
+
+
+def prefill_chunks(prompt_lens: list[int], prompt_indices: list[int], max_tokens: int) -> list[list[int]]:
+    """Prompts to prefill, grouped into chunks of at most `max_tokens` padded tokens (a chunk of one prompt may
+    exceed it). Sorted by length first, so prompts of similar lengths share a chunk: less padding."""
+    chunks: list[list[int]] = []
+    chunk: list[int] = []
+    for prompt_index in sorted(prompt_indices, key=lambda p: prompt_lens[p]):
+        longest = max((prompt_lens[p] for p in chunk), default=0)
+        if chunk and max(longest, prompt_lens[prompt_index]) * (len(chunk) + 1) > max_tokens:
+            chunks.append(chunk)
+            chunk = []
+        chunk.append(prompt_index)
+    if chunk:
+        chunks.append(chunk)
+    return chunks
 
 
 def find_stop_string(tokenizer, tokens: list[int], stop_strings: list[str]) -> int | None:

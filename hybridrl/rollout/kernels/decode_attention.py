@@ -36,12 +36,9 @@ matmul's output.
 
 Why this grid: slots of one prompt are adjacent (admission is prompt-major, lowest free slot first)
 and the slot is the fastest-varying grid axis, so the n programs that read one prompt entry (for one
-KV head) are launched back to back and the repeated reads of it should mostly hit L2 instead of HBM
-(not measured yet). After continuous batching has refilled freed slots, samples of one prompt can be
-scattered; the result is still right, only the L2 reuse is lost. A grid over (prompt entry, KV head)
-that stacks the n samples' queries reads the prompt from HBM once by construction, at the cost of a
-log-sum-exp merge with the response part and an entry -> slots table: `stacked_attention.py`
-(opt-in `attention="triton-stacked"`; as fast as this kernel in one H200 run, slower in the engine in the next), which reuses `_attend` below.
+KV head) are launched back to back and their repeated reads of it can hit L2 instead of HBM. After
+continuous batching has refilled freed slots, samples of one prompt can be scattered; the result is
+still right, only that reuse is lost.
 
 Sliding windows are not applied here: the engine refuses prompt + max_new_tokens longer than the
 model's window (in both layouts), so inside the engine a window never hides a key.
@@ -64,27 +61,21 @@ except ImportError:  # CPU-only installs: the reference below is all there is
     triton = None
 
 BLOCK_N = 32
-"""Keys per loop iteration; fixed (no autotune) so every launch is the same graph-safe kernel. With
-NUM_WARPS below, the fastest of 18 launch configurations as the engine calls the kernel (RoPE, bias and the
-cache write inside; 24 layers' caches in turn, so each is read from HBM) on an H200
-(`benchmarks/attention_configs.py`, 2026-12-01): 21.2 us per layer-step at 512 slots and 14.9 us at 256,
-against 25.5 and 17.4 us for the earlier 32 keys x 2 warps (the best of 45 configurations of 2-8 warps on one
-layer's cache kept in L2, `benchmarks/decode_attention.py`). Float32 tiles of head_dim 128 (32 x 128 x 4
-bytes) stay well inside shared memory."""
-NUM_WARPS, NUM_STAGES = 1, None
-"""Launch configuration; None leaves the stage count to Triton. One warp per (slot, KV head): the loop is a
-chain of dependent loads and dots, and more programs per SM hide its latency better than more warps per
-program (rollouts of 512 sequences 0.592-0.605 -> 0.580-0.581 s, of 256 0.458-0.464 -> 0.440-0.450 s).
-Only up to head_dim 64 (`default_num_warps`): at 128 one warp needs more than 255 registers and spills."""
+"""Keys per loop iteration; fixed (no autotune) so every launch is the same graph-safe kernel. Float32 tiles of
+head_dim 128 (32 x 128 x 4 bytes) stay well inside shared memory."""
+NUM_WARPS = 1
+"""Warps per program up to head_dim 64: the loop is a chain of dependent loads and dots, and more programs per
+SM hide its latency better than more warps per program (`docs/benchmarks.md` has the launch sweep)."""
 WIDE_HEAD_NUM_WARPS = 2
-"""Head dims above 64 (Qwen2.5-1.5B/7B, Llama 3: 128): two warps, as before the one-warp change. With RoPE and
-the bias inside, one warp spills ~340 bytes per thread for sm_90 (ptxas -v; 2 warps: none), and neither
-launch has been timed at that head dim."""
+"""Warps per program above head_dim 64 (Qwen2.5-1.5B/7B, Llama 3: 128): with RoPE and the bias inside, one warp
+would need more than 255 registers a thread and spill (the no-spill test reads ptxas' report)."""
 
 
 def default_num_warps(head_dim: int) -> int:
-    """Warps per program when the caller names none: `NUM_WARPS` up to head_dim 64, else `WIDE_HEAD_NUM_WARPS`."""
+    """Warps per program: `NUM_WARPS` up to head_dim 64, else `WIDE_HEAD_NUM_WARPS`."""
     return NUM_WARPS if head_dim <= 64 else WIDE_HEAD_NUM_WARPS
+
+
 MIN_DOT_ROWS = 16
 """`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
 
@@ -192,42 +183,25 @@ def triton_decode_attention(
     new_kv: torch.Tensor | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     qkv_bias: torch.Tensor | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = NUM_STAGES,
-    prompt_block_n: int | None = None,
 ) -> torch.Tensor:
-    """Launch the Triton kernel over a (B, Hkv) grid; same contract as `reference_decode_attention`.
-    `block_n`, `num_warps`, `num_stages` are the launch configuration (`benchmarks/decode_attention.py`
-    times the alternatives); the defaults are the measured best at the grpo-0.5b shape (warps: `default_num_warps`).
-    `prompt_block_n`: keys per iteration of the prompt part alone (default `block_n`; the response part keeps
-    `block_n`)."""
+    """Launch the Triton kernel over a (B, Hkv) grid; same contract as `reference_decode_attention`."""
     if triton is None:
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
                           "use attention='sdpa' or the reference on machines without it.")
     batch, num_kv_heads, group, head_dim = q.shape
     q, out, fused, cos, sin, bias, strides = launch_arguments(q, prompt_k, prompt_v, response_k, response_v,
                                                               new_kv, rope, qkv_bias)
-    block_n = block_n or BLOCK_N
-    prompt_block_n = prompt_block_n or block_n
-    stages = {} if num_stages is None else {"num_stages": num_stages}
     _decode_attention_kernel[(batch, num_kv_heads)](
         q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out, fused,
         cos, sin, bias, scale * math.log2(math.e), *strides,
         GROUP=group, HEAD_DIM=head_dim,
         GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)),
         BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),
-        BLOCK_N=block_n, PROMPT_BLOCK_N=prompt_block_n, IEEE=q.dtype == torch.float32, WRITE_NEW=new_kv is not None,
+        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, WRITE_NEW=new_kv is not None,
         ROPE=rope is not None, HAS_BIAS=rope is not None and qkv_bias is not None,
-        num_warps=num_warps or default_num_warps(head_dim), **stages,
+        num_warps=default_num_warps(head_dim),
     )
     return out
-
-
-reference_decode_attention.writes_new_kv = True  # both take `new_kv`: the engine leaves the cache write to them
-triton_decode_attention.writes_new_kv = True
-reference_decode_attention.applies_rope = True  # both take `rope=`: the engine can leave RoPE (and q/k/v bias) to them
-triton_decode_attention.applies_rope = True
 
 
 if triton is not None:
@@ -313,7 +287,7 @@ if triton is not None:
         stride_ob, stride_oh, stride_og,
         stride_nb, stride_nkv, stride_nh, stride_cb,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, PROMPT_BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr,
+        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr,
         ROPE: tl.constexpr,
         HAS_BIAS: tl.constexpr,
     ):
@@ -342,7 +316,7 @@ if triton is not None:
         entry = tl.load(PROMPT_INDEX + slot).to(tl.int64)
         prompt = entry * stride_pe + head * stride_ph
         m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, tl.load(PROMPT_LEN + slot).to(tl.int32), stride_pl,
-                                m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, PROMPT_BLOCK_N, IEEE)
+                                m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
         response = slot * stride_rb + head * stride_rh
         response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
         cached = response_len - 1 if WRITE_NEW else response_len

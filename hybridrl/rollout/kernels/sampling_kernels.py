@@ -1,11 +1,9 @@
 """The decode step's plain temperature sampling (no top-k/top-p/min-p) as two Triton kernels: the same draw as
 `sampling._sample_blocked` followed by `decode_state.sample_and_record`'s bookkeeping.
 
-Compiled by Inductor, that sampler is six kernels per step on the grpo-0.5b shape (512 rows x 152k vocabulary):
-the pass over the logits for each block's max and sum of exponentials (64.6 µs in the engine, 155 MB of bf16 logits
-at 2.4 TB/s) and five small kernels after it (~25 µs; `decode_gaps.py`, 2026-12-01). These two take 54.8 µs per step
-against 79.8-87.9 µs for the compiled sampler on cold logits (`benchmarks/sampling_kernels.py`), ~12 µs less per
-step inside the engine (`docs/benchmarks.md`). Here:
+Why: compiled by Inductor, that sampler is a pass over the (rows, vocabulary) logits followed by several small
+kernels, and a decode step is bound by its kernel count; these two kernels do the same work with one read of the
+logits for the statistics and one of the chosen block (`docs/benchmarks.md` compares them). Here:
 
 - `_block_stats_kernel`, grid (rows, block groups): each program reads `BLOCKS_PER_PROGRAM` whole blocks of one row
   (16 KB of bf16 at the default 8192 logits) and writes each block's max of x / T and sum of exp(x / T - that
@@ -16,11 +14,11 @@ step inside the engine (`docs/benchmarks.md`). Here:
   (out_tokens/out_logprobs at the response position, last_token, gen_len, done) written as the reference does,
   a finished row left as it is.
 
-Masked lanes hold -1e30, never -inf (no lane forms inf - inf). The kernels scale by 1 / T (exact at T = 1; with a
-correctly rounded division the stats kernel took 81 µs, by instruction count compute-bound) and use Triton's exp and
-scan; their float32 rounding differs from torch's, so a draw whose uniform lands near a CDF boundary picks the
-neighbouring token (0.1% of draws at a 152k vocabulary, where a block mass's rounding is large against one token's
-mass). Both are draws from the same distribution; the tests compare whole batches with the reference.
+Masked lanes hold -1e30, never -inf (no lane forms inf - inf). The kernels scale by 1 / T (exact at T = 1; a
+correctly rounded division makes the stats kernel compute-bound) and use Triton's exp and scan; their float32
+rounding differs from torch's, so a draw whose uniform lands near a CDF boundary can pick the neighbouring token
+(rarely, and more often at a large vocabulary, where a block mass's rounding is large against one token's mass).
+Both are draws from the same distribution; the tests compare whole batches with the reference.
 `TRITON_INTERPRET=1` set before the first import runs them on CPU tensors; `sampling_kernel_applies` says when the
 engine uses them.
 """
@@ -38,8 +36,7 @@ except ImportError:  # CPU-only installs: the engine keeps the PyTorch sampler
     triton = None
 
 BLOCK_ELEMENTS, NUM_WARPS = 8192, 4
-"""Logits per `_block_stats_kernel` program (rounded to whole blocks, at least one) and its warps
-(`benchmarks/sampling_kernels.py` times the alternatives)."""
+"""Logits per `_block_stats_kernel` program (rounded to whole blocks, at least one) and its warps."""
 
 
 def _next_power_of_two(value: int) -> int:
@@ -55,21 +52,19 @@ def sampling_kernel_applies(settings: SamplerSettings, vocab: int) -> bool:
 def triton_sample_and_record(logits: torch.Tensor, settings: SamplerSettings, uniform_table: torch.Tensor,
                              done: torch.Tensor, gen_len: torch.Tensor, last_token: torch.Tensor,
                              out_tokens: torch.Tensor, out_logprobs: torch.Tensor, stop_ids: torch.Tensor,
-                             max_new_tokens: int, block_elements: int = BLOCK_ELEMENTS,
-                             num_warps: int = NUM_WARPS) -> None:
-    """`decode_state.sample_and_record` for plain temperature sampling (`sampling_kernel_applies`), in two kernels;
-    `block_elements` and `num_warps`: the stats kernel's launch configuration."""
+                             max_new_tokens: int) -> None:
+    """`decode_state.sample_and_record` for plain temperature sampling (`sampling_kernel_applies`), in two kernels."""
     rows, vocab = logits.shape
     size = _block_size(vocab)
     num_blocks = vocab // size
     assert logits.stride(-1) == 1 and out_tokens.stride(-1) == 1 and uniform_table.stride(-1) == 1
     size_pad = _next_power_of_two(size)
-    per_program = max(1, block_elements // size_pad)
+    per_program = max(1, BLOCK_ELEMENTS // size_pad)
     maxima = torch.empty(rows, num_blocks, dtype=torch.float32, device=logits.device)
     sums = torch.empty_like(maxima)
     _block_stats_kernel[(rows, triton.cdiv(num_blocks, per_program))](
         logits, maxima, sums, logits.stride(0), num_blocks, 1.0 / settings.temperature,
-        SIZE=size, SIZE_PAD=size_pad, BLOCKS_PER_PROGRAM=per_program, num_warps=num_warps)
+        SIZE=size, SIZE_PAD=size_pad, BLOCKS_PER_PROGRAM=per_program, num_warps=NUM_WARPS)
     _draw_and_record_kernel[(rows,)](
         logits, maxima, sums, uniform_table, done, gen_len, last_token, out_tokens, out_logprobs, stop_ids,
         logits.stride(0), uniform_table.stride(0), out_tokens.stride(0), out_logprobs.stride(0),

@@ -1,0 +1,345 @@
+"""The engine's runner: everything that owns tensors. The scheduler (`scheduler.py`) decides which sequence sits
+in which slot; the runner turns those decisions into device work and never decides them itself.
+
+Per `generate` call (`begin` ... `end`) it holds a `RunState`: references to the model's weights (no copy, except
+the fused and dequantized copies that `resolve_weights` makes from the weights as they are now), the KV cache in
+the layout of the chosen `AttentionPath`, the per-slot `DecodeState`, the RoPE table, the seeded generator and the
+decode functions. Across calls it keeps what is costly to make and does not depend on the call's tensors: the
+compiled pieces (compiled once per engine: the trainer calls `generate` every step with the same shapes, so later
+calls reuse the compiled code) and the set of warmed step signatures (`graphs.py`); the CUDA graphs point at one
+call's KV cache and are captured again each call.
+
+Nothing here synchronizes with the host except `read_progress` and `read_outputs`, which the engine calls at its
+sync points; host lists go to the device in one pinned, non-blocking copy (`host_to_device`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridrl.devices import host_to_device
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine.decode_state import DecodeState, compiled_sample_and_record, sample_and_record
+from hybridrl.rollout.engine.graphs import CaptureCounts, DecodeGraphs, step_signature
+from hybridrl.rollout.engine.kernel_choices import (
+    AttentionPath,
+    attention_path,
+    auto_dequantized_layers,
+    auto_fuses_gate_up,
+    dequantized_layer_bytes,
+    sampler_name,
+    sampling_kernels_on,
+)
+from hybridrl.rollout.engine.kv_cache import CacheGeometry, PrefixSharedKVCache, SlotKVCache, max_slots
+from hybridrl.rollout.engine.llama_forward import (
+    EAGER_DECODE,
+    MATRICES,
+    DecodeFunctions,
+    ModelWeights,
+    compiled_decode_functions,
+    is_packed_4bit,
+    prefill,
+    resolve_weights,
+    rope_table,
+    rotates_projections,
+)
+from hybridrl.rollout.engine.sampling import SamplerSettings, sample
+from hybridrl.rollout.engine.scheduler import SequenceSlot, prefill_chunks
+from hybridrl.rollout.timeline import Timeline
+
+_GIB = 1024**3
+KV_LEN_BUCKET = 128
+"""Per-slot decode attention reads keys up to the next multiple of this past the furthest live position."""
+CPU_MEMORY_REFERENCE_GIB = 4.0
+"""On CPU a fractional `kv_cache_memory` is a fraction of this fixed size (free RAM is not a safe guide)."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The user's choices for the built-in engine (see `BuiltinBackend` for each)."""
+
+    kv_cache_memory: float = 0.3
+    max_num_seqs: int = 1024
+    max_prefill_tokens: int = 16384
+    use_cuda_graphs: bool = True
+    compile: bool | None = None
+    attention: str = "auto"
+    fuse_qkv: bool = True
+    fuse_gate_up: bool | str = "auto"
+    sampler: str = "auto"
+    dequantize_4bit: bool | str = "auto"
+
+
+@dataclass
+class GenerateStats:
+    """What one `generate` call did; `BuiltinBackend.last_stats` is this as a dict."""
+
+    num_slots: int = 0
+    decode_steps: int = 0
+    prefill_waves: int = 0
+    graphs_captured: int = 0
+    captures_without_warmup: int = 0
+    warmup_s: float = 0.0
+    compiled: bool = False
+    attention: str = ""
+    rope_in_attention: bool = False
+    """Whether the decode attention added the q/k/v bias and applied RoPE itself (prefix-shared, fused q/k/v)."""
+    fuse_gate_up: bool = False
+    dequantized_4bit_layers: int = 0
+    sampler: str = "torch"
+    timeline_ms: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunState:
+    """The tensors and choices of one `generate` call."""
+
+    weights: ModelWeights
+    cache: SlotKVCache | PrefixSharedKVCache
+    state: DecodeState
+    settings: SamplerSettings
+    generator: torch.Generator
+    cos: torch.Tensor
+    sin: torch.Tensor
+    functions: DecodeFunctions
+    sampler: object
+    use_graphs: bool
+    timeline: Timeline
+    stats: GenerateStats
+    counts: CaptureCounts = field(default_factory=CaptureCounts)
+
+
+class ModelRunner:
+    """Owns the model's tensors during generation: KV cache, per-slot state, compiled pieces and CUDA graphs."""
+
+    def __init__(self, model, options: EngineOptions) -> None:
+        self.model, self.options = model, options
+        self.graphs = DecodeGraphs()
+        self._compiled: tuple[DecodeFunctions, object] | None = None  # kept across generate calls
+        self.cache: SlotKVCache | PrefixSharedKVCache | None = None
+        self.run: RunState | None = None
+
+    # ---- one call -----------------------------------------------------------------------------------
+    def begin(self, prompts: list[list[int]], params: SamplingParams, stop_ids: list[int]) -> int:
+        """Resolve the weights, allocate the KV cache and the per-slot state; returns the number of slots."""
+        timeline = Timeline(next(self.model.parameters()).device)
+        weights, dequantized = self._weights()
+        device, dtype = weights.lm_head.device, weights.lm_head.dtype
+        geometry = CacheGeometry(len(weights.layers), weights.num_kv_heads, weights.head_dim,
+                                 torch.empty(0, dtype=dtype).element_size(), max(map(len, prompts)),
+                                 params.max_new_tokens, len(prompts))
+        # Both layouts rely on this: within the window no key is ever hidden, so neither applies one.
+        if weights.sliding_window is not None and geometry.max_len > weights.sliding_window:
+            raise ValueError(f"prompt + max_new_tokens ({geometry.max_len}) exceeds the model's sliding window "
+                             f"({weights.sliding_window}); the built-in engine does not implement windowed caches.")
+        path = attention_path(self.options.attention, device)
+        num_slots = self._allocate(geometry, path, len(prompts) * params.n, device, dtype)
+        settings = SamplerSettings(params.temperature, params.top_k, params.top_p, params.min_p)
+        generator = torch.Generator(device=device)
+        if params.seed is not None:
+            generator.manual_seed(params.seed)
+        else:
+            generator.seed()
+        cos, sin = rope_table(self.model, geometry.max_len, device, dtype)
+        functions, sampler = self._decode_functions(device)
+        # A 4-bit base is dequantized by bitsandbytes inside each step; whether its kernels capture into a
+        # CUDA graph is unverified, so such models run the step uncaptured (per-layer work is large anyway).
+        packed = any(is_packed_4bit(getattr(layer, name)) for layer in weights.layers for name in MATRICES)
+        stats = GenerateStats(
+            num_slots=num_slots, compiled=self._compiles(device), attention=path.name,
+            rope_in_attention=path.layout is PrefixSharedKVCache and rotates_projections(weights),
+            fuse_gate_up=any(layer.gate_up_weight is not None for layer in weights.layers),
+            dequantized_4bit_layers=dequantized,
+            sampler=sampler_name(self.options.sampler, settings, device, weights.lm_head.shape[0]))
+        self.run = RunState(weights, self.cache, DecodeState(num_slots, params.max_new_tokens, stop_ids, device),
+                            settings, generator, cos, sin, functions, sampler,
+                            self.options.use_cuda_graphs and not packed and device.type == "cuda", timeline, stats)
+        return num_slots
+
+    def end(self, finished: bool, release: bool) -> dict:
+        """Close the call: its stats as a dict, and the KV cache freed when `release`."""
+        run, self.run = self.run, None
+        stats = run.stats
+        stats.graphs_captured = len(self.graphs.graphs)
+        stats.captures_without_warmup, stats.warmup_s = run.counts.captures_without_warmup, run.counts.warmup_s
+        if finished:
+            run.timeline.mark("harvested")
+        if release:
+            self.release()
+        if finished:  # not after an error: reading the events would wait on a GPU that may have failed
+            run.timeline.mark("released")
+            stats.timeline_ms = run.timeline.report()
+        return vars(stats).copy()
+
+    def release(self) -> None:
+        """Free the KV cache and the graphs that point at it, and hand the allocator's cached memory back."""
+        self.cache, self.run = None, None
+        self.graphs.drop()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # ---- setup --------------------------------------------------------------------------------------
+    def _weights(self) -> tuple[ModelWeights, int]:
+        """References to the weights as they are now (fused and dequantized copies remade every call), and how
+        many layers of a 4-bit base were copied at full precision."""
+        options = self.options
+        fuse_gate_up = auto_fuses_gate_up(self.model) if options.fuse_gate_up == "auto" else options.fuse_gate_up
+        packed_sizes = dequantized_layer_bytes(self.model)
+        dequantize = (auto_dequantized_layers(self.model) if options.dequantize_4bit == "auto"
+                      else len(packed_sizes) if options.dequantize_4bit else 0)
+        weights = resolve_weights(self.model, options.fuse_qkv, fuse_gate_up, dequantize_layers=dequantize)
+        return weights, sum(size > 0 for size in packed_sizes[:dequantize])
+
+    def _allocate(self, geometry: CacheGeometry, path: AttentionPath, num_sequences: int, device, dtype) -> int:
+        """Allocate the KV cache in the path's layout for as many slots as the budget allows; returns the slot count."""
+        layout, memory = path.layout, self.options.kv_cache_memory
+        self.release()
+        if device.type == "cuda":
+            # Free to this process: the driver's free memory plus what the allocator holds cached, unused.
+            free_bytes = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
+                - torch.cuda.memory_allocated(device)
+            budget = memory * _GIB if memory > 1 else memory * free_bytes
+        else:
+            budget = memory * _GIB * (1 if memory > 1 else CPU_MEMORY_REFERENCE_GIB)
+        num_slots = max_slots(lambda slots: layout.bytes_for(geometry, slots), budget,
+                              min(num_sequences, self.options.max_num_seqs))
+        if num_slots < 1:
+            one = layout.bytes_for(geometry, 1)
+            raise ValueError(f"rollout.kv_cache_memory={memory} leaves {budget / _GIB:.3f} GiB, less than "
+                             f"one sequence of {geometry.max_len} tokens needs ({one / _GIB:.3f} GiB); raise it.")
+        if layout is SlotKVCache:
+            self.cache = SlotKVCache(geometry, num_slots, device, dtype)
+        else:
+            self.cache = PrefixSharedKVCache(geometry, num_slots, device, dtype, path.attention)
+        return num_slots
+
+    def _compiles(self, device) -> bool:
+        return bool(self.options.compile) if self.options.compile is not None else device.type == "cuda"
+
+    def _decode_functions(self, device) -> tuple[DecodeFunctions, object]:
+        """The layer pieces and `sample_and_record`: eager or compiled, and with the sampling kernels on CUDA."""
+        if not self._compiles(device):
+            functions, sampler = EAGER_DECODE, sample_and_record
+        else:
+            if self._compiled is None:
+                self._compiled = (compiled_decode_functions(), compiled_sample_and_record())
+            functions, sampler = self._compiled
+        if sampling_kernels_on(self.options.sampler, device):
+            from hybridrl.rollout.kernels.sampling_kernels import with_sampling_kernel  # imports triton
+
+            sampler = with_sampling_kernel(sampler)
+        return functions, sampler
+
+    # ---- phases -------------------------------------------------------------------------------------
+    def prefill(self, prompts: list[list[int]], admitted: list[SequenceSlot]) -> None:
+        """Prefill each distinct admitted prompt once (chunked by token budget), then draw first tokens."""
+        self.run.timeline.mark("prefill")
+        by_prompt: dict[int, list[SequenceSlot]] = {}
+        for sequence in admitted:
+            by_prompt.setdefault(sequence.prompt_index, []).append(sequence)
+        for chunk in prefill_chunks([len(p) for p in prompts], list(by_prompt), self.options.max_prefill_tokens):
+            self._prefill_chunk(prompts, chunk, by_prompt)
+        self.run.timeline.mark("decode")
+        self.run.stats.prefill_waves += 1
+
+    def _prefill_chunk(self, prompts, chunk: list[int], by_prompt: dict[int, list[SequenceSlot]]) -> None:
+        """Prefill the prompts of `chunk` (one padded forward), write their KV where the layout keeps it,
+        and draw each admitted sequence's first token from its prompt's last-position logits."""
+        run, state = self.run, self.run.state
+        device = state.done.device
+        length = max(len(prompts[p]) for p in chunk)
+        input_ids = torch.zeros(len(chunk), length, dtype=torch.long)
+        for row, prompt_index in enumerate(chunk):
+            input_ids[row, : len(prompts[prompt_index])] = torch.tensor(prompts[prompt_index])
+        rows = [row for row, p in enumerate(chunk) for _ in by_prompt[p]]
+        sequences = [sequence for p in chunk for sequence in by_prompt[p]]
+        write_rows, write_to = run.cache.prefill_writes(rows, sequences)
+        # Every host list goes over in one pinned, non-blocking copy: a plain torch.tensor(..., device=cuda)
+        # synchronizes the stream, so the host would wait for this prefill to finish before it could record
+        # the decode graph, which it can do while the prefill runs.
+        index_lists = [[len(prompts[p]) for p in chunk], rows, [sequence.slot for sequence in sequences],
+                       [sequence.entry for sequence in sequences], list(write_rows), list(write_to)]
+        sizes = [len(values) for values in index_lists]
+        on_device = host_to_device(torch.tensor([v for values in index_lists for v in values], dtype=torch.long), device)
+        lengths, rows_t, slots_t, entries, write_rows_t, write_to_t = on_device.split(sizes)
+        logits = prefill(run.weights, run.cache.prefill_cache, run.cos, run.sin, host_to_device(input_ids, device),
+                         lengths, write_rows_t, write_to_t, run.functions.prefill_layer)
+        uniforms = torch.rand(len(sequences), state.max_new_tokens, generator=run.generator, device=device)
+        state.uniform_table[slots_t] = uniforms  # column 0 draws the first token, column i the (i+1)-th
+        tokens, logprobs = sample(logits[rows_t], run.settings, uniforms[:, 0])
+        state.last_token[slots_t] = tokens
+        state.prompt_len[slots_t] = lengths[rows_t]
+        state.prompt_entry[slots_t] = entries
+        state.gen_len.index_fill_(0, slots_t, 1)  # not `[slots_t] = 1`: that synchronizes (see `free`)
+        state.out_tokens[slots_t, 0] = tokens
+        state.out_logprobs[slots_t, 0] = logprobs
+        state.done[slots_t] = state.is_stop(tokens) | (state.max_new_tokens <= 1)
+
+    def kv_len(self, furthest: int) -> int:
+        """Key-length bucket of decode steps that reach position `furthest` at most (per-slot layout; 0 for
+        prefix-shared, which stops at each slot's own lengths): keys beyond it are never read, and bucketing keeps
+        the number of CUDA graphs small."""
+        if not self.run.cache.reads_kv_len:
+            return 0
+        max_len = self.run.cos.shape[0]  # the RoPE table covers every position of the call
+        return min(max_len, -(-furthest // KV_LEN_BUCKET) * KV_LEN_BUCKET)
+
+    def decode(self, batch: int, kv_len: int, steps: int) -> None:
+        """`steps` decode steps over slots 0..batch-1, with no host synchronisation between them."""
+        run = self.run
+        for _ in range(steps):
+            if not run.use_graphs:
+                self._decode_step(batch, kv_len)
+                continue
+            self.graphs.step((batch, kv_len), self.step_signature(batch, kv_len),
+                             lambda: self._decode_step(batch, kv_len), run.counts,
+                             before_replay=lambda: run.timeline.mark("replay"))
+        run.stats.decode_steps += steps
+
+    def step_signature(self, batch: int, kv_len: int) -> tuple:
+        """What the decode step of this call at (batch, kv_len) is specialised for (see `graphs.py`)."""
+        run = self.run
+        return step_signature(batch, kv_len, (run.settings, run.stats.sampler),
+                              (run.weights, run.cache, run.state, run.cos, run.sin))
+
+    def _decode_step(self, batch: int, kv_len: int) -> None:
+        """Forward + sample + bookkeeping for slots 0..batch-1, entirely on device (graph-capturable)."""
+        run, state = self.run, self.run.state
+        logits = run.cache.decode(run.weights, run.cos, run.sin, state.last_token[:batch], state.prompt_len[:batch],
+                                  state.gen_len[:batch], state.prompt_entry[:batch], kv_len, run.functions)
+        run.sampler(logits, run.settings, state.uniform_table[:batch], state.done[:batch], state.gen_len[:batch],
+                    state.last_token[:batch], state.out_tokens[:batch], state.out_logprobs[:batch],
+                    state.stop_ids, state.max_new_tokens)
+
+    # ---- sync points --------------------------------------------------------------------------------
+    def read_progress(self, batch: int) -> tuple[list[int], list[int]]:
+        """Finished flags and response lengths of slots 0..batch-1: the call's one blocking copy per sync point
+        (one, not two: after each, the GPU idles until the host has woken up and launched more work)."""
+        state = self.run.state
+        done, gen_len = torch.stack((state.done[:batch].long(), state.gen_len[:batch])).tolist()
+        self.run.timeline.mark("sync", last=True)
+        return done, gen_len
+
+    def read_outputs(self, batch: int):
+        """Tokens and log-probs of slots 0..batch-1 as numpy rows (Python lists of a large batch cost host time
+        with the GPU idle; `Generation` makes them if asked). copy=True: on CPU `.cpu()` would return the state
+        itself, which later waves overwrite under the rows."""
+        state = self.run.state
+        return (state.out_tokens[:batch].to("cpu", copy=True).numpy(),
+                state.out_logprobs[:batch].to("cpu", copy=True).numpy())
+
+    def free(self, slots: list[int]) -> None:
+        self.run.state.free(slots)
+
+    def move(self, moves: list[tuple[int, int]]) -> None:
+        """Copy the KV and per-slot state of each (source, destination) slot pair, then free the sources."""
+        if not moves:
+            return
+        state = self.run.state
+        source, destination = host_to_device(torch.tensor(moves, dtype=torch.long).T.contiguous(), state.done.device)
+        self.run.cache.move(source, destination)
+        for tensor in state.per_slot():
+            tensor[destination] = tensor[source]
+        state.free([s for s, _ in moves])
