@@ -1,10 +1,10 @@
 """GRPO step benchmark: hybridrl's full step (phases, peak memory, update MFU) next to TRL's GRPOTrainer.
 
-    python -m benchmarks.grpo_step                     # all modes below, TRL included, table last
+    python -m benchmarks.grpo_step                     # the default modes, TRL included, table last
     python -m benchmarks.grpo_step --modes grpo-0.5b   # one mode
     python -m benchmarks.grpo_step --quick             # tiny shapes on CPU: checks the script, measures nothing
-    python -m benchmarks.grpo_step --modes grpo-0.5b-fast,1.5b-full --gpus 1,2   # issue 5: the trainer itself
-        # on 1 and 2 GPUs (torchrun, same global batch); on nvidia-h200-x2 export NCCL_NVLS_ENABLE=0
+    python -m benchmarks.grpo_step --modes grpo-0.5b-fast,1.5b-full --gpus 1,2   # the trainer itself on 1 and 2
+        # GPUs (torchrun, same global batch); on nvidia-h200-x2 export NCCL_NVLS_ENABLE=0
         # TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 first
 
 Modes (random init, bf16 parameters, no KL, one optimizer step per rollout, responses forced to full
@@ -14,41 +14,34 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
 - `grpo-0.5b-offload`: the same with the AdamW state in CPU memory.
 - `grpo-0.5b-mb8k`: the same with 8k-token micro-batches (less activation memory, smaller matmuls).
 - `grpo-0.5b-compile`: `grpo-0.5b` with `model.compile` (each decoder layer torch.compiled).
-- `grpo-0.5b-compile-offload`: compiled, AdamW state in CPU memory (the fastest lean setting measured).
-- `grpo-0.5b-compile-offload-mb32k`: the same with 32k-token micro-batches (8 per step instead of 16):
-  smaller micro-batches measured slower by more than their compute, so a fixed cost per micro-batch
-  is suspected; this mode tests it.
-- `grpo-0.5b-fast`: everything at once: compiled, offloaded moments, 32k-token micro-batches and the
-  engine's stacked q/k/v projection (`rollout.fuse_qkv`).
+- `grpo-0.5b-compile-offload`: compiled, AdamW state in CPU memory.
+- `grpo-0.5b-compile-offload-mb32k`: the same with 32k-token micro-batches (8 per step instead of 16): whether a
+  fixed cost per micro-batch makes smaller ones slower than their compute.
+- `grpo-0.5b-fast`: compiled, offloaded moments, 32k-token micro-batches and the engine's stacked q/k/v
+  projection (`rollout.engine.fuse_qkv`); `-mb64k` with half as many micro-batches, `-nockpt` without gradient checkpointing.
 - `grpo-0.5b-fast-replicated`: `grpo-0.5b-fast` with `trainer.fsdp_shard_size=1`: on several GPUs every
   GPU holds whole weights (no gathers), gradients are all-reduced; on one GPU it is `grpo-0.5b-fast`.
-- `grpo-0.5b-fused`: `grpo-0.5b-fast` plus the stacked gate/up projection (`rollout.fuse_gate_up`).
+- `grpo-0.5b-fast-resident`: `grpo-0.5b-fast` with the AdamW moments on the GPU (what offloading costs).
+- `grpo-0.5b-fused`: `grpo-0.5b-fast` plus the stacked gate/up projection (`rollout.engine.fuse_gate_up`).
 - `grpo-0.5b-fused-shared`: `grpo-0.5b-fused` with `actor.share_prompt_tokens` (each prompt once per micro-batch
   in the update, its 8 responses after it, under a FlexAttention block mask): 64 x (256 + 8 x 256) = 147k
   tokens computed instead of 262k. Its update MFU counts the tokens computed, not the 262k they stand for.
-- `grpo-0.5b-fused-shared-offload60`: the shared mode with 40% of the AdamW moments resident on the GPU (fewer
-  PCIe bytes in the optimizer step, a larger share of the shorter update; ~+1.6 GiB, still under half of TRL's
-  peak): 2.22 s vs 2.28 s in one run (2026-11-30), within the noise; after the optimizer's buckets (20:17 UTC
-  session) its update is 1.42 s against 1.46 s. `-offload50`: half of the moments resident (~+0.4 GiB more).
+- `grpo-0.5b-fused-shared-offload60` / `-offload50`: the shared mode with 40% / 50% of the AdamW moments resident on
+  the GPU (the first parameters: fewer PCIe bytes in the optimizer step for more GPU memory).
 - `grpo-0.5b-fused-shared-resident`: the shared mode with the AdamW moments on the GPU (no PCIe traffic in the
   optimizer step; with two GPUs, whether their offload copies contend).
 - `grpo-0.5b-fused-shared-resident-half`: the resident mode with half the prompts (32 x 8) on one GPU: one rank's
   share of the 64 x 8 batch on 2 GPUs with no communication, so its step time bounds what 2 GPUs can reach
-  (1-GPU step / this step = the best 2-GPU speed-up with the work each rank does today).
-- `grpo-0.5b-fused-shared-replicated`: the resident mode with `trainer.fsdp_shard_size=1`: on several GPUs each
-  holds whole weights (no gather before the rollout or in the update; gradients all-reduced); on one GPU it is the
-  resident mode. Not yet run on 2 GPUs.
+  (1-GPU step / this step = the best 2-GPU speed-up with the work each rank does).
+- `grpo-0.5b-fused-shared-replicated`: the resident mode with `trainer.fsdp_shard_size=1` (no gather before the
+  rollout or in the update; gradients all-reduced); on one GPU it is the resident mode.
 - `grpo-0.5b-fused-shared-torchtiles`: the shared mode with torch's default FlexAttention tiles instead of
-  `shared_prompt.TUNED_FLEX_TILES` (what the shared mode ran before they were tuned).
+  `shared_prompt.TUNED_FLEX_TILES`.
 - `grpo-0.5b-fused-flex`: `grpo-0.5b-fused` with the model's attention set to flex_attention and one row per
   sequence, to separate what the attention kernel changes from what sharing saves.
-- `grpo-0.5b-fused-keepcache`: `grpo-0.5b-fused` without `torch.cuda.empty_cache` at the phase switches
-  (`rollout.empty_cuda_cache=false`): the KV cache and training buffers stay in the allocator's cache.
 - `grpo-0.5b-fused-replicated`: `grpo-0.5b-fused` with `trainer.fsdp_shard_size=1` (for 1 vs 2 GPUs).
 - `grpo-0.5b-fused-offload60`: `grpo-0.5b-fused` with 60% of the AdamW state in CPU memory and 40% (the
-  first parameters: embeddings and early layers) on the GPU (`actor.optimizer_offload_fraction=0.6`): fewer
-  PCIe bytes per step for ~1.6 GB more GPU memory.
-- `grpo-0.5b-fast-resident`: `grpo-0.5b-fast` with the AdamW moments on the GPU (what offloading costs).
+  first parameters: embeddings and early layers) on the GPU (`actor.optimizer_offload_fraction=0.6`).
 - `grpo-0.5b-kl-refoffload`: `grpo-0.5b-compile-offload` with a KL term (kl_coef 0.05), so a reference
   model exists, kept in CPU memory between its passes (`model.reference_offload`).
 - `grpo-0.5b-lean`: compiled, 8k-token micro-batches, a 2 GiB KV cache (the prefix-shared layout needs
@@ -56,25 +49,23 @@ length with `ignore_eos`, gradient checkpointing, LeanAdamW with float32 state):
 - `grpo-0.5b-nockpt`: compiled, no gradient checkpointing, 4k-token micro-batches.
 - `1.5b-full`: Qwen2.5-1.5B shape, full-parameter, optimizer state offloaded, 3 GiB KV cache.
 - `1.5b-full-shared`: the same, compiled, with flex attention and shared prompts (its peak against the 20 GiB
-  bar of a 24 GB card: 9.12 GiB, 5.93 s per step on one H200, 2026-11-30).
+  bar of a 24 GB card).
+- `7b-full`: Qwen2.5-7B shape, full-parameter, compiled, fused q/k/v: for 8 GPUs (FSDP2).
 - `7b-lora`: Qwen2.5-7B shape (untied head), LoRA rank 16 on all linear layers, built-in engine applying
   the adapter in place, 16 prompts x 4 to keep the run short.
 - `7b-qlora`: `7b-lora` with the base's linear layers in 4-bit NF4 (`model.load_in_4bit`, needs bitsandbytes),
   quantized in memory after the random init (`qlora.quantize_4bit`, called by the trainer's set-up); rollout
-  through HF generate (what `rollout.backend=auto` picks for a 4-bit base).
+  through HF generate.
 - `7b-qlora-engine`: the same with `rollout.backend=builtin`: the engine dequantizes each 4-bit layer as it
-  runs it (`llama_forward.unpacked`) or, with `rollout.dequantize_4bit` (`auto`: where half the free memory holds it,
-  as on an H200), from a full-precision copy made once per rollout: 7.06 s per step (rollout 2.40 s), 20.38 GiB on
-  2026-12-01 (06:27 UTC session, `docs/benchmarks.md`). `7b-qlora-engine-perstep` (16.60 s, 10.81 GiB): the engine
-  dequantizing every layer at every step (`rollout.dequantize_4bit=false`, the only way before 2026-12-01).
-  `7b-qlora-engine-20of28`: 20 of the 28 layers copied, the rest dequantized per step: what `auto` copies on a 24 GB
-  card by its estimate (~17.7 GiB free when the rollout starts, half of it = 20 layers of 0.43 GiB).
-- `trl`: `shared/peers/trl_grpo_gpu.py` (TRL 1.16, HF generate, fp32 master weights + bf16 autocast) on the
+  runs it or, with `rollout.engine.dequantize_4bit` (`auto`: as many layers as half the free memory holds), from a
+  full-precision copy made once per rollout. `7b-qlora-engine-perstep`: every layer dequantized at every step
+  (`rollout.engine.dequantize_4bit=false`). `7b-qlora-engine-20of28`: 20 of the 28 layers copied, the rest dequantized per step
+  (what `auto` copies on a 24 GB card by its estimate).
+- `trl`: `shared/peers/trl_grpo_gpu.py` (TRL, HF generate, fp32 master weights + bf16 autocast) on the
   grpo-0.5b shape, as a subprocess; its script must be at `--trl-script` with trl/datasets importable.
-  Three TRL steps (`TRL_STEPS`), steady state = mean of steps 2-3 as for hybridrl (runs before
-  2026-11-30 04:30 used two steps, so their TRL figure is step 2 alone). `--steps N` sets both to N:
-  TRL's step time varies by ~15% from step to step and ~35% between machines, so compare in one run
-  and prefer N >= 5 when device time allows.
+  Three TRL steps (`TRL_STEPS`), steady state = mean of steps 2-3 as for hybridrl. `--steps N` sets both to N:
+  TRL's step time varies from step to step and between machines, so compare in one run and prefer N >= 5 when
+  device time allows.
 
 Each mode runs in its own process. Peak memory is the largest `perf/peak_memory_gib` of its steps (the
 trainer measures each phase; the table names the peak of each). The
@@ -84,9 +75,10 @@ and KV read once per decode step at `--bandwidth`, prefill FLOPs). MFU of the up
 JSON goes to $OUT/grpo_step.json when $OUT is set, and each mode's stderr to $OUT/stderr_<mode>.log (run with
 TORCH_LOGS=recompiles to see why a later step compiled again: `diag/compiled_frames` counts such frames).
 Where time goes: `--profile` (the last step's top kernels and host operations, its Chrome trace in $OUT; read
-it later with `trace_report.py`), HYBRIDRL_BENCH_HEAD_GRAD_CHUNKS=N (the head backward's chunks per weight product,
-`logprobs.GRAD_CHUNKS_PER_PRODUCT`, for an A/B in one call), `--gaps` (the last two updates' GPU idle time by gap size and by the kernels
-around each gap, then the host work during the largest gaps; `gaps.py`).
+it later with `python -m benchmarks.profiling.trace_report`), HYBRIDRL_BENCH_HEAD_GRAD_CHUNKS=N (the head
+backward's chunks per weight product, `logprobs.GRAD_CHUNKS_PER_PRODUCT`, for an A/B in one call), `--gaps` (the
+last two updates' GPU idle time by gap size and by the kernels around each gap, then the host work during the
+largest gaps; `benchmarks/profiling/gaps.py`).
 """
 
 from __future__ import annotations
@@ -126,51 +118,49 @@ MODES = {
     "grpo-0.5b-compile-offload-mb32k": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
                                             offload=True, settings=dict(model__compile=True)),
     "grpo-0.5b-fast": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
-                           settings=dict(model__compile=True, rollout__fuse_qkv=True)),
+                           settings=dict(model__compile=True, rollout__engine__fuse_qkv=True)),
     "grpo-0.5b-fast-replicated": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
-                                      offload=True, settings=dict(model__compile=True, rollout__fuse_qkv=True,
+                                      offload=True, settings=dict(model__compile=True, rollout__engine__fuse_qkv=True,
                                                                   trainer__fsdp_shard_size=1)),
     "grpo-0.5b-fast-mb64k": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=65536, offload=True,
-                                 settings=dict(model__compile=True, rollout__fuse_qkv=True)),  # half the micro-batches
+                                 settings=dict(model__compile=True, rollout__engine__fuse_qkv=True)),  # half the micro-batches
     "grpo-0.5b-fast-nockpt": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=6144, offload=True,
-                                  settings=dict(model__compile=True, rollout__fuse_qkv=True,
+                                  settings=dict(model__compile=True, rollout__engine__fuse_qkv=True,
                                                 model__gradient_checkpointing=False)),
     "grpo-0.5b-fused": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
-                            settings=dict(model__compile=True, rollout__fuse_qkv=True, rollout__fuse_gate_up=True)),
+                            settings=dict(model__compile=True, rollout__engine__fuse_qkv=True,
+                                          rollout__engine__fuse_gate_up=True)),
     "grpo-0.5b-fused-shared": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
-                                   attn="flex_attention", settings=dict(model__compile=True, rollout__fuse_gate_up=True,
+                                   attn="flex_attention", settings=dict(model__compile=True, rollout__engine__fuse_gate_up=True,
                                                                         actor__share_prompt_tokens=True)),
     "grpo-0.5b-fused-shared-offload60": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
                                              offload=True, attn="flex_attention",
-                                             settings=dict(model__compile=True, rollout__fuse_gate_up=True,
+                                             settings=dict(model__compile=True, rollout__engine__fuse_gate_up=True,
                                                            actor__share_prompt_tokens=True,
                                                            actor__optimizer_offload_fraction=0.6)),
     "grpo-0.5b-fused-shared-offload50": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
                                              offload=True, attn="flex_attention",
-                                             settings=dict(model__compile=True, rollout__fuse_gate_up=True,
+                                             settings=dict(model__compile=True, rollout__engine__fuse_gate_up=True,
                                                            actor__share_prompt_tokens=True,
                                                            actor__optimizer_offload_fraction=0.5)),
     "grpo-0.5b-fused-shared-resident": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
                                             offload=False, attn="flex_attention",
-                                            settings=dict(model__compile=True, rollout__fuse_gate_up=True,
+                                            settings=dict(model__compile=True, rollout__engine__fuse_gate_up=True,
                                                           actor__share_prompt_tokens=True)),
     "grpo-0.5b-fused-shared-torchtiles": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
                                               offload=True, attn="flex_attention", torch_flex_tiles=True,
-                                              settings=dict(model__compile=True, rollout__fuse_gate_up=True,
+                                              settings=dict(model__compile=True, rollout__engine__fuse_gate_up=True,
                                                             actor__share_prompt_tokens=True)),
     "grpo-0.5b-fused-flex": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768, offload=True,
-                                 attn="flex_attention", settings=dict(model__compile=True, rollout__fuse_gate_up=True)),
-    "grpo-0.5b-fused-keepcache": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
-                                      offload=True, settings=dict(model__compile=True, rollout__fuse_gate_up=True,
-                                                                  rollout__empty_cuda_cache=False)),
+                                 attn="flex_attention", settings=dict(model__compile=True, rollout__engine__fuse_gate_up=True)),
     "grpo-0.5b-fused-replicated": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
-                                       offload=True, settings=dict(model__compile=True, rollout__fuse_gate_up=True,
+                                       offload=True, settings=dict(model__compile=True, rollout__engine__fuse_gate_up=True,
                                                                    trainer__fsdp_shard_size=1)),
     "grpo-0.5b-fused-offload60": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
-                                      offload=True, settings=dict(model__compile=True, rollout__fuse_gate_up=True,
+                                      offload=True, settings=dict(model__compile=True, rollout__engine__fuse_gate_up=True,
                                                                   actor__optimizer_offload_fraction=0.6)),
     "grpo-0.5b-fast-resident": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=32768,
-                                    settings=dict(model__compile=True, rollout__fuse_qkv=True)),
+                                    settings=dict(model__compile=True, rollout__engine__fuse_qkv=True)),
     "grpo-0.5b-kl-refoffload": dict(shape="0.5b", prompts=64, n=8, steps=3, kv_gib=3.2, max_tokens=16384, offload=True,
                                     settings=dict(model__compile=True, algorithm__kl_coef=0.05,
                                                   model__reference_offload=True)),
@@ -182,7 +172,7 @@ MODES = {
     "1.5b-full-shared": dict(shape="1.5b", prompts=64, n=8, steps=3, kv_gib=3.0, max_tokens=16384, offload=True,
                              attn="flex_attention", settings=dict(model__compile=True, actor__share_prompt_tokens=True)),
     "7b-full": dict(shape="7b", prompts=64, n=8, steps=3, kv_gib=8.0, max_tokens=16384, offload=False,
-                    settings=dict(model__compile=True, rollout__fuse_qkv=True)),  # issue 7: 8 GPUs (FSDP2)
+                    settings=dict(model__compile=True, rollout__engine__fuse_qkv=True)),  # 8 GPUs (FSDP2)
     "7b-lora": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16),
     "7b-qlora": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16, backend="hf",
                      settings=dict(model__load_in_4bit=True)),
@@ -192,7 +182,7 @@ MODES = {
                                    backend="builtin", dequantize_layers=20, settings=dict(model__load_in_4bit=True)),
     "7b-qlora-engine-perstep": dict(shape="7b", prompts=16, n=4, steps=2, kv_gib=2.0, max_tokens=8192, lora_rank=16,
                                     backend="builtin", settings=dict(model__load_in_4bit=True,
-                                                                     rollout__dequantize_4bit=False)),
+                                                                     rollout__engine__dequantize_4bit=False)),
 }
 
 _RESIDENT = MODES["grpo-0.5b-fused-shared-resident"]
@@ -239,9 +229,9 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
     from hybridrl.training.trainer import RLTrainer
 
     if "dequantize_layers" in spec:  # this process only: as if `auto` had found room for that many layers
-        import hybridrl.rollout.engine.backend
+        import hybridrl.rollout.engine.runner
 
-        hybridrl.rollout.engine.backend.auto_dequantized_layers = lambda model: spec["dequantize_layers"]
+        hybridrl.rollout.engine.runner.auto_dequantized_layers = lambda model: spec["dequantize_layers"]
     if spec.get("torch_flex_tiles"):  # this process only: FlexAttention with torch's own tiles, for the comparison
         shared_prompt.TUNED_FLEX_TILES.clear()
     shape = SHAPES[spec["shape"]]
@@ -265,7 +255,7 @@ def run_mode(name: str, spec: dict, prompt_len: int, response_len: int, device: 
         actor__lr=1e-6, actor__micro_batch_size=min(32, spec["prompts"] * spec["n"]),
         actor__max_tokens_per_micro_batch=spec["max_tokens"], actor__optimizer_offload=spec.get("offload", False),
         algorithm__name="grpo", algorithm__kl_coef=0.0, rollout__ignore_eos=True,
-        rollout__attention=os.environ.get("HYBRIDRL_BENCH_ATTENTION", "auto"))
+        rollout__engine__attention=os.environ.get("HYBRIDRL_BENCH_ATTENTION", "auto"))
     settings.update(spec.get("settings", {}))
     if world > 1:
         settings["trainer__num_gpus"] = world
@@ -428,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "Python objects holding it (finds memory that grows with every step)")
     parser.add_argument("--steps", type=int, default=0,
                         help="steps per mode, TRL included (0: each mode's own, 3 for TRL); steady state = mean of "
-                             "steps 2..N, so more steps average out TRL's step-to-step spread (14.5 vs 16.9 s seen)")
+                             "steps 2..N, so more steps average out TRL's step-to-step spread")
     parser.add_argument("--gpus", default="1",
                         help="process counts per mode, e.g. 1,2: the trainer under torchrun with the same global "
                              "batch; the table adds each mode's speed-up over its 1-process run")

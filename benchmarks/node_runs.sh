@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# Issue 7 on one node of 4 or 8 GPUs (nvidia-h200-x4 / -x8), one part per device call (each under 10 minutes):
+# Multi-GPU scaling and placement on one node of 4 or 8 GPUs (nvidia-h200-x4 / -x8), one part per device call (each under 10 minutes):
 #   OUT=/tmp/out bash benchmarks/node_runs.sh scaling-0.5b   # 0.5B, shared prompts, resident moments, on 1/2/4/8 GPUs
-#   OUT=/tmp/out bash benchmarks/node_runs.sh scaling-1.5b   # 1.5b-full on 1, 2, 4, 8 GPUs (goal: >= 85% at 8)
+#   OUT=/tmp/out bash benchmarks/node_runs.sh scaling-1.5b   # 1.5b-full on 1, 2, 4, 8 GPUs (scaling efficiency per count)
 #   OUT=/tmp/out bash benchmarks/node_runs.sh 7b             # 7b-full on 8 GPUs: step, tokens/s per GPU, peak, switch
 #   OUT=/tmp/out bash benchmarks/node_runs.sh split          # 6 training processes + a reward model on GPUs 6 and 7
 #   OUT=/tmp/out bash benchmarks/node_runs.sh profile-0.5b   # why 0.5B scales poorly: its largest GPU count, 5 steps,
-#        the 5th profiled (rank 0's trace_*.json.gz, read it with trace_report.py) and TORCH_LOGS=recompiles in
-#        stderr_*.log (step 2 compiles one more frame on 2 and 4 GPUs, not on 1; 2026-11-30 21:42 UTC session)
+#        the 5th profiled (rank 0's trace_*.json.gz, read with benchmarks/profiling/trace_report.py) and
+#        TORCH_LOGS=recompiles in stderr_*.log (which frames compile again after step 1)
 # GPU counts above the machine's are dropped (GPUS=1,2,4 on an x4). grpo_step.py prints step time, speed-up,
 # scaling efficiency, tokens/s per GPU and the train->generate switch time; `split` adds each role's mean
-# GPU utilisation and memory from nvidia-smi samples. Run on 4 GPUs (nvidia-h200-x4, 2026-11-30 21:42 UTC session):
-# scaling-1.5b as is, and scaling-0.5b's mode with --steps 4; never on 8 GPUs (7b and split need them).
+# GPU utilisation and memory from nvidia-smi samples. `7b` and `split` need 8 GPUs.
 set -u -o pipefail
 PART=${1:?"name a part: scaling-0.5b, scaling-1.5b, 7b, split or profile-0.5b"}
 OUT=${OUT:-/tmp/hybridrl-node}; mkdir -p "$OUT"

@@ -46,7 +46,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.engine.backend import BuiltinBackend, triton_available
+from hybridrl.rollout.engine.backend import BuiltinBackend
+from hybridrl.rollout.engine.kernel_choices import triton_available
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The 2-GPU checks of issue 5 in one go (nvidia-h200-x2): the trainer itself on 2 GPUs with sharded
+# The 2-GPU checks in one go (nvidia-h200-x2): the trainer itself on 2 GPUs with sharded
 # checkpoints (save on 2, resume on 2, resume on 1), a split placement (actor on GPU 0, a reward model
-# on GPU 1) with per-GPU memory/utilisation sampled by nvidia-smi, then benchmarks/scaling.py --compare.
+# on GPU 1) with per-GPU memory/utilisation sampled by nvidia-smi, then `python3 -m benchmarks.scaling --compare`.
 #   OUT=/tmp/out bash benchmarks/two_gpu_runs.sh [shapes|none]      (none: skip the scaling benchmark)
 set -u -o pipefail
 OUT=${OUT:-/tmp/hybridrl-two-gpu}; mkdir -p "$OUT"

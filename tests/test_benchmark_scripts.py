@@ -30,11 +30,14 @@ def run_script(args: list[str], out_dir: Path, timeout: int = 300) -> str:
 
 
 def script_command_lines(script: Path) -> list[tuple[str, list[str]]]:
-    """(module, arguments) of each `python3 -m benchmarks.X ...` in a shell script: continuation lines joined,
-    the arguments cut at the first redirection, pipe or command separator (variables stay as written)."""
+    """(module, arguments) of each `python3 -m benchmarks.X ...` a shell script runs (comment lines skipped):
+    continuation lines joined, the arguments cut at the first redirection, pipe or command separator (variables
+    stay as written)."""
     text = script.read_text().replace("\\\n", " ")
     commands = []
     for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
         for match in re.finditer(r"-m (benchmarks(?:\.\w+)+)", line):
             arguments = []
             for token in shlex.split(line[match.end():]):
@@ -90,7 +93,7 @@ def test_host_batch_times_this_batch_builder_beside_a_baseline_and_the_decoding(
     baseline = tmp_path / "baseline_batch.py"
     baseline.write_text((ROOT / "hybridrl/training/batch.py").read_text())
     out = run_script(["-m", "benchmarks.profiling.host_batch", "--baseline", str(baseline), "--repeats", "1"], tmp_path)
-    for row in ("harvest into lists (before)", "harvest as numpy rows (now)", "build_rollout_batch (this, lists)",
+    for row in ("harvest into lists", "harvest as numpy rows (the engine)", "build_rollout_batch (this, lists)",
                 "build_rollout_batch (this, numpy)", "build_rollout_batch (baseline)", "decode_responses (512, lists)",
                 "decode_responses (512, numpy)"):
         assert row in out
@@ -119,13 +122,13 @@ def test_grpo_step_quick_runs_and_writes_its_table(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~1 min)")
 def test_rollout_benchmark_runs_every_engine_variant(tmp_path):
-    """Every engine variant of `rollout.py` (on CPU the attention kernels' PyTorch references) and HF generate."""
-    stdout = run_script(["-m", "benchmarks.rollout", "--quick", "--prompts", "2", "--n", "2", "--prompt-len", "8",
-                         "--response-len", "4", "--hf-sequences", "2", "--agreement-sequences", "2",
+    """Every engine variant of `rollout.py` on the tiny model (on CPU the attention kernels' PyTorch references) and
+    HF generate."""
+    stdout = run_script(["-m", "benchmarks.rollout", "--tiny", "--quick", "--prompts", "2", "--n", "2", "--prompt-len",
+                         "8", "--response-len", "4", "--hf-sequences", "2", "--agreement-sequences", "2",
                          "--agreement-tokens", "4", "--repeats", "1", "--no-eager-baseline"], tmp_path)
-    assert "floor (computed)" in stdout and "+ RoPE in kernel" in stdout
+    assert "floor (computed)" in stdout and "+ fused gate/up" in stdout
     assert json.loads((tmp_path / "rollout_benchmark.json").read_text())["engine_triton_fused_qkv_gate_up"]
 
 
@@ -252,36 +255,38 @@ def test_engine_ab_parses_named_option_sets():
         "mixed", {"attention": "sdpa", "sync_every": 32, "use_cuda_graphs": False})
 
 
-def check_attention_configs_script() -> None:
-    """Run by the test below in Triton's interpreter: `attention_configs.py`'s check of a launch configuration
-    (the engine's call: raw q and K/V, RoPE, bias, cache write) passes for the default and another launch and fails
-    for a kernel that zeroes the new key and value, and the engine's stand-in keeps the flags the engine reads."""
+def check_decode_attention_launches_script() -> None:
+    """Run by the test below in Triton's interpreter: `decode_attention.py`'s check of a launch (the engine's call:
+    raw q and K/V, RoPE, bias, cache write) passes for the default and another launch, fails for a kernel that
+    zeroes the new key and value, and leaves the module's launch constants as they were."""
     import torch
     from decode_attention_cases import make_case, rope_inputs, with_new_kv
 
-    from benchmarks.kernels import attention_configs
+    from benchmarks.kernels import decode_attention as script
+    from hybridrl.rollout.kernels import decode_attention
 
     case, new_kv = with_new_kv(make_case(0, 6, 2, 7, 64, 3, 40, 30, dtype=torch.float16))
     cos, sin, bias = rope_inputs(case, with_bias=True)
-    for config in (attention_configs.DEFAULT, dict(block_n=16, num_warps=1, num_stages=2)):
-        attention_configs.check(config, case, (new_kv, (cos, sin), bias))
-    original = attention_configs.ORIGINAL
-    attention_configs.ORIGINAL = lambda *args, new_kv, **kwargs: original(*args, new_kv=new_kv * 0, **kwargs)
+    before = decode_attention.BLOCK_N, decode_attention.NUM_WARPS
+    for config in (script.DEFAULT, {"block_n": 16, "num_warps": 2}):
+        script.check(config, case, (new_kv, (cos, sin), bias))
+    assert (decode_attention.BLOCK_N, decode_attention.NUM_WARPS) == before
+
+    def zeroed(*args, new_kv, **kwargs):
+        return decode_attention.triton_decode_attention(*args, new_kv=new_kv * 0, **kwargs)
+
     try:
-        attention_configs.check(attention_configs.DEFAULT, case, (new_kv, (cos, sin), bias))
+        script.check(script.DEFAULT, case, (new_kv, (cos, sin), bias), attention=zeroed)
     except AssertionError:
         pass
     else:
         raise AssertionError("check() accepted a kernel that attends and writes the wrong keys")
-    attention_configs.ORIGINAL = original
-    launched = attention_configs.launched_with(attention_configs.DEFAULT)
-    assert launched.writes_new_kv and launched.applies_rope
-    print("attention_configs checks passed")
+    print("decode_attention launch checks passed")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter)")
-def test_attention_configs_checks_each_launch_against_the_reference():
+def test_decode_attention_benchmark_checks_each_launch_against_the_reference():
     from decode_attention_cases import run_in_interpreter  # tests/ is on sys.path under pytest
 
-    output = run_in_interpreter("test_benchmark_scripts", "check_attention_configs_script")
-    assert "attention_configs checks passed" in output
+    output = run_in_interpreter("test_benchmark_scripts", "check_decode_attention_launches_script")
+    assert "decode_attention launch checks passed" in output

@@ -1,5 +1,5 @@
 """Timing GPU work as the engine runs it: captured in one CUDA graph and replayed, so the host's launch overhead
-is not what is measured (`decode_attention.py`, `decode_gemms.py`)."""
+is not what is measured (`decode_attention.py`, `attention_configs.py`, `sampling_kernels.py`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""FlexAttention at the two layouts of the GRPO update, side by side (issue 4: why the shared-prompt forward is slow).
-
-In `grpo_step.py`'s profile (2026-11-30, 16:12 UTC section of docs/benchmarks.md) the FlexAttention forward took
-571 us per call with shared prompts against 205 us with a row per sample, 2.2x what the attention work would
-give, while the backward scaled with the work. This script times the attention alone, at both layouts of one
-micro-batch:
+"""FlexAttention at the two layouts of the GRPO update, side by side: whether the shared-prompt forward costs
+what its attention work says (a `grpo_step.py --profile` shows the FlexAttention calls inside the update; this
+script times the attention alone), at both layouts of one micro-batch:
 
 - `separate`: each sample in its own row, B = prompts x n rows of P + R tokens, with the trainer's segment mask
   (causal here);
@@ -18,15 +15,14 @@ times, the visible (query, key) pairs, the TFLOP/s on them, the floor at the GPU
 time of building the block mask (eagerly, as the trainer does; on GPU also through
 `torch.compile(create_block_mask)`, printed last: whether compiling the build would pay).
 
-    python -m benchmarks.kernels.flex_layouts                      # grpo-0.5b's micro-batch: 14 prompts x 8, P = R = 256
-    python -m benchmarks.kernels.flex_layouts --quick              # CPU, tiny shapes, forward only, not compiled
-    python -m benchmarks.kernels.flex_layouts --sweep              # + kernel options at the shared layout, SDPA beside
+    python -m benchmarks.kernels.flex_layouts          # grpo-0.5b's micro-batch: 14 prompts x 8, P = R = 256
+    python -m benchmarks.kernels.flex_layouts --quick  # CPU, tiny shapes, forward only, not compiled
+    python -m benchmarks.kernels.flex_layouts --sweep  # + kernel options at the shared layout, SDPA beside
 
 `--sweep` then times the shared layout (K/V repeated, as transformers runs Qwen2) under FlexAttention kernel
 options (tile sizes, warps and stages of the forward and the backward, TMA, the safe-rows and pre-scaled QK
 flags) and under `mode="max-autotune-no-cudagraphs"` (inductor's own search; its tables go to stderr), with
-SDPA's causal kernel on the separate layout as the peer: 2026-11-30's first call measured FlexAttention at
-62-79 TFLOP/s, a sixth of what this head size allows.
+SDPA's causal kernel on the separate layout as the peer.
 """
 
 from __future__ import annotations

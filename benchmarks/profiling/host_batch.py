@@ -1,6 +1,6 @@
 """Host time between generation and reward, on the grpo-0.5b shape, without a GPU: handing over 512 generations of
-256 tokens (64 prompts of 256 tokens, 8 samples each) as the built-in engine's harvest does (numpy rows, or Python
-lists as before 2026-12-01), turning them into the padded batch (`build_rollout_batch`) and decoding their texts
+256 tokens (64 prompts of 256 tokens, 8 samples each) as the built-in engine's harvest does (numpy rows) and as Python
+lists, turning them into the padded batch (`build_rollout_batch`) and decoding their texts
 with `grpo_step.py`'s tokenizer (`decode_responses`), for generations holding lists and holding numpy rows (the
 batches are checked equal; decoding numpy-held ones includes making the lists). Each is timed best of `--repeats`; with
 `--baseline FILE` (a copy of another version's `hybridrl/training/batch.py`) that version's `build_rollout_batch` is
@@ -64,8 +64,8 @@ def main() -> None:
     from_lists, from_arrays = (build_rollout_batch(prompts, g, 1, RESPONSE_LEN) for g in (generations, array_generations))
     for name in ("input_ids", "attention_mask", "position_ids", "response_mask", "sampler_logp"):
         assert torch.equal(getattr(from_lists, name), getattr(from_arrays, name)), f"{name}: numpy rows differ from lists"
-    rows = [("harvest into lists (before)", best_ms(held_as_lists, args.repeats)),
-            ("harvest as numpy rows (now)", best_ms(held_as_arrays, args.repeats)),
+    rows = [("harvest into lists", best_ms(held_as_lists, args.repeats)),
+            ("harvest as numpy rows (the engine)", best_ms(held_as_arrays, args.repeats)),
             ("build_rollout_batch (this, lists)", best_ms(lambda: build_rollout_batch(prompts, generations, 1, RESPONSE_LEN),
                                                           args.repeats)),
             ("build_rollout_batch (this, numpy)", best_ms(

@@ -22,10 +22,18 @@ import torch
 
 from benchmarks.rollout import build_model, timeline_line
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.engine import backend as builtin
+from hybridrl.rollout.engine import runner as engine_runner
+from hybridrl.rollout.engine.backend import BuiltinBackend
 
-PHASES = ("_allocate", "_prefill", "_prefill_chunk", "_warm_up", "_capture", "_sync", "_compact", "release_memory")
+ENGINE_PHASES = ("_harvest", "release_memory")
+"""`BuiltinBackend` methods timed: the scheduler's harvest of finished sequences and the release after a call."""
+RUNNER_PHASES = ("begin", "_allocate", "prefill", "_prefill_chunk", "decode", "read_progress", "read_outputs", "move",
+                 "end")
+"""`ModelRunner` methods timed (engine/runner.py)."""
+GRAPH_PHASES = ("warm_up", "capture")
+"""`DecodeGraphs` methods timed (engine/graphs.py)."""
 MODULE_FUNCTIONS = ("resolve_weights", "rope_table", "auto_fuses_gate_up", "DecodeState")
+"""Functions the runner calls by module name (engine/runner.py's imports)."""
 
 
 def timed(function, totals: dict, name: str):
@@ -48,12 +56,16 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.config.vocab_size, (64, 256), generator=generator).tolist()
     params = SamplingParams(max_new_tokens=256, temperature=1.0, n=8, seed=0, ignore_eos=True)
-    engine = builtin.BuiltinBackend(model)
+    engine = BuiltinBackend(model)
     totals: dict[str, float] = defaultdict(float)
-    for name in PHASES:
-        setattr(engine, name, timed(getattr(engine, name), totals, name))
-    for name in MODULE_FUNCTIONS:
-        setattr(builtin, name, timed(getattr(builtin, name), totals, name))
+    for owner, names in ((engine, ENGINE_PHASES), (engine.runner, RUNNER_PHASES), (engine.runner.graphs, GRAPH_PHASES),
+                         (engine_runner, MODULE_FUNCTIONS)):
+        missing = [name for name in names if not hasattr(owner, name)]
+        if missing:  # the engine changed: say so rather than print a table without them
+            print(f"not timed (no longer on {type(owner).__name__}): {', '.join(missing)}", flush=True)
+        for name in names:
+            if hasattr(owner, name):
+                setattr(owner, name, timed(getattr(owner, name), totals, name))
     for call in range(args.calls):
         totals.clear()
         torch.cuda.synchronize()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The rollout of two trees timed alternately on one GPU (base, this, base, this, ...), each run its own process:
-# rollout times differ by 3-5% from process to process, so one run of each cannot tell a 2% change from noise.
+# rollout times differ by a few percent from process to process, so one run of each cannot tell a small change from noise.
 # Each run is `decode_gaps.py --sync-every 16 --repeats 3 --no-profile` (default engine, grpo-0.5b shape, best of 3).
 #   mkdir -p benchmarks/_base && git archive BASE_COMMIT hybridrl | tar -x -C benchmarks/_base   # untracked: carried
 #   OUT=/tmp/out bash benchmarks/profiling/rollout_ab.sh benchmarks/_base [rounds, default 3]

@@ -2,14 +2,13 @@
 profiled step as `trace_<mode>.json.gz`. Prints, per phase of the step (the trainer's `phase:*` ranges),
 its span, the time some GPU activity ran and the top kernels; the idle gaps longer than `--gap-ms`; and every
 host call that waited for the GPU longer than `--wait-ms` (stream or device synchronize, blocking copies), with
-the operators around it — how the 21:42 UTC session of 2026-11-30 found `tensor[index] = 1` synchronizing
-inside the prefill (`docs/benchmarks.md`). Times are in ms from the first GPU activity. Where the trace holds
-operator shapes (`grpo_step.py --profile` records them since that session), each phase also gets its matrix
+the operators around it (a hidden synchronization, such as `tensor[index] = 1` with a host index, shows here).
+Times are in ms from the first GPU activity. Where the trace holds operator shapes (`grpo_step.py --profile`
+records them), each phase also gets its matrix
 products by shape with their achieved TFLOP/s: which ones keep the update's MFU down. `--host FROM-TO` (ms) lists
 what the host's main thread did in that window: its outermost operations, longer than `--host-ms`, and the
 stretches in which it ran no traced operation at all (Python: tokenizing, building lists, pickling), with the
-share of the window the GPU was busy — how the 23:29 UTC session of 2026-11-30 found the compiled prefill
-host-bound (~1 ms of host per layer for ~0.4 ms of GPU work) and ~70 ms of plain Python after a 2-GPU rollout.
+share of the window the GPU was busy: whether a stretch is host-bound.
 
     python -m benchmarks.profiling.trace_report TRACE.json.gz [--phases rollout,update] [--gap-ms 0.3] [--wait-ms 1]
     python -m benchmarks.profiling.trace_report TRACE.json.gz --host 540-640 [--host-ms 1]
