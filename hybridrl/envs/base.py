@@ -1,0 +1,164 @@
+"""The environment interface: as small as the reward interface, and the one adapter callers use.
+
+An environment is user code named `path/to/file.py:Name`, where `Name` is anything callable with one data row
+(a class, or a function returning an object). It is made once per episode and has two methods:
+
+    reset() -> list[message]                    the first messages (system, user, ...)
+    step(assistant_text) -> StepResult          observation messages, an optional reward, done
+
+Messages are chat-template dicts (`{"role": "tool", "content": "..."}`). The methods may be plain functions or
+coroutines (`async def`); `EnvironmentSession` runs either kind behind one async API, so the engine treats all
+environments alike and never blocks its event loop on a slow synchronous `step` (that runs in a thread).
+
+Choices:
+- The file is imported with the reward loader (`hybridrl.rewards`), so a user file behaves the same whether it
+  holds rewards, tools or environments.
+- Everything user code returns is checked here; anything wrong, raised or returned, becomes one
+  `EnvironmentCodeError` sentence naming the environment, the sample, the call and the user's file:line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridrl.rewards import RewardSpecError, _import_file
+from hybridrl.user_code import where
+
+Message = dict[str, Any]
+"""One chat message: at least `role` and `content` (a string), as `tokenizer.apply_chat_template` takes them."""
+
+EnvironmentFactory = Callable[[dict[str, Any]], Any]
+"""Makes one environment from one data row (its columns as a dict)."""
+
+
+class EnvironmentCodeError(RuntimeError):
+    """Environment code raised or returned something unusable; the message names the environment and sample."""
+
+
+class EnvironmentSpecError(ValueError):
+    """An environment spec (`file.py:Name`) cannot be resolved; the message says how to fix it."""
+
+
+@dataclass
+class StepResult:
+    """What one `step` returns."""
+
+    observation: list[Message] = field(default_factory=list)
+    """Messages appended after the assistant turn (tool results, a user reply); empty when `done`."""
+    reward: float | None = None
+    """A reward for the episode so far, or None; the last non-None reward of an episode is its reward."""
+    done: bool = False
+    """True ends the episode after this step (its observation, if any, is then not shown to the model)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Anything to log or pass to reward functions (e.g. tool calls and their results)."""
+
+
+def load_environment(spec: str) -> EnvironmentFactory:
+    """`path/to/file.py:Name` -> the callable that makes one environment per data row."""
+    if ":" not in spec:
+        raise EnvironmentSpecError(f"environment {spec!r} is not of the form path/to/file.py:Name; "
+                                   "name the file and the class (or function) that makes one environment.")
+    file, name = spec.rsplit(":", 1)
+    path = Path(file).expanduser()
+    if not path.is_file():
+        raise EnvironmentSpecError(f"environment file {file!r} does not exist (looked in {path.resolve().parent}); "
+                                   "fix the path before ':' in the spec.")
+    try:
+        module = _import_file(path)
+    except RewardSpecError as error:
+        raise EnvironmentSpecError(f"importing environment file {file!r} raised "
+                                   f"{type(error.__cause__).__name__}: {error.__cause__}{where(error.__cause__)}; "
+                                   "fix that file (its traceback is chained below).") from error.__cause__
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        found = [n for n, v in vars(module).items()
+                 if (inspect.isclass(v) or inspect.isfunction(v)) and not n.startswith("_")
+                 and getattr(v, "__module__", None) == module.__name__]
+        raise EnvironmentSpecError(f"environment file {file!r} has no class or function {name!r} (defined in it: "
+                                   f"{', '.join(found) or 'none'}); define it or fix the name after ':'.")
+    return factory
+
+
+class EnvironmentSession:
+    """One episode's environment behind one async API, whatever kind the user wrote.
+
+    `await session.reset()` and `await session.step(text)` call the user's methods (awaiting coroutines, running
+    plain functions in a worker thread), check what they return, and turn any failure into one
+    `EnvironmentCodeError` sentence. `name` is the spec (for messages), `sample` the episode's index in its batch.
+    """
+
+    def __init__(self, factory: EnvironmentFactory, row: Mapping[str, Any], *, name: str, sample: int):
+        self.name = name
+        self.sample = sample
+        self.num_steps = 0
+        self.env = self._guarded("making it from the data row", lambda: factory(dict(row)))
+        for method in ("reset", "step"):
+            if not callable(getattr(self.env, method, None)):
+                raise EnvironmentCodeError(f"environment {name!r} made {type(self.env).__name__} for sample {sample}, "
+                                       f"which has no {method}() method; give it reset() and step(assistant_text).")
+
+    async def reset(self) -> list[Message]:
+        messages = await self._call("reset()", self.env.reset)
+        return self._checked_messages(messages, "reset()")
+
+    async def step(self, assistant_text: str) -> StepResult:
+        self.num_steps += 1
+        call = f"step {self.num_steps}"
+        result = await self._call(call, self.env.step, assistant_text)
+        if not isinstance(result, StepResult):
+            raise self._error(call, f"returned {type(result).__name__}; step() must return "
+                                    "hybridrl.envs.StepResult(observation, reward, done)")
+        result.observation = self._checked_messages(result.observation, call)
+        reward = result.reward
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)
+                                   or not math.isfinite(reward)):
+            raise self._error(call, f"returned reward {reward!r}; a reward must be a finite number or None")
+        return result
+
+    async def close(self) -> None:
+        """Calls the environment's optional `close()` (sync or async)."""
+        close = getattr(self.env, "close", None)
+        if callable(close):
+            await self._call("close()", close)
+
+    async def _call(self, call: str, method: Callable, *args: Any) -> Any:
+        try:
+            if inspect.iscoroutinefunction(method):
+                return await method(*args)
+            value = await asyncio.to_thread(method, *args)
+            return await value if inspect.isawaitable(value) else value
+        except Exception as error:
+            raise self._error(call, f"raised {type(error).__name__}: {error}{where(error)}") from error
+
+    def _guarded(self, call: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as error:
+            raise self._error(call, f"raised {type(error).__name__}: {error}{where(error)}") from error
+
+    def _error(self, call: str, what: str) -> EnvironmentCodeError:
+        return EnvironmentCodeError(f"environment {self.name!r} {what} in {call} for sample {self.sample}; "
+                                "fix the environment or that sample's data.")
+
+    def _checked_messages(self, messages: Any, call: str) -> list[Message]:
+        if not isinstance(messages, list):
+            raise self._error(call, f"returned {type(messages).__name__} as messages; return a list of "
+                                    "{'role': ..., 'content': ...} dicts")
+        for i, message in enumerate(messages):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise self._error(call, f"returned message {i} as {message!r}; each message must be a dict with "
+                                        "string 'role' and 'content'")
+        return messages
+
+
+def run_sync(coroutine: Any) -> Any:
+    """Runs one session call from synchronous code (tests, a reference backend); not inside a running loop."""
+    return asyncio.run(coroutine)
