@@ -1,0 +1,301 @@
+"""The environment interface and its adapter, the episode record, and token-exact observation rendering with a
+Qwen2.5-style chat template written here (no model hub)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from hybridrl.envs.base import (EnvironmentCodeError, EnvironmentSession, EnvironmentSpecError, StepResult,
+                                load_environment, run_sync)
+from hybridrl.envs.episode import Episode, TurnSpan
+from hybridrl.envs.rendering import ChatTemplateError, ObservationRenderer
+from hybridrl.models.loading import build_char_tokenizer
+
+ENVIRONMENTS = '''
+from hybridrl.envs.base import StepResult
+
+
+class Guess:
+    """Sync: the answer is in the row; two tries."""
+
+    def __init__(self, row):
+        self.answer = row["answer"]
+        self.tries = 0
+
+    def reset(self):
+        return [{"role": "user", "content": "Guess my number."}]
+
+    def step(self, text):
+        self.tries += 1
+        if text.strip() == str(self.answer):
+            return StepResult(reward=1.0, done=True)
+        return StepResult([{"role": "user", "content": "No."}], reward=0.0, done=self.tries >= 2)
+
+
+class AsyncGuess(Guess):
+    async def reset(self):
+        return super().reset()
+
+    async def step(self, text):
+        return super().step(text)
+
+
+class Broken(Guess):
+    def step(self, text):
+        return self.helper(text)
+
+    def helper(self, text):
+        raise KeyError(text)
+
+
+class WrongReturn(Guess):
+    def step(self, text):
+        return [], 1.0, True
+
+
+class BadReward(Guess):
+    def step(self, text):
+        return StepResult(reward=float("nan"))
+
+
+class BadMessages(Guess):
+    def reset(self):
+        return [{"role": "user"}]
+
+
+def make_guess(row):
+    return Guess(row)
+'''
+
+
+@pytest.fixture
+def env_file(tmp_path):
+    path = tmp_path / "envs.py"
+    path.write_text(ENVIRONMENTS)
+    return path
+
+
+def session(env_file, name: str, row=None, sample: int = 0) -> EnvironmentSession:
+    spec = f"{env_file}:{name}"
+    return EnvironmentSession(load_environment(spec), row or {"answer": 7}, name=spec, sample=sample)
+
+
+@pytest.mark.parametrize("name", ["Guess", "AsyncGuess", "make_guess"])
+def test_sync_async_and_function_environments_behave_alike(env_file, name):
+    env = session(env_file, name)
+    assert run_sync(env.reset()) == [{"role": "user", "content": "Guess my number."}]
+    first = run_sync(env.step("3"))
+    assert first.observation == [{"role": "user", "content": "No."}] and first.reward == 0.0 and not first.done
+    second = run_sync(env.step(" 7 "))
+    assert second.done and second.reward == 1.0 and second.observation == []
+
+
+def test_environment_code_that_raises_names_environment_sample_and_line(env_file):
+    env = session(env_file, "Broken", sample=5)
+    with pytest.raises(EnvironmentCodeError) as caught:
+        run_sync(env.step("x"))
+    message = str(caught.value)
+    line = ENVIRONMENTS.splitlines().index("        raise KeyError(text)") + 1
+    assert message.startswith(f"environment '{env_file}:Broken' raised KeyError: 'x' (at {env_file}:{line} in "
+                              f"helper <- {env_file}:{line - 3} in step) in step 1 for sample 5;")
+
+
+def test_a_failing_constructor_is_one_sentence(env_file):
+    with pytest.raises(EnvironmentCodeError, match=r"raised KeyError: 'answer' .* in making it from the data row for "
+                                                   r"sample 0; fix the environment or that sample's data\."):
+        session(env_file, "Guess", row={"question": "q"})
+
+
+@pytest.mark.parametrize("name, problem", [
+    ("WrongReturn", "returned tuple; step() must return hybridrl.envs.StepResult"),
+    ("BadReward", "returned reward nan; a reward must be a finite number or None"),
+])
+def test_unusable_step_results_are_refused(env_file, name, problem):
+    with pytest.raises(EnvironmentCodeError, match=problem.replace("(", r"\(").replace(")", r"\)")):
+        run_sync(session(env_file, name).step("x"))
+
+
+def test_unusable_messages_are_refused(env_file):
+    with pytest.raises(EnvironmentCodeError, match=r"returned message 0 as \{'role': 'user'\}; each message must be "
+                                                   r"a dict with string 'role' and 'content' in reset\(\)"):
+        run_sync(session(env_file, "BadMessages").reset())
+
+
+def test_environment_specs_that_do_not_resolve(env_file, tmp_path):
+    with pytest.raises(EnvironmentSpecError, match="not of the form path/to/file.py:Name"):
+        load_environment("envs.py")
+    with pytest.raises(EnvironmentSpecError, match="does not exist"):
+        load_environment("nowhere.py:Guess")
+    with pytest.raises(EnvironmentSpecError, match=r"no class or function 'Gues' \(defined in it: Guess, AsyncGuess"):
+        load_environment(f"{env_file}:Gues")
+    broken = tmp_path / "broken_env.py"
+    broken.write_text("x = 1\nraise RuntimeError('boom')\n")
+    with pytest.raises(EnvironmentSpecError, match=rf"raised RuntimeError: boom \(at {broken}:2 in <module>\)"):
+        load_environment(f"{broken}:X")
+
+
+# ----------------------------------------------------------------------------------------------
+# Episode
+
+
+def test_episode_builds_a_holed_mask_and_checks_its_invariants():
+    episode = Episode()
+    episode.add_prompt([5, 6, 7])
+    episode.add_sampled([8, 9], [-0.1, -2.0])
+    episode.add_observation([10, 11, 12])
+    episode.add_sampled([13], [-0.3])
+    episode.check()
+    assert episode.loss_mask == [0, 0, 0, 1, 1, 0, 0, 0, 1]
+    assert episode.behaviour_logprobs == [0.0, 0.0, 0.0, -0.1, -2.0, 0.0, 0.0, 0.0, -0.3]
+    assert [(s.kind, s.start, s.end) for s in episode.spans] == [
+        ("prompt", 0, 3), ("assistant", 3, 5), ("observation", 5, 8), ("assistant", 8, 9)]
+    assert episode.num_turns == 2 and episode.num_sampled_tokens == 3
+    assert math.isclose(episode.observation_share, 3 / 6)
+
+
+@pytest.mark.parametrize("breakage, problem", [
+    (lambda e: e.loss_mask.append(0), "lengths differ"),
+    (lambda e: e.behaviour_logprobs.__setitem__(0, -1.0), "token 0 is not sampled (mask 0) but has log-prob -1.0"),
+    (lambda e: e.behaviour_logprobs.__setitem__(2, float("nan")), "sampled token 2 has log-prob nan"),
+    (lambda e: e.behaviour_logprobs.__setitem__(2, 0.5), "sampled token 2 has log-prob 0.5"),
+    (lambda e: e.loss_mask.__setitem__(2, 2), "loss_mask[2] is 2"),
+    (lambda e: e.spans.__setitem__(1, TurnSpan("assistant", 1, 4)), "spans do not tile"),
+    (lambda e: e.spans.__setitem__(0, TurnSpan("assistant", 0, 2)), "mask values other than 1"),
+])
+def test_episode_check_names_the_broken_invariant(breakage, problem):
+    episode = Episode()
+    episode.add_prompt([1, 2])
+    episode.add_sampled([3, 4], [-1.0, -1.0])
+    breakage(episode)
+    with pytest.raises(AssertionError, match=problem.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        episode.check()
+
+
+# ----------------------------------------------------------------------------------------------
+# Token-exact rendering
+
+# The tool parts of Qwen2.5-Instruct's template: tools in the system block, consecutive tool results grouped in
+# one user turn as <tool_response> blocks (so only a whole observation is prefix-stable, not each message).
+QWEN_STYLE = r"""
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+{{- '\n\n# Tools\n\n<tools>' }}
+{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}
+{{- '\n</tools>\n\nFor each function call, return a json object within <tool_call></tool_call> XML tags.<|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or message.role == 'assistant' or (message.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
+NO_TOOL_ROLE = r"""
+{%- for message in messages %}
+{%- if message.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('Unknown role: ' + message.role) }}{%- endif %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
+CALC_SCHEMA = {"type": "function", "function": {"name": "calc", "description": "Multiply.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+def qwen_style_tokenizer(template: str = QWEN_STYLE):
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.add_tokens(["calc"])  # a multi-character token, so "calc" has a second (non-canonical) spelling
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def spelled_out(tokenizer, text: str) -> list[int]:
+    """Ids of `text` one character each: a valid sequence the tokenizer itself would never produce for "calc"."""
+    return [tokenizer.convert_tokens_to_ids(char) for char in text]
+
+
+def test_observation_ids_continue_the_sampled_ids_token_exactly():
+    tokenizer = qwen_style_tokenizer()
+    renderer = ObservationRenderer(tokenizer, tools=[CALC_SCHEMA])
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    messages = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "3*4?"}]
+    episode = Episode()
+    episode.add_prompt(renderer.prompt_ids(messages))
+
+    call = '<tool_call>\n{"name": "calc", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+    sampled = spelled_out(tokenizer, call) + [im_end]  # as an engine samples them: text, then the stop token
+    episode.add_sampled(sampled, [-0.5] * len(sampled))
+    messages.append({"role": "assistant", "content": call})
+    observation = [{"role": "tool", "name": "calc", "content": "12"}, {"role": "tool", "name": "calc", "content": "ok"}]
+    episode.add_observation(renderer.observation_ids(messages, observation, sampled))
+    messages += observation
+
+    answer = spelled_out(tokenizer, "It is 12.") + [im_end]
+    episode.add_sampled(answer, [-0.25] * len(answer))
+    episode.check()
+
+    expected = renderer.render(messages, add_generation_prompt=True)
+    turn_one = episode.spans[2].end
+    assert tokenizer.decode(episode.token_ids[:turn_one], skip_special_tokens=False) == expected
+    assert tokenizer.decode(episode.span_ids(episode.spans[2]), skip_special_tokens=False) == (
+        "\n<|im_start|>user\n<tool_response>\n12\n</tool_response>\n<tool_response>\nok\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n")
+    # The trained ids are the sampled ids, not a re-tokenization of the same text (which spells "calc" as one id).
+    assert episode.span_ids(episode.spans[1]) == sampled
+    assert tokenizer.encode(expected, add_special_tokens=False) != episode.token_ids[:turn_one]
+    assert [episode.token_ids[s.start:s.end] for s in episode.spans if s.kind == "assistant"] == [sampled, answer]
+
+
+def test_a_turn_cut_before_its_stop_token_gets_the_templates_closing():
+    tokenizer = qwen_style_tokenizer()
+    renderer = ObservationRenderer(tokenizer)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "partial"}]
+    ids = renderer.observation_ids(messages, [{"role": "user", "content": "go on"}], spelled_out(tokenizer, "partial"))
+    assert tokenizer.decode(ids, skip_special_tokens=False) == (
+        "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_template_without_a_tool_role_is_refused_at_start():
+    with pytest.raises(ChatTemplateError, match=r"cannot render a 'tool' message \(Unknown role: tool\); use the "
+                                                r"model's tool-calling chat template"):
+        ObservationRenderer(qwen_style_tokenizer(NO_TOOL_ROLE))
+    dropping = NO_TOOL_ROLE.replace("{{ raise_exception('Unknown role: ' + message.role) }}", "")
+    dropping = dropping.replace("{{- '<|im_start|>' +", "{%- if message.role != 'tool' %}{{- '<|im_start|>' +")
+    dropping = dropping.replace("'<|im_end|>\\n' }}", "'<|im_end|>\\n' }}{%- endif %}")
+    with pytest.raises(ChatTemplateError, match="drops 'tool' messages"):
+        ObservationRenderer(qwen_style_tokenizer(dropping))
+    no_template = build_char_tokenizer()
+    with pytest.raises(ChatTemplateError, match="has no chat template"):
+        ObservationRenderer(no_template)
+
+
+def test_templates_that_rewrite_earlier_turns_are_refused():
+    counting = QWEN_STYLE.replace("'You are a helpful assistant.'", "'Turns: ' + messages | length | string")
+    renderer = ObservationRenderer(qwen_style_tokenizer(counting), tools=[CALC_SCHEMA])
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]
+    with pytest.raises(ChatTemplateError, match="not prefix-stable"):
+        renderer.observation_ids(messages, [{"role": "tool", "content": "1"}])
+    trimming = QWEN_STYLE.replace("message.content + '<|im_end|>\\n' }}", "message.content | trim + '<|im_end|>\\n' }}")
+    renderer = ObservationRenderer(qwen_style_tokenizer(trimming))
+    messages[-1] = {"role": "assistant", "content": "x  "}
+    with pytest.raises(ChatTemplateError, match="does not write the assistant's text verbatim"):
+        renderer.observation_ids(messages, [{"role": "tool", "content": "1"}])
+
+
+def test_tools_appear_in_the_rendered_system_block():
+    renderer = ObservationRenderer(qwen_style_tokenizer(), tools=[CALC_SCHEMA])
+    text = renderer.render([{"role": "user", "content": "q"}], add_generation_prompt=True)
+    assert json.dumps(CALC_SCHEMA) in text
+    assert text.endswith("<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n")
