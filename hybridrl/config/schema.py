@@ -59,8 +59,8 @@ class ModelConfig:
     (`pip install 'hybridrl[qlora]'`) and train only the LoRA adapter, so the base takes about a quarter of its
     bf16 memory. Needs model.lora_rank > 0. Refused with trainer.num_gpus > 1 (FSDP2 sharding loses bitsandbytes'
     quantization state) and with algorithm.name=ppo without critic.path (the critic would be a trainable copy of
-    the 4-bit base). On GPU the built-in engine generates from the 4-bit base (see the rollout engine's
-    dequantize_4bit); on CPU rollouts run on the hf backend."""
+    the 4-bit base). On GPU the built-in engine generates from the 4-bit base (see
+    rollout.engine.dequantize_4bit); on CPU rollouts run on the hf backend."""
 
 
 @dataclass
