@@ -10,7 +10,7 @@ import pytest
 
 from hybridrl.envs.base import (EnvironmentCodeError, EnvironmentSession, EnvironmentSpecError, StepResult,
                                 load_environment, run_sync)
-from hybridrl.envs.episode import Episode, TurnSpan
+from hybridrl.envs.episode import Episode, ToolRecord, TurnSpan, episode_metrics
 from hybridrl.envs.rendering import ChatTemplateError, ObservationRenderer
 from hybridrl.models.loading import build_char_tokenizer
 
@@ -299,3 +299,22 @@ def test_tools_appear_in_the_rendered_system_block():
     text = renderer.render([{"role": "user", "content": "q"}], add_generation_prompt=True)
     assert json.dumps(CALC_SCHEMA) in text
     assert text.endswith("<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_episode_metrics():
+    first, second = Episode(), Episode()
+    for episode in (first, second):
+        episode.add_prompt([1, 2, 3])
+        episode.add_sampled([4, 5], [-1.0, -1.0])
+    first.add_observation([6, 7])
+    first.add_sampled([8, 9], [-1.0, -1.0])
+    first.tool_calls = [ToolRecord("calc", {}, "12", latency_s=0.1),
+                        ToolRecord("calc", {}, "error: timeout", error=True, timed_out=True, latency_s=1.0),
+                        ToolRecord("", {}, "error: not JSON", error=True, malformed=True)]
+    metrics = episode_metrics([first, second])
+    assert metrics == pytest.approx({
+        "rollout/turns_per_episode": 1.5, "rollout/tool_calls_per_episode": 1.5,
+        "rollout/tool_errors_per_episode": 1.0, "rollout/tool_timeouts_per_episode": 0.5,
+        "rollout/tool_malformed_per_episode": 0.5, "rollout/observation_token_share": 2 / 8,
+        "rollout/tool_latency_p50_s": 0.55, "rollout/tool_latency_p95_s": 0.955})
+    assert episode_metrics([]) == {}

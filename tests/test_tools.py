@@ -9,6 +9,7 @@ import time
 import pytest
 
 from hybridrl.envs.base import EnvironmentSession, EnvironmentSpecError, run_sync
+from hybridrl.envs.sandbox import python
 from hybridrl.envs.tools import (MalformedToolCall, ToolBox, ToolCall, ToolCallFormat, load_tool, parse_tool_calls,
                                  tool_schema)
 
@@ -197,3 +198,37 @@ def test_a_missing_prompt_column_names_the_columns(toolbox):
     with pytest.raises(Exception, match=r"neither a 'messages' column nor 'prompt' \(its columns: \['question'\]\)"
                                         r".* in reset\(\) for sample 4"):
         run_sync(session.reset())
+
+
+def test_the_workers_folder_does_not_shadow_user_imports(tmp_path):
+    # The worker runs as a script from hybridrl/envs/; its siblings (tools.py, base.py) must not be importable.
+    (tmp_path / "probe_tools.py").write_text(
+        'import importlib.util\n\n\ndef probe() -> str:\n    """Probe."""\n'
+        '    return str([importlib.util.find_spec(n) is None for n in ("tool_worker", "base")])\n')
+    with ToolBox([f"{tmp_path / 'probe_tools.py'}:probe"], num_workers=1) as box:
+        assert box({"prompt": "p"}).step(call_text("probe")).observation[0]["content"] == "[True, True]"
+
+
+def test_the_sandboxed_python_tool():
+    with ToolBox([python], timeout_s=20.0, num_workers=1) as box:
+        assert box.schemas[0]["function"]["name"] == "python"
+        assert box.schemas[0]["function"]["parameters"]["required"] == ["code"]
+        env = box({"prompt": "p"})
+        assert env.step(call_text("python", code="print(6 * 7)")).observation[0]["content"] == "42\n"
+        failed = env.step(call_text("python", code="1 / 0")).observation[0]["content"]
+        assert "ZeroDivisionError: division by zero" in failed and failed.endswith("[exited with status 1]")
+
+
+def test_tools_given_as_functions_must_be_module_level():
+    def local(x: int) -> int:
+        """Local.
+
+        Args:
+            x: A number.
+        """
+        return x
+
+    with pytest.raises(EnvironmentSpecError, match="not a module-level function"):
+        ToolBox([local])
+    with pytest.raises(EnvironmentSpecError, match="two tools share a name"):
+        ToolBox([python, python])

@@ -126,6 +126,38 @@ class Episode:
         _require(not self.spans or self.spans[0].kind == "prompt", "an episode starts with its prompt span")
 
 
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Per-batch means under `rollout/`: turns and tool calls per episode, tool errors, timeouts and malformed
+    calls per episode, tool latency p50/p95 (seconds), and the observation share of the tokens after prompts."""
+    if not episodes:
+        return {}
+    count = len(episodes)
+    calls = [record for episode in episodes for record in episode.tool_calls]
+    latencies = sorted(record.latency_s for record in calls if not record.malformed)
+    observed = sum(s.end - s.start for e in episodes for s in e.spans if s.kind == "observation")
+    sampled = sum(e.num_sampled_tokens for e in episodes)
+    metrics = {
+        "rollout/turns_per_episode": sum(e.num_turns for e in episodes) / count,
+        "rollout/tool_calls_per_episode": len(calls) / count,
+        "rollout/tool_errors_per_episode": sum(r.error for r in calls) / count,
+        "rollout/tool_timeouts_per_episode": sum(r.timed_out for r in calls) / count,
+        "rollout/tool_malformed_per_episode": sum(r.malformed for r in calls) / count,
+        "rollout/observation_token_share": observed / (observed + sampled) if observed + sampled else 0.0,
+    }
+    if latencies:
+        metrics["rollout/tool_latency_p50_s"] = _percentile(latencies, 0.50)
+        metrics["rollout/tool_latency_p95_s"] = _percentile(latencies, 0.95)
+    return metrics
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default), on an ascending list."""
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise AssertionError(message)

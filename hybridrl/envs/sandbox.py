@@ -3,6 +3,8 @@
     result = run_python("print(sum(range(10)))", limits=SandboxLimits(wall_s=5))
     result.stdout, result.ok, result.reason, result.mode
 
+`python` is the same as a ready tool for `ToolBox` (its docstring is the schema the model sees).
+
 Two modes, chosen by `isolation` ("auto" picks the first available):
 - "bwrap" (bubblewrap installed and user namespaces allowed): new network, PID, IPC and UTS namespaces (no
   network: only a loopback of its own), all capabilities dropped, a filesystem made only of the system and
@@ -127,6 +129,18 @@ def run_python(code: str, *, limits: SandboxLimits = SandboxLimits(), stdin: str
         return _run(command, workdir, stdin, limits, mode)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def python(code: str) -> str:
+    """Runs a Python program in a sandbox (no network, a private working directory, limited CPU time and memory)
+    and returns what it printed.
+
+    Args:
+        code: The complete program; print the values you want to see.
+    """
+    result = run_python(code, limits=SandboxLimits(wall_s=5.0, cpu_s=5))
+    text = result.stdout + (("\n" if result.stdout else "") + result.stderr if result.stderr else "")
+    return text if result.ok else f"{text}\n[{result.reason}]".lstrip("\n")
 
 
 def _bwrap_prefix(workdir: Path) -> list[str]:

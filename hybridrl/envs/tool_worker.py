@@ -66,8 +66,11 @@ def answer(request: dict, tools: dict, files: set[str]) -> dict:
 def main() -> None:
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # the tool's prints go to stderr, never into the protocol
+    specs = json.loads(sys.argv[1])
+    # Not this script's folder (hybridrl/envs/): its base.py or tools.py must not shadow a user's `import tools`.
+    del sys.path[0]
     try:
-        tools, files = load_tools(json.loads(sys.argv[1]))
+        tools, files = load_tools(specs)
     except Exception as error:
         print(json.dumps({"load_error": f"{type(error).__name__}: {error}"}), file=protocol)
         return

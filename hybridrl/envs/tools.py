@@ -1,7 +1,7 @@
 """The built-in tool environment: tool calls parsed from the assistant's text, Python functions from a user
 file run in killable worker processes, results returned as `tool` messages.
 
-    toolbox = ToolBox(["tools.py:calc"], timeout_s=5.0)   # schemas for the chat template: toolbox.schemas
+    toolbox = ToolBox(["tools.py:calc", python], timeout_s=5.0)   # schemas for the template: toolbox.schemas
     env = toolbox(row)                                     # one ToolEnvironment per episode (an environment factory)
 
 Choices:
@@ -19,6 +19,7 @@ Choices:
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import queue
@@ -104,8 +105,13 @@ def _parse_one(body: str) -> ToolCall | MalformedToolCall:
 # Loading tools and their schemas
 
 
-def load_tool(spec: str) -> tuple[str, Callable, Path]:
-    """`path/to/file.py:function` -> (function name, the function, the file)."""
+def load_tool(spec: str | Callable) -> tuple[str, Callable, Path]:
+    """`path/to/file.py:function`, or a module-level function itself -> (its name, the function, its file)."""
+    if callable(spec):
+        if getattr(spec, "__qualname__", "") != getattr(spec, "__name__", None) or not inspect.getsourcefile(spec):
+            raise EnvironmentSpecError(f"tool {spec!r} is not a module-level function in a .py file; the tool "
+                                       "workers import it by file and name, so define it at the top of a file.")
+        return spec.__name__, spec, Path(inspect.getsourcefile(spec))
     file, _, name = spec.rpartition(":")
     path = Path(file).expanduser()
     if not file or not name:
@@ -232,7 +238,7 @@ class ToolBox:
     """The tools of a run: their functions, schemas and worker pool; calling it with a row makes an episode's
     `ToolEnvironment`. Thread-safe: concurrent episodes share `num_workers` workers."""
 
-    def __init__(self, specs: Sequence[str], *, timeout_s: float = 10.0, num_workers: int = 2,
+    def __init__(self, specs: Sequence[str | Callable], *, timeout_s: float = 10.0, num_workers: int = 2,
                  format: ToolCallFormat = ToolCallFormat(), max_turns: int = 8, max_result_chars: int = 4000,
                  system_prompt: str | None = None, prompt_key: str = "prompt"):
         if not specs:
@@ -242,7 +248,10 @@ class ToolBox:
                              f"{num_workers} and {max_turns}.")
         loaded = [load_tool(spec) for spec in specs]
         self.functions = {name: fn for name, fn, _ in loaded}
-        self.schemas = [tool_schema(fn, spec) for (_, fn, _), spec in zip(loaded, specs)]
+        if len(self.functions) < len(loaded):
+            raise EnvironmentSpecError(f"two tools share a name among {[name for name, _, _ in loaded]}; the model "
+                                       "calls tools by name, so rename one.")
+        self.schemas = [tool_schema(fn, str(spec)) for (_, fn, _), spec in zip(loaded, specs)]
         self.timeout_s = timeout_s
         self.format = format
         self.max_turns = max_turns
