@@ -15,7 +15,7 @@ from hybridrl.rollout.engine import runner
 from hybridrl.rollout.engine.backend import BuiltinBackend
 from hybridrl.rollout.engine.graphs import DecodeGraphs, step_signature
 from hybridrl.rollout.engine.kernel_choices import auto_fuses_gate_up
-from hybridrl.rollout.engine.llama_forward import resolve_weights
+from hybridrl.rollout.engine.weights import resolve_weights
 from hybridrl.rollout.engine.sampling import SamplerSettings
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -114,12 +114,8 @@ def test_prefill_capture_and_slot_bookkeeping_never_wait_for_the_gpu(monkeypatch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_prefill_layer_matches_eager_for_any_prompt_shape():
     """One compilation serves every (prompts, length) of a prefill chunk, and equals the eager layer."""
-    from hybridrl.rollout.engine.llama_forward import (
-        compiled_decode_functions,
-        prefill_layer,
-        resolve_weights,
-        rope_table,
-    )
+    from hybridrl.rollout.engine.llama_forward import compiled_decode_functions, prefill_layer, rope_table
+    from hybridrl.rollout.engine.weights import resolve_weights
 
     model = make_model("qwen2").cuda()
     weights = resolve_weights(model, fuse_qkv=True)

@@ -147,7 +147,7 @@ def test_builtin_engine_on_a_4bit_base_matches_hf_generate_and_forward():
     from hybridrl.models.qlora import quantize_4bit
     from hybridrl.rollout.base import SamplingParams
     from hybridrl.rollout.engine.backend import BuiltinBackend
-    from hybridrl.rollout.engine.llama_forward import resolve_weights
+    from hybridrl.rollout.engine.weights import resolve_weights
 
     model = load_hf_model("tiny:qwen2").model.eval()
     assert quantize_4bit(model) == 7 * model.config.num_hidden_layers
@@ -198,7 +198,7 @@ def test_dequantizing_the_4bit_base_once_gives_the_per_step_results(monkeypatch)
     from hybridrl.rollout.base import SamplingParams
     from hybridrl.rollout.engine.backend import BuiltinBackend
     from hybridrl.rollout.engine.kernel_choices import auto_dequantized_layers, dequantized_layer_bytes, layers_within
-    from hybridrl.rollout.engine.llama_forward import MATRICES, is_packed_4bit, resolve_weights
+    from hybridrl.rollout.engine.weights import MATRICES, is_packed_4bit, resolve_weights
 
     assert [layers_within([10, 10, 10], budget) for budget in (5, 10, 25, 30, 99)] == [0, 1, 2, 3, 3]
     model = load_hf_model("tiny:qwen2").model.eval()

@@ -47,8 +47,8 @@ class Generation:
     `text`: the response decoded, when the trainer had it decoded where it was generated (several processes each
     decode their own share: `sharding.generate_sharded`); backends leave it None.
 
-    A backend may hand over 1-D numpy arrays instead of lists (the built-in engine does: building 131k Python
-    ints and floats per rollout took ~9 ms of host time with the GPU idle). `token_ids` and `logprobs` are
+    A backend may hand over 1-D numpy arrays instead of lists (the built-in engine does: building a large batch's
+    Python ints and floats at a sync point costs host time while the GPU idles). `token_ids` and `logprobs` are
     still lists, made on first access; `token_values` and `logprob_values` give what is held, unconverted, to
     readers that take either (the batch builder), and pickling (the gather across processes) keeps arrays.
     """

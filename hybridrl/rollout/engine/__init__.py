@@ -1,2 +1,4 @@
-"""The built-in rollout engine for the Llama family: a pure-Python scheduler over sequences and slots, the
-KV cache, the forward over the actor's own tensors, on-device sampling, and the backend that drives them."""
+"""The built-in rollout engine for the Llama family: `backend.py` (the `generate` loop), `scheduler.py` (pure-Python
+sequences <-> slots bookkeeping), `runner.py` (the tensors: KV cache, per-slot state, compiled pieces) with
+`graphs.py` (CUDA graphs and their warm-ups), `weights.py` (references to the model's tensors), `llama_forward.py`
+(the forward), `kv_cache.py`, `decode_state.py`, `sampling.py`, and `kernel_choices.py` (which kernels run)."""

@@ -23,9 +23,9 @@ import torch
 
 from hybridrl.rollout.base import Generation, SamplingParams
 from hybridrl.rollout.engine.kernel_choices import ATTENTION_OPTIONS, SAMPLER_OPTIONS
-from hybridrl.rollout.engine.llama_forward import supports as _supports
 from hybridrl.rollout.engine.runner import EngineOptions, ModelRunner
 from hybridrl.rollout.engine.scheduler import Scheduler, find_stop_string
+from hybridrl.rollout.engine.weights import supports as _supports
 
 
 class BuiltinBackend:

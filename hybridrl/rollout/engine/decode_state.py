@@ -29,8 +29,7 @@ class DecodeState:
         self.out_tokens = zeros(num_slots, max_new_tokens)
         self.out_logprobs = zeros(num_slots, max_new_tokens, dtype=torch.float32)
         # One uniform per (slot, response position), drawn when a sequence is admitted: a decode step reads its
-        # own from the table, so no random draw is launched between graph replays (that launch and the gap
-        # after it cost ~30 us per step on an H200, `decode_gaps.py`).
+        # own from the table, so no random draw (a launch and a gap after it) sits between graph replays.
         self.uniform_table = zeros(num_slots, max_new_tokens, dtype=torch.float32)
         self.stop_ids = host_to_device(torch.tensor(stop_ids or [-1], dtype=torch.long), device)
         self.max_new_tokens = max_new_tokens

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from hybridrl.rollout.engine.kv_cache import PrefixSharedKVCache, SlotKVCache
-from hybridrl.rollout.engine.llama_forward import PROJECTIONS, is_packed_4bit, unwrap
+from hybridrl.rollout.engine.weights import PROJECTIONS, is_packed_4bit, unwrap
 from hybridrl.rollout.engine.sampling import SamplerSettings
 
 ATTENTION_OPTIONS = ("auto", "triton", "sdpa")

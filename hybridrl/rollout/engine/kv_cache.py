@@ -22,13 +22,9 @@ from typing import Callable
 
 import torch
 
-from hybridrl.rollout.engine.llama_forward import (
-    DecodeFunctions,
-    ModelWeights,
-    decode_logits,
-    decode_logits_prefix_shared,
-)
+from hybridrl.rollout.engine.llama_forward import DecodeFunctions, decode_logits, decode_logits_prefix_shared
 from hybridrl.rollout.engine.scheduler import SequenceSlot, prompt_entries_needed
+from hybridrl.rollout.engine.weights import ModelWeights
 
 LENGTH_ROUNDING = 16
 

@@ -35,18 +35,15 @@ from hybridrl.rollout.engine.kernel_choices import (
 from hybridrl.rollout.engine.kv_cache import CacheGeometry, PrefixSharedKVCache, SlotKVCache, max_slots
 from hybridrl.rollout.engine.llama_forward import (
     EAGER_DECODE,
-    MATRICES,
     DecodeFunctions,
-    ModelWeights,
     compiled_decode_functions,
-    is_packed_4bit,
     prefill,
-    resolve_weights,
     rope_table,
     rotates_projections,
 )
 from hybridrl.rollout.engine.sampling import SamplerSettings, sample
 from hybridrl.rollout.engine.scheduler import SequenceSlot, prefill_chunks
+from hybridrl.rollout.engine.weights import MATRICES, ModelWeights, is_packed_4bit, resolve_weights
 from hybridrl.rollout.timeline import Timeline
 
 _GIB = 1024**3
