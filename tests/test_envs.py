@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from hybridrl.envs.base import (EnvironmentCodeError, EnvironmentSession, EnvironmentSpecError, StepResult,
-                                load_environment, run_sync)
+from hybridrl.envs.base import (EnvironmentCodeError, EnvironmentSession, EnvironmentSpecError, load_environment,
+                                run_sync)
 from hybridrl.envs.episode import Episode, ToolRecord, TurnSpan, episode_metrics
 from hybridrl.envs.rendering import ChatTemplateError, ObservationRenderer
 from hybridrl.models.loading import build_char_tokenizer
@@ -182,7 +182,8 @@ def test_episode_check_names_the_broken_invariant(breakage, problem):
 QWEN_STYLE = r"""
 {%- if tools %}
 {{- '<|im_start|>system\n' }}
-{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+{%- if messages[0].role == 'system' %}{{- messages[0].content }}
+{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
 {{- '\n\n# Tools\n\n<tools>' }}
 {%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}
 {{- '\n</tools>\n\nFor each function call, return a json object within <tool_call></tool_call> XML tags.<|im_end|>\n' }}
@@ -203,7 +204,8 @@ QWEN_STYLE = r"""
 
 NO_TOOL_ROLE = r"""
 {%- for message in messages %}
-{%- if message.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('Unknown role: ' + message.role) }}{%- endif %}
+{%- if message.role not in ['system', 'user', 'assistant'] %}
+{{ raise_exception('Unknown role: ' + message.role) }}{%- endif %}
 {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}

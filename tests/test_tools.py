@@ -57,6 +57,12 @@ async def lookup(key: str) -> dict:
     return {"key": key, "value": len(key)}
 
 
+def crash() -> str:
+    """Exits its process."""
+    import os
+    os._exit(3)
+
+
 def undocumented(x):
     return x
 '''
@@ -71,7 +77,7 @@ def tool_file(tmp_path):
 
 @pytest.fixture
 def toolbox(tool_file):
-    box = ToolBox([f"{tool_file}:{name}" for name in ("calc", "fail", "hang", "lookup")], timeout_s=1.0,
+    box = ToolBox([f"{tool_file}:{name}" for name in ("calc", "crash", "fail", "hang", "lookup")], timeout_s=1.0,
                   num_workers=1, max_turns=3)
     yield box
     box.close()
@@ -122,7 +128,8 @@ def test_bad_tool_specs_are_one_sentence(tool_file):
         ToolBox([f"{tool_file}:nope"])
     with pytest.raises(EnvironmentSpecError, match="does not exist"):
         ToolBox(["missing.py:calc"])
-    with pytest.raises(EnvironmentSpecError, match="undocumented' has no usable schema .*; give every argument a type hint"):
+    with pytest.raises(EnvironmentSpecError,
+                       match="undocumented' has no usable schema .*; give every argument a type hint"):
         ToolBox([f"{tool_file}:undocumented"])
 
 
@@ -158,10 +165,18 @@ def test_a_hanging_tool_is_killed_at_its_timeout_and_the_next_call_works(toolbox
     assert env.step(call_text("calc", a=2, b=5, op="add")).observation[0]["content"] == "7"
 
 
+def test_a_tool_that_kills_its_process_is_an_error_and_the_worker_restarts(toolbox):
+    env = toolbox({"prompt": "p"})
+    content = env.step(call_text("crash")).observation[0]["content"]
+    assert content == "error: the tool 'crash' crashed (its process exited)."
+    assert env.records[0].error
+    assert env.step(call_text("calc", a=2, b=3)).observation[0]["content"] == "6"
+
+
 def test_unknown_tool_and_malformed_json_are_observations(toolbox):
     env = toolbox({"prompt": "p"})
     unknown = env.step(call_text("search", q="x")).observation[0]["content"]
-    assert unknown == "error: there is no tool 'search'; the tools are calc, fail, hang, lookup."
+    assert unknown == "error: there is no tool 'search'; the tools are calc, crash, fail, hang, lookup."
     broken = env.step('<tool_call>{"name": "calc", "arguments": {a: 1}}</tool_call>').observation[0]["content"]
     assert broken.startswith("error: the tool call is not valid JSON (Expecting property name enclosed in double "
                              "quotes at character")

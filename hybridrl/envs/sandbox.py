@@ -94,7 +94,8 @@ def bwrap_available() -> bool:
     """bubblewrap is installed and can make namespaces here (containers often forbid them)."""
     if shutil.which("bwrap") is None:
         return False
-    probe = subprocess.run(["bwrap", "--unshare-all", "--ro-bind", "/", "/", "true"], capture_output=True, timeout=10)
+    probe = subprocess.run(["bwrap", "--unshare-all", "--ro-bind", "/", "/", "true"], check=False, capture_output=True,
+                           timeout=10)
     return probe.returncode == 0
 
 

@@ -288,7 +288,7 @@ class ToolBox:
     def __enter__(self) -> ToolBox:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
