@@ -4,8 +4,8 @@
     torchrun --nproc_per_node 2 -m benchmarks.scaling --shape grpo-0.5b   # one configuration
     python -m benchmarks.scaling --compare --tiny --device cpu    # smoke test on a CPU (numbers meaningless)
 
-One step, as the trainer runs it with `hybridrl.parallel.distributed`: (1) gather the sharded weights
-(`gather_for_rollout`), each rank samples n=8 responses for its share of the 64 prompts with the
+One step, as the trainer runs it with `hybridrl.parallel` (process_group, fsdp, sharding): (1) gather the
+sharded weights (`gather_for_rollout`), each rank samples n=8 responses for its share of the 64 prompts with the
 built-in engine (prompt 256, response 256 forced, temperature 1), generations are all-gathered; (2)
 old log-probs on a token-balanced half of the rows per rank, all-gathered; (3) GRPO advantages from
 random scores; (4) one optimizer step over the whole batch (rows split by tokens, micro-batches of
