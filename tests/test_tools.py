@@ -247,3 +247,10 @@ def test_tools_given_as_functions_must_be_module_level():
         ToolBox([local])
     with pytest.raises(EnvironmentSpecError, match="two tools share a name"):
         ToolBox([python, python])
+
+
+def test_a_tool_file_can_offer_the_sandboxed_python_tool_by_import(tmp_path):
+    (tmp_path / "my_tools.py").write_text("from hybridrl.envs.sandbox import python  # noqa: F401\n")
+    with ToolBox([f"{tmp_path / 'my_tools.py'}:python"], timeout_s=20.0, num_workers=1) as box:
+        content = box({"prompt": "p"}).step(call_text("python", code="print(2 ** 10)")).observation[0]["content"]
+    assert content == "1024\n"
