@@ -14,6 +14,7 @@ from hybridrl.envs.tools import (MalformedToolCall, ToolBox, ToolCall, ToolCallF
                                  tool_schema)
 
 TOOLS = '''
+import sys
 import time
 
 
@@ -26,6 +27,7 @@ def calc(a: int, b: int, op: str = "mul") -> int:
         op: Which operation: mul or add.
     """
     print("noise on stdout must not break the protocol")
+    assert sys.stdin.read() == ""  # a tool reading its input must not eat the worker's requests
     return a * b if op == "mul" else a + b
 
 

@@ -7,7 +7,7 @@ whole process group) at the call's timeout, and the next call gets a fresh one.
 Protocol, one JSON object per line: argv[1] is `[[file, function], ...]`; the worker answers `{"ready": true}`
 or `{"load_error": "..."}`, then reads `{"name": ..., "arguments": {...}}` requests from stdin and answers each
 with `{"ok": text}` or `{"error": "Type: message", "where": "file:line in fn <- ..."}`. The tool's own prints
-go to stderr, so they cannot corrupt the answers.
+go to stderr and its stdin is empty, so it cannot corrupt the protocol.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ def answer(request: dict, tools: dict, files: set[str]) -> dict:
 
 def main() -> None:
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    requests = os.fdopen(os.dup(0), "r")
     os.dup2(2, 1)  # the tool's prints go to stderr, never into the protocol
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # and a tool that reads input gets none, not our requests
     specs = json.loads(sys.argv[1])
     # Not this script's folder (hybridrl/envs/): its base.py or tools.py must not shadow a user's `import tools`.
     del sys.path[0]
@@ -75,7 +77,7 @@ def main() -> None:
         print(json.dumps({"load_error": f"{type(error).__name__}: {error}"}), file=protocol)
         return
     print(json.dumps({"ready": True}), file=protocol)
-    for line in sys.stdin:
+    for line in requests:
         print(json.dumps(answer(json.loads(line), tools, files)), file=protocol)
 
 
