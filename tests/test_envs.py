@@ -3,8 +3,10 @@ Qwen2.5-style chat template written here (no model hub)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import time
 
 import pytest
 
@@ -33,6 +35,13 @@ class Guess:
         if text.strip() == str(self.answer):
             return StepResult(reward=1.0, done=True)
         return StepResult([{"role": "user", "content": "No."}], reward=0.0, done=self.tries >= 2)
+
+
+class SlowGuess(Guess):
+    def step(self, text):
+        import time
+        time.sleep(0.5)
+        return super().step(text)
 
 
 class AsyncGuess(Guess):
@@ -93,6 +102,18 @@ def test_sync_async_and_function_environments_behave_alike(env_file, name):
     assert second.done and second.reward == 1.0 and second.observation == []
 
 
+def test_slow_sync_steps_do_not_block_the_event_loop(env_file):
+    sessions = [session(env_file, "SlowGuess", sample=i) for i in range(4)]
+
+    async def all_steps():
+        return await asyncio.gather(*(s.step("7") for s in sessions))
+
+    started = time.perf_counter()
+    results = asyncio.run(all_steps())
+    assert all(r.done for r in results)
+    assert time.perf_counter() - started < 1.5, "four 0.5 s steps must overlap (each runs in a thread)"
+
+
 def test_environment_code_that_raises_names_environment_sample_and_line(env_file):
     env = session(env_file, "Broken", sample=5)
     with pytest.raises(EnvironmentCodeError) as caught:
@@ -129,7 +150,7 @@ def test_environment_specs_that_do_not_resolve(env_file, tmp_path):
         load_environment("envs.py")
     with pytest.raises(EnvironmentSpecError, match="does not exist"):
         load_environment("nowhere.py:Guess")
-    with pytest.raises(EnvironmentSpecError, match=r"no class or function 'Gues' \(defined in it: Guess, AsyncGuess"):
+    with pytest.raises(EnvironmentSpecError, match=r"no class or function 'Gues' \(defined in it: Guess, SlowGuess, AsyncGuess"):
         load_environment(f"{env_file}:Gues")
     broken = tmp_path / "broken_env.py"
     broken.write_text("x = 1\nraise RuntimeError('boom')\n")
