@@ -532,3 +532,26 @@ def _read(path):
         return path.read_bytes()
     except OSError:
         return b""
+
+
+def _rank_main_stop_agreement(rank: int, port: int, out_dir: str) -> None:
+    from types import SimpleNamespace
+
+    from hybridrl.training.trainer import RLTrainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    setup = process_group.init_from_env("cpu", timeout_s=60, hang_timeout_s=None)
+    trainer = SimpleNamespace(parts=SimpleNamespace(setup=setup), device=torch.device("cpu"))
+    # Rank 1 alone got the signal in this step; then nobody; then both.
+    answers = [RLTrainer.any_rank_stopping(trainer, asked) for asked in (rank == 1, False, True)]
+    torch.save(answers, os.path.join(out_dir, f"stop{rank}.pt"))
+    process_group.shutdown(setup)
+
+
+def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """The launcher signals each rank on its own, so they may see SIGTERM in different steps: the trainer's
+    after-step check is agreed (any rank asked -> all stop and save that step together)."""
+    mp.start_processes(_rank_main_stop_agreement, args=(free_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")
+    assert [torch.load(tmp_path / f"stop{rank}.pt") for rank in range(2)] == [[True, False, True]] * 2

@@ -310,3 +310,12 @@ def test_activation_checkpointing_is_switched_on_without_a_deprecation_warning()
         warnings.simplefilter("error", FutureWarning)
         enable_activation_checkpointing(model)
     assert any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+
+
+def test_train_refuses_an_output_directory_another_run_holds(tmp_path):
+    from hybridrl.checkpoint.run_lock import RunLockError, output_dir_lock
+
+    trainer = make_trainer(tmp_path, trainer__total_steps=1)
+    with output_dir_lock(tmp_path), pytest.raises(RunLockError, match="is in use by another hybridrl run"):
+        trainer.train()
+    assert trainer.step_count == 0 and not (tmp_path / "metrics.jsonl").read_text().strip()

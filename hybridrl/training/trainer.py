@@ -20,6 +20,7 @@ import torch
 
 from hybridrl import algorithms
 from hybridrl.checkpoint import store as checkpoint
+from hybridrl.checkpoint.run_lock import lock_owner, output_dir_lock
 from hybridrl.config.loading import load_config
 from hybridrl.config.schema import Config
 from hybridrl.data.datasets import PromptDataset
@@ -108,29 +109,47 @@ class RLTrainer:
     # The loop
 
     def train(self) -> list[dict[str, float]]:
-        """Run until `trainer.total_steps`, evaluating every `eval_every` steps; returns the metric history."""
+        """Run until `trainer.total_steps` (or a stop signal), evaluating every `eval_every` steps; returns the
+        metric history. The output directory is locked for the run (`checkpoint/run_lock.py`)."""
+        with output_dir_lock(self.output_dir, enabled=lock_owner(self.parts.setup.rank)):
+            if self.parts.setup.is_main:
+                print(self.describe(), flush=True)
+            self.resume()
+            stopped_by = self.run_steps()
+            if stopped_by:
+                print(f"stopped by {stopped_by} after step {self.step_count}; checkpoint saved in "
+                      f"{self.output_dir / 'checkpoints'}; rerun with trainer.resume=auto to continue", flush=True)
+            elif self.config.trainer.save_model:
+                self.save_model()
+            self.logger.close()
+        process_group.shutdown(self.parts.setup)
+        return self.logger.history
+
+    def run_steps(self) -> str | None:
+        """step -> evaluate (when due) -> log -> checkpoint (when due), until the last step or a SIGINT/SIGTERM,
+        after which the step finishes and is saved; returns what stopped it early, or None."""
         cfg = self.config.trainer
-        if self.parts.setup.is_main:
-            print(self.describe(), flush=True)
-        self.resume()
         with checkpoint.stop_on_signals() as stop:
             if self.step_count == 0 and self.due(cfg.eval_every) and self.parts.eval_dataset is not None:
                 self.logger.log(0, self.evaluate())
-            while self.step_count < cfg.total_steps and not stop:
+            stopping = False
+            while self.step_count < cfg.total_steps and not stopping:
                 metrics = self.step()
                 if self.due(cfg.eval_every) and self.parts.eval_dataset is not None:
                     metrics.update(self.evaluate())
                 self.logger.log(self.step_count, metrics)
-                if stop or self.due(cfg.save_every):
+                stopping = self.any_rank_stopping(bool(stop))
+                if stopping or self.due(cfg.save_every):
                     self.save_checkpoint()
-        if stop:
-            print(f"stopped by {stop.signal_name} after step {self.step_count}; checkpoint saved in "
-                  f"{self.output_dir / 'checkpoints'}; rerun with trainer.resume=auto to continue", flush=True)
-        elif cfg.save_model:
-            self.save_model()
-        self.logger.close()
-        process_group.shutdown(self.parts.setup)
-        return self.logger.history
+        return (stop.signal_name or "a signal to another process") if stopping else None
+
+    def any_rank_stopping(self, stop: bool) -> bool:
+        """Whether any process was asked to stop: the ranks may get their signals in different steps, and all
+        must stop after the same one (they save its checkpoint together). One process: `stop` itself."""
+        if not self.parts.setup.is_distributed:
+            return stop
+        flag = torch.tensor(float(stop), device=self.device)
+        return bool(process_group.all_reduce(flag, self.parts.setup, op="max").item())
 
     def step(self) -> dict[str, float]:
         """One rollout-and-update step: rollout -> score -> log-probs -> advantages -> update; its metrics."""
@@ -171,8 +190,9 @@ class RLTrainer:
 
             rollout += f" engine, {resolve_attention(parts.rollout.attention, self.device)} decode attention"
         processes = f" x {parts.setup.world_size} processes" if parts.setup.is_distributed else ""
+        engine_options = getattr(parts.rollout, "options", None)  # the built-in engine's `EngineOptions`
         engine_compiles = (rollout.startswith("builtin") and self.device.type == "cuda"
-                           and getattr(parts.rollout, "compile", None) is not False)
+                           and getattr(engine_options, "compile", None) is not False)
         compiling = [what for what, on in (("the rollout engine", engine_compiles), ("the model's layers", c.model.compile))
                      if on]
         note = (f"; the first step compiles {' and '.join(compiling)} (a minute or so; later steps reuse it)"
