@@ -482,6 +482,9 @@ def test_releasing_the_engine_hands_cached_memory_back(monkeypatch):
 def test_engine_section_of_the_config_reaches_the_engine():
     """`rollout.engine.*` (the advanced section) is what `build_rollout` hands the engine; each old top-level key
     names its new place."""
+    import yaml
+
+    from hybridrl.config.explain import explained_yaml
     from hybridrl.config.loading import load_config
     from hybridrl.config.schema import ConfigError
     from hybridrl.training.components import build_rollout
@@ -495,6 +498,11 @@ def test_engine_section_of_the_config_reaches_the_engine():
     for key in ("attention", "fuse_qkv", "fuse_gate_up", "dequantize_4bit"):
         with pytest.raises(ConfigError, match=f"'rollout.{key}' is now 'rollout.engine.{key}'"):
             load_config(None, [f"rollout.{key}=auto"])
+    # `config show --explain` prints the nested section under its key, each field with its documentation.
+    explained = yaml.safe_load(explained_yaml(config))
+    assert explained["rollout"]["engine"] == dict(attention="sdpa", fuse_qkv=False, fuse_gate_up=True, sampler="torch",
+                                                  dequantize_4bit=False)
+    assert "    # Decode attention." in explained_yaml(config)
 
 
 def test_timeline_keeps_the_first_mark_or_with_last_the_latest():

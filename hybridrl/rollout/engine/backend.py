@@ -105,24 +105,24 @@ class BuiltinBackend:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         self._validate(prompts, params)
         stop_ids = sorted(set(params.stop_token_ids) | set(self._eos_ids(params)))
-        num_slots = self.runner.begin(prompts, params, stop_ids)
+        num_slots = self.runner.begin(prompts, params, stop_ids)  # 1. weights, KV cache, per-slot state
         scheduler = Scheduler([i // params.n for i in range(len(prompts) * params.n)], [len(p) for p in prompts],
                               num_slots)
         results: list[Generation | None] = [None] * (len(prompts) * params.n)
         finished = False
         try:
             while scheduler.has_work:
-                admitted = scheduler.admit()
+                admitted = scheduler.admit()  # 2. admit and prefill
                 if admitted:
                     self.runner.prefill(prompts, admitted)
-                steps = scheduler.steps_until_sync(self.sync_every, params.max_new_tokens)
+                steps = scheduler.steps_until_sync(self.sync_every, params.max_new_tokens)  # 3. decode
                 kv_len = self.runner.kv_len(scheduler.furthest_position() + steps)
                 self.runner.decode(scheduler.batch_size(), kv_len, steps)
-                self._harvest(scheduler, params, set(stop_ids), results)
+                self._harvest(scheduler, params, set(stop_ids), results)  # 4. sync, harvest, compact
                 self.runner.move(scheduler.compaction_moves())
             finished = True
         finally:
-            self.last_stats = self.runner.end(finished, release=self.release_after_generate)
+            self.last_stats = self.runner.end(finished, release=self.release_after_generate)  # 5.
         return results
 
     def release_memory(self) -> None:
