@@ -36,8 +36,10 @@ def test_int_and_yaml11_exponent_are_accepted_for_float():
     ("rollout.top_k=1.5", "rollout.top_k must be an integer"),
     ("trainer.total_steps=abc", "trainer.total_steps must be an integer"),
     ("algorithm.name=ppo2", "algorithm.name must be one of"),
-    ("rollout.fuse_gate_up=maybe", "rollout.fuse_gate_up must be true or false or one of 'auto'; got 'maybe'"),
-    ("rollout.dequantize_4bit=maybe", "rollout.dequantize_4bit must be true or false or one of 'auto'; got 'maybe'"),
+    ("rollout.engine.fuse_gate_up=maybe", "rollout.engine.fuse_gate_up must be true or false or one of 'auto'; got 'maybe'"),
+    ("rollout.engine.dequantize_4bit=maybe",
+     "rollout.engine.dequantize_4bit must be true or false or one of 'auto'; got 'maybe'"),
+    ("rollout.attention=sdpa", "'rollout.attention' is now 'rollout.engine.attention'; set that key instead."),
     ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
     ("rollout.temperature=-1", "rollout.temperature must be >= 0"),
     ("actor.mini_batch_size=7", "actor.mini_batch_size=7 must divide the rollout batch of 256"),
@@ -107,13 +109,3 @@ def test_example_configs_load_and_validate(name):
     config = load_config(Path(__file__).parents[1] / "examples" / f"{name}.yaml")
     assert isinstance(config, Config)
 
-
-def test_stacked_attention_that_cannot_fit_is_refused_before_any_rollout():
-    from hybridrl.models.loading import build_tiny_model
-    from hybridrl.training.components import check_stacked_attention
-
-    actor = build_tiny_model("llama").model  # 4 query heads per 2 KV heads: group 2
-    check_stacked_attention(load_config(None, rollout__attention="triton-stacked", rollout__num_samples_per_prompt=64), actor)
-    with pytest.raises(ConfigError, match="rollout.attention=triton-stacked stacks 200 samples x 2 query heads"):
-        check_stacked_attention(load_config(None, rollout__attention="triton-stacked",
-                                            rollout__num_samples_per_prompt=200), actor)
