@@ -603,3 +603,17 @@ def test_step_signature_tells_samplers_and_shapes_apart():
                   step_signature(2, 128, (sampled, "triton"), tensors),
                   step_signature(4, 128, (sampled, "triton"), (torch.zeros(4, 9), tensors[1]))):
         assert other != base
+
+
+def test_the_step_signature_is_computed_only_for_steps_without_a_graph(monkeypatch):
+    """The signature walks every tensor the step reads: computing it at every replayed step costs host time
+    on each decode step. It is needed only when a (batch, kv_len) has no graph yet."""
+    model = make_model("llama")
+    engine, graphs = engine_with_recorded_graphs(model, monkeypatch, sync_every=4)
+    computed = []
+    signature = engine.runner.step_signature
+    monkeypatch.setattr(engine.runner, "step_signature", lambda *args: computed.append(args) or signature(*args))
+    engine.generate([[3, 4, 5], [6, 7, 8]], SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
+    stats = engine.last_stats
+    assert stats["decode_steps"] > stats["graphs_captured"] >= 1
+    assert len(computed) == stats["graphs_captured"]

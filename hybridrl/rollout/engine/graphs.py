@@ -66,13 +66,15 @@ class DecodeGraphs:
         """Forget the captured graphs (their tensors are freed or replaced); warmed signatures stay."""
         self.graphs, self.pool = {}, None
 
-    def step(self, key: tuple[int, int], signature: tuple, run_step: Callable[[], None], counts: CaptureCounts,
-             before_replay: Callable[[], None] = lambda: None) -> None:
-        """Run one decode step of shape `key`: replay its graph, or warm up (if `signature` is new) and capture it.
-        A step that warmed up has run for real, so its graph is not replayed this time."""
+    def step(self, key: tuple[int, int], signature: Callable[[], tuple], run_step: Callable[[], None],
+             counts: CaptureCounts, before_replay: Callable[[], None] = lambda: None) -> None:
+        """Run one decode step of shape `key`: replay its graph, or warm up (if `signature()` is new) and capture
+        it. A step that warmed up has run for real, so its graph is not replayed this time. `signature` is called
+        only when there is no graph yet: it walks every tensor the step reads, far too slow for every step."""
         graph = self.graphs.get(key)
         if graph is None:
             start = time.perf_counter()
+            signature = signature()
             warmed = signature in self.warmed
             if not warmed:
                 self.warm_up(run_step)

@@ -290,7 +290,7 @@ class ModelRunner:
             if not run.use_graphs:
                 self._decode_step(batch, kv_len)
                 continue
-            self.graphs.step((batch, kv_len), self.step_signature(batch, kv_len),
+            self.graphs.step((batch, kv_len), lambda: self.step_signature(batch, kv_len),
                              lambda: self._decode_step(batch, kv_len), run.counts,
                              before_replay=lambda: run.timeline.mark("replay"))
         run.stats.decode_steps += steps
