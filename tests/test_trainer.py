@@ -161,6 +161,34 @@ def test_eval_runs_before_and_after(tmp_path):
     assert [row["step"] for row in history if "eval/accuracy" in row] == [0, 1, 2]
 
 
+def test_eval_accuracy_is_exact_agreement_not_a_positive_reward(tmp_path):
+    """A partial-credit reward is positive for every answer; eval/accuracy still counts exact answers only, and
+    each reward's mean is reported beside it. Without an answer column there is no accuracy to report."""
+    actor = tiny_actor()
+    rows = toy_prompts(16)
+    rows[0]["answer"] = "x"  # no completion of the tiny model's (at most 4 characters of digits) equals it
+    data = PromptDataset(rows, actor.tokenizer, max_length=16)
+    completions = []
+
+    def partial_credit(prompts, completions_, answer, **columns):
+        completions.extend(completions_)
+        return [1.0 if c.strip() == a else 0.5 for c, a in zip(completions_, answer)]
+
+    trainer = RLTrainer(actor=actor, reward_fn=partial_credit, dataset=data, eval_dataset=data,
+                        trainer__output_dir=str(tmp_path), **{k: v for k, v in FAST.items() if k != "trainer__output_dir"})
+    metrics = trainer.evaluate()
+    exact = [c.strip() == row["answer"] for c, row in zip(completions, rows)]
+    assert metrics["eval/accuracy"] == pytest.approx(sum(exact) / len(rows))
+    assert metrics["eval/reward/partial_credit"] == pytest.approx((sum(exact) + 0.5 * (len(rows) - sum(exact))) / len(rows))
+    assert metrics["eval/accuracy"] < 1.0 and metrics["eval/reward_mean"] >= 0.5
+
+    unanswered = PromptDataset([{"prompt": row["prompt"]} for row in rows], actor.tokenizer, max_length=16)
+    trainer = RLTrainer(actor=actor, reward_fn=contains_seven, dataset=data, eval_dataset=unanswered,
+                        trainer__output_dir=str(tmp_path / "b"),
+                        **{k: v for k, v in FAST.items() if k != "trainer__output_dir"})
+    assert "eval/accuracy" not in trainer.evaluate()
+
+
 def test_reward_that_raises_names_function_and_sample(tmp_path):
     def picky(prompts, completions, **columns):
         if any(p.startswith("3+") for p in prompts):

@@ -297,7 +297,8 @@ class TrainerConfig:
     """Where metrics, samples and models are written."""
     eval_every: int = 0
     """Evaluate on the held-out set every N steps (and before the first and after the last); 0 disables.
-    Logs `eval/reward_mean`, `eval/reward/<fn>` and `eval/accuracy` (fraction of prompts whose total reward is > 0)."""
+    Logs `eval/reward_mean`, `eval/reward/<fn>` and, where the data has `data.answer_key`,
+    `eval/accuracy` (exact agreement with that reference answer)."""
     save_model: bool = True
     """Save the final actor as a Hugging Face directory in `output_dir/model`."""
     save_every: int = 0

@@ -1,7 +1,7 @@
 """`hybridrl plot RUN_DIR`: PNG curves of a run from its `metrics.jsonl` (matplotlib, imported lazily).
 
 One figure, a panel per quantity that the run logged (reward, KL, entropy, response length,
-tokens/s, eval accuracy; for an SFT run its loss and gradient norm), each with the raw values faint and a moving average on top, so a noisy
+tokens/s, held-out exact-match accuracy; for an SFT run its loss and gradient norm), each with the raw values faint and a moving average on top, so a noisy
 RL curve still shows its trend.
 """
 
@@ -16,7 +16,7 @@ from hybridrl.config.schema import MissingExtra
 PANELS = [
     ("reward/mean", "reward (mean)"), ("actor/kl", "KL to reference"), ("actor/entropy", "entropy"),
     ("rollout/response_length_mean", "response length (tokens)"), ("perf/tokens_per_s", "generated tokens/s"),
-    ("eval/accuracy", "eval accuracy"), ("sft/loss", "SFT loss"), ("sft/grad_norm", "SFT gradient norm"),
+    ("eval/accuracy", "held-out exact-match accuracy"), ("sft/loss", "SFT loss"), ("sft/grad_norm", "SFT gradient norm"),
 ]
 
 

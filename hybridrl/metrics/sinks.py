@@ -24,7 +24,7 @@ import torch
 from hybridrl.config.schema import MissingExtra
 
 CONSOLE_KEYS = [
-    ("reward/mean", "reward"), ("eval/accuracy", "eval_acc"), ("actor/kl", "kl"), ("actor/entropy", "entropy"),
+    ("reward/mean", "reward"), ("eval/accuracy", "eval_exact"), ("actor/kl", "kl"), ("actor/entropy", "entropy"),
     ("actor/clipfrac", "clip"), ("critic/value_loss", "vloss"), ("rollout/response_length_mean", "len"),
     ("perf/tokens_per_s", "tok/s"), ("timing/step_s", "step_s"), ("sft/loss", "loss"),
 ]

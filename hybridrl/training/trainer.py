@@ -31,6 +31,7 @@ from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.timeline import phase_seconds
 from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_responses
 from hybridrl.training.components import Components, build_components
+from hybridrl.training.evaluation import EVAL_BATCH, answer_column, exact_agreement
 from hybridrl.training.logprobs import response_logprobs
 from hybridrl.training.phase_switch import rollout_phase
 from hybridrl.training.shared_prompt import PromptLayout
@@ -384,21 +385,26 @@ class RLTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy (eval_temperature) responses on the held-out prompts, scored by the same rewards."""
+        """Greedy (eval_temperature) responses on the held-out prompts: each reward's mean, and `eval/accuracy`, exact
+        agreement with `data.answer_key` where the data has that column (`training/evaluation.py`)."""
         dataset = self.parts.eval_dataset
         limit = self.config.data.max_eval_samples or len(dataset)
         indices = list(range(min(limit, len(dataset))))
-        scores, per_fn_sums = [], {}
-        for start in range(0, len(indices), 256):
-            prompts = dataset.batch(indices[start:start + 256])
+        scores, per_fn_sums, agree = [], {}, []
+        for start in range(0, len(indices), EVAL_BATCH):
+            prompts = dataset.batch(indices[start:start + EVAL_BATCH])
             batch, _ = self.rollout(prompts, evaluation=True)
             columns = prompts["columns"]
             total, per_function = self._score(prompts["raw_prompts"], batch.texts, columns, 1)
             scores += total.tolist()
             for name, values in per_function.items():
                 per_fn_sums[name] = per_fn_sums.get(name, 0.0) + sum(values)
-        metrics = {"eval/reward_mean": sum(scores) / len(scores),
-                   "eval/accuracy": sum(s > 0 for s in scores) / len(scores)}
+            answers = answer_column(columns, self.config.data.answer_key)
+            if answers is not None:
+                agree += exact_agreement(batch.texts, answers)
+        metrics = {"eval/reward_mean": sum(scores) / len(scores)}
+        if len(agree) == len(scores):  # every batch had reference answers
+            metrics["eval/accuracy"] = sum(agree) / len(agree)
         metrics.update({f"eval/reward/{name}": total / len(scores) for name, total in per_fn_sums.items()})
         return metrics
 
