@@ -31,12 +31,13 @@ def test_sft_evaluates_held_out_loss_and_accuracy_during_and_after(tmp_path, cap
     run_sft(sft_config(tmp_path))
     rows = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     evals = [row for row in rows if "eval/loss" in row]
-    assert [row["step"] for row in evals] == [10, 20, 24]
+    assert [row["step"] for row in evals] == [0, 10, 20, 24]
     assert all(0.0 <= row["eval/accuracy"] <= 1.0 for row in evals)
     assert evals[-1]["eval/loss"] < evals[0]["eval/loss"]  # it learned something held-out
     losses = [row["sft/loss"] for row in rows if "sft/loss" in row]
     assert losses[-1] < losses[0]
-    assert "held-out after SFT: loss" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "== SFT summary" in out and "eval/accuracy: " in out and "eval/loss: " in out and "24 steps in" in out
 
 
 def test_sft_eval_data_without_answers_or_responses_is_refused_before_training(tmp_path):

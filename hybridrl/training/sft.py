@@ -17,6 +17,7 @@ from hybridrl.checkpoint.run_lock import lock_owner, output_dir_lock
 from hybridrl.config.schema import Config, ConfigError
 from hybridrl.data.datasets import DataError, PromptDataset, SFTDataset, collate_sft, read_records
 from hybridrl.metrics.sinks import MetricsLogger
+from hybridrl.metrics.summary import run_summary
 from hybridrl.models.loading import enable_activation_checkpointing, load_hf_model, save_hf_model
 from hybridrl.training.components import resolve_device, seed_everything
 from hybridrl.training.evaluation import greedy_accuracy, sft_eval_loss
@@ -51,6 +52,8 @@ def _train(config: Config) -> Path:
     generator = torch.Generator().manual_seed(config.trainer.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     evaluate = held_out_evaluation(config, model, tokenizer, pad_id)
+    if evaluate:
+        logger.log(0, evaluate())  # the start of the summary's before -> after
     model.train()
     step, start = 0, time.time()
     while step < total:
@@ -72,12 +75,10 @@ def _train(config: Config) -> Path:
             if evaluate and config.trainer.eval_every and step % config.trainer.eval_every == 0 and step < total:
                 logger.log(step, evaluate())
     if evaluate:
-        final = evaluate()
-        logger.log(step, final)
-        print("held-out after SFT: " + ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in final.items()),
-              flush=True)
+        logger.log(step, evaluate())
     logger.close()
     save_hf_model(model, tokenizer, output_dir / "model")
+    print(run_summary(logger.history, time.time() - start, output_dir, output_dir / "model", "SFT"), flush=True)
     return output_dir / "model"
 
 

@@ -25,6 +25,7 @@ from hybridrl.config.loading import load_config
 from hybridrl.config.schema import Config
 from hybridrl.data.datasets import PromptDataset
 from hybridrl.metrics.sinks import MetricsLogger
+from hybridrl.metrics.summary import run_summary
 from hybridrl.models.loading import HFModel, save_hf_model
 from hybridrl.parallel import fsdp, process_group, sharding, watchdog
 from hybridrl.rollout.base import SamplingParams
@@ -113,16 +114,21 @@ class RLTrainer:
         """Run until `trainer.total_steps` (or a stop signal), evaluating every `eval_every` steps; returns the
         metric history. The output directory is locked for the run (`checkpoint/run_lock.py`)."""
         with output_dir_lock(self.output_dir, enabled=lock_owner(self.parts.setup.rank)):
+            start = time.time()
             if self.parts.setup.is_main:
                 print(self.describe(), flush=True)
             self.resume()
             stopped_by = self.run_steps()
+            saved = not stopped_by and self.config.trainer.save_model
             if stopped_by:
                 print(f"stopped by {stopped_by} after step {self.step_count}; checkpoint saved in "
                       f"{self.output_dir / 'checkpoints'}; rerun with trainer.resume=auto to continue", flush=True)
-            elif self.config.trainer.save_model:
+            elif saved:
                 self.save_model()
             self.logger.close()
+            if self.parts.setup.is_main:
+                print(run_summary(self.logger.history, time.time() - start, self.output_dir,
+                                  self.output_dir / "model" if saved else None, self.config.algorithm.name), flush=True)
         process_group.shutdown(self.parts.setup)
         return self.logger.history
 
