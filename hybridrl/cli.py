@@ -12,15 +12,22 @@ import sys
 import time
 from pathlib import Path
 
+from hybridrl.checkpoint.export import export_checkpoint
 from hybridrl.checkpoint.run_lock import RunLockError, output_dir_lock
 from hybridrl.checkpoint.store import CheckpointError
+from hybridrl.config.explain import explained_yaml
 from hybridrl.config.loading import load_config
 from hybridrl.config.schema import ConfigError, MissingExtra
 from hybridrl.data.datasets import DataError
-from hybridrl.metrics.plot import PlotError
+from hybridrl.data.tasks import write_arithmetic_task
+from hybridrl.metrics.plot import PlotError, plot_run
+from hybridrl.metrics.watch import watch
 from hybridrl.models.loading import ModelError
+from hybridrl.parallel import launch
 from hybridrl.parallel.launch import LaunchError, StoppedBySignal
 from hybridrl.rewards import RewardError, RewardSpecError
+from hybridrl.training.sft import run_sft
+from hybridrl.training.trainer import RLTrainer
 from hybridrl.training.update import TrainingError
 
 USER_ERRORS = (LaunchError, ConfigError, MissingExtra, DataError, ModelError, RewardError, RewardSpecError, TrainingError,
@@ -32,9 +39,6 @@ DEMO_PERIOD_RATE = 0.5  # see tasks.py: half the SFT answers end with a period t
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from hybridrl.parallel import launch
-    from hybridrl.training.trainer import RLTrainer
-
     config = load_config(args.config, args.overrides)
     t = config.trainer
     relaunching = t.num_gpus > 1 and not launch.is_worker()  # then this process holds the run's lock for its workers
@@ -49,8 +53,6 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
-    from hybridrl.training.sft import run_sft
-
     path = run_sft(load_config(args.config, args.overrides))
     print(f"saved SFT model to {path}")
 
@@ -62,16 +64,12 @@ def cmd_config_show(args: argparse.Namespace) -> None:
         path, overrides = None, [path, *overrides]
     config = load_config(path, overrides)
     if args.explain:
-        from hybridrl.config.explain import explained_yaml
-
         print(explained_yaml(config), end="")
     else:
         print(config.to_yaml(), end="")
 
 
 def cmd_make_data(args: argparse.Namespace) -> None:
-    from hybridrl.data.tasks import write_arithmetic_task
-
     paths = write_arithmetic_task(args.out_dir, num_train=args.num_train, num_eval=args.num_eval, seed=args.seed,
                                   period_rate=args.period_rate)
     print(" ".join(f"{split}={path}" for split, path in paths.items()))
@@ -79,10 +77,6 @@ def cmd_make_data(args: argparse.Namespace) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> None:
     """SFT a tiny model on arithmetic, then RL it; prints held-out accuracy before and after."""
-    from hybridrl.data.tasks import write_arithmetic_task
-    from hybridrl.training.sft import run_sft
-    from hybridrl.training.trainer import RLTrainer
-
     if not (DEMO_CONFIGS / "arithmetic_sft.yaml").is_file():
         raise ConfigError(f"the demo configs are not at {DEMO_CONFIGS}: this hybridrl install is incomplete; "
                           "reinstall it (`pip install --force-reinstall hybridrl`).")
@@ -109,21 +103,15 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from hybridrl.checkpoint.export import export_checkpoint
-
     path = export_checkpoint(args.checkpoint, args.out_dir, merge_lora=not args.adapter)
     print(f"wrote a Hugging Face model to {path} (load it with AutoModelForCausalLM.from_pretrained)")
 
 
 def cmd_watch(args: argparse.Namespace) -> None:
-    from hybridrl.metrics.watch import watch
-
     watch(args.run_dir, interval_s=args.interval, once=args.once)
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
-    from hybridrl.metrics.plot import plot_run
-
     print(f"wrote {plot_run(args.run_dir, args.out)}")
 
 

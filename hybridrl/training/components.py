@@ -33,6 +33,7 @@ from hybridrl.parallel import fsdp, process_group
 from hybridrl.parallel.placement import resolve_placement
 from hybridrl.rewards import RewardComposer, WeightedReward, load_reward_function
 from hybridrl.rollout.base import RolloutBackend
+from hybridrl.rollout.engine.backend import BuiltinBackend
 from hybridrl.rollout.hf import HFBackend
 from hybridrl.training.optim import build_optimizer, build_scheduler
 from hybridrl.training.shared_prompt import attention_problem, uses_flex_attention
@@ -102,12 +103,7 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
     """`auto` takes the built-in engine where it supports the model, with one line saying why not."""
     backend = config.rollout.backend
     if backend in ("auto", "builtin"):
-        try:
-            from hybridrl.rollout.engine.backend import BuiltinBackend
-        except ImportError:
-            supported, reason = False, "the built-in engine is not available in this install"
-        else:  # `supports` is a static method of the backend class
-            supported, reason = BuiltinBackend.supports(actor)
+        supported, reason = BuiltinBackend.supports(actor)
         if supported and (backend == "builtin" or device.type == "cuda"):
             engine = config.rollout.engine
             return BuiltinBackend(actor, tokenizer=tokenizer, kv_cache_memory=config.rollout.kv_cache_memory,

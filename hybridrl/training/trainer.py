@@ -29,6 +29,7 @@ from hybridrl.metrics.summary import run_summary
 from hybridrl.models.loading import HFModel, save_hf_model
 from hybridrl.parallel import fsdp, process_group, sharding, watchdog
 from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine.kernel_choices import resolve_attention
 from hybridrl.rollout.timeline import phase_seconds
 from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_responses
 from hybridrl.training.components import Components, build_components
@@ -193,8 +194,6 @@ class RLTrainer:
         dtype = str(next(parts.actor.parameters()).dtype).removeprefix("torch.")
         rollout = type(parts.rollout).__name__.removesuffix("Backend").lower()
         if rollout == "builtin":
-            from hybridrl.rollout.engine.kernel_choices import resolve_attention
-
             rollout += f" engine, {resolve_attention(parts.rollout.attention, self.device)} decode attention"
         processes = f" x {parts.setup.world_size} processes" if parts.setup.is_distributed else ""
         engine_options = getattr(parts.rollout, "options", None)  # the built-in engine's `EngineOptions`
