@@ -189,6 +189,19 @@ def test_eval_accuracy_is_exact_agreement_not_a_positive_reward(tmp_path):
     assert "eval/accuracy" not in trainer.evaluate()
 
 
+def test_the_banner_names_the_model_actually_loaded(tmp_path):
+    from hybridrl.models.loading import load_hf_model, save_hf_model
+
+    actor = tiny_actor()
+    save_hf_model(actor.model, actor.tokenizer, tmp_path / "local_model")
+    loaded = load_hf_model(str(tmp_path / "local_model"))
+    trainer = RLTrainer(actor=loaded, reward_fn=contains_seven, dataset=PromptDataset(toy_prompts(), loaded.tokenizer,
+                        max_length=16), trainer__output_dir=str(tmp_path / "run"),
+                        **{k: v for k, v in FAST.items() if k != "trainer__output_dir"})
+    banner = trainer.describe()
+    assert f"with {tmp_path / 'local_model'} (" in banner and "tiny:llama" not in banner
+
+
 def test_reward_that_raises_names_function_and_sample(tmp_path):
     def picky(prompts, completions, **columns):
         if any(p.startswith("3+") for p in prompts):

@@ -203,7 +203,9 @@ class RLTrainer:
                      if on]
         note = (f"; the first step compiles {' and '.join(compiling)} (a minute or so; later steps reuse it)"
                 if compiling else "")
-        return (f"hybridrl: {c.algorithm.name} with {c.model.path} ({trainable / 1e6:.2f}M trainable parameters, {dtype}) "
+        # an actor passed in Python names its own source; config.model.path is then only the default
+        model = getattr(getattr(parts.actor, "config", None), "_name_or_path", "") or c.model.path
+        return (f"hybridrl: {c.algorithm.name} with {model} ({trainable / 1e6:.2f}M trainable parameters, {dtype}) "
                 f"on {self.device.type}{processes}; rollout: {rollout}; {c.trainer.prompts_per_step} prompts x "
                 f"{c.rollout.num_samples_per_prompt} samples per step, {c.trainer.total_steps} steps; "
                 f"output in {self.output_dir}{note}")
