@@ -189,6 +189,27 @@ def test_eval_accuracy_is_exact_agreement_not_a_positive_reward(tmp_path):
     assert "eval/accuracy" not in trainer.evaluate()
 
 
+def test_a_reward_that_raises_mid_run_saves_the_finished_steps_and_resume_matches(tmp_path):
+    """The user's reward fails at step 3: steps 1-2 are checkpointed first (step 3 rolled back), and after the fix
+    the resumed run's steps 3-4 are exactly those of a run that never failed."""
+    calls = {"n": 0}
+
+    def fails_at_step_three(prompts, completions, **columns):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ValueError("a bug in the reward")
+        return contains_seven(prompts, completions)
+
+    settings = dict(trainer__total_steps=4, trainer__save_every=0)
+    clean = make_trainer(tmp_path / "clean", reward=contains_seven, **settings).train()
+    with pytest.raises(RewardError, match=r"a bug in the reward.* The 2 finished step\(s\) are saved in .*step_0*2"):
+        make_trainer(tmp_path / "run", reward=fails_at_step_three, **settings).train()
+    resumed = make_trainer(tmp_path / "run", reward=contains_seven, **settings).train()
+    keys = ("reward/mean", "actor/policy_loss", "actor/grad_norm", "actor/entropy")
+    assert [[row.get(k) for k in keys] for row in resumed] == [[row.get(k) for k in keys] for row in clean]
+    assert [row["step"] for row in resumed] == [1, 2, 3, 4]
+
+
 def test_the_banner_names_the_model_actually_loaded(tmp_path):
     from hybridrl.models.loading import load_hf_model, save_hf_model
 

@@ -28,6 +28,7 @@ from hybridrl.metrics.sinks import MetricsLogger
 from hybridrl.metrics.summary import run_summary
 from hybridrl.models.loading import HFModel, save_hf_model
 from hybridrl.parallel import fsdp, process_group, sharding, watchdog
+from hybridrl.rewards import RewardError
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.kernel_choices import resolve_attention
 from hybridrl.rollout.timeline import phase_seconds
@@ -142,7 +143,7 @@ class RLTrainer:
                 self.logger.log(0, self.evaluate())
             stopping = False
             while self.step_count < cfg.total_steps and not stopping:
-                metrics = self.step()
+                metrics = self.step_saving_on_user_error()
                 if self.due(cfg.eval_every) and self.parts.eval_dataset is not None:
                     metrics.update(self.evaluate())
                 self.logger.log(self.step_count, metrics)
@@ -150,6 +151,23 @@ class RLTrainer:
                 if stopping or self.due(cfg.save_every):
                     self.save_checkpoint()
         return (stop.signal_name or "a signal to another process") if stopping else None
+
+    def step_saving_on_user_error(self) -> dict[str, float]:
+        """`step()`; when the user's reward code fails in it, first save the steps that finished (the failed step
+        is rolled back: its count, data position and RNG state), so fixing the code and rerunning resumes there.
+        Rewards are scored before the update, so the weights and optimizer are still the last step's."""
+        start = (self.step_count, self.sampler.state_dict(), checkpoint.rng_state())
+        try:
+            return self.step()
+        except RewardError as error:
+            self.step_count, sampler, rng = start
+            self.sampler.load_state_dict(sampler)
+            checkpoint.set_rng_state(*rng)
+            if self.step_count == 0:
+                raise
+            saved = self.save_checkpoint()
+            raise RewardError(f"{error} The {self.step_count} finished step(s) are saved in {saved}: fix the reward and "
+                              "run the same command again to resume from there.") from error
 
     def any_rank_stopping(self, stop: bool) -> bool:
         """Whether any process was asked to stop: the ranks may get their signals in different steps, and all
