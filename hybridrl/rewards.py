@@ -283,8 +283,32 @@ class WeightedReward:
     """Passed to `fn` on every call; they win over dataset columns of the same name."""
 
 
+def columns_read(reward: WeightedReward) -> set[str]:
+    """The data columns `reward` cannot score without: its parameters after (prompts, completions) that have no
+    default and are not given in its kwargs, and the column an `answer_key` parameter names (the built-ins)."""
+    try:
+        parameters = list(inspect.signature(reward.fn).parameters.values())[2:]
+    except (TypeError, ValueError):  # a callable without an inspectable signature: nothing to check
+        return set()
+    needed = {p.name for p in parameters if p.default is inspect.Parameter.empty and p.name not in reward.kwargs
+              and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    for p in parameters:
+        if p.name == "answer_key":
+            needed.add(reward.kwargs.get("answer_key", p.default))
+    return needed
+
+
 class RewardComposer:
     """The weighted sum of reward functions, keeping each function's unweighted scores for logging."""
+
+    def check_columns(self, columns: Sequence[str], source: str) -> None:
+        """Refuse, before any model loads, data that lacks a column a reward function reads (all at once)."""
+        missing = [f"reward function {r.name!r} reads column {column!r}" for r in self.rewards
+                   for column in sorted(columns_read(r)) if column not in columns]
+        if missing:
+            raise RewardSpecError(f"{'; '.join(missing)}, which {source} does not have (its columns: "
+                                  f"{', '.join(columns)}); add the column, or name the right one in the reward's "
+                                  "kwargs (e.g. answer_key: solution).")
 
     def __init__(self, rewards: Sequence[WeightedReward | tuple[str, RewardFunction, float]]):
         if not rewards:

@@ -282,3 +282,30 @@ def test_reward_model_rejects_missing_tokenizer_and_bad_label(reward_model):
         RewardModelScorer(model)
     with pytest.raises(ValueError, match="label_index=1 is out of range"):
         RewardModelScorer(model, tokenizer, label_index=1)
+
+
+def test_columns_a_reward_reads_are_checked_before_any_model_loads(tmp_path, monkeypatch):
+    """A missing answer column used to surface at step 1 as a TypeError inside the user's reward."""
+    import json
+
+    from hybridrl.rewards import WeightedReward, columns_read
+    from hybridrl.training import components
+    from hybridrl.training.trainer import RLTrainer
+
+    def score(prompts, completions, answer, source, weight=1.0, **columns):
+        return [0.0] * len(completions)
+
+    assert columns_read(WeightedReward("score", score)) == {"answer", "source"}
+    assert columns_read(WeightedReward("score", score, kwargs={"source": "x"})) == {"answer"}
+    assert columns_read(WeightedReward("exact_match", exact_match)) == {"answer"}
+    assert columns_read(WeightedReward("exact_match", exact_match, kwargs={"answer_key": "solution"})) == {"solution"}
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "solution": str(i + 1)}) + "\n" for i in range(8)))
+    monkeypatch.setattr(components, "load_hf_model", lambda *a, **k: pytest.fail("the model was loaded first"))
+    with pytest.raises(RewardSpecError) as info:
+        RLTrainer(None, reward_fn=score, data__train_path=str(data), trainer__device="cpu",
+                  trainer__output_dir=str(tmp_path / "run"))
+    message = str(info.value)
+    assert "reward function 'score' reads column 'answer'" in message and "'source'" in message
+    assert "prompts.jsonl" in message and "its columns: solution" in message

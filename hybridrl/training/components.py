@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hybridrl.config.schema import Config, ConfigError
-from hybridrl.data.datasets import PromptDataset
+from hybridrl.data.datasets import PromptDataset, read_records
 from hybridrl.models.loading import (
     HFModel,
     HostOffloadedWeights,
@@ -118,6 +118,23 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
     return HFBackend(actor, tokenizer)
 
 
+def check_reward_columns(rewards: RewardComposer, config: Config, dataset: PromptDataset | None,
+                         eval_dataset: PromptDataset | None) -> None:
+    """Every column the rewards read is in the training and held-out data, checked before any model loads (the
+    files are read here once more: reading is cheap next to finding the gap at step 1)."""
+    sources = [(d, d.name) for d in (dataset, eval_dataset) if d is not None]
+    sources += [(path, f"data file '{path}'") for path, given in ((config.data.train_path, dataset),
+                                                                   (config.data.eval_path, eval_dataset))
+                if path and given is None]
+    for source, name in sources:
+        if isinstance(source, PromptDataset):
+            columns = list(dict.fromkeys(key for item in source.items for key in item["columns"]))
+        else:
+            columns = list(dict.fromkeys(key for row in read_records(source) for key in row
+                                         if key != config.data.prompt_key))
+        rewards.check_columns(columns, name)
+
+
 def build_components(config: Config, actor: HFModel | None = None, reward_fn: Any = None,
                      dataset: PromptDataset | None = None, eval_dataset: PromptDataset | None = None) -> Components:
     device = resolve_device(config.trainer.device)
@@ -127,6 +144,7 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
     device = setup.device
     seed_everything(config.trainer.seed)
     rewards = build_rewards(config, reward_fn, placement.device("reward", setup.local_rank))  # cheap errors first
+    check_reward_columns(rewards, config, dataset, eval_dataset)
     m = config.model
     if actor is None:
         actor = load_hf_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
