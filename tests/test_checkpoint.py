@@ -199,3 +199,31 @@ def test_bf16_lean_adamw_resume_is_exact(tmp_path):
     assert comparable(resumed) == comparable(reference)
     for a, b in zip(parameters(resumed_trainer), parameters(straight)):
         assert torch.equal(a, b)
+
+
+def test_leftovers_of_cut_short_writes_are_removed_at_the_next_start(killed_run, reference, tmp_path, capsys):
+    out = copy_run(killed_run, tmp_path / "run")
+    root = out / "checkpoints"
+    cut = root / f".tmp-step_{KILL_AFTER + 1:06d}-999" / "state"  # a write killed half-way
+    cut.mkdir(parents=True)
+    (cut / "part-00001.safetensors").write_bytes(b"\0" * 4096)
+    (root / ".latest.tmp").write_text("step_000004")
+    # Killed between the two renames that replace a checkpoint: the old copy is put back.
+    newest = root / f"step_{KILL_AFTER:06d}"
+    os.rename(newest, root / f".old-step_{KILL_AFTER:06d}-999")
+    printed = resume_and_compare(out, reference, KILL_AFTER, capsys)
+    assert f"removed 2 leftover(s) of cut-short checkpoint writes under {root}" in printed
+    assert f"put back checkpoint {newest}" in printed
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]
+
+
+def test_every_checkpoint_damaged_refuses_to_start_over_and_keeps_the_metrics(killed_run, tmp_path, capsys):
+    out = copy_run(killed_run, tmp_path / "run")
+    for directory in (out / "checkpoints").glob("step_*"):
+        (directory / "COMPLETE").unlink()
+    metrics = (out / "metrics.jsonl").read_bytes()
+    with pytest.raises(CheckpointError, match=r"every checkpoint under .* is damaged .*pass trainer.resume=off"):
+        make_trainer(out).train()
+    assert (out / "metrics.jsonl").read_bytes() == metrics
+    assert f"checkpoint {out / 'checkpoints' / 'step_000001'} is damaged and is skipped" in capsys.readouterr().out
+    assert resolve_resume("auto", tmp_path / "no_checkpoints_yet") is None  # a first run starts as before

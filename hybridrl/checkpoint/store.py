@@ -44,12 +44,9 @@ import json
 import os
 import random
 import shutil
-import signal
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -57,6 +54,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hybridrl.checkpoint.sharded_offload import gather_optimizer_state, offloaded_shards, scatter_optimizer_state
+from hybridrl.checkpoint.stop_signals import StopRequest, stop_on_signals  # noqa: F401 (the trainer's names)
 from hybridrl.models.qlora import holds_4bit_weights
 from hybridrl.parallel import process_group
 from hybridrl.parallel.process_group import DistributedSetup
@@ -464,7 +462,13 @@ def resolve_resume(setting: str, root: Path, log: Any = print, key: str = "train
     if setting == "off":
         return None
     if setting == "auto":
-        return find_checkpoint(root, log)
+        found = find_checkpoint(root, log)
+        if found is None and step_directories(root):  # starting over would overwrite the run's metrics
+            raise CheckpointError(f"every checkpoint under {root} is damaged (each is named above), so "
+                                  f"{key}=auto cannot continue the run; pass {key}=off to start again (its "
+                                  f"metrics are then replaced) or {key}=PATH to continue from a checkpoint "
+                                  "elsewhere.")
+        return found
     path = Path(setting)
     if (path / MARKER).exists() or path.name.startswith(STEP_PREFIX):
         problem = check_checkpoint(path) if path.is_dir() else "it does not exist"
@@ -523,50 +527,40 @@ def load_checkpoint(trainer: Checkpointable, directory: str | Path, setup: Distr
 
 
 # ----------------------------------------------------------------------------------------------
-# Stopping cleanly on SIGINT/SIGTERM
+# Starting: leftovers, and which checkpoint to resume from
 
 
-class StopRequest:
-    """Set by SIGINT/SIGTERM; the trainer finishes its step, saves, and returns."""
-
-    def __init__(self) -> None:
-        self.signal_name: str | None = None
-
-    def __bool__(self) -> bool:
-        return self.signal_name is not None
-
-
-@contextmanager
-def stop_on_signals(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[StopRequest]:
-    """Within the block, the first SIGINT/SIGTERM only sets the flag; a second one acts as usual
-    (KeyboardInterrupt / termination), so an impatient user can still stop at once."""
-    request = StopRequest()
-    if threading.current_thread() is not threading.main_thread():
-        yield request  # signal handlers can only be installed from the main thread
+def remove_leftovers(root: Path, log: Any = print) -> None:
+    """Remove what writes cut short (a kill, a full disk) left under `root`: `.tmp-step_*` directories, and the
+    `.old-step_*` copy of a checkpoint being replaced, which is put back where the replacement never landed.
+    Only the run that holds the output directory's lock may call this: it deletes directories in the making."""
+    if not root.is_dir():
         return
-    previous = {number: signal.getsignal(number) for number in signals}
-
-    def handler(number: int, frame: Any) -> None:
-        request.signal_name = signal.Signals(number).name
-        print(f"received {request.signal_name}: finishing this step, then saving a checkpoint "
-              "(send it again to stop at once)", flush=True)
-        for other, action in previous.items():
-            signal.signal(other, action)
-
-    for number in signals:
-        signal.signal(number, handler)
-    try:
-        yield request
-    finally:
-        for number, action in previous.items():
-            signal.signal(number, action)
+    removed, freed = 0, 0
+    for path in sorted(root.iterdir()):
+        if path.name.startswith(f".old-{STEP_PREFIX}") and path.is_dir():
+            name = path.name[len(".old-"):].rsplit("-", 1)[0]
+            if not (root / name).exists():  # cut between `_publish`'s two renames
+                os.rename(path, root / name)
+                log(f"put back checkpoint {root / name}, whose replacement was cut short")
+                continue
+        elif not (path.name.startswith(f".tmp-{STEP_PREFIX}") and path.is_dir()) and path.name != ".latest.tmp":
+            continue
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        freed += sum(p.stat().st_size for p in files)
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        removed += 1
+    if removed:
+        log(f"removed {removed} leftover(s) of cut-short checkpoint writes under {root} ({freed / 2**20:.1f} MiB)")
 
 
 def resume_directory(setting: str, root: Path, setup: DistributedSetup) -> Path | None:
     """`resolve_resume` decided on rank 0 and sent to every rank, so every rank loads the same checkpoint
-    (or fails with the same error)."""
+    (or fails with the same error). Rank 0 first removes the leftovers of cut-short writes (`remove_leftovers`):
+    the trainer holds the output directory's lock here, so no other run is writing them."""
     choice: Any = None
     if setup.is_main:
+        remove_leftovers(root)
         try:
             choice = resolve_resume(setting, root)
         except CheckpointError as error:
