@@ -6,6 +6,10 @@ imported only when chosen, and a missing package names the extra to install. On 
 is `rewind`-ed to the checkpoint's history, so steps re-run after a crash are not written twice.
 Sample prompts/completions/rewards handed to `add_samples` are printed as a small table with the
 console line and appended to `samples.jsonl`.
+
+Output to a closed pipe (`hybridrl train ... | head`, or `| tee log` when Ctrl-C ends tee) never stops a run:
+the first write that finds the reader gone points standard output at /dev/null for the rest of the process
+(`stop_printing`), and the JSONL metrics, checkpoints and the model are written as before.
 """
 
 from __future__ import annotations
@@ -31,6 +35,26 @@ CONSOLE_KEYS = [
 PROGRESS_KEYS = [("reward/mean", "reward"), ("actor/kl", "kl"), ("perf/tokens_per_s", "tok/s"), ("sft/loss", "loss")]
 
 
+def stop_printing() -> None:
+    """Point standard output at /dev/null: its reader is gone, and every later print (ours, a library's, the
+    interpreter's flush at exit) would raise BrokenPipeError out of whatever called it."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file descriptor (captured): replace the object instead
+        sys.stdout = open(os.devnull, "w")
+    finally:
+        os.close(devnull)
+
+
+def print_unless_closed(text: str) -> None:
+    """`print(text, flush=True)`, except that a closed pipe stops printing instead of raising."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        stop_printing()
+
+
 class ConsoleSink:
     """One line per logged step; on a terminal also a tqdm bar with ETA, reward, KL and tokens/s."""
 
@@ -54,10 +78,13 @@ class ConsoleSink:
         elapsed = time.time() - self.start
         eta = elapsed / max(step - self.start_step, 1) * (self.total_steps - step)
         line = f"step {step}/{self.total_steps} " + " ".join(parts) + f" eta={eta:.0f}s" + table
-        if self.bar is not None:
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
+        try:
+            if self.bar is not None:
+                self.bar.write(line)
+            else:
+                print(line, flush=True)
+        except BrokenPipeError:
+            stop_printing()
 
     def rewind(self, step: int, history: list[dict[str, float]]) -> None:
         self.start, self.start_step = time.time(), step
@@ -185,7 +212,7 @@ class MetricsLogger:
         self.history.append({"step": step, **flat})
         warning = None if self.memory_warned else memory_growth_warning(self.history)
         if warning:
-            print(warning, flush=True)
+            print_unless_closed(warning)
             self.memory_warned = True
         for sink in self.sinks:
             sink.write(step, flat)
