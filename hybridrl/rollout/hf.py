@@ -12,7 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridrl.envs.base import EnvironmentSession
+from hybridrl.envs.episode import Episode
+from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.rollout.base import Generation, SamplingParams
+from hybridrl.rollout.multiturn import EpisodeBudget, generate_episodes_reference
 
 
 class HFBackend:
@@ -87,6 +91,13 @@ class HFBackend:
                 if any(text.endswith(s) or s in text for s in params.stop_strings):
                     return Generation(prompt_index, tokens[:position + 1], logps[:position + 1], "stop")
         return Generation(prompt_index, tokens, logps, "length")
+
+    def generate_episodes(self, sessions: list[EnvironmentSession], renderer: ObservationRenderer,
+                          params: SamplingParams, budget: EpisodeBudget) -> list[Episode]:
+        """Multi-turn episodes by the plain reference loop (`rollout/multiturn.py`): every turn regenerates from the
+        whole sequence so far. Slow; the built-in engine is compared against it."""
+        return generate_episodes_reference(self, sessions, renderer, params, budget,
+                                           self.eos_ids | set(params.stop_token_ids))
 
     def release_memory(self) -> None:
         if torch.cuda.is_available():

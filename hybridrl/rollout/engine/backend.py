@@ -19,13 +19,20 @@ between syncs idles until the next one. Prompt-major output order, as in `base.p
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
+from hybridrl.envs.base import EnvironmentSession
+from hybridrl.envs.episode import Episode
+from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.rollout.base import Generation, SamplingParams
 from hybridrl.rollout.engine.kernel_choices import ATTENTION_OPTIONS, SAMPLER_OPTIONS
+from hybridrl.rollout.engine.multiturn import EpisodeLoop
 from hybridrl.rollout.engine.runner import EngineOptions, ModelRunner
 from hybridrl.rollout.engine.scheduler import Scheduler, find_stop_string
 from hybridrl.rollout.engine.weights import supports as _supports
+from hybridrl.rollout.multiturn import EpisodeBudget, check_episode_request, start_runs
 
 
 class BuiltinBackend:
@@ -124,6 +131,20 @@ class BuiltinBackend:
         finally:
             self.last_stats = self.runner.end(finished, release=self.release_after_generate)  # 5.
         return results
+
+    @torch.no_grad()
+    def generate_episodes(self, sessions: list[EnvironmentSession], renderer: ObservationRenderer,
+                          params: SamplingParams, budget: EpisodeBudget) -> list[Episode]:
+        """One multi-turn `Episode` per session (`rollout/multiturn.py`); `params.max_new_tokens` caps each turn.
+        A sequence pauses while its environment steps and resumes on its own KV (`engine/multiturn.py`)."""
+        check_episode_request(sessions, params)
+        self._validate([[0]], params)
+        stop_ids = sorted(set(params.stop_token_ids) | set(self._eos_ids(params)))
+        return asyncio.run(self._episodes(sessions, renderer, params, budget, stop_ids))
+
+    async def _episodes(self, sessions, renderer, params, budget, stop_ids) -> list[Episode]:
+        runs = await start_runs(sessions, renderer, budget, set(stop_ids))
+        return await EpisodeLoop(self, runs, params, stop_ids, budget).run()
 
     def release_memory(self) -> None:
         """Free the KV cache and CUDA graphs now (a `generate` with `release_after_generate=False` keeps them)."""

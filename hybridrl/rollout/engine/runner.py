@@ -37,6 +37,7 @@ from hybridrl.rollout.engine.llama_forward import (
     EAGER_DECODE,
     DecodeFunctions,
     compiled_decode_functions,
+    extend,
     prefill,
     rope_table,
     rotates_projections,
@@ -86,6 +87,12 @@ class GenerateStats:
     fuse_gate_up: bool = False
     dequantized_4bit_layers: int = 0
     sampler: str = "torch"
+    prefill_tokens: int = 0
+    """Tokens whose KV a prefill computed: each distinct prompt once, and in multi-turn episodes what each resume
+    fed (the turn's last sampled token, whose KV no decode step wrote, and the observation)."""
+    observation_prefills: int = 0
+    idle_s: float = 0.0
+    """Multi-turn: seconds the engine waited for environments with no sequence to decode."""
     timeline_ms: dict = field(default_factory=dict)
 
 
@@ -119,20 +126,23 @@ class ModelRunner:
         self.run: RunState | None = None
 
     # ---- one call -----------------------------------------------------------------------------------
-    def begin(self, prompts: list[list[int]], params: SamplingParams, stop_ids: list[int]) -> int:
-        """Resolve the weights, allocate the KV cache and the per-slot state; returns the number of slots."""
+    def begin(self, prompts: list[list[int]], params: SamplingParams, stop_ids: list[int],
+              num_sequences: int | None = None, max_len: int | None = None) -> int:
+        """Resolve the weights, allocate the KV cache and the per-slot state; returns the number of slots.
+        Multi-turn: `num_sequences` episodes (default len(prompts) * n) whose slots hold `max_len` positions."""
         timeline = Timeline(next(self.model.parameters()).device)
         weights, dequantized = self._weights()
         device, dtype = weights.lm_head.device, weights.lm_head.dtype
+        longest = max(max(map(len, prompts)), (max_len or 0) - params.max_new_tokens)
         geometry = CacheGeometry(len(weights.layers), weights.num_kv_heads, weights.head_dim,
-                                 torch.empty(0, dtype=dtype).element_size(), max(map(len, prompts)),
+                                 torch.empty(0, dtype=dtype).element_size(), longest,
                                  params.max_new_tokens, len(prompts))
         # Both layouts rely on this: within the window no key is ever hidden, so neither applies one.
         if weights.sliding_window is not None and geometry.max_len > weights.sliding_window:
             raise ValueError(f"prompt + max_new_tokens ({geometry.max_len}) exceeds the model's sliding window "
                              f"({weights.sliding_window}); the built-in engine does not implement windowed caches.")
         path = attention_path(self.options.attention, device)
-        num_slots = self._allocate(geometry, path, len(prompts) * params.n, device, dtype)
+        num_slots = self._allocate(geometry, path, num_sequences or len(prompts) * params.n, device, dtype)
         settings = SamplerSettings(params.temperature, params.top_k, params.top_p, params.min_p)
         generator = torch.Generator(device=device)
         if params.seed is not None:
@@ -238,6 +248,7 @@ class ModelRunner:
             by_prompt.setdefault(sequence.prompt_index, []).append(sequence)
         for chunk in prefill_chunks([len(p) for p in prompts], list(by_prompt), self.options.max_prefill_tokens):
             self._prefill_chunk(prompts, chunk, by_prompt)
+            self.run.stats.prefill_tokens += sum(len(prompts[p]) for p in chunk)
         self.run.timeline.mark("decode")
         self.run.stats.prefill_waves += 1
 
@@ -273,6 +284,32 @@ class ModelRunner:
         state.out_tokens[slots_t, 0] = tokens
         state.out_logprobs[slots_t, 0] = logprobs
         state.done[slots_t] = state.is_stop(tokens) | (state.max_new_tokens <= 1)
+
+    def extend(self, slot: int, ids: list[int], start: int, generator: torch.Generator) -> None:
+        """Multi-turn resume: feed `ids` at positions start.. onto the slot's own KV (per-slot layout), which holds
+        every earlier position, and draw the first token of the slot's next turn from the last logits; the uniforms
+        of that turn come from `generator` (one per episode and turn, so results do not depend on the order in
+        which environments answer)."""
+        run, state = self.run, self.run.state
+        device = state.done.device
+        logits = extend(run.weights, run.cache.kv, run.cos, run.sin, host_to_device(torch.tensor(ids), device),
+                        slot, start)
+        uniforms = torch.rand(state.max_new_tokens, generator=generator, device=device)
+        tokens, logprobs = sample(logits[None], run.settings, uniforms[:1])
+        state.uniform_table[slot] = uniforms
+        state.last_token[slot] = tokens[0]
+        state.prompt_len[slot] = start + len(ids)
+        state.gen_len[slot] = 1
+        state.out_tokens[slot, 0] = tokens[0]
+        state.out_logprobs[slot, 0] = logprobs[0]
+        state.done[slot] = state.is_stop(tokens)[0] | (state.max_new_tokens <= 1)
+        run.stats.prefill_tokens += len(ids)
+        run.stats.observation_prefills += 1
+
+    def pause(self, slots: list[int]) -> None:
+        """Mark paused slots finished on the device, so decode steps leave their state (and KV) alone."""
+        if slots:
+            self.run.state.done.index_fill_(0, host_to_device(torch.tensor(slots), self.run.state.done.device), True)
 
     def kv_len(self, furthest: int) -> int:
         """Key-length bucket of decode steps that reach position `furthest` at most (per-slot layout; 0 for

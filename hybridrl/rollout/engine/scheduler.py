@@ -12,6 +12,10 @@ For the prefix-shared KV layout, `PromptEntries` also maps each live prompt to o
 refcounted by its live samples: the first admitted sample of a prompt takes a free entry (and its
 prefill fills it), later samples share it, and the entry is free again once the last one finishes.
 Compaction moves slots only; a sequence keeps its entry.
+
+Multi-turn episodes (`engine/multiturn.py`) add a paused state: a sequence whose turn ended keeps its slot (and
+so its KV) while its environment steps, and `resume` makes it live again once its observation has been prefilled
+onto that KV; `prompt_len` then counts every token before the current turn, and `limit` caps the turn's tokens.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class SequenceSlot:
     """Prompt-cache entry that holds this sequence's prompt KV (prefix-shared layout)."""
     fills_entry: bool = False
     """Set at admission when the entry is new, so this admission's prefill must write the prompt's KV."""
+    limit: int | None = None
+    """Tokens this turn may sample when fewer than the call's `max_new_tokens` (multi-turn budgets)."""
 
 
 def prompt_entries_needed(num_prompts: int, num_slots: int) -> int:
@@ -87,6 +93,7 @@ class Scheduler:
         self.buckets = batch_buckets(num_slots)
         self.free_slots = list(range(num_slots))  # a min-heap
         self.live: dict[int, SequenceSlot] = {}  # slot -> sequence
+        self.paused: dict[int, SequenceSlot] = {}  # slot -> sequence waiting for its observation (multi-turn)
         self.entries = PromptEntries(prompt_entries_needed(len(set(prompt_indices)), num_slots))
 
     @property
@@ -106,19 +113,37 @@ class Scheduler:
         return admitted
 
     def finish(self, slot: int) -> SequenceSlot:
-        sequence = self.live.pop(slot)
+        sequence = self.live.pop(slot) if slot in self.live else self.paused.pop(slot)
         heapq.heappush(self.free_slots, slot)
         self.entries.release(sequence.prompt_index)
         return sequence
 
+    def pause(self, slot: int) -> SequenceSlot:
+        """A live sequence whose turn ended keeps its slot (its KV) until `resume` or `finish`."""
+        sequence = self.live.pop(slot)
+        self.paused[slot] = sequence
+        return sequence
+
+    def resume(self, slot: int, context_len: int, limit: int) -> SequenceSlot:
+        """A paused sequence is live again: `context_len` tokens precede its new turn, whose first token the
+        observation's prefill drew; the turn may sample `limit` tokens."""
+        sequence = self.paused.pop(slot)
+        sequence.prompt_len, sequence.limit, sequence.generated = context_len, limit, 1
+        self.live[slot] = sequence
+        return sequence
+
+    def _limit(self, sequence: SequenceSlot, max_new_tokens: int) -> int:
+        return max_new_tokens if sequence.limit is None else min(sequence.limit, max_new_tokens)
+
     def steps_until_sync(self, sync_every: int, max_new_tokens: int) -> int:
         """Decode steps before the next host check: `sync_every`, or fewer when a sequence reaches its length
         limit sooner (the host knows every length bound, so such a sequence is harvested at once)."""
-        return min([sync_every] + [max_new_tokens - s.generated for s in self.live.values()])
+        return min([sync_every] + [self._limit(s, max_new_tokens) - s.generated for s in self.live.values()])
 
     def furthest_position(self) -> int:
-        """The furthest position (prompt + response tokens) any live sequence has reached, as of the last sync."""
-        return max(s.prompt_len + s.generated for s in self.live.values())
+        """The furthest position (prompt + response tokens) any live or paused sequence has reached, as of the last
+        sync (a paused slot inside the batch still runs, finished, at its own position)."""
+        return max(s.prompt_len + s.generated for s in (*self.live.values(), *self.paused.values()))
 
     def rows_in_use(self) -> int:
         """Slots 0..rows-1 hold every live sequence (0 when none is live)."""
@@ -130,23 +155,25 @@ class Scheduler:
             sequence.generated = gen_len[slot]
 
     def harvest(self, done: Sequence[int], tokens, stop_ids: set[int],
-                cut_at_stop_string: Callable[[list[int]], int | None] | None) -> list[Finished]:
-        """Finish the live sequences that are done (stop token or length) or contain a stop string, and free
-        their slots. `tokens` (rows, max_new_tokens) indexable by slot; `cut_at_stop_string(response)` -> how many
-        tokens to keep, or None (`find_stop_string`)."""
+                cut_at_stop_string: Callable[[list[int]], int | None] | None, pause: bool = False) -> list[Finished]:
+        """Finish the live sequences that are done (stop token, length or their turn's `limit`) or contain a stop
+        string, and free their slots (`pause`: keep them, paused). `tokens` (rows, max_new_tokens) indexable by
+        slot; `cut_at_stop_string(response)` -> how many tokens to keep, or None (`find_stop_string`)."""
         finished = []
         for slot in list(self.live):
-            if not (done[slot] or cut_at_stop_string):
+            sequence = self.live[slot]
+            at_limit = sequence.limit is not None and sequence.generated >= sequence.limit
+            if not (done[slot] or at_limit or cut_at_stop_string):
                 continue
-            length, reason = self.live[slot].generated, None
+            length, reason = min(sequence.generated, sequence.limit or sequence.generated), None
             if cut_at_stop_string:
                 cut = cut_at_stop_string(tokens[slot, :length].tolist())
                 if cut is not None:
                     length, reason = cut, "stop"
-            if reason is None and done[slot]:
+            if reason is None and (done[slot] or at_limit):
                 reason = "stop" if int(tokens[slot, length - 1]) in stop_ids else "length"
             if reason is not None:
-                finished.append(Finished(self.finish(slot), slot, length, reason))
+                finished.append(Finished(self.pause(slot) if pause else self.finish(slot), slot, length, reason))
         return finished
 
     def batch_size(self) -> int:

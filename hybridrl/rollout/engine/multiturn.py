@@ -1,0 +1,133 @@
+"""Multi-turn episodes on the built-in engine: a sequence pauses while its environment steps, others keep decoding.
+
+The loop over scheduler and runner of `backend.generate`, with turns:
+1. begin: slots sized for whole episodes (`max_episode_tokens` positions each), per-slot (SDPA) KV layout;
+2. admit waiting episodes and prefill their prompts (each distinct prompt once);
+3. resume: for each observation that has come back, prefill only the new ids onto the slot's own KV (the turn's
+   last sampled token, whose KV no decode step wrote, then the observation) and draw the next turn's first token;
+4. decode a few steps over the live slots; paused slots in the batch are marked finished and left alone;
+5. harvest ended turns (stop token, stop string, per-turn limit): append the sampled ids to the episode, pause the
+   slot, and start its environment step as an asyncio task (a sync environment runs in a worker thread, see
+   `EnvironmentSession`), so it runs while the next decode steps do; the loop yields to the event loop after
+   every decode block, and waits only when no sequence is live (`idle_s`);
+6. a finished step either ends the episode (its slot is freed) or queues its observation for step 3.
+
+Choices:
+- The prefix-shared layout (attention="triton") stores one response of `max_new_tokens` per slot after a shared
+  prompt, so a sequence cannot grow by observations there: multi-turn is refused with it.
+- Each resumed turn draws its uniforms from a generator seeded by (seed, episode, turn), so a seeded run gives the
+  same episodes whatever order the environments answer in.
+- Observation prefills run one slot at a time (observations are short; batching them is future work).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import torch
+
+from hybridrl.envs.episode import Episode
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine.kernel_choices import attention_path
+from hybridrl.rollout.engine.kv_cache import SlotKVCache
+from hybridrl.rollout.engine.scheduler import Scheduler
+from hybridrl.rollout.multiturn import EpisodeRun, close_runs
+
+_SEED_STRIDE = 1_000_003
+
+
+class EpisodeLoop:
+    """One `generate_episodes` call on a `BuiltinBackend` (see the module docstring for its phases)."""
+
+    def __init__(self, backend, runs: list[EpisodeRun], params: SamplingParams, stop_ids: list[int], budget) -> None:
+        device = next(backend.model.parameters()).device
+        if attention_path(backend.options.attention, device).layout is not SlotKVCache:
+            raise ValueError("multi-turn episodes need the per-slot KV layout, since the prefix-shared one "
+                             "(attention='triton') keeps a single response per slot and cannot continue a sequence "
+                             "with observation tokens; use rollout.engine.attention=sdpa.")
+        self.backend, self.runner, self.runs, self.params = backend, backend.runner, runs, params
+        self.stop_ids = stop_ids
+        distinct: dict[tuple[int, ...], int] = {}
+        self.prompt_of = [distinct.setdefault(tuple(r.episode.token_ids), len(distinct)) for r in runs]
+        self.prompts = [list(p) for p in distinct]
+        self.budget = budget
+        self.seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        self.device = device
+
+    async def run(self) -> list[Episode]:
+        runner, params = self.runner, self.params
+        num_slots = runner.begin(self.prompts, params, self.stop_ids, num_sequences=len(self.runs),
+                                 max_len=self.budget.max_episode_tokens)
+        # One sequence per episode; its index is the episode's.
+        scheduler = Scheduler(self.prompt_of, [len(p) for p in self.prompts], num_slots)
+        self.pending: dict[asyncio.Task, int] = {}  # environment step -> slot
+        self.ready: list[tuple[int, list[int]]] = []  # slot -> observation ids to prefill
+        finished = False
+        try:
+            while scheduler.has_work or scheduler.paused:
+                admitted = scheduler.admit()  # 2.
+                if admitted:
+                    for sequence in admitted:
+                        sequence.limit = self.runs[sequence.index].turn_limit(params.max_new_tokens)
+                    runner.prefill(self.prompts, admitted)
+                self._resume(scheduler)  # 3.
+                if scheduler.live:
+                    steps = scheduler.steps_until_sync(self.backend.sync_every, params.max_new_tokens)  # 4.
+                    runner.decode(scheduler.batch_size(), runner.kv_len(scheduler.furthest_position() + steps), steps)
+                    self._harvest(scheduler)  # 5.
+                    runner.move(scheduler.compaction_moves())
+                    await asyncio.sleep(0)
+                elif self.pending:
+                    started = time.perf_counter()
+                    await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
+                    runner.run.stats.idle_s += time.perf_counter() - started
+                self._collect(scheduler)  # 6.
+            finished = True
+        finally:
+            for task in self.pending:
+                task.cancel()
+            self.backend.last_stats = runner.end(finished, release=self.backend.release_after_generate)
+            await close_runs(self.runs)
+        return [run.episode for run in self.runs]
+
+    def _resume(self, scheduler: Scheduler) -> None:
+        for slot, ids in self.ready:
+            sequence = scheduler.paused[slot]
+            episode_index = sequence.index
+            run = self.runs[episode_index]
+            start = run.num_tokens - len(ids) - 1  # the last sampled token's position: its KV is not written yet
+            fed = [run.last_turn_ids[-1], *ids]
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(self.seed * _SEED_STRIDE + episode_index * 1009 + run.episode.num_turns)
+            self.runner.extend(slot, fed, start, generator)
+            scheduler.resume(slot, start + len(fed), run.turn_limit(self.params.max_new_tokens))
+        self.ready = []
+
+    def _harvest(self, scheduler: Scheduler) -> None:
+        """Ended turns: append their sampled ids, pause their slots, start their environment steps."""
+        rows = scheduler.rows_in_use()
+        done, gen_len = self.runner.read_progress(rows)
+        scheduler.record_progress(gen_len)
+        cut = self.backend._stop_string_cut(self.params)
+        limits = any(s.limit is not None and s.generated >= s.limit for s in scheduler.live.values())
+        if not (cut or limits or any(done[slot] for slot in scheduler.live)):
+            return
+        tokens, logprobs = self.runner.read_outputs(rows)
+        ended = scheduler.harvest(done, tokens, set(self.stop_ids), cut, pause=True)
+        self.runner.pause([item.slot for item in ended])
+        for item in ended:
+            run = self.runs[item.sequence.index]
+            text = run.add_turn(tokens[item.slot, :item.length], logprobs[item.slot, :item.length], item.reason)
+            self.pending[asyncio.ensure_future(run.session.step(text))] = item.slot
+
+    def _collect(self, scheduler: Scheduler) -> None:
+        """Finished environment steps: end the episode (free its slot) or queue its observation."""
+        for task in [t for t in self.pending if t.done()]:
+            slot = self.pending.pop(task)
+            run = self.runs[scheduler.paused[slot].index]
+            ids = run.add_step(task.result())  # an environment error propagates here, as one sentence
+            if ids is None:
+                scheduler.finish(slot)
+                self.runner.free([slot])
+            else:
+                self.ready.append((slot, ids))

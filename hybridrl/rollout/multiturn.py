@@ -1,0 +1,176 @@
+"""Multi-turn rollouts: what every backend shares, and the slow reference loop on any backend's `generate`.
+
+An episode alternates assistant turns (sampled; in the loss, with behaviour log-probs) with observations from an
+environment (rendered token-exactly by `envs.rendering.ObservationRenderer`; out of the loss), until the
+environment says done or a budget ends it. `EpisodeRun` is one episode's bookkeeping, the same for every backend:
+the prompt ids from the environment's first messages, the turn limit the budgets leave, what a finished turn adds
+(the sampled ids as they were sampled; the text is decoded only to hand it to the environment), and what a step
+result adds (the observation ids, cut to `max_observation_tokens` with a marker) or why the episode ends.
+
+`generate_episodes_reference` is the plain loop: generate one turn for every live episode from its whole sequence
+so far (each turn recomputes the whole context), step all their environments at once, append the observations,
+repeat. Obviously right and slow; the built-in engine (`engine/multiturn.py`) does the same with the KV cache kept
+across turns, and tests compare the two.
+
+Choices:
+- The environment is stepped after every assistant turn, also the last one a budget allows, so its reward for
+  that turn is recorded; then `done` wins, then `max_turns`, then the token budget (`done_reason`).
+- An observation that does not leave room for one more sampled token ends the episode (`max_tokens`) unshown.
+- A truncated observation keeps its first ids and ends with the marker's ids; the rest of the rendering (in a
+  chat template, the closing and the next generation prompt) is cut with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hybridrl.envs.base import EnvironmentCodeError, EnvironmentFactory, EnvironmentSession, StepResult
+from hybridrl.envs.episode import Episode
+from hybridrl.envs.rendering import ObservationRenderer
+from hybridrl.rollout.base import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True)
+class EpisodeBudget:
+    """What ends an episode besides its environment."""
+
+    max_turns: int = 4
+    """Assistant turns per episode."""
+    max_episode_tokens: int = 4096
+    """All tokens of an episode: prompt, assistant turns and observations."""
+    max_observation_tokens: int = 512
+    """Ids one observation may add; longer ones are cut and end with `truncation_marker`."""
+    truncation_marker: str = "\n... [observation truncated]\n"
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_episode_tokens < 2 or self.max_observation_tokens < 1:
+            raise ValueError(f"EpisodeBudget needs max_turns >= 1, max_episode_tokens >= 2 and "
+                             f"max_observation_tokens >= 1; got {self.max_turns}, {self.max_episode_tokens} and "
+                             f"{self.max_observation_tokens}.")
+
+
+def make_sessions(factory: EnvironmentFactory, rows: Sequence[dict[str, Any]], n: int, name: str) -> list[EnvironmentSession]:
+    """One session per episode, prompt-major: the `n` samples of row 0, then those of row 1, ..."""
+    return [EnvironmentSession(factory, row, name=name, sample=i * n + j) for i, row in enumerate(rows)
+            for j in range(n)]
+
+
+class EpisodeRun:
+    """One episode being generated: its session, its `Episode` and the conversation as text."""
+
+    def __init__(self, session: EnvironmentSession, renderer: ObservationRenderer, budget: EpisodeBudget,
+                 messages: list[dict[str, Any]], stop_ids: set[int]):
+        self.session, self.renderer, self.budget, self.stop_ids = session, renderer, budget, stop_ids
+        self.messages = [dict(m) for m in messages]
+        self.episode = Episode(messages=self.messages)
+        self.episode.add_prompt(renderer.prompt_ids(self.messages))
+        self.last_turn_ids: list[int] = []
+        self.done = False
+        if len(self.episode.token_ids) >= budget.max_episode_tokens:
+            raise ValueError(f"the prompt of sample {session.sample} has {len(self.episode.token_ids)} tokens, which "
+                             f"leaves no room under max_episode_tokens={budget.max_episode_tokens}; raise it or "
+                             "shorten the prompt.")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.episode.token_ids)
+
+    def turn_limit(self, max_new_tokens: int) -> int:
+        """Tokens the next assistant turn may sample: the per-turn cap or what the episode budget leaves."""
+        return min(max_new_tokens, self.budget.max_episode_tokens - self.num_tokens)
+
+    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float], finish_reason: FinishReason) -> str:
+        """Append the sampled ids as they are; returns the turn's text for the environment (without a special stop
+        token, which the chat template writes itself)."""
+        ids, logprobs = [int(t) for t in ids], [float(x) for x in logprobs]
+        self.episode.add_sampled(ids, logprobs)
+        self.last_turn_ids = ids
+        special = set(getattr(self.renderer.tokenizer, "all_special_ids", []) or [])
+        strip = finish_reason == "stop" and ids and ids[-1] in self.stop_ids and ids[-1] in special
+        text = self.renderer.tokenizer.decode(ids[:-1] if strip else ids, skip_special_tokens=False)
+        self.messages.append({"role": "assistant", "content": text})
+        return text
+
+    def add_step(self, result: StepResult) -> list[int] | None:
+        """Record the environment's answer; the observation ids to feed next, or None when the episode is over."""
+        if result.reward is not None:
+            self.episode.reward = float(result.reward)
+        self.episode.tool_calls.extend(result.info.get("tool_calls", []))
+        if result.done:
+            return self._end("done")
+        if self.episode.num_turns >= self.budget.max_turns:
+            return self._end("max_turns")
+        if not result.observation:
+            raise EnvironmentCodeError(f"environment {self.session.name!r} returned no observation with done=False "
+                                       f"in step {self.session.num_steps} for sample {self.session.sample}; return "
+                                       "the messages to show the model, or done=True.")
+        ids = self.renderer.observation_ids(self.messages, result.observation, self.last_turn_ids)
+        self.messages.extend(result.observation)
+        ids = self._truncated(ids)
+        if self.num_tokens + len(ids) >= self.budget.max_episode_tokens:
+            return self._end("max_tokens")
+        self.episode.add_observation(ids)
+        return ids
+
+    def _truncated(self, ids: list[int]) -> list[int]:
+        limit = self.budget.max_observation_tokens
+        if len(ids) <= limit:
+            return ids
+        marker = self.renderer.encode(self.budget.truncation_marker)[:limit]
+        return ids[:limit - len(marker)] + marker
+
+    def _end(self, reason: str) -> None:  # returns None: nothing more to feed
+        self.episode.done_reason, self.done = reason, True
+        return None
+
+
+async def start_runs(sessions: Sequence[EnvironmentSession], renderer: ObservationRenderer, budget: EpisodeBudget,
+                     stop_ids: set[int]) -> list[EpisodeRun]:
+    """Reset every environment at once and render each episode's prompt."""
+    first = await asyncio.gather(*(session.reset() for session in sessions))
+    return [EpisodeRun(session, renderer, budget, messages, stop_ids) for session, messages in zip(sessions, first)]
+
+
+async def close_runs(runs: Sequence[EpisodeRun]) -> None:
+    await asyncio.gather(*(run.session.close() for run in runs))
+
+
+def check_episode_request(sessions: Sequence[EnvironmentSession], params: SamplingParams) -> None:
+    if not sessions:
+        raise ValueError("generate_episodes needs at least one environment session (one per episode).")
+    if params.n != 1:
+        raise ValueError(f"generate_episodes takes one session per episode, so SamplingParams.n must be 1 (got "
+                         f"{params.n}); make n sessions per data row instead (`make_sessions(..., n=...)`).")
+
+
+def generate_episodes_reference(backend: Any, sessions: Sequence[EnvironmentSession], renderer: ObservationRenderer,
+                                params: SamplingParams, budget: EpisodeBudget, stop_ids: set[int]) -> list[Episode]:
+    """The plain loop over `backend.generate` (one turn of every live episode per call, each from its whole
+    sequence so far); `stop_ids` are the ids the backend stops at (its end-of-sequence ids and the params')."""
+    check_episode_request(sessions, params)
+    runs = asyncio.run(start_runs(sessions, renderer, budget, stop_ids))
+    live, turn = list(runs), 0
+    try:
+        while live:
+            by_limit: dict[int, list[EpisodeRun]] = {}
+            for run in live:
+                by_limit.setdefault(run.turn_limit(params.max_new_tokens), []).append(run)
+            texts: dict[int, str] = {}
+            for limit, group in sorted(by_limit.items()):
+                seed = None if params.seed is None else params.seed + turn
+                turn_params = replace(params, max_new_tokens=limit, seed=seed)
+                for run, generation in zip(group, backend.generate([r.episode.token_ids for r in group], turn_params)):
+                    texts[id(run)] = run.add_turn(generation.token_ids, generation.logprobs, generation.finish_reason)
+            results = asyncio.run(_step_all([(run.session, texts[id(run)]) for run in live]))
+            live = [run for run, result in zip(live, results) if run.add_step(result) is not None]
+            turn += 1
+    finally:
+        asyncio.run(close_runs(runs))
+    return [run.episode for run in runs]
+
+
+async def _step_all(calls: list[tuple[EnvironmentSession, str]]) -> list[StepResult]:
+    return list(await asyncio.gather(*(session.step(text) for session, text in calls)))
