@@ -1,13 +1,15 @@
 """Command line: `hybridrl train|sft|demo|make-data|export|plot|watch|config show`.
 
 Every user mistake the library reports as a typed error (config, data, model, reward, training)
-is printed as one line and exit code 2; anything else is a bug and keeps its traceback.
+is printed as one line and exit code 2; anything else is a bug and keeps its traceback. A run stopped
+by SIGTERM/SIGINT, after it saved its checkpoint, exits with 128 + the signal's number (143, 130).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -38,7 +40,8 @@ DEMO_CONFIGS = Path(__file__).resolve().parent / "config" / "demo"
 DEMO_PERIOD_RATE = 0.5  # see tasks.py: half the SFT answers end with a period the verifier rejects
 
 
-def cmd_train(args: argparse.Namespace) -> None:
+def cmd_train(args: argparse.Namespace) -> int | None:
+    """Exit status 128 + the signal's number when a SIGTERM/SIGINT stopped the run (after saving), as the launcher's."""
     config = load_config(args.config, args.overrides)
     t = config.trainer
     relaunching = t.num_gpus > 1 and not launch.is_worker()  # then this process holds the run's lock for its workers
@@ -46,7 +49,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         code = launch.maybe_relaunch(["train", args.config, *args.overrides], t.num_gpus, t.launcher, t.hang_timeout_s,
                                      entry=main)
     if code is None:
-        RLTrainer(config).train()
+        trainer = RLTrainer(config)
+        trainer.train()
+        stopped_by = getattr(trainer, "stopped_by", None)  # a signal's name, or None when the run finished
+        if stopped_by in signal.Signals.__members__ and not launch.is_worker():  # a worker's launcher says it
+            return 128 + signal.Signals[stopped_by]
     elif code:
         raise launch.LaunchError(f"the {t.num_gpus}-process run failed (exit status {code}); the failing rank "
                                  "and its error are printed above.")
@@ -166,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        args.fn(args)
+        code = args.fn(args)
     except USER_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -176,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

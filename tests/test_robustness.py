@@ -2,7 +2,12 @@
 full disks and closed pipes end in one sentence, a stop by signal exits 128 + signal."""
 
 import inspect
+import json
 import math
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -122,3 +127,63 @@ def test_a_run_that_blows_up_stops_at_its_first_bad_step_with_the_last_good_chec
     assert check_checkpoint(checkpoints / "step_000002") is None
     assert not (tmp_path / "model").exists()
 
+
+
+# ----------------------------------------------------------------------------------------------
+# `hybridrl train` in a subprocess: closed pipes, stops by signal
+
+
+def cli_train(tmp_path, *overrides: str) -> list[str]:
+    from hybridrl.cli import DEMO_CONFIGS
+    from hybridrl.data.tasks import write_arithmetic_task
+
+    data = write_arithmetic_task(tmp_path / "data", num_train=256, num_eval=16, seed=3)
+    return [sys.executable, "-m", "hybridrl.cli", "train", str(DEMO_CONFIGS / "arithmetic_grpo.yaml"),
+            "model.path=tiny:llama", f"data.train_path={data['train']}", f"data.eval_path={data['eval']}",
+            "trainer.device=cpu", f"trainer.output_dir={tmp_path / 'run'}", "trainer.eval_every=0",
+            "trainer.prompts_per_step=4", "rollout.num_samples_per_prompt=4", "rollout.max_new_tokens=4",
+            "actor.micro_batch_size=16", "logging.sinks=[console,jsonl]", *overrides]
+
+
+def logged_steps(run) -> list[int]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def test_a_reader_that_closes_the_pipe_loses_no_step(tmp_path):
+    """`hybridrl train ... | head`: once the reader is gone the run prints nothing more, and trains, logs,
+    checkpoints and saves the model as if its output went to a terminal."""
+    train = subprocess.Popen(cli_train(tmp_path, "trainer.total_steps=6", "trainer.save_every=3"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reader = subprocess.Popen([sys.executable, "-c", "import sys\nfor line in sys.stdin:\n"
+                               "    if line.startswith('step 1/'): break"], stdin=train.stdout)
+    train.stdout.close()  # only the reader holds the pipe's read end
+    reader.wait(timeout=120)
+    _, errors = train.communicate(timeout=120)
+    assert train.returncode == 0, errors.decode()[-2000:]
+    assert b"BrokenPipeError" not in errors
+    run = tmp_path / "run"
+    assert logged_steps(run) == [1, 2, 3, 4, 5, 6]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000006"
+    assert (run / "model" / "config.json").is_file()
+
+
+STOPPED_BY_EXPOSED = "self.stopped_by" in inspect.getsource(trainer_module)
+
+
+@pytest.mark.skipif(not STOPPED_BY_EXPOSED, reason="needs RLTrainer.stopped_by (requests.md)")
+def test_a_sigterm_stop_of_hybridrl_train_exits_143_after_saving(tmp_path):
+    train = subprocess.Popen(cli_train(tmp_path, "trainer.total_steps=500", "trainer.save_every=0"),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    run = tmp_path / "run"
+    deadline = time.time() + 120
+    while not logged_steps(run):
+        assert train.poll() is None and time.time() < deadline, train.stdout.read().decode()[-2000:]
+        time.sleep(0.05)
+    train.send_signal(signal.SIGTERM)
+    output = train.communicate(timeout=120)[0].decode()
+    assert train.returncode == 128 + signal.SIGTERM, output[-2000:]
+    assert "stopped by SIGTERM after step" in output
+    step = logged_steps(run)[-1]
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{step:06d}"
+    assert not (run / "model").exists()  # a stopped run is not finished: only its checkpoint is written
