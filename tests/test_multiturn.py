@@ -135,6 +135,15 @@ def test_greedy_engine_episodes_equal_the_hf_reference(family):
                                    atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("max_num_seqs", [1, 3])
+def test_fewer_slots_than_episodes_give_the_same_episodes(max_num_seqs):
+    """Episodes wait for a slot, paused ones keep theirs, and compaction moves live ones around them."""
+    model = make_model("llama")
+    engine, engine_episodes, reference = both(model, max_num_seqs=max_num_seqs)
+    assert engine.last_stats["num_slots"] == max_num_seqs
+    assert_same_episodes(engine_episodes, reference)
+
+
 def test_sampled_episodes_carry_their_own_logprobs_and_repeat_under_a_seed():
     """Sampled draws cannot line up with HF's (its sampler consumes torch's global RNG differently), so each backend
     is checked against a forward pass over its own episodes, and the engine against itself under the same seed."""
@@ -331,3 +340,18 @@ def test_n_must_be_one_session_per_episode():
         BuiltinBackend(make_model("llama")).generate_episodes(
             sessions(), ObservationRenderer(TOKENIZER), SamplingParams(n=2), EpisodeBudget())
     assert math.isfinite(EpisodeBudget().max_episode_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_and_compiled_decode_continue_episodes_like_the_reference():
+    """Unrun where this was written (no GPU): resumes write state that captured decode graphs then read in place."""
+    model = make_model("qwen2").cuda()
+    params = SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=[IM_END])
+    budget = EpisodeBudget(max_turns=4, max_episode_tokens=400)
+    renderer = ObservationRenderer(TOKENIZER)
+    engine = BuiltinBackend(model, tokenizer=TOKENIZER, attention="sdpa", sync_every=4)
+    episodes = engine.generate_episodes(sessions(), renderer, params, budget)
+    reference = HFBackend(model, TOKENIZER).generate_episodes(sessions(), renderer, params, budget)
+    assert engine.last_stats["compiled"] and engine.last_stats["graphs_captured"] >= 1
+    assert_same_episodes(episodes, reference, atol=1e-4)

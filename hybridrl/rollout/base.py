@@ -118,3 +118,17 @@ class RolloutBackend(Protocol):
     def release_memory(self) -> None:
         """Free whatever the rollout phase allocated (KV cache, graphs) before training resumes."""
         ...
+
+
+class EpisodeBackend(Protocol):
+    """Multi-turn rollouts (`rollout/multiturn.py`), which the `hf` and `builtin` backends implement.
+
+    `generate_episodes(sessions, renderer, params, budget) -> list[Episode]`: one `envs.episode.Episode` per
+    `envs.base.EnvironmentSession` (one session per episode; `params.n` must be 1, so make n sessions per data row),
+    in the sessions' order. `params.max_new_tokens` caps each assistant turn; `budget` is a
+    `multiturn.EpisodeBudget` (turns, tokens per episode, tokens per observation); `renderer` an
+    `envs.rendering.ObservationRenderer` that turns the first messages and each observation into ids.
+    """
+
+    def generate_episodes(self, sessions: list, renderer: object, params: SamplingParams, budget: object) -> list:
+        ...

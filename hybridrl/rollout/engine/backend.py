@@ -15,6 +15,8 @@ loop over the two:
 
 Host syncs happen every `sync_every` steps, or earlier when the next length limit is due. A slot that finishes
 between syncs idles until the next one. Prompt-major output order, as in `base.py`.
+
+`generate_episodes` runs multi-turn episodes through the same scheduler and runner (`multiturn.py`).
 """
 
 from __future__ import annotations
