@@ -2,6 +2,7 @@
 the same metrics bitwise and the same final parameters as a run that was never interrupted; a
 damaged newest checkpoint is skipped for the previous one; SIGTERM finishes the step and saves."""
 
+import errno
 import json
 import os
 import signal
@@ -13,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from conftest import contains_seven, tiny_actor, toy_prompts
 
-from hybridrl.checkpoint.store import CheckpointError, find_checkpoint, resolve_resume
+from hybridrl.checkpoint.store import CheckpointError, check_checkpoint, find_checkpoint, resolve_resume
 from hybridrl.data.datasets import PromptDataset
 from hybridrl.training.trainer import RLTrainer
 
@@ -227,3 +229,28 @@ def test_every_checkpoint_damaged_refuses_to_start_over_and_keeps_the_metrics(ki
     assert (out / "metrics.jsonl").read_bytes() == metrics
     assert f"checkpoint {out / 'checkpoints' / 'step_000001'} is damaged and is skipped" in capsys.readouterr().out
     assert resolve_resume("auto", tmp_path / "no_checkpoints_yet") is None  # a first run starts as before
+
+
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
+                                     SafetensorError("Error while serializing: I/O error: No space left on device")])
+def test_a_full_disk_while_saving_ends_in_one_sentence_and_publishes_nothing(tmp_path, monkeypatch, failure):
+    from hybridrl.checkpoint import store
+
+    trainer = make_trainer(tmp_path, trainer__total_steps=2)
+    real_save_file = store.save_file
+
+    def save_file(tensors, path, *args, **kwargs):
+        if trainer.step_count == 2 and "state" in Path(path).parts:
+            raise failure
+        return real_save_file(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(store, "save_file", save_file)
+    root = tmp_path / "checkpoints"
+    with pytest.raises(CheckpointError) as raised:
+        trainer.train()
+    message = str(raised.value)
+    assert message.startswith(f"writing {root / 'step_000002'} failed (") and "No space left on device" in message
+    assert "GiB are free there" in message and "trainer.resume=auto" in message and "\n" not in message
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]  # no .tmp-step_000002-*
+    assert (root / "latest").read_text().strip() == "step_000001"
+    assert check_checkpoint(root / "step_000001") is None

@@ -1,6 +1,7 @@
 """Nothing lost, nothing silent: a blowing-up run stops before it is saved, cut-short writes are cleaned up,
 full disks and closed pipes end in one sentence, a stop by signal exits 128 + signal."""
 
+import errno
 import inspect
 import json
 import math
@@ -187,3 +188,33 @@ def test_a_sigterm_stop_of_hybridrl_train_exits_143_after_saving(tmp_path):
     step = logged_steps(run)[-1]
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{step:06d}"
     assert not (run / "model").exists()  # a stopped run is not finished: only its checkpoint is written
+
+
+# ----------------------------------------------------------------------------------------------
+# The final model: written whole or not at all
+
+
+def test_a_failed_model_save_leaves_no_config_without_weights_and_keeps_the_old_model(tmp_path, monkeypatch):
+    from hybridrl.models.loading import ModelError, load_hf_model, save_hf_model
+
+    actor = tiny_actor()
+    target = tmp_path / "model"
+    save_hf_model(actor.model, actor.tokenizer, target)
+    before = sorted(p.name for p in target.iterdir())
+    assert "config.json" in before and any(name.endswith(".safetensors") for name in before)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(actor.tokenizer, "save_pretrained", full_disk)  # the weights and config are written first
+    with torch.no_grad():
+        next(actor.model.parameters()).add_(1.0)
+    with pytest.raises(ModelError, match=rf"^writing {target} failed \(.*No space left on device\): it needs about "):
+        save_hf_model(actor.model, actor.tokenizer, target)
+    assert sorted(p.name for p in target.iterdir()) == before  # the earlier model, untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary directory left
+    reloaded = load_hf_model(str(target), dtype="float32").model
+    assert not torch.equal(next(reloaded.parameters()), next(actor.model.parameters()))
+    with pytest.raises(ModelError):
+        save_hf_model(actor.model, actor.tokenizer, tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists()

@@ -50,11 +50,12 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from hybridrl.checkpoint.sharded_offload import gather_optimizer_state, offloaded_shards, scatter_optimizer_state
 from hybridrl.checkpoint.stop_signals import StopRequest, stop_on_signals  # noqa: F401 (the trainer's names)
+from hybridrl.models.loading import write_failure
 from hybridrl.models.qlora import holds_4bit_weights
 from hybridrl.parallel import process_group
 from hybridrl.parallel.process_group import DistributedSetup
@@ -298,19 +299,39 @@ def save_checkpoint(trainer: Checkpointable, root: str | Path, setup: Distribute
     tensors, optimizer_groups = tensor_state(models, setup)  # collective when sharded
     process_group.barrier(setup)  # the directory exists for every rank
     rng_tensors, rng_plain = rng_state()
-    save_file({k: v.contiguous() for k, v in rng_tensors.items()}, temporary / rng_file(setup.rank),
-              metadata={"plain": json.dumps(rng_plain)})
-    if setup.is_main:
-        save_tensors(tensors, temporary / "state")
-        actor = models["actor"][0]
-        _write_trainer_json(temporary, state, optimizer_groups, rng_plain, actor, setup.world_size)
-        save_hf_metadata(actor, tokenizer, temporary / "hf")
-    process_group.barrier(setup)  # every rank's RNG file is written before the marker lists them
-    if setup.is_main:
-        write_marker(temporary, state["step"])
-        _publish(root, temporary, name, keep_last_n)
-    process_group.barrier(setup)  # nobody moves on (or resumes) before the checkpoint is in place
+    failure = None
+    try:  # a full disk or an I/O error: every rank learns of it, and nothing half-written is published
+        save_file({k: v.contiguous() for k, v in rng_tensors.items()}, temporary / rng_file(setup.rank),
+                  metadata={"plain": json.dumps(rng_plain)})
+        if setup.is_main:
+            save_tensors(tensors, temporary / "state")
+            actor = models["actor"][0]
+            _write_trainer_json(temporary, state, optimizer_groups, rng_plain, actor, setup.world_size)
+            save_hf_metadata(actor, tokenizer, temporary / "hf")
+    except (OSError, SafetensorError) as error:
+        failure = error
+    if not _any_rank_failed(failure, setup):  # (a barrier: every rank's RNG file is written before the marker)
+        try:
+            if setup.is_main:
+                write_marker(temporary, state["step"])
+                _publish(root, temporary, name, keep_last_n)
+        except (OSError, SafetensorError) as error:
+            failure = error
+    if _any_rank_failed(failure, setup):  # (a barrier: nobody moves on before the checkpoint is in place)
+        if setup.is_main:
+            shutil.rmtree(temporary, ignore_errors=True)
+        needed = sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
+        what = failure or "another rank could not write its part; its error is above"
+        raise CheckpointError(f"{write_failure(root / name, what, needed)} (the checkpoints saved before it are "
+                              "intact: trainer.resume=auto continues from the newest).")
     return root / name
+
+
+def _any_rank_failed(failure: BaseException | None, setup: DistributedSetup) -> bool:
+    if not setup.is_distributed:
+        return failure is not None
+    flag = torch.tensor(float(failure is not None), device=setup.device)
+    return bool(process_group.all_reduce(flag, setup, op="max").item())
 
 
 def rng_file(rank: int) -> str:

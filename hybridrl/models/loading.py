@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
+import os
 import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from hybridrl.models import qlora
@@ -135,11 +137,39 @@ def load_hf_model(path_or_name: str, dtype: str | torch.dtype = "auto", attn_imp
 
 
 def save_hf_model(model: nn.Module, tokenizer: Any, path: str | Path, state_dict: dict | None = None) -> None:
-    """Write a Hugging Face directory (safetensors, config, tokenizer) that `from_pretrained` loads."""
+    """Write a Hugging Face directory (safetensors, config, tokenizer) that `from_pretrained` loads.
+
+    Written to a temporary directory beside `path` and renamed into place, so a failed save (a full disk)
+    leaves no config files without weights, and an existing `path` is replaced only by a complete one."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
-    tokenizer.save_pretrained(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.parent / f".tmp-{path.name}-{os.getpid()}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    try:
+        model.save_pretrained(temporary, safe_serialization=True,
+                              **({"state_dict": state_dict} if state_dict is not None else {}))
+        tokenizer.save_pretrained(temporary)
+    except (OSError, SafetensorError) as error:
+        shutil.rmtree(temporary, ignore_errors=True)
+        tensors = (state_dict if state_dict is not None else model.state_dict()).values()
+        raise ModelError(write_failure(path, error, sum(t.numel() * t.element_size() for t in tensors))) from None
+    if path.exists():
+        old = path.parent / f".old-{path.name}-{os.getpid()}"
+        os.rename(path, old)
+        os.rename(temporary, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(temporary, path)
+
+
+def write_failure(path: Path, error: BaseException | str, needed_bytes: int) -> str:
+    """One sentence for a write that failed (a full disk, a read-only or vanished filesystem): the path, the
+    error, the space the write needs and the space free there."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    free = shutil.disk_usage(existing).free
+    return (f"writing {path} failed ({error}): it needs about {needed_bytes / 2**30:.2f} GiB and "
+            f"{free / 2**30:.2f} GiB are free there; free some space (or point trainer.output_dir elsewhere) and "
+            "run again")
 
 
 class ValueModel(nn.Module):
