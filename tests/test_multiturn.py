@@ -15,6 +15,8 @@ from hybridrl.envs.tools import ToolBox, ToolEnvironment
 from hybridrl.models.loading import build_char_tokenizer
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.backend import BuiltinBackend
+from hybridrl.rollout.engine.llama_forward import extend, prefill, rope_table
+from hybridrl.rollout.engine.weights import resolve_weights
 from hybridrl.rollout.hf import HFBackend
 from hybridrl.rollout.multiturn import EpisodeBudget, make_sessions
 
@@ -133,6 +135,24 @@ def test_greedy_engine_episodes_equal_the_hf_reference(family):
     for episode in engine_episodes:
         torch.testing.assert_close(torch.tensor(episode.behaviour_logprobs), forward_logprobs(model, episode),
                                    atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_batched_extend_continues_each_slot_like_a_full_forward(family):
+    """The resume's fast path against one HF forward over the whole sequence: two slots of different context
+    lengths continued in one padded batch (the shorter row's padding lands past its own end)."""
+    model = make_model(family)
+    w = resolve_weights(model, fuse_qkv=True)
+    kv = torch.zeros(len(w.layers), 2, 3, w.num_kv_heads, 64, w.head_dim)
+    cos, sin = rope_table(model, 64, "cpu", torch.float32)
+    contexts, new = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]], [[20, 21], [22, 23, 24, 25, 26]]
+    prefill(w, kv, cos, sin, torch.tensor([contexts[0], contexts[1] + [0] * 4]), torch.tensor([7, 3]),
+            torch.tensor([0, 1]), torch.tensor([2, 0]))  # contexts in slots 2 and 0
+    logits = extend(w, kv, cos, sin, torch.tensor([new[0] + [0] * 3, new[1]]), torch.tensor([2, 5]),
+                    torch.tensor([7, 3]), torch.tensor([2, 0]), kv_end=9)
+    for row, (context, ids) in enumerate(zip(contexts, new)):
+        reference = model(torch.tensor([context + ids])).logits[0, -1].float()
+        torch.testing.assert_close(logits[row], reference, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3])

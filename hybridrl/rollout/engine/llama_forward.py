@@ -146,30 +146,34 @@ def prefill_layer(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos: torch
 
 
 def extend(w: ModelWeights, kv_cache: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
-           input_ids: torch.Tensor, slot: int, start: int) -> torch.Tensor:
-    """Continue one slot of the per-slot cache: feed `input_ids` (L,) at positions start..start+L-1, write their
-    KV there, attend to every earlier position the slot holds (positions < start, untouched) and causally among the
-    new ids. Returns float32 logits at the last new id, (V,). The multi-turn resume: only new tokens are computed."""
-    length = input_ids.shape[0]
-    end = start + length
-    if w.sliding_window is not None and end > w.sliding_window:
-        raise ValueError(f"an episode of {end} tokens exceeds the model's sliding window {w.sliding_window}.")
-    h = F.embedding(input_ids[None], w.embed)  # (1, L, hidden)
-    cos, sin = cos_table[start:end], sin_table[start:end]
-    query_positions = torch.arange(start, end, device=h.device)
-    visible = torch.arange(end, device=h.device)[None, :] <= query_positions[:, None]  # (L, end)
+           input_ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
+           kv_end: int) -> torch.Tensor:
+    """Continue slots of the per-slot cache (the multi-turn resume: only new tokens are computed). Row p feeds
+    `input_ids[p, :lengths[p]]` (P, L right-padded) at positions starts[p].., writes their KV into slot slots[p]
+    there, and attends to every earlier position the slot holds and causally among its new ids; `kv_end` >= every
+    starts + lengths. Padding is written past the row's own end (clamped into the slot), where nothing is visible
+    until a later step overwrites it. Returns float32 logits at each row's last new id, (P, V)."""
+    num_rows, length = input_ids.shape
+    if w.sliding_window is not None and kv_end > w.sliding_window:
+        raise ValueError(f"an episode of {kv_end} tokens exceeds the model's sliding window {w.sliding_window}.")
+    positions = (starts[:, None] + torch.arange(length, device=input_ids.device)).clamp_(max=kv_cache.shape[4] - 1)
+    visible = torch.arange(kv_end, device=input_ids.device) <= positions[:, :, None]  # (P, L, kv_end)
+    h = F.embedding(input_ids, w.embed)  # (P, L, hidden)
+    cos, sin = cos_table[positions], sin_table[positions]  # (P, L, D)
     for layer_index, lw in enumerate(w.layers):
         lw = unpacked(lw)
-        q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)  # (1, L, heads, D)
-        kv_cache[layer_index, 0, slot, :, start:end] = k[0].transpose(0, 1)
-        kv_cache[layer_index, 1, slot, :, start:end] = v[0].transpose(0, 1)
-        keys = kv_cache[layer_index, 0, slot:slot + 1, :, :end]  # (1, Hkv, end, D)
-        values = kv_cache[layer_index, 1, slot:slot + 1, :, :end]
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=visible, enable_gqa=True)
-        h = h + _linear(attn.transpose(1, 2).reshape(1, length, w.num_heads * w.head_dim), lw.o_weight, lw.o_bias,
-                        lw.o_lora)
+        q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)  # (P, L, heads, D)
+        # Advanced indices on dims 0 and 2 of (slots, Hkv, max_len, D) put (P, L) first: (P, L, Hkv, D).
+        kv_cache[layer_index, 0][slots[:, None], :, positions] = k
+        kv_cache[layer_index, 1][slots[:, None], :, positions] = v
+        keys, values = kv_cache[layer_index, 0, slots, :, :kv_end], kv_cache[layer_index, 1, slots, :, :kv_end]
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=visible[:, None],
+                                              enable_gqa=True)  # (P, heads, L, D)
+        h = h + _linear(attn.transpose(1, 2).reshape(num_rows, length, w.num_heads * w.head_dim), lw.o_weight,
+                        lw.o_bias, lw.o_lora)
         h = h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
-    return F.linear(rms_norm(h[0, -1], w.final_norm, w.rms_eps), w.lm_head).float()
+    last = h[torch.arange(num_rows, device=h.device), lengths - 1]  # (P, hidden)
+    return F.linear(rms_norm(last, w.final_norm, w.rms_eps), w.lm_head).float()
 
 
 def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, pending: tuple[torch.Tensor, ...],

@@ -17,7 +17,7 @@ Choices:
   prompt, so a sequence cannot grow by observations there: multi-turn is refused with it.
 - Each resumed turn draws its uniforms from a generator seeded by (seed, episode, turn), so a seeded run gives the
   same episodes whatever order the environments answer in.
-- Observation prefills run one slot at a time (observations are short; batching them is future work).
+- The observations that are back at one point are prefilled together (padded, chunked by `max_prefill_tokens`).
 """
 
 from __future__ import annotations
@@ -91,16 +91,19 @@ class EpisodeLoop:
         return [run.episode for run in self.runs]
 
     def _resume(self, scheduler: Scheduler) -> None:
+        resumes = []
         for slot, ids in self.ready:
-            sequence = scheduler.paused[slot]
-            episode_index = sequence.index
+            episode_index = scheduler.paused[slot].index
             run = self.runs[episode_index]
             start = run.num_tokens - len(ids) - 1  # the last sampled token's position: its KV is not written yet
-            fed = [run.last_turn_ids[-1], *ids]
             generator = torch.Generator(device=self.device)
             generator.manual_seed(self.seed * _SEED_STRIDE + episode_index * 1009 + run.episode.num_turns)
-            self.runner.extend(slot, fed, start, generator)
-            scheduler.resume(slot, start + len(fed), run.turn_limit(self.params.max_new_tokens))
+            resumes.append((slot, [run.last_turn_ids[-1], *ids], start, generator))
+        if resumes:
+            self.runner.extend(resumes)
+        for slot, fed, start, _ in resumes:
+            scheduler.resume(slot, start + len(fed), self.runs[scheduler.paused[slot].index].turn_limit(
+                self.params.max_new_tokens))
         self.ready = []
 
     def _harvest(self, scheduler: Scheduler) -> None:

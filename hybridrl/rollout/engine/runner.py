@@ -285,26 +285,42 @@ class ModelRunner:
         state.out_logprobs[slots_t, 0] = logprobs
         state.done[slots_t] = state.is_stop(tokens) | (state.max_new_tokens <= 1)
 
-    def extend(self, slot: int, ids: list[int], start: int, generator: torch.Generator) -> None:
-        """Multi-turn resume: feed `ids` at positions start.. onto the slot's own KV (per-slot layout), which holds
-        every earlier position, and draw the first token of the slot's next turn from the last logits; the uniforms
-        of that turn come from `generator` (one per episode and turn, so results do not depend on the order in
-        which environments answer)."""
+    def extend(self, resumes: list[tuple[int, list[int], int, torch.Tensor]]) -> None:
+        """Multi-turn resumes, each (slot, ids, start, generator): feed `ids` at positions start.. onto the slot's
+        own KV (per-slot layout), which holds every earlier position, and draw the first token of the slot's next
+        turn from the last logits. Padded batches of at most `max_prefill_tokens`; each turn's uniforms come from
+        its own `generator` (one per episode and turn, so results do not depend on the order in which
+        environments answer or on which resumes share a batch)."""
+        lengths = [len(ids) for _, ids, _, _ in resumes]
+        for chunk in prefill_chunks(lengths, list(range(len(resumes))), self.options.max_prefill_tokens):
+            self._extend_chunk([resumes[i] for i in chunk])
+            self.run.stats.prefill_tokens += sum(lengths[i] for i in chunk)
+        self.run.stats.observation_prefills += len(resumes)
+
+    def _extend_chunk(self, resumes: list[tuple[int, list[int], int, torch.Tensor]]) -> None:
         run, state = self.run, self.run.state
         device = state.done.device
-        logits = extend(run.weights, run.cache.kv, run.cos, run.sin, host_to_device(torch.tensor(ids), device),
-                        slot, start)
-        uniforms = torch.rand(state.max_new_tokens, generator=generator, device=device)
-        tokens, logprobs = sample(logits[None], run.settings, uniforms[:1])
-        state.uniform_table[slot] = uniforms
-        state.last_token[slot] = tokens[0]
-        state.prompt_len[slot] = start + len(ids)
-        state.gen_len[slot] = 1
-        state.out_tokens[slot, 0] = tokens[0]
-        state.out_logprobs[slot, 0] = logprobs[0]
-        state.done[slot] = state.is_stop(tokens)[0] | (state.max_new_tokens <= 1)
-        run.stats.prefill_tokens += len(ids)
-        run.stats.observation_prefills += 1
+        width = max(len(ids) for _, ids, _, _ in resumes)
+        input_ids = torch.zeros(len(resumes), width, dtype=torch.long)
+        for row, (_, ids, _, _) in enumerate(resumes):
+            input_ids[row, :len(ids)] = torch.tensor(ids)
+        index_lists = [[slot for slot, _, _, _ in resumes], [len(ids) for _, ids, _, _ in resumes],
+                       [start for _, _, start, _ in resumes]]
+        on_device = host_to_device(torch.tensor(index_lists, dtype=torch.long), device)
+        slots, lengths, starts = on_device
+        kv_end = max(start + len(ids) for _, ids, start, _ in resumes)
+        logits = extend(run.weights, run.cache.kv, run.cos, run.sin, host_to_device(input_ids, device), lengths,
+                        starts, slots, kv_end)
+        uniforms = torch.stack([torch.rand(state.max_new_tokens, generator=generator, device=device)
+                                for _, _, _, generator in resumes])
+        tokens, logprobs = sample(logits, run.settings, uniforms[:, 0])
+        state.uniform_table[slots] = uniforms
+        state.last_token[slots] = tokens
+        state.prompt_len[slots] = starts + lengths
+        state.gen_len.index_fill_(0, slots, 1)
+        state.out_tokens[slots, 0] = tokens
+        state.out_logprobs[slots, 0] = logprobs
+        state.done[slots] = state.is_stop(tokens) | (state.max_new_tokens <= 1)
 
     def pause(self, slots: list[int]) -> None:
         """Mark paused slots finished on the device, so decode steps leave their state (and KV) alone."""
