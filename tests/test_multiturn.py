@@ -91,8 +91,10 @@ def sessions(factory=Echo, n: int = 2, rows=ROWS):
     return make_sessions(factory, rows, n=n, name="test_multiturn.py:Echo")
 
 
-def both(model, factory=Echo, params=None, budget=EpisodeBudget(max_turns=4, max_episode_tokens=400), n=2, rows=ROWS,
-         **engine_options):
+BUDGET = EpisodeBudget(max_turns=4, max_episode_tokens=400)
+
+
+def both(model, factory=Echo, params=None, budget=BUDGET, n=2, rows=ROWS, **engine_options):
     params = params or SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=[IM_END])
     renderer = ObservationRenderer(TOKENIZER)
     engine = BuiltinBackend(model, tokenizer=TOKENIZER, sync_every=4, **engine_options)

@@ -122,9 +122,9 @@ class EpisodeRun:
         marker = self.renderer.encode(self.budget.truncation_marker)[:limit]
         return ids[:limit - len(marker)] + marker
 
-    def _end(self, reason: str) -> None:  # returns None: nothing more to feed
+    def _end(self, reason: str) -> None:
+        """Nothing more to feed: `add_step` returns this None."""
         self.episode.done_reason, self.done = reason, True
-        return None
 
 
 async def start_runs(sessions: Sequence[EnvironmentSession], renderer: ObservationRenderer, budget: EpisodeBudget,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+
 import torch
 
 from hybridrl.envs.episode import Episode
