@@ -3,8 +3,6 @@ regenerated from the whole sequence), on tiny seeded float32 models with a Qwen-
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -16,6 +14,7 @@ from hybridrl.models.loading import build_char_tokenizer
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.backend import BuiltinBackend
 from hybridrl.rollout.engine.llama_forward import extend, prefill, rope_table
+from hybridrl.rollout.engine.scheduler import Scheduler
 from hybridrl.rollout.engine.weights import resolve_weights
 from hybridrl.rollout.hf import HFBackend
 from hybridrl.rollout.multiturn import EpisodeBudget, make_sessions
@@ -361,7 +360,24 @@ def test_n_must_be_one_session_per_episode():
     with pytest.raises(ValueError, match="SamplingParams.n must be 1"):
         BuiltinBackend(make_model("llama")).generate_episodes(
             sessions(), ObservationRenderer(TOKENIZER), SamplingParams(n=2), EpisodeBudget())
-    assert math.isfinite(EpisodeBudget().max_episode_tokens)
+
+
+def test_scheduler_pauses_resumes_and_ends_turns_at_their_limit():
+    scheduler = Scheduler([0, 0, 1], [4, 4, 2], num_slots=2)
+    first, second = scheduler.admit()
+    first.limit = 3
+    assert scheduler.steps_until_sync(16, max_new_tokens=8) == 2  # the first turn's limit is 1 + 2 steps away
+    scheduler.record_progress([3, 3])
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    ended = scheduler.harvest([0, 0], tokens, stop_ids={99}, cut_at_stop_string=None, pause=True)
+    assert [(item.slot, item.length, item.reason) for item in ended] == [(0, 3, "length")]
+    assert scheduler.paused == {0: first} and not scheduler.admit()  # a paused sequence keeps its slot
+    assert scheduler.furthest_position() == 4 + 3
+    scheduler.resume(0, context_len=12, limit=5)
+    assert (first.prompt_len, first.generated, first.limit) == (12, 1, 5) and scheduler.live[0] is first
+    scheduler.pause(0)
+    scheduler.finish(0)  # the episode ended while paused: its slot goes to the waiting sequence
+    assert [sequence.index for sequence in scheduler.admit()] == [2]
 
 
 @pytest.mark.gpu
