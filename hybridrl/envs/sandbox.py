@@ -148,11 +148,13 @@ def _bwrap_prefix(workdir: Path) -> list[str]:
     args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     for path in _READ_ONLY_SYSTEM:
         args += ["--ro-bind-try", path, path]
+    # Later mounts cover earlier ones: the private /tmp first, then the interpreter (a venv may live under /tmp),
+    # then the working directory (made under /tmp too).
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
     python_dirs = {sys.prefix, sys.base_prefix, str(Path(sys.executable).resolve().parent.parent)}
     for path in sorted(python_dirs):
         args += ["--ro-bind", path, path]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", str(workdir), str(workdir),
-             "--chdir", str(workdir)]
+    args += ["--bind", str(workdir), str(workdir), "--chdir", str(workdir)]
     return args + ["--"]
 
 
