@@ -330,6 +330,19 @@ class TrainerConfig:
     full weights do not fit twice on one GPU)."""
     hang_timeout_s: float = 900.0
     """A multi-process run stops, naming the rank, when one rank completes no trainer phase for this long."""
+    divergence_check: bool = True
+    """Stop the run before its checkpoint when a step shows it blowing up (`training/divergence.py`): non-finite
+    losses, gradient norms, entropy or weights, or one of the bounds below; nothing is saved over the last good step."""
+    divergence_max_grad_norm: float = 1e5
+    """Largest gradient norm (before clipping) of the actor or critic; 0: no bound."""
+    divergence_entropy_ratio: float = 3.0
+    """The run stops when the policy's entropy is more than this many times its first step's, and more than
+    `divergence_entropy_margin` nats above it (a policy collapsed to noise); 0: no bound."""
+    divergence_entropy_margin: float = 1.0
+    """See `divergence_entropy_ratio`."""
+    divergence_max_weight_growth: float = 100.0
+    """Largest trainable weight, in multiples of the largest at the start of the run; 0: not checked (saves one
+    reduction over the weights per step)."""
 
 
 @dataclass

@@ -21,10 +21,11 @@ import torch
 from hybridrl import algorithms
 from hybridrl.checkpoint import store as checkpoint
 from hybridrl.checkpoint.run_lock import lock_owner, output_dir_lock
+from hybridrl.checkpoint.stop_signals import stop_on_signals
 from hybridrl.config.loading import load_config
 from hybridrl.config.schema import Config
 from hybridrl.data.datasets import PromptDataset
-from hybridrl.metrics.sinks import MetricsLogger
+from hybridrl.metrics.sinks import MetricsLogger, print_unless_closed
 from hybridrl.metrics.summary import run_summary
 from hybridrl.models.loading import HFModel, save_hf_model
 from hybridrl.parallel import fsdp, process_group, sharding, watchdog
@@ -34,6 +35,7 @@ from hybridrl.rollout.engine.kernel_choices import resolve_attention
 from hybridrl.rollout.timeline import phase_seconds
 from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_responses
 from hybridrl.training.components import Components, build_components
+from hybridrl.training.divergence import DivergenceGuard, Limits
 from hybridrl.training.evaluation import EVAL_BATCH, answer_column, exact_agreement
 from hybridrl.training.logprobs import response_logprobs
 from hybridrl.training.phase_switch import rollout_phase
@@ -101,6 +103,8 @@ class RLTrainer:
                                                   eval_dataset=eval_dataset)
         self.device = self.parts.device
         self.step_count = 0
+        self.stopped_by: str | None = None
+        """What stopped the last `train()` early (a signal's name), or None when it ran to its last step."""
         self.froze_warm_up_objects = False  # see `freeze_warm_up_objects`, done after this process's first step
         self.output_dir = Path(config.trainer.output_dir)
         sinks = config.logging.sinks if self.parts.setup.is_main else []  # rank 0 logs
@@ -118,19 +122,19 @@ class RLTrainer:
         with output_dir_lock(self.output_dir, enabled=lock_owner(self.parts.setup.rank)):
             start = time.time()
             if self.parts.setup.is_main:
-                print(self.describe(), flush=True)
+                print_unless_closed(self.describe())
             self.resume()
-            stopped_by = self.run_steps()
-            saved = not stopped_by and self.config.trainer.save_model
-            if stopped_by:
-                print(f"stopped by {stopped_by} after step {self.step_count}; checkpoint saved in "
-                      f"{self.output_dir / 'checkpoints'}; rerun with trainer.resume=auto to continue", flush=True)
+            self.stopped_by = self.run_steps()
+            saved = not self.stopped_by and self.config.trainer.save_model
+            if self.stopped_by:
+                print_unless_closed(f"stopped by {self.stopped_by} after step {self.step_count}; checkpoint saved in "
+                                    f"{self.output_dir / 'checkpoints'}; rerun with trainer.resume=auto to continue")
             elif saved:
                 self.save_model()
             self.logger.close()
             if self.parts.setup.is_main:
-                print(run_summary(self.logger.history, time.time() - start, self.output_dir,
-                                  self.output_dir / "model" if saved else None, self.config.algorithm.name), flush=True)
+                print_unless_closed(run_summary(self.logger.history, time.time() - start, self.output_dir,
+                                                self.output_dir / "model" if saved else None, self.config.algorithm.name))
         process_group.shutdown(self.parts.setup)
         return self.logger.history
 
@@ -138,15 +142,19 @@ class RLTrainer:
         """step -> evaluate (when due) -> log -> checkpoint (when due), until the last step or a SIGINT/SIGTERM,
         after which the step finishes and is saved; returns what stopped it early, or None."""
         cfg = self.config.trainer
-        with checkpoint.stop_on_signals() as stop:
+        with stop_on_signals() as stop:
             if self.step_count == 0 and self.due(cfg.eval_every) and self.parts.eval_dataset is not None:
                 self.logger.log(0, self.evaluate())
+            guard = DivergenceGuard(self.parts.actor, self.parts.setup, Limits(
+                cfg.divergence_max_grad_norm, cfg.divergence_entropy_ratio, cfg.divergence_entropy_margin,
+                cfg.divergence_max_weight_growth), enabled=cfg.divergence_check)
             stopping = False
             while self.step_count < cfg.total_steps and not stopping:
                 metrics = self.step_saving_on_user_error()
                 if self.due(cfg.eval_every) and self.parts.eval_dataset is not None:
                     metrics.update(self.evaluate())
                 self.logger.log(self.step_count, metrics)
+                guard.check(self.logger.history)  # before the checkpoint: a diverged step is never saved
                 stopping = self.any_rank_stopping(bool(stop))
                 if stopping or self.due(cfg.save_every):
                     self.save_checkpoint()
@@ -270,7 +278,7 @@ class RLTrainer:
             return
         seconds = checkpoint.load_checkpoint(self, directory, setup)
         if setup.is_main:
-            print(f"resumed from {directory} at step {self.step_count} in {seconds:.2f} s", flush=True)
+            print_unless_closed(f"resumed from {directory} at step {self.step_count} in {seconds:.2f} s")
         self.logger.add_once({"perf/resume_s": seconds})
 
     def save_model(self) -> None:
@@ -278,7 +286,7 @@ class RLTrainer:
         state = fsdp.full_state_dict(self.parts.actor, self.parts.setup)
         if self.parts.setup.is_main:
             save_hf_model(self.parts.actor, self.parts.tokenizer, self.output_dir / "model", state_dict=state)
-            print(f"saved the trained model to {self.output_dir / 'model'} (a Hugging Face directory)", flush=True)
+            print_unless_closed(f"saved the trained model to {self.output_dir / 'model'} (a Hugging Face directory)")
 
     # ------------------------------------------------------------------------------------------
     # Phases
