@@ -21,6 +21,7 @@ Choices:
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Protocol
 
 import torch
@@ -131,6 +132,22 @@ def rloo_advantages(scores: Tensor, mask: Tensor, group_size: int) -> tuple[Tens
     return advantages, advantages
 
 
+@torch.no_grad()
+def remax_advantages(scores: Tensor, baseline_scores: Tensor, mask: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """ReMax (Li et al. 2023, arXiv:2310.10505): each score minus the score of the greedy response to
+    the same prompt. `scores (B,)` group-major, `baseline_scores (B / group_size,)` one per prompt.
+
+    The greedy response is a baseline that does not depend on the sampled action, so the gradient
+    stays unbiased, and one sample per prompt suffices (group_size may be 1).
+    """
+    grouped = _grouped(scores, group_size)  # (num_groups, group_size)
+    if baseline_scores.shape != (grouped.shape[0],):
+        raise ValueError(f"ReMax needs one greedy baseline score per prompt: {grouped.shape[0]} prompts, "
+                         f"got baseline scores of shape {tuple(baseline_scores.shape)}.")
+    advantages = (grouped - baseline_scores.to(grouped)[:, None]).reshape(-1, 1) * mask  # (B, T)
+    return advantages, advantages
+
+
 def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     """Return-to-go G_t = r_t + gamma * G_{t+1} over valid tokens (B, T); padding -> 0."""
     returns = torch.zeros_like(token_rewards)
@@ -144,13 +161,14 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Ten
 
 @torch.no_grad()
 def reinforce_pp_advantages(token_rewards: Tensor, mask: Tensor, gamma: float) -> tuple[Tensor, Tensor]:
-    """REINFORCE++: discounted return-to-go, whitened over all valid tokens of the batch.
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262): returns are the discounted return-to-go, advantages those
+    returns whitened over all valid tokens of the batch.
 
     The batch-wide whitening replaces a critic's baseline; it is not per prompt, which the paper
     argues is less prone to overfitting easy prompts than GRPO's group normalisation.
     """
-    advantages = masked_whiten(discounted_returns(token_rewards, mask, gamma), mask)
-    return advantages, advantages
+    returns = discounted_returns(token_rewards, mask, gamma)  # (B, T)
+    return masked_whiten(returns, mask), returns
 
 
 @torch.no_grad()
@@ -336,30 +354,20 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
-def policy_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float,
-    dual_clip: float | None = None, aggregation: str = "token-mean", num_tokens: Normalizer = None,
-    num_sequences: Normalizer = None, max_length: int | None = None, ratio_level: str = "token",
-    sampler_logp: Tensor | None = None, correction_cap: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate on (B, T) inputs; returns (scalar loss, detached metrics).
+# Each policy-loss variant maps (log_ratio (B, T), logp, advantages, mask, settings) to a per-token loss
+# (B, T) and its metrics; `policy_loss` wraps them with the ratio level, the rollout corrections and the
+# aggregation. `log_ratio` is log(pi / pi_old), per token or (GSPO) the sequence's mean on every token.
+
+
+def ppo_surrogate(log_ratio: Tensor, logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
+                  clip_high: float, dual_clip: float | None = None, **_) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), per token (B, T).
 
     The ratio is clipped to [1 - clip_low, 1 + clip_high]; a larger `clip_high` is DAPO's
     clip-higher, which leaves room to raise unlikely tokens and slows entropy collapse. With
     `dual_clip = c > 1`, tokens with negative advantage have their loss capped at -c * A (Ye et
-    al. 2020), so a huge ratio on a bad token cannot blow up the update. Clipped tokens get no
-    gradient. `ratio_level="sequence"` is GSPO (Zheng et al. 2025): every token of a sequence uses
-    the sequence's ratio, exp of the mean log-ratio over its tokens, so one odd token cannot swing
-    the clipping of the others. `correction_cap` (with `sampler_logp`) is truncated importance
-    sampling for the rollout engine's numerical mismatch: each token's loss is weighted by
-    min(pi_old / pi_sampler, cap), detached, since the tokens were drawn by the sampler, not by the
-    trainer's pi_old. Metrics: `clipfrac` (valid tokens whose loss either clip changed),
-    `dual_clipfrac`, `approx_kl` (k3 of KL(old || new)), and with the correction
-    `rollout_correction_weight` (mean weight) and `rollout_correction_capped` (fraction capped).
+    al. 2020), so a huge ratio on a bad token cannot blow up the update. Clipped tokens get no gradient.
     """
-    log_ratio = logp - old_logp  # (B, T)
-    if ratio_level == "sequence":
-        log_ratio = masked_mean(log_ratio, mask, dim=1)[:, None].expand_as(logp)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
@@ -369,17 +377,127 @@ def policy_loss(
         cap = -dual_clip * advantages
         dual_clipped = (advantages < 0) & (loss > cap)
         loss = torch.where(dual_clipped, cap, loss)
-    metrics = {
-        "clipfrac": masked_mean((loss != unclipped).to(mask.dtype), mask).detach(),
-        "dual_clipfrac": masked_mean(dual_clipped.to(mask.dtype), mask).detach(),
-        "approx_kl": masked_mean(kl_penalty(old_logp, logp, "k3"), mask).detach(),
-    }
+    return loss, {"clipfrac": masked_mean((loss != unclipped).to(mask.dtype), mask).detach(),
+                  "dual_clipfrac": masked_mean(dual_clipped.to(mask.dtype), mask).detach()}
+
+
+def cispo_surrogate(log_ratio: Tensor, logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
+                    clip_high: float, **_) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585): -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi, per token.
+
+    The importance weight is clipped and detached instead of the update: every token keeps a gradient
+    (A * clipped weight * grad log pi), so rare tokens whose ratio leaves the band (often the "forking"
+    tokens of a reasoning chain) are not dropped as PPO drops them. Written as the weight times
+    exp(logp - sg(logp)), which is 1 in value and has grad log pi, so the loss reads -weight * A.
+    The paper bounds the weight above only; clip_low close to 1 (e.g. 0.99) does the same.
+    """
+    weight = torch.exp(log_ratio).detach()
+    clipped_weight = torch.clamp(weight, 1 - clip_low, 1 + clip_high)
+    loss = -advantages * clipped_weight * torch.exp(logp - logp.detach())
+    return loss, {"clipfrac": masked_mean((clipped_weight != weight).to(mask.dtype), mask).detach()}
+
+
+def gmpo_surrogate(log_ratio: Tensor, logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
+                   clip_high: float, **_) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO (Zhao et al. 2025, arXiv:2507.20673): PPO's objective on the geometric mean of a sequence's
+    token ratios, -A_i * exp(mean_t clipped log r_t), the clip taken per token in log space.
+
+    Each token's log-ratio is clipped pessimistically for the sign of the sequence's advantage (to at
+    most log(1 + clip_high) when A > 0, at least log(1 - clip_low) when A < 0), then averaged over the
+    sequence's tokens. The geometric mean is far less swayed by one extreme token than GRPO's
+    arithmetic mean, so wider bounds are stable (the paper uses e^-0.4 .. e^0.4: clip_low 0.33,
+    clip_high 0.49). The sequence's loss is placed on each of its tokens; "seq-mean-token-mean"
+    aggregation gives the paper's per-sequence mean.
+    """
+    sequence_advantage = masked_mean(advantages, mask, dim=1)[:, None]  # (B, 1)
+    bounded = torch.clamp(log_ratio, math.log(1 - clip_low), math.log1p(clip_high))
+    clipped_log_ratio = torch.where(sequence_advantage > 0, torch.minimum(log_ratio, bounded),
+                                    torch.maximum(log_ratio, bounded))  # (B, T)
+    sequence_ratio = torch.exp(masked_mean(clipped_log_ratio, mask, dim=1))[:, None]  # (B, 1)
+    loss = (-sequence_advantage * sequence_ratio).expand_as(logp)
+    clipped = (clipped_log_ratio != log_ratio) & (sequence_advantage != 0)
+    return loss, {"clipfrac": masked_mean(clipped.to(mask.dtype), mask).detach()}
+
+
+def sapo_surrogate(log_ratio: Tensor, logp: Tensor, advantages: Tensor, mask: Tensor,
+                   sapo_temperatures: tuple[float, float] = (1.0, 1.05), **_) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (Gao et al. 2025, arXiv:2511.20347): -A * (4 / tau) * sigmoid(tau * (r - 1)), per token.
+
+    A smooth gate instead of the hard clip: the gradient weight 4 * s * (1 - s), s = sigmoid(tau * (r - 1)),
+    is 1 at r = 1 (PPO's on-policy gradient) and decays smoothly as r leaves 1, so off-policy tokens are
+    attenuated, not cut. `sapo_temperatures = (tau_pos, tau_neg)` for positive / other advantages; the
+    larger tau_neg (paper: 1.0 and 1.05) damps negative updates faster, which the paper finds stabler.
+    Metric `clipfrac`: tokens whose gradient weight fell below one half.
+    """
+    tau_positive, tau_negative = sapo_temperatures
+    tau = torch.where(advantages > 0, tau_positive, tau_negative).to(log_ratio.dtype)  # (B, T)
+    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1))
+    loss = -advantages * gate * 4 / tau
+    attenuated = 4 * gate * (1 - gate) < 0.5
+    return loss, {"clipfrac": masked_mean(attenuated.detach().to(mask.dtype), mask).detach()}
+
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
+    "ppo": ppo_surrogate,
+    "cispo": cispo_surrogate,
+    "gmpo": gmpo_surrogate,
+    "sapo": sapo_surrogate,
+}
+"""Config name (`algorithm.policy_loss`) -> per-token surrogate."""
+
+
+def sequence_mismatch_mask(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """(B,) bool: True for sequences to keep, whose geometric-mean ratio pi_old / pi_sampler over their valid
+    tokens lies in [1 / threshold, threshold] (sequence-level masked importance sampling, MIS; Yao et al. 2025,
+    "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", and verl's geo_mask). A
+    sequence the sampler drew with log-probs far from the trainer's is a sample of another policy: it is
+    dropped whole rather than reweighted token by token."""
+    log_ratio = masked_mean(old_logp.detach() - sampler_logp, mask, dim=1)  # (B,)
+    return log_ratio.abs() <= math.log(threshold)
+
+
+def policy_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float,
+    dual_clip: float | None = None, aggregation: str = "token-mean", num_tokens: Normalizer = None,
+    num_sequences: Normalizer = None, max_length: int | None = None, ratio_level: str = "token",
+    sampler_logp: Tensor | None = None, correction_cap: float | None = None, loss_type: str = "ppo",
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05), sequence_mask_threshold: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The policy loss on (B, T) inputs; returns (scalar loss, detached metrics).
+
+    `loss_type` picks the surrogate in `POLICY_LOSSES` (default PPO's clipped surrogate; see each
+    function). `ratio_level="sequence"` is GSPO (Zheng et al. 2025): every token of a sequence uses
+    the sequence's ratio, exp of the mean log-ratio over its tokens, so one odd token cannot swing
+    the clipping of the others. Two corrections for the rollout engine's numerical mismatch, since the
+    tokens were drawn by the sampler, not by the trainer's pi_old, both needing `sampler_logp`:
+    `correction_cap` is truncated importance sampling, each token's loss weighted by
+    min(pi_old / pi_sampler, cap), detached; `sequence_mask_threshold` zeroes the loss of whole
+    sequences that `sequence_mismatch_mask` rejects (they still count in the normaliser, as a weight of
+    0 would). Metrics: `clipfrac` (valid tokens the surrogate's clip or gate changed), `dual_clipfrac`
+    (PPO), `approx_kl` (k3 of KL(old || new)); with the corrections `rollout_correction_weight` (mean
+    weight), `rollout_correction_capped` (fraction of tokens capped), `rollout_correction_masked` (fraction
+    of sequences with tokens that were masked).
+    """
+    if loss_type not in POLICY_LOSSES:
+        raise ValueError(f"Unknown policy loss {loss_type!r}; allowed: {', '.join(POLICY_LOSSES)}.")
+    log_ratio = logp - old_logp  # (B, T)
+    if ratio_level == "sequence":
+        log_ratio = masked_mean(log_ratio, mask, dim=1)[:, None].expand_as(logp)
+    loss, metrics = POLICY_LOSSES[loss_type](log_ratio, logp, advantages, mask, clip_low=clip_low,
+                                             clip_high=clip_high, dual_clip=dual_clip,
+                                             sapo_temperatures=sapo_temperatures)
+    metrics["approx_kl"] = masked_mean(kl_penalty(old_logp, logp, "k3"), mask).detach()
     if correction_cap is not None:
         weight = torch.exp(old_logp.detach() - sampler_logp)
         metrics["rollout_correction_capped"] = masked_mean((weight > correction_cap).to(mask.dtype), mask).detach()
         weight = weight.clamp(max=correction_cap)
         metrics["rollout_correction_weight"] = masked_mean(weight, mask).detach()
         loss = loss * weight
+    if sequence_mask_threshold is not None:
+        keep = sequence_mismatch_mask(old_logp, sampler_logp, mask, sequence_mask_threshold)  # (B,)
+        has_tokens = (mask.sum(dim=1) > 0).to(mask.dtype)
+        metrics["rollout_correction_masked"] = masked_mean((~keep).to(mask.dtype), has_tokens).detach()
+        loss = loss * keep.to(loss.dtype)[:, None]
     return aggregate_loss(loss, mask, aggregation, num_tokens, num_sequences, max_length), metrics
 
 

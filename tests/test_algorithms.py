@@ -103,7 +103,7 @@ def test_reinforce_pp_whitens_returns_over_batch_tokens():
     s = math.sqrt(0.45)
     adv, returns = reinforce_pp_advantages(rewards, mask, gamma=0.5)
     close(adv, [[-0.7 / s, -0.45 / s, 0.05 / s], [0.05 / s, 1.05 / s, 0.0]])
-    close(returns, adv)
+    close(returns, [[0.25, 0.5, 1.0], [1.0, 2.0, 0.0]])  # the return-to-go itself, not whitened
 
 
 def test_reinforce_pp_baseline_centres_per_group_then_whitens_over_batch():

@@ -38,6 +38,17 @@ def validate(config: Config) -> None:
              "rollout.num_samples_per_prompt > 1.")
     _require(a.rollout_correction_cap is None or a.rollout_correction_cap >= 1,
              "algorithm.rollout_correction_cap must be >= 1 (e.g. 2.0) or null.")
+    _require(a.rollout_sequence_mask_threshold is None or a.rollout_sequence_mask_threshold > 1,
+             "algorithm.rollout_sequence_mask_threshold must be > 1 (e.g. 2.0) or null.")
+    _require(a.policy_loss in ("ppo", "cispo", "gmpo", "sapo"),
+             f"algorithm.policy_loss must be ppo, cispo, gmpo or sapo; got {a.policy_loss!r}.")
+    _require(a.sapo_temperature_positive > 0 and a.sapo_temperature_negative > 0,
+             "algorithm.sapo_temperature_positive and algorithm.sapo_temperature_negative must be > 0.")
+    _require(a.ratio_level == "token" or a.policy_loss == "ppo",
+             f"algorithm.ratio_level=sequence (GSPO) works with algorithm.policy_loss=ppo only, not "
+             f"{a.policy_loss!r}; set ratio_level=token.")
+    _require(a.dual_clip is None or a.policy_loss == "ppo",
+             f"algorithm.dual_clip applies to algorithm.policy_loss=ppo only, not {a.policy_loss!r}; set it to null.")
     _require(0 <= a.gamma <= 1, "algorithm.gamma must be in [0, 1].")
     _require(0 <= a.lam <= 1, "algorithm.lam must be in [0, 1].")
     _require(a.kl_coef >= 0, "algorithm.kl_coef must be >= 0.")

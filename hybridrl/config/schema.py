@@ -198,6 +198,25 @@ class AlgorithmConfig:
     """Weight each token's policy loss by min(pi_old / pi_sampler, cap): truncated importance sampling for
     the gap between the sampler's and the trainer's log-probs (TRL's vllm_importance_sampling_cap, verl's
     tis_imp_ratio_cap; 2.0 is usual); null disables."""
+    rollout_sequence_mask_threshold: float | None = None
+    """Leave out of the policy loss whole sequences whose geometric-mean ratio pi_old / pi_sampler over their
+    tokens is outside [1 / threshold, threshold]: sequence-level masked importance sampling (MIS) for a
+    rollout engine whose log-probs drift from the trainer's (low-precision or quantized sampling, long
+    responses). Where rollout_correction_cap reweights tokens, this drops samples of what is effectively
+    another policy; the two combine. Logged as `actor/rollout_correction_masked` (fraction of sequences).
+    Values near 2.0 are usual; null disables."""
+    policy_loss: Literal["ppo", "cispo", "gmpo", "sapo"] = "ppo"
+    """The policy surrogate (`algorithms.POLICY_LOSSES`): `ppo` clips the ratio per token (PPO/GRPO/DAPO, and
+    GSPO with ratio_level=sequence); `cispo` clips a detached importance weight on log pi so no token loses
+    its gradient (MiniMax-M1; try when clipping drops the rare tokens a reasoning chain turns on); `gmpo`
+    uses the geometric mean of a sequence's token ratios, clipped in log space (stabler with wider clip
+    ratios, e.g. 0.33 / 0.49); `sapo` replaces the clip by a smooth gate (sapo_temperature_*). The clip
+    ratios set the bounds of ppo, cispo and gmpo; sapo ignores them."""
+    sapo_temperature_positive: float = 1.0
+    """SAPO: gate temperature for tokens with positive advantage; larger damps off-policy updates sooner."""
+    sapo_temperature_negative: float = 1.05
+    """SAPO: gate temperature for tokens with zero or negative advantage; kept above the positive one, as the
+    paper does, because negative updates spread probability over many tokens and destabilise sooner."""
     loss_aggregation: Literal[
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
     """How per-token losses become one number (see `algorithms.aggregate_loss` for each mode)."""

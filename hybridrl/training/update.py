@@ -193,7 +193,9 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
         loss, stats = algorithms.policy_loss(
             logp, old_logp, part.advantages, mask, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
             dual_clip=a.dual_clip, aggregation=a.loss_aggregation, ratio_level=a.ratio_level,
-            sampler_logp=part.sampler_logp, correction_cap=a.rollout_correction_cap, **norm)
+            sampler_logp=part.sampler_logp, correction_cap=a.rollout_correction_cap, loss_type=a.policy_loss,
+            sapo_temperatures=(a.sapo_temperature_positive, a.sapo_temperature_negative),
+            sequence_mask_threshold=a.rollout_sequence_mask_threshold, **norm)
         entropy_term = algorithms.aggregate_loss(entropy, mask, a.loss_aggregation, **norm)
         loss = loss - a.entropy_coef * entropy_term
         stats = {**stats, "entropy": algorithms.masked_mean(entropy.detach(), mask)}
