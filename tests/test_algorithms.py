@@ -354,3 +354,101 @@ def test_uniform_groups_marks_every_sample_of_a_group_that_scored_alike():
 
     assert uniform_groups(t([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]), 2).tolist() == [True, True, False, False, True, True]
     assert uniform_groups(t([0.0, 0.0, 0.0, 1.0]), 4).tolist() == [False] * 4
+
+
+# --- policy-loss variants, MIS, ReMax ---------------------------------------------------------
+
+from conftest import contains_seven, tiny_actor, toy_prompts  # noqa: E402
+
+from hybridrl.algorithms import POLICY_LOSSES, remax_advantages, sequence_mismatch_mask  # noqa: E402
+
+
+def test_ppo_is_the_default_policy_loss_and_the_names_match_the_config():
+    assert typing.get_args(typing.get_type_hints(AlgorithmConfig)["policy_loss"]) == tuple(POLICY_LOSSES)
+    assert AlgorithmConfig().policy_loss == "ppo"
+
+
+def test_cispo_keeps_every_token_with_a_clipped_detached_weight():
+    # Ratios e^0.5 = 1.6487 (clipped to 1.2), 1, e^-0.5 = 0.6065 (clipped to 0.8); A = [1, -1, 1]; token-mean.
+    logp = t([[0.5, 0.0, -0.5]]).requires_grad_()
+    advantages, mask = t([[1.0, -1.0, 1.0]]), t([[1, 1, 1]])
+    loss, metrics = policy_loss(logp, torch.zeros_like(logp), advantages, mask, 0.2, 0.2, loss_type="cispo")
+    close(loss.detach(), -(1.2 - 1.0 + 0.8) / 3)
+    close(metrics["clipfrac"], 2 / 3)
+    loss.backward()
+    close(logp.grad, [[-1.2 / 3, 1.0 / 3, -0.8 / 3]])  # -A * weight / 3: no token loses its gradient
+
+
+def test_gmpo_clips_log_ratios_by_the_advantage_sign_then_takes_the_geometric_mean():
+    # Row 0, A = 2, log-ratios [0.5, -0.5, 0]: only the top is clipped, to log 1.2 -> mean (log 1.2 - 0.5) / 3.
+    # Row 1, A = -1, log-ratios [0.5, -0.5] (third token padding): only the bottom, to log 0.8 -> (0.5 + log .8) / 2.
+    logp = t([[0.5, -0.5, 0.0], [0.5, -0.5, 9.0]]).requires_grad_()
+    advantages, mask = t([[2.0, 2.0, 2.0], [-1.0, -1.0, 0.0]]), t([[1, 1, 1], [1, 1, 0]])
+    loss, metrics = policy_loss(logp, torch.zeros_like(logp), advantages, mask, 0.2, 0.2,
+                                loss_type="gmpo", aggregation="seq-mean-token-mean")
+    row0 = -2 * math.exp((math.log(1.2) - 0.5) / 3)
+    row1 = 1 * math.exp((0.5 + math.log(0.8)) / 2)
+    close(loss.detach(), (row0 + row1) / 2)
+    close(metrics["clipfrac"], 2 / 5)
+    loss.backward()
+    # d row0 / d logp[0, 1] = row0 / 3 (unclipped), halved by the sequence mean; clipped tokens get none.
+    close(logp.grad, [[0.0, row0 / 3 / 2, row0 / 3 / 2], [row1 / 2 / 2, 0.0, 0.0]])
+
+
+def test_sapo_soft_gate_by_hand():
+    # r = 1 on token 0: gate sigmoid(0) = .5 -> loss -A * 4 / tau * .5 = -2 A / tau; gradient weight 4 * .25 = 1.
+    # Token 1: A = -1, tau_neg 2, r = e^1: loss = (4 / 2) * sigmoid(2 (e - 1)).
+    logp = t([[0.0, 1.0]]).requires_grad_()
+    advantages, mask = t([[1.0, -1.0]]), t([[1, 1]])
+    loss, metrics = policy_loss(logp, torch.zeros_like(logp), advantages, mask, 0.2, 0.2, loss_type="sapo",
+                                sapo_temperatures=(1.0, 2.0), aggregation="seq-mean-token-sum")
+    s = 1 / (1 + math.exp(-2 * (math.e - 1)))
+    close(loss.detach(), -2.0 + 2 * s)
+    close(metrics["clipfrac"], 0.5)  # token 1's weight 4 s (1 - s) = 0.12 < 0.5
+    loss.backward()
+    close(logp.grad, [[-1.0, 4 * s * (1 - s) * math.e]])  # d/dlogp of -A (4/tau) sigmoid(tau (r - 1))
+
+
+def test_sequence_mismatch_mask_drops_whole_sequences_outside_the_band():
+    # Mean log(pi_old / pi_sampler): row 0 (0.1 + 0.3) / 2 = 0.2 (kept, log 2 = .693); row 1 1.0 (dropped);
+    # row 2 -1.0 (dropped: below 1 / 2); the padding value 50 is ignored.
+    old = t([[0.1, 0.3], [1.0, 1.0], [-1.0, 50.0]])
+    mask = t([[1, 1], [1, 1], [1, 0]])
+    assert sequence_mismatch_mask(old, torch.zeros_like(old), mask, 2.0).tolist() == [True, False, False]
+    logp = torch.zeros(3, 2, dtype=F64)
+    advantages = t([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    loss, metrics = policy_loss(logp, old, advantages, mask, 10.0, 10.0, sampler_logp=torch.zeros_like(old),
+                                sequence_mask_threshold=2.0)
+    ratio = torch.exp(-old[0])  # row 0 only; the normaliser still counts all 5 tokens
+    close(loss, -(ratio.sum()) / 5)
+    close(metrics["rollout_correction_masked"], 2 / 3)
+
+
+def test_remax_subtracts_the_greedy_score_of_the_prompt():
+    scores, baseline = t([1.0, 0.0, 0.5, 1.0]), t([0.5, 1.0])
+    adv, _ = remax_advantages(scores, baseline, t([[1, 1], [1, 0], [1, 1], [0, 0]]), group_size=2)
+    close(adv, [[0.5, 0.5], [-0.5, 0.0], [-0.5, -0.5], [0.0, 0.0]])
+    with pytest.raises(ValueError, match="one greedy baseline score per prompt"):
+        remax_advantages(scores, t([0.5]), torch.ones(4, 2, dtype=F64), group_size=2)
+
+
+@pytest.mark.parametrize("loss_type, extra", [
+    ("cispo", {}),
+    ("gmpo", {"algorithm__loss_aggregation": "seq-mean-token-mean"}),
+    ("sapo", {}),
+])
+def test_reward_rises_with_each_policy_loss(tmp_path, loss_type, extra):
+    from hybridrl.data.datasets import PromptDataset
+    from hybridrl.training.trainer import RLTrainer
+
+    actor = tiny_actor()
+    settings = dict(rollout__max_new_tokens=4, rollout__num_samples_per_prompt=4, trainer__prompts_per_step=8,
+                    actor__micro_batch_size=16, trainer__device="cpu", logging__sinks=["jsonl"],
+                    trainer__save_model=False, trainer__output_dir=str(tmp_path), trainer__total_steps=16,
+                    actor__lr=1e-2, algorithm__policy_loss=loss_type, **extra)
+    trainer = RLTrainer(actor=actor, reward_fn=contains_seven,
+                        dataset=PromptDataset(toy_prompts(), actor.tokenizer, max_length=16), **settings)
+    history = trainer.train()
+    first = sum(row["reward/mean"] for row in history[:4]) / 4
+    last = sum(row["reward/mean"] for row in history[-4:]) / 4
+    assert last > first + 0.2, f"{loss_type}: reward {first:.2f} -> {last:.2f} did not rise"
