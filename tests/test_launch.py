@@ -158,3 +158,67 @@ def test_ray_hung_worker_is_named_within_the_timeout(ray_cluster):
     with pytest.raises(LaunchError, match=r"rank 1 made no progress for [0-9]+ s .*rank 0 wait\(s\) for it"):
         launch.run_ray(ray_job, ("hang",), 2, use_gpu=False, hang_timeout_s=3, startup_grace_s=30)
     assert time.monotonic() - start < 25
+
+
+# ----------------------------------------------------------------------------------------------
+# Bounds: the watchdog fires before any collective times out, and before the start-up grace ends
+
+
+def test_the_collective_timeout_stays_above_the_watchdogs_bounds(monkeypatch):
+    assert watchdog.collective_timeout_s(900.0) == 900.0 + watchdog.COLLECTIVE_MARGIN_S  # gloo's 600 s was below
+    assert watchdog.collective_timeout_s(30.0) == watchdog.STARTUP_GRACE_S + watchdog.COLLECTIVE_MARGIN_S
+    assert watchdog.collective_timeout_s(30.0, at_least=5000.0) == 5000.0
+    seen = {}
+
+    class Idle:
+        def start(self):
+            pass
+
+        def stop(self):
+            pass
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(process_group.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(process_group.dist, "init_process_group", lambda backend, timeout, **kw: seen.update(t=timeout))
+    monkeypatch.setattr("torch.distributed.device_mesh.init_device_mesh", lambda *args, **kwargs: None)
+    monkeypatch.setattr(process_group.Watchdog, "from_env", classmethod(lambda cls, *args, **kwargs: Idle()))
+    process_group.init_from_env("cpu", hang_timeout_s=900.0)
+    assert seen["t"].total_seconds() == 960.0
+    monkeypatch.setenv("HYBRIDRL_WATCHDOG", "0")  # no watchdog: the timeout asked for
+    process_group.init_from_env("cpu", timeout_s=600.0, hang_timeout_s=900.0)
+    assert seen["t"].total_seconds() == 600.0
+
+
+def test_the_first_heartbeat_clock_starts_when_another_rank_starts_training():
+    assert watchdog.first_heartbeat_clock(100.0, 600.0, None) == 700.0  # nobody trains yet: model loading
+    assert watchdog.first_heartbeat_clock(100.0, 600.0, 130.0) == 130.0
+    assert watchdog.first_heartbeat_clock(100.0, 600.0, 900.0) == 700.0
+    message = find_stalled({0: 12, 1: 0}, {0: 140.0, 1: 130.0}, now=140.0, timeout_s=5.0, waiting={0: True})
+    assert message.startswith("rank 1 made no progress for 10 s (before its first heartbeat")
+
+
+STOPPED_BEFORE_FIRST_HEARTBEAT = """
+import time, torch
+from hybridrl.parallel import process_group, watchdog
+setup = process_group.init_from_env("cpu", timeout_s=60, hang_timeout_s=3.0)
+if setup.rank == 1:
+    time.sleep(120)  # stopped before it trains at all (SIGSTOP, a reward server that never answers)
+for step in range(200):
+    watchdog.heartbeat()
+    process_group.all_reduce(torch.ones(1), setup)
+    time.sleep(0.05)
+"""
+
+
+def test_a_rank_stopped_before_its_first_heartbeat_is_named_within_the_hang_timeout(tmp_path):
+    script = tmp_path / "first.py"
+    script.write_text(STOPPED_BEFORE_FIRST_HEARTBEAT)
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(script)], capture_output=True, text=True, timeout=90,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert "hybridrl: rank 1 made no progress" in result.stderr and "before its first heartbeat" in result.stderr, \
+        result.stderr[-3000:]
+    assert time.monotonic() - start < 45  # the start-up grace (600 s) no longer applies once rank 0 trains

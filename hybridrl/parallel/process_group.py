@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from hybridrl.parallel.watchdog import Watchdog
+from hybridrl.parallel.watchdog import Watchdog, collective_timeout_s
 
 
 @dataclass
@@ -53,10 +53,11 @@ def init_from_env(device: torch.device | str = "auto", device_indices: Sequence[
     `device_indices` are the CUDA devices of the actor's group (see `placement.py`); local rank i
     uses `device_indices[i]` (default: device i). `timeout_s` bounds the rendezvous and every
     collective; `hang_timeout_s` is how long any rank may go without a `heartbeat()` before the run
-    is stopped with a message naming it (None disables the watchdog). `shard_size` (0 = all ranks)
-    is how many ranks share one copy of the weights: below the world size the mesh is 2-D
-    (replicate x shard) and FSDP2 shards within groups of `shard_size` and replicates across them
-    (HSDP); 1 replicates everything, like DDP (no weight gathers; gradients all-reduced).
+    is stopped with a message naming it (None disables the watchdog); with a watchdog the collective
+    timeout is raised above its bounds (`watchdog.collective_timeout_s`), so it always fires first.
+    `shard_size` (0 = all ranks) is how many ranks share one copy of the weights: below the world size
+    the mesh is 2-D (replicate x shard) and FSDP2 shards within groups of `shard_size` and replicates
+    across them (HSDP); 1 replicates everything, like DDP (no weight gathers; gradients all-reduced).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device = _resolve_device(device)
@@ -69,6 +70,9 @@ def init_from_env(device: torch.device | str = "auto", device_indices: Sequence[
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    watched = bool(hang_timeout_s) and os.environ.get("HYBRIDRL_WATCHDOG", "1") != "0"
+    if watched:  # the watchdog must fire first: it names the rank that stopped, a timed-out collective does not
+        timeout_s = collective_timeout_s(hang_timeout_s, at_least=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
@@ -83,7 +87,7 @@ def init_from_env(device: torch.device | str = "auto", device_indices: Sequence[
         mesh = init_device_mesh(device.type, (world_size // shard_size, shard_size),
                                 mesh_dim_names=("replicate", "shard"))
     setup = DistributedSetup(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh)
-    if hang_timeout_s and os.environ.get("HYBRIDRL_WATCHDOG", "1") != "0":
+    if watched:
         setup.watchdog = Watchdog.from_env(rank, world_size, hang_timeout_s)
         setup.watchdog.start()
         atexit.register(setup.watchdog.stop)  # also when the run ends with an error: see `Watchdog.stop`

@@ -49,6 +49,30 @@ _DISTRIBUTED_CODE = "/torch/distributed/"
 STALL_EXIT_CODE = 75
 """Exit status of a worker whose watchdog stopped the run."""
 
+STARTUP_GRACE_S = 600.0
+"""How long a rank may take to its first heartbeat (loading the model) while no rank has made one."""
+
+COLLECTIVE_MARGIN_S = 60.0
+"""How far the process group's collective timeout stays above the watchdog's bounds (`collective_timeout_s`)."""
+
+
+def collective_timeout_s(hang_timeout_s: float, startup_grace_s: float = STARTUP_GRACE_S,
+                         at_least: float = 0.0) -> float:
+    """The process group's timeout for collectives when a watchdog runs: above both bounds the watchdog applies
+    (`hang_timeout_s`, and `startup_grace_s` before the first heartbeat) by `COLLECTIVE_MARGIN_S`, so a hang is
+    always reported by the watchdog, which names the rank that stopped, and never first by a collective timing
+    out on a rank that was only waiting for it."""
+    return max(at_least, max(hang_timeout_s, startup_grace_s) + COLLECTIVE_MARGIN_S)
+
+
+def first_heartbeat_clock(started: float, startup_grace_s: float, first_progress_at: float | None) -> float:
+    """Where the stall clock of a rank without a heartbeat starts: after the start-up grace, or as soon as any
+    rank has made its first heartbeat, whichever is earlier. Ranks load their models together and pass
+    collectives before the first step, so once one rank is training the others have `timeout_s` to follow;
+    a rank stopped before its first heartbeat is then named within the hang timeout, not after the grace."""
+    end_of_grace = started + startup_grace_s
+    return end_of_grace if first_progress_at is None else min(end_of_grace, first_progress_at)
+
 
 def find_stalled(counts: dict[int, int], changed_at: dict[int, float], now: float, timeout_s: float,
                  waiting: dict[int, bool] | None = None) -> str | None:
@@ -63,8 +87,9 @@ def find_stalled(counts: dict[int, int], changed_at: dict[int, float], now: floa
         names = ", ".join(str(r) for r in culprits)
         held = [r for r in stalled if r not in culprits]
         also = f"; rank {', '.join(map(str, held))} wait(s) for it in a collective" if held else ""
-        return (f"rank {names} made no progress for {idle:.0f} s (stuck after heartbeat "
-                f"{min(counts[r] for r in culprits)}, outside any collective){also}")
+        beat = min(counts[r] for r in culprits)
+        where = f"stuck after heartbeat {beat}" if beat else "before its first heartbeat"
+        return f"rank {names} made no progress for {idle:.0f} s ({where}, outside any collective){also}"
     if stalled and len(stalled) == len(counts):
         idle = min(now - changed_at[r] for r in stalled)
         where = ", ".join(f"rank {r} at heartbeat {counts[r]}" for r in stalled)
@@ -78,11 +103,12 @@ class Watchdog(threading.Thread):
     `find_stalled` names a rank, calls `on_stall(message)` (default: print it and exit the process)."""
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float, interval_s: float | None = None,
-                 on_stall: Callable[[str], None] | None = None, startup_grace_s: float = 600.0):
+                 on_stall: Callable[[str], None] | None = None, startup_grace_s: float = STARTUP_GRACE_S):
         super().__init__(name="hybridrl-watchdog", daemon=True)
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.startup_grace_s = startup_grace_s
-        """Extra time before a rank's first heartbeat (model loading); after it, the clock starts."""
+        """Extra time before a rank's first heartbeat (model loading), until any rank has made one
+        (`first_heartbeat_clock`)."""
         self.interval_s = interval_s or min(10.0, max(0.5, timeout_s / 5))
         self.on_stall = on_stall or _exit_with_message
         self._stop_event = threading.Event()
@@ -109,6 +135,7 @@ class Watchdog(threading.Thread):
         waiting: dict[int, bool] = {}
         changed_at: dict[int, float] = {}
         started = time.monotonic()
+        first_progress_at: float | None = None
         while not self._stop_event.wait(self.interval_s):
             try:
                 self.store.set(str(self.rank), f"{progress()} {int(waiting_in_collective())}")
@@ -123,9 +150,11 @@ class Watchdog(threading.Thread):
                 self.on_stall(f"rank {self.rank} lost the rendezvous store ({type(error).__name__}: {error}); "
                               "rank 0 or the launcher probably died")
                 return
+            if first_progress_at is None and any(counts.get(rank, 0) for rank in range(self.world_size)):
+                first_progress_at = time.monotonic()
             for rank in range(self.world_size):
                 if counts.get(rank, 0) == 0:
-                    changed_at[rank] = started + self.startup_grace_s
+                    changed_at[rank] = first_heartbeat_clock(started, self.startup_grace_s, first_progress_at)
             message = find_stalled(counts, changed_at, time.monotonic(), self.timeout_s, waiting)
             if message:
                 self.on_stall(message)
