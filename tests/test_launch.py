@@ -185,8 +185,10 @@ def test_the_collective_timeout_stays_above_the_watchdogs_bounds(monkeypatch):
     monkeypatch.setattr(process_group.Watchdog, "from_env", classmethod(lambda cls, *args, **kwargs: Idle()))
     process_group.init_from_env("cpu", hang_timeout_s=900.0)
     assert seen["t"].total_seconds() == 960.0
-    monkeypatch.setenv("HYBRIDRL_WATCHDOG", "0")  # no watchdog: the timeout asked for
+    monkeypatch.setenv("HYBRIDRL_WATCHDOG", "0")  # a Ray worker: the driver's watchdog has the same bounds
     process_group.init_from_env("cpu", timeout_s=600.0, hang_timeout_s=900.0)
+    assert seen["t"].total_seconds() == 960.0
+    process_group.init_from_env("cpu", timeout_s=600.0, hang_timeout_s=None)  # no hang detection: as asked
     assert seen["t"].total_seconds() == 600.0
 
 

@@ -53,8 +53,8 @@ def init_from_env(device: torch.device | str = "auto", device_indices: Sequence[
     `device_indices` are the CUDA devices of the actor's group (see `placement.py`); local rank i
     uses `device_indices[i]` (default: device i). `timeout_s` bounds the rendezvous and every
     collective; `hang_timeout_s` is how long any rank may go without a `heartbeat()` before the run
-    is stopped with a message naming it (None disables the watchdog); with a watchdog the collective
-    timeout is raised above its bounds (`watchdog.collective_timeout_s`), so it always fires first.
+    is stopped with a message naming it (None disables the watchdog); the collective timeout is then
+    raised above the watchdog's bounds (`watchdog.collective_timeout_s`), so the watchdog fires first.
     `shard_size` (0 = all ranks) is how many ranks share one copy of the weights: below the world size
     the mesh is 2-D (replicate x shard) and FSDP2 shards within groups of `shard_size` and replicates
     across them (HSDP); 1 replicates everything, like DDP (no weight gathers; gradients all-reduced).
@@ -70,8 +70,7 @@ def init_from_env(device: torch.device | str = "auto", device_indices: Sequence[
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    watched = bool(hang_timeout_s) and os.environ.get("HYBRIDRL_WATCHDOG", "1") != "0"
-    if watched:  # the watchdog must fire first: it names the rank that stopped, a timed-out collective does not
+    if hang_timeout_s:  # the watchdog (here, or the Ray driver's) must fire first: it names the rank that stopped
         timeout_s = collective_timeout_s(hang_timeout_s, at_least=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
@@ -87,7 +86,7 @@ def init_from_env(device: torch.device | str = "auto", device_indices: Sequence[
         mesh = init_device_mesh(device.type, (world_size // shard_size, shard_size),
                                 mesh_dim_names=("replicate", "shard"))
     setup = DistributedSetup(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh)
-    if watched:
+    if hang_timeout_s and os.environ.get("HYBRIDRL_WATCHDOG", "1") != "0":  # 0: the Ray driver supervises
         setup.watchdog = Watchdog.from_env(rank, world_size, hang_timeout_s)
         setup.watchdog.start()
         atexit.register(setup.watchdog.stop)  # also when the run ends with an error: see `Watchdog.stop`
