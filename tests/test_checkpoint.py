@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import SafetensorError
 from conftest import contains_seven, tiny_actor, toy_prompts
+from safetensors import SafetensorError
 
 from hybridrl.checkpoint.store import CheckpointError, check_checkpoint, find_checkpoint, resolve_resume
 from hybridrl.data.datasets import PromptDataset

@@ -54,7 +54,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from hybridrl.checkpoint.sharded_offload import gather_optimizer_state, offloaded_shards, scatter_optimizer_state
-from hybridrl.checkpoint.stop_signals import StopRequest, stop_on_signals  # noqa: F401 (the trainer's names)
 from hybridrl.models.loading import write_failure
 from hybridrl.models.qlora import holds_4bit_weights
 from hybridrl.parallel import process_group
