@@ -15,13 +15,10 @@ Choices:
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
 import math
 import numbers
 import re
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +27,7 @@ from typing import Any
 import torch
 
 from hybridrl.config.schema import RewardConfig
-from hybridrl.user_code import where
+from hybridrl.user_code import import_user_file, where
 
 RewardFunction = Callable[..., Sequence[float]]
 
@@ -163,31 +160,13 @@ def load_reward_function(spec: str) -> RewardFunction:
     if not path.is_file():
         raise RewardSpecError(f"reward file {file!r} does not exist (looked in {path.resolve().parent}); "
                               "fix the path before ':' in the spec.")
-    module = _import_file(path)
+    module = import_user_file(path, "reward", RewardSpecError)
     fn = getattr(module, name, None)
     if not callable(fn):
         found = [n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")]
         raise RewardSpecError(f"reward file {file!r} has no function {name!r} (functions in it: "
                               f"{', '.join(found) or 'none'}); define it or fix the name after ':'.")
     return fn
-
-
-def _import_file(path: Path) -> Any:
-    # A unique module name per file, registered in sys.modules so dataclasses and pickling inside it work.
-    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
-    module_name = f"hybridrl_user_reward_{path.stem}_{digest}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardSpecError(f"reward file {str(path)!r} cannot be imported; it must be a Python .py file.")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as error:
-        del sys.modules[module_name]
-        raise RewardSpecError(f"importing reward file {str(path)!r} raised {type(error).__name__}: {error}; "
-                              "fix that file (its traceback is chained below).") from error
-    return module
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridrl.rewards import RewardSpecError, _import_file
-from hybridrl.user_code import where
+from hybridrl.user_code import import_user_file, where
 
 Message = dict[str, Any]
 """One chat message: at least `role` and `content` (a string), as `tokenizer.apply_chat_template` takes them."""
@@ -70,12 +69,7 @@ def load_environment(spec: str) -> EnvironmentFactory:
     if not path.is_file():
         raise EnvironmentSpecError(f"environment file {file!r} does not exist (looked in {path.resolve().parent}); "
                                    "fix the path before ':' in the spec.")
-    try:
-        module = _import_file(path)
-    except RewardSpecError as error:
-        raise EnvironmentSpecError(f"importing environment file {file!r} raised "
-                                   f"{type(error.__cause__).__name__}: {error.__cause__}{where(error.__cause__)}; "
-                                   "fix that file (its traceback is chained below).") from error.__cause__
+    module = import_user_file(path, "environment", EnvironmentSpecError)
     factory = getattr(module, name, None)
     if not callable(factory):
         found = [n for n, v in vars(module).items()

@@ -36,8 +36,7 @@ from typing import Any
 
 from hybridrl.envs.base import EnvironmentSpecError, Message, StepResult
 from hybridrl.envs.episode import ToolRecord
-from hybridrl.rewards import RewardSpecError, _import_file
-from hybridrl.user_code import where
+from hybridrl.user_code import import_user_file
 
 _WORKER = Path(__file__).with_name("tool_worker.py")
 
@@ -120,12 +119,7 @@ def load_tool(spec: str | Callable) -> tuple[str, Callable, Path]:
     if not path.is_file():
         raise EnvironmentSpecError(f"tool file {file!r} does not exist (looked in {path.resolve().parent}); fix the "
                                    "path before ':' in the spec.")
-    try:
-        module = _import_file(path)
-    except RewardSpecError as error:
-        cause = error.__cause__
-        raise EnvironmentSpecError(f"importing tool file {file!r} raised {type(cause).__name__}: {cause}"
-                                   f"{where(cause)}; fix that file (its traceback is chained below).") from cause
+    module = import_user_file(path, "tool", EnvironmentSpecError)
     fn = getattr(module, name, None)
     if not callable(fn):
         found = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
