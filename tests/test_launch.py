@@ -144,13 +144,13 @@ def ray_job(mode: str) -> tuple[int, int, float]:
 
 
 def test_ray_two_workers_form_one_job(ray_cluster):
-    results = launch.run_ray(ray_job, ("ok",), 2, use_gpu=False, hang_timeout_s=20, startup_grace_s=30)
+    results = launch.run_ray(ray_job, ("ok",), 2, use_gpu=False, hang_timeout_s=20, startup_grace_s=180)
     assert results == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
 def test_ray_dead_worker_is_named(ray_cluster):
     with pytest.raises(LaunchError, match=r"rank 1 of 2 failed: .*died"):
-        launch.run_ray(ray_job, ("die",), 2, use_gpu=False, hang_timeout_s=20, startup_grace_s=30)
+        launch.run_ray(ray_job, ("die",), 2, use_gpu=False, hang_timeout_s=20, startup_grace_s=180)
 
 
 def test_ray_hung_worker_is_named_within_the_timeout(ray_cluster):
