@@ -21,7 +21,6 @@ import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -156,11 +155,7 @@ def load_reward_function(spec: str) -> RewardFunction:
         raise RewardSpecError(f"unknown reward {spec!r}; use a built-in ({', '.join(BUILTIN_REWARDS)}) "
                               "or path/to/file.py:function.")
     file, name = spec.rsplit(":", 1)
-    path = Path(file).expanduser()
-    if not path.is_file():
-        raise RewardSpecError(f"reward file {file!r} does not exist (looked in {path.resolve().parent}); "
-                              "fix the path before ':' in the spec.")
-    module = import_user_file(path, "reward", RewardSpecError)
+    module = import_user_file(file, "reward", RewardSpecError)
     fn = getattr(module, name, None)
     if not callable(fn):
         found = [n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")]

@@ -39,9 +39,14 @@ def where(error: BaseException) -> str:
     return f" (at {' <- '.join(reversed(frames))})" if frames else ""
 
 
-def import_user_file(path: Path, what: str, error: type[Exception]) -> ModuleType:
-    """Import the user's `path` as a module (`what`: "reward", "environment", "tool" for messages); a file that
-    cannot be imported or raises while importing becomes `error` naming the file, with the user's frames."""
+def import_user_file(file: str, what: str, error: type[Exception]) -> ModuleType:
+    """Import the user's `file` (the part of a `path/to/file.py:Name` spec before ':') as a module (`what`:
+    "reward", "environment", "tool" for messages); a missing file, one that cannot be imported, or one that
+    raises while importing becomes `error` naming the file, with the user's frames."""
+    path = Path(file).expanduser()
+    if not path.is_file():
+        raise error(f"{what} file {file!r} does not exist (looked in {path.resolve().parent}); "
+                    "fix the path before ':' in the spec.")
     # A unique module name per file, registered in sys.modules so dataclasses and pickling inside it work.
     digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
     module_name = f"hybridrl_user_{what}_{path.stem}_{digest}"

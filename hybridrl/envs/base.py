@@ -25,7 +25,6 @@ import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hybridrl.user_code import import_user_file, where
@@ -65,11 +64,7 @@ def load_environment(spec: str) -> EnvironmentFactory:
         raise EnvironmentSpecError(f"environment {spec!r} is not of the form path/to/file.py:Name; "
                                    "name the file and the class (or function) that makes one environment.")
     file, name = spec.rsplit(":", 1)
-    path = Path(file).expanduser()
-    if not path.is_file():
-        raise EnvironmentSpecError(f"environment file {file!r} does not exist (looked in {path.resolve().parent}); "
-                                   "fix the path before ':' in the spec.")
-    module = import_user_file(path, "environment", EnvironmentSpecError)
+    module = import_user_file(file, "environment", EnvironmentSpecError)
     factory = getattr(module, name, None)
     if not callable(factory):
         found = [n for n, v in vars(module).items()

@@ -116,10 +116,7 @@ def load_tool(spec: str | Callable) -> tuple[str, Callable, Path]:
     if not file or not name:
         raise EnvironmentSpecError(f"tool {spec!r} is not of the form path/to/file.py:function; name the file and "
                                    "the function.")
-    if not path.is_file():
-        raise EnvironmentSpecError(f"tool file {file!r} does not exist (looked in {path.resolve().parent}); fix the "
-                                   "path before ':' in the spec.")
-    module = import_user_file(path, "tool", EnvironmentSpecError)
+    module = import_user_file(file, "tool", EnvironmentSpecError)
     fn = getattr(module, name, None)
     if not callable(fn):
         found = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
