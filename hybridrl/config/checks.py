@@ -79,6 +79,7 @@ def validate(config: Config) -> None:
              "across GPUs); set model.reference_offload=false or trainer.num_gpus=1.")
     _require(config.model.lora_rank == 0 or config.model.lora_alpha > 0, "model.lora_alpha must be > 0.")
     validate_4bit(config)
+    validate_env(config)
     _require(t.total_steps >= 1, "trainer.total_steps must be at least 1.")
     _require(t.prompts_per_step >= 1, "trainer.prompts_per_step must be at least 1.")
     _require(t.eval_every >= 0, "trainer.eval_every must be >= 0.")
@@ -125,3 +126,32 @@ def validate_4bit(config: Config) -> None:
     _require(not (config.algorithm.name == "ppo" and not config.critic.path),
              "model.load_in_4bit with algorithm.name=ppo needs critic.path (a full-precision model for the critic): "
              "the critic is otherwise a trainable copy of the actor, whose 4-bit weights cannot train.")
+
+
+def validate_env(config: Config) -> None:
+    """`env`: multi-turn episodes, on when `env.environment` or `env.tools` is set."""
+    e = config.env
+    _require(not (e.environment and e.tools),
+             f"env.environment={e.environment!r} and env.tools={e.tools!r} are both set; give your own environment or "
+             "the built-in tool environment's tools, not both.")
+    _require(not e.environment or ":" in e.environment,
+             f"env.environment={e.environment!r} must be path/to/file.py:Name (the class or function that makes one "
+             "environment from a data row).")
+    for i, spec in enumerate(e.tools):
+        _require(isinstance(spec, str) and (spec == "python" or ":" in spec),
+                 f"env.tools[{i}]={spec!r} must be path/to/file.py:function or python (the built-in sandboxed tool).")
+    _require(bool(e.tool_call_start) and bool(e.tool_call_end) and e.tool_call_start != e.tool_call_end,
+             f"env.tool_call_start={e.tool_call_start!r} and env.tool_call_end={e.tool_call_end!r} must be two "
+             "different, non-empty tags.")
+    _require(e.tool_timeout_s > 0, "env.tool_timeout_s must be > 0 (seconds one tool call may run).")
+    _require(e.num_tool_workers >= 1, "env.num_tool_workers must be at least 1.")
+    _require(e.max_turns >= 1, "env.max_turns must be at least 1.")
+    _require(e.max_observation_tokens >= 1, "env.max_observation_tokens must be at least 1.")
+    _require(e.max_episode_tokens >= 2, "env.max_episode_tokens must be at least 2.")
+    if not e.enabled:
+        return
+    _require(config.rollout.backend != "vllm",
+             "rollout.backend=vllm cannot generate multi-turn episodes (env.environment or env.tools is set); use "
+             "rollout.backend=builtin, hf or auto.")
+    _require(config.trainer.num_gpus == 1,
+             "multi-turn episodes (env.environment or env.tools) run on one process for now; set trainer.num_gpus=1.")

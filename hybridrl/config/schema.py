@@ -171,6 +171,41 @@ class RewardConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn, tool-using episodes (docs/environments.md). Off unless `environment` or `tools` is set; when off,
+    a rollout is one prompt -> one completion as before."""
+
+    environment: str = ""
+    """Your environment as `path/to/file.py:Name` (a class or function made once per episode from a data row);
+    "" for none. Give either this or `tools`, not both."""
+    tools: list[str] = field(default_factory=list)
+    """Tools of the built-in tool environment, each `path/to/file.py:function`; `python` is the built-in sandboxed
+    Python tool (`hybridrl.envs.sandbox.python`). The chat template shows the model their schemas."""
+    tool_call_start: str = "<tool_call>"
+    """The tag that opens a tool call's JSON in the assistant's text (Qwen2.5/Hermes templates use this one)."""
+    tool_call_end: str = "</tool_call>"
+    """The tag that closes it; a turn also ends when it is written (a stop string of each assistant turn)."""
+    tool_timeout_s: float = 10.0
+    """Seconds one tool call may run; past it its worker process is killed and the observation says so."""
+    num_tool_workers: int = 4
+    """Worker processes that run tool calls at once (shared by all episodes of a rollout)."""
+    max_turns: int = 4
+    """Assistant turns per episode at most (rollout.max_new_tokens is the limit of each turn)."""
+    max_episode_tokens: int = 4096
+    """All tokens of an episode at most: prompt, assistant turns and observations."""
+    max_observation_tokens: int = 512
+    """Tokens one observation may add; longer ones are cut and end with a truncation marker."""
+    system_prompt: str = ""
+    """Built-in tool environment: a system message before each row's prompt ("" for none; a row with a
+    `messages` column uses its own messages)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rollouts are multi-turn episodes."""
+        return bool(self.environment or self.tools)
+
+
+@dataclass
 class AlgorithmConfig:
     name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"] = "grpo"
     """Advantage estimator; `ppo` uses GAE with a critic."""
@@ -397,6 +432,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
