@@ -36,6 +36,11 @@ def validate(config: Config) -> None:
     _require(not a.drop_uniform_groups or r.num_samples_per_prompt > 1,
              "algorithm.drop_uniform_groups compares the samples of a prompt, so it needs "
              "rollout.num_samples_per_prompt > 1.")
+    _require(not a.dynamic_sampling or r.num_samples_per_prompt > 1,
+             "algorithm.dynamic_sampling compares the samples of a prompt, so it needs "
+             "rollout.num_samples_per_prompt > 1.")
+    _require(a.dynamic_sampling_max_rounds >= 1,
+             "algorithm.dynamic_sampling_max_rounds must be at least 1 (generation rounds per step, the first included).")
     _require(a.rollout_correction_cap is None or a.rollout_correction_cap >= 1,
              "algorithm.rollout_correction_cap must be >= 1 (e.g. 2.0) or null.")
     _require(a.rollout_sequence_mask_threshold is None or a.rollout_sequence_mask_threshold > 1,

@@ -229,6 +229,15 @@ class AlgorithmConfig:
     drop_uniform_groups: bool = False
     """Leave groups whose samples all scored alike out of the policy loss and its token count (DAPO's
     dynamic-sampling filter, without re-sampling: the step learns from the informative groups only)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: after scoring, drop the prompt groups whose samples all scored alike and roll out
+    and score fresh prompts (trainer.prompts_per_step at a time) until the step has trainer.prompts_per_step
+    informative groups or dynamic_sampling_max_rounds rounds have run; the batch then has no all-equal group.
+    Costs up to that many rollouts per step; logged as `rollout/dynamic_sampling_*` (groups discarded and kept,
+    rounds run, whether the batch was filled). `reward/*` stays the first round's (the policy's unfiltered reward)."""
+    dynamic_sampling_max_rounds: int = 3
+    """With dynamic_sampling: generation rounds per step at most, the first included (so at most
+    max_rounds - 1 extra rollouts); a step that does not fill up trains on the informative groups it found."""
     rollout_correction_cap: float | None = None
     """Weight each token's policy loss by min(pi_old / pi_sampler, cap): truncated importance sampling for
     the gap between the sampler's and the trainer's log-probs (TRL's vllm_importance_sampling_cap, verl's

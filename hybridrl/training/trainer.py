@@ -36,6 +36,7 @@ from hybridrl.rollout.timeline import phase_seconds
 from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_responses
 from hybridrl.training.components import Components, build_components
 from hybridrl.training.divergence import DivergenceGuard, Limits
+from hybridrl.training.dynamic_sampling import informative_batch
 from hybridrl.training.evaluation import EVAL_BATCH, answer_column, exact_agreement
 from hybridrl.training.logprobs import response_logprobs
 from hybridrl.training.phase_switch import rollout_phase
@@ -106,6 +107,7 @@ class RLTrainer:
         self.stopped_by: str | None = None
         """What stopped the last `train()` early (a signal's name), or None when it ran to its last step."""
         self.froze_warm_up_objects = False  # see `freeze_warm_up_objects`, done after this process's first step
+        self.generation_round = 0  # a step's extra rollouts (`algorithm.dynamic_sampling`) sample with their own seeds
         self.output_dir = Path(config.trainer.output_dir)
         sinks = config.logging.sinks if self.parts.setup.is_main else []  # rank 0 logs
         self.logger = MetricsLogger(self.output_dir, sinks, config.trainer.total_steps,
@@ -194,6 +196,7 @@ class RLTrainer:
             batch, rollout_timings = self.rollout(prompts)
         with timer("reward"):
             reward_metrics = self.score(batch, prompts)
+        batch, rollout_timings, reward_metrics = informative_batch(self, timer, batch, rollout_timings, reward_metrics)
         with timer("logprobs"):
             self.compute_logprobs(batch)
         with timer("advantages"):
@@ -299,7 +302,7 @@ class RLTrainer:
             max_new_tokens=r.max_new_tokens, temperature=r.eval_temperature if evaluation else r.temperature,
             top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, n=1 if evaluation else r.num_samples_per_prompt,
             stop_strings=list(r.stop_strings), ignore_eos=r.ignore_eos and not evaluation,
-            seed=self.config.trainer.seed * 100_003 + self.step_count)
+            seed=self.config.trainer.seed * 100_003 + self.step_count + 1_000_003 * self.generation_round)
 
     @torch.no_grad()
     def rollout(self, prompts: dict[str, Any], evaluation: bool = False) -> tuple[RolloutBatch, RolloutTimings]:
