@@ -2,7 +2,9 @@
 
 `load_hf_model` is the one entry point for Hugging Face checkpoints and for the built-in tiny
 configurations (`tiny:llama`, `tiny:qwen2`, `tiny:qwen3`), which pair a small random model with a
-character-level tokenizer so the whole pipeline runs on a laptop CPU with no model hub.
+character-level tokenizer so the whole pipeline runs on a laptop CPU with no model hub. A `+chat` suffix
+(`tiny:llama+chat`) gives the tokenizer `CHAR_CHAT_TEMPLATE`, a one-character-per-role chat template with a
+tool role, for multi-turn episodes.
 """
 
 from __future__ import annotations
@@ -43,7 +45,22 @@ class HFModel:
         return iter((self.model, self.tokenizer))
 
 
-def build_char_tokenizer(extra_chars: str = "") -> Any:
+CHAR_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}{{ 'A' + message['content'] + '<eos>' }}"
+    "{%- elif message['role'] == 'tool' -%}{{ 'R' + message['content'] + '\\n' }}"
+    "{%- elif message['role'] == 'user' -%}{{ 'Q' + message['content'] + '\\n' }}"
+    "{%- else -%}{{ 'S' + message['content'] + '\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}A{%- endif -%}")
+"""The character tokenizer's chat template (`tiny:<family>+chat`): one letter opens each turn (S system, Q user,
+A assistant, R tool result) and the assistant's turn ends with <eos>, its stop token. Short because every
+character is a token of a tiny model; prefix-stable and verbatim, as `envs/rendering.py` requires. Tool schemas
+are not shown (a tiny model learns its one tool from SFT data, not from a schema)."""
+
+
+def build_char_tokenizer(extra_chars: str = "", chat_template: str | None = None) -> Any:
     """A character-level tokenizer over printable ASCII with <pad>, <eos>, <unk>: small, exact, offline."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -54,7 +71,10 @@ def build_char_tokenizer(extra_chars: str = "") -> Any:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>",
+                                        unk_token="<unk>")
+    tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def tiny_config(family: str, vocab_size: int, **overrides: Any) -> Any:
@@ -72,10 +92,13 @@ def tiny_config(family: str, vocab_size: int, **overrides: Any) -> Any:
 
 
 def build_tiny_model(family: str = "llama", seed: int = 0, **overrides: Any) -> HFModel:
-    """A seeded random tiny model with the character tokenizer."""
+    """A seeded random tiny model with the character tokenizer (with `CHAR_CHAT_TEMPLATE` for `<family>+chat`)."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = build_char_tokenizer()
+    family, _, variant = family.partition("+")
+    if variant not in ("", "chat"):
+        raise ModelError(f"unknown tiny model variant {variant!r}; the only one is +chat (e.g. tiny:llama+chat).")
+    tokenizer = build_char_tokenizer(chat_template=CHAR_CHAT_TEMPLATE if variant else None)
     config = tiny_config(family, vocab_size=len(tokenizer), **overrides)
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -1,4 +1,5 @@
-"""Supervised fine-tuning on prompt/response pairs (loss on response tokens only).
+"""Supervised fine-tuning on prompt/response pairs, or on conversations with tool calls (a `messages` column,
+tokenized as rollouts are: `data/conversations.py`); the loss is on response (assistant) tokens only.
 
 A policy has to start somewhere: `hybridrl sft` turns a base (or tiny random) model into one that
 answers in the task's format, which RL then improves. Same config file format as `train`. With
@@ -15,7 +16,8 @@ import torch
 
 from hybridrl.checkpoint.run_lock import lock_owner, output_dir_lock
 from hybridrl.config.schema import Config, ConfigError
-from hybridrl.data.datasets import DataError, PromptDataset, SFTDataset, collate_sft, read_records
+from hybridrl.data.conversations import MESSAGES_KEY, sft_dataset
+from hybridrl.data.datasets import DataError, PromptDataset, collate_sft, read_records
 from hybridrl.metrics.sinks import MetricsLogger
 from hybridrl.metrics.summary import run_summary
 from hybridrl.models.loading import enable_activation_checkpointing, load_hf_model, save_hf_model
@@ -42,7 +44,7 @@ def _train(config: Config) -> Path:
                                      tokenizer_path=m.tokenizer_path, seed=config.trainer.seed)
     if m.gradient_checkpointing:
         enable_activation_checkpointing(model)
-    dataset = SFTDataset.from_config(config.data, s, tokenizer, config.data.train_path)
+    dataset = sft_dataset(config, tokenizer, config.data.train_path)
     steps_per_epoch = len(dataset) // s.batch_size or 1
     total = steps_per_epoch * s.num_epochs if not s.max_steps else min(s.max_steps, steps_per_epoch * s.num_epochs)
     optimizer = build_optimizer(model.parameters(), s.lr, weight_decay=0.0)
@@ -90,7 +92,7 @@ def held_out_evaluation(config: Config, model: torch.nn.Module, tokenizer, pad_i
         return None
     d, s = config.data, config.sft
     columns = {key for row in read_records(d.eval_path) for key in row}
-    losses = SFTDataset.from_config(d, s, tokenizer, d.eval_path) if d.response_key in columns else None
+    losses = sft_dataset(config, tokenizer, d.eval_path) if columns & {d.response_key, MESSAGES_KEY} else None
     prompts = PromptDataset(d.eval_path, tokenizer, prompt_key=d.prompt_key, max_length=d.max_prompt_length,
                             prompt_template=d.prompt_template, use_chat_template=d.use_chat_template, shuffle=False)
     if losses is None and d.answer_key not in columns:

@@ -1,0 +1,176 @@
+"""The tool task and SFT on conversations: the task's data, the built-in calc tool, the tiny chat template, and
+SFT sequences that equal, id for id and mask for mask, the episodes a rollout builds from the same turns."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridrl.config.loading import load_config
+from hybridrl.data.conversations import ConversationSFTDataset, conversation_item, sft_dataset
+from hybridrl.data.datasets import IGNORE_INDEX, DataError, SFTDataset
+from hybridrl.data.tool_task import multiplication_problems, teacher_messages, tool_call_text, write_tool_task
+from hybridrl.envs.builtin_tools import BUILTIN_TOOLS, calc
+from hybridrl.envs.rendering import ObservationRenderer
+from hybridrl.envs.tools import ToolBox, ToolCall, ToolCallFormat, parse_tool_calls
+from hybridrl.models.loading import CHAR_CHAT_TEMPLATE, ModelError, build_char_tokenizer, build_tiny_model
+from hybridrl.rollout.base import Generation
+from hybridrl.rollout.multiturn import EpisodeBudget, generate_episodes_reference, make_sessions
+
+CALC = f"{BUILTIN_TOOLS}:calc"
+FORMAT = ToolCallFormat("[[", "]]")
+QWEN_TEMPLATE = r"""
+{%- for message in messages %}
+{%- if message.role == 'tool' %}
+{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
+
+def qwen_style_tokenizer():
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.eos_token = "<|im_end|>"  # what Qwen2.5-Instruct's tokenizer stops at
+    tokenizer.chat_template = QWEN_TEMPLATE
+    return tokenizer
+
+
+class ScriptedBackend:
+    """A backend whose turns are given texts: what a policy that wrote exactly the teacher's turns would sample."""
+
+    def __init__(self, tokenizer, turns: list[list[str]]):
+        self.tokenizer, self.turns = tokenizer, turns
+        self.calls = 0
+
+    def generate(self, prompts, params):
+        out = []
+        for index, _ in enumerate(prompts):
+            text = self.turns[index][self.calls]
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            stopped_by_tag = text.endswith(tuple(params.stop_strings))
+            ids = ids if stopped_by_tag else ids + [self.tokenizer.eos_token_id]
+            out.append(Generation(index, ids, [-0.5] * len(ids), "stop"))
+        self.calls += 1
+        return out
+
+
+@pytest.mark.parametrize("make_tokenizer, tags", [
+    (lambda: build_char_tokenizer(chat_template=CHAR_CHAT_TEMPLATE), ("[[", "]]")),
+    (qwen_style_tokenizer, ("<tool_call>", "</tool_call>")),
+])
+def test_sft_conversation_equals_the_rollout_episode(make_tokenizer, tags):
+    """The SFT ids of a teacher conversation are the ids and mask of the episode a rollout builds when the policy
+    samples the teacher's turns and the real calc tool answers (would fail on any re-tokenization or a stop id
+    in the wrong place)."""
+    tokenizer = make_tokenizer()
+    problems = [(123, 45), (908, 17)]
+    conversations = [teacher_messages(a, b, use_tool=True, start=tags[0], end=tags[1]) for a, b in problems]
+    with ToolBox([CALC], format=ToolCallFormat(*tags), max_turns=3, num_workers=1) as toolbox:
+        renderer = ObservationRenderer(tokenizer, tools=toolbox.schemas)
+        backend = ScriptedBackend(tokenizer, [[m["content"] for m in c if m["role"] == "assistant"]
+                                              for c in conversations])
+        from hybridrl.rollout.base import SamplingParams
+        params = SamplingParams(max_new_tokens=80, temperature=0.0, stop_strings=[tags[1]])
+        sessions = make_sessions(toolbox, [{"prompt": f"{a}*{b}"} for a, b in problems], n=1, name="calc")
+        episodes = generate_episodes_reference(backend, sessions, renderer, params, EpisodeBudget(max_turns=3),
+                                               {tokenizer.eos_token_id})
+    for episode, conversation in zip(episodes, conversations):
+        assert episode.messages == conversation  # the same turns, the real tool's result
+        item = conversation_item(renderer, conversation, tokenizer.eos_token_id)
+        assert item["input_ids"] == episode.token_ids
+        assert [int(label != IGNORE_INDEX) for label in item["labels"]] == episode.loss_mask
+        assert [label for label in item["labels"] if label != IGNORE_INDEX] == \
+            [t for t, m in zip(episode.token_ids, episode.loss_mask) if m]
+
+
+def test_conversation_item_by_hand_on_the_tiny_template():
+    tokenizer = build_char_tokenizer(chat_template=CHAR_CHAT_TEMPLATE)
+    renderer = ObservationRenderer(tokenizer)
+    item = conversation_item(renderer, teacher_messages(12, 3, use_tool=True), tokenizer.eos_token_id)
+    text = tokenizer.decode(item["input_ids"], skip_special_tokens=False)
+    call = '[[{"name":"calc","arguments":{"a":12,"b":3}}]]'
+    assert text == f"Q12*3\nA{call}<eos>R36\nA 36<eos>"
+    trained = tokenizer.decode([t for t in item["labels"] if t != IGNORE_INDEX], skip_special_tokens=False)
+    assert trained == f"{call} 36<eos>"  # the tool call and the answer with its stop; not the observation's <eos>
+    head = conversation_item(renderer, teacher_messages(12, 3, use_tool=False), tokenizer.eos_token_id)
+    assert tokenizer.decode(head["input_ids"], skip_special_tokens=False) == "Q12*3\nA 30<eos>"  # 10*3: 12 rounded to tens
+
+
+def test_conversation_mistakes_are_one_sentence(tmp_path):
+    tokenizer = build_char_tokenizer(chat_template=CHAR_CHAT_TEMPLATE)
+    user = {"role": "user", "content": "1*2"}
+    with pytest.raises(DataError, match="must end with the assistant"):
+        ConversationSFTDataset([{"messages": [user]}], tokenizer)
+    with pytest.raises(DataError, match="two assistant turns in a row"):
+        ConversationSFTDataset([{"messages": [user, {"role": "assistant", "content": "a"},
+                                              {"role": "assistant", "content": "b"}]}], tokenizer)
+    with pytest.raises(DataError, match="no list of messages"):
+        ConversationSFTDataset([{"messages": "1*2"}], tokenizer)
+    with pytest.raises(DataError, match="no chat template"):
+        ConversationSFTDataset([{"messages": [user, {"role": "assistant", "content": "2"}]}], build_char_tokenizer())
+
+
+def test_system_prompt_and_length_filter():
+    tokenizer = build_char_tokenizer(chat_template=CHAR_CHAT_TEMPLATE)
+    rows = [{"messages": teacher_messages(123, 45, use_tool=True)}, {"messages": teacher_messages(1, 2, False)}]
+    data = ConversationSFTDataset(rows, tokenizer, system_prompt="be exact", max_length=40)
+    assert len(data) == 1 and data.num_filtered == 1
+    assert tokenizer.decode(data[0]["input_ids"], skip_special_tokens=False) == "Sbe exact\nQ1*2\nA 0<eos>"
+
+
+def test_sft_dataset_picks_conversations_by_column(tmp_path):
+    paths = write_tool_task(tmp_path, num_train=20, num_eval=5, tool_rate=0.5)
+    config = load_config(None, [f"env.tools=[{CALC}]", "env.tool_call_start=[[", "env.tool_call_end=]]"])
+    tokenizer = build_char_tokenizer(chat_template=CHAR_CHAT_TEMPLATE)
+    assert isinstance(sft_dataset(config, tokenizer, paths["sft"]), ConversationSFTDataset)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n")
+    assert isinstance(sft_dataset(config, tokenizer, pairs), SFTDataset)
+
+
+def test_tool_task_files(tmp_path):
+    paths = write_tool_task(tmp_path, num_train=200, num_eval=50, seed=3, tool_rate=0.5)
+    read = {split: [json.loads(line) for line in path.open()] for split, path in paths.items()}
+    assert len(read["train"]) == len(read["sft"]) == 200 and len(read["eval"]) == 50
+    assert {row["prompt"] for row in read["train"]}.isdisjoint(row["prompt"] for row in read["eval"])
+    assert all(set(row) == {"prompt", "answer"} for row in read["train"] + read["eval"])  # no messages for RL
+    for row, sft in zip(read["train"], read["sft"]):
+        a, b = map(int, row["prompt"].split("*"))
+        assert 100 <= a <= 999 and 10 <= b <= 99 and row["answer"] == sft["answer"] == str(a * b)
+        assert sft["messages"][0] == {"role": "user", "content": row["prompt"]}
+    with_tool = [sft for sft in read["sft"] if len(sft["messages"]) == 4]
+    assert 70 <= len(with_tool) <= 130  # about half, drawn per problem
+    assert all(m["messages"][-1]["content"] == f" {m['answer']}" for m in with_tool)
+    head = [sft for sft in read["sft"] if len(sft["messages"]) == 2]
+    wrong = sum(m["messages"][-1]["content"].strip() != m["answer"] for m in head)
+    assert wrong >= 0.8 * len(head)  # in its head the teacher is usually wrong
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        write_tool_task(tmp_path, num_train=2, num_eval=1, tool_rate=1.5)
+    assert len(set(multiplication_problems(500, seed=0))) == 500
+
+
+def test_calc_tool_and_its_call_format():
+    assert calc(123, 45) == 5535
+    with pytest.raises(TypeError, match="multiplies integers"):
+        calc("123", 45)
+    [call] = parse_tool_calls(tool_call_text(123, 45), FORMAT)
+    assert call == ToolCall("calc", {"a": 123, "b": 45})
+    with ToolBox([CALC], format=FORMAT, num_workers=1) as toolbox:
+        assert toolbox.schemas[0]["function"]["name"] == "calc"
+        assert toolbox.call(call).text == "5535"
+
+
+def test_tiny_chat_variant():
+    _, tokenizer = build_tiny_model("llama+chat")
+    assert tokenizer.chat_template == CHAR_CHAT_TEMPLATE
+    ObservationRenderer(tokenizer)  # has a tool role, accepted
+    assert build_tiny_model("llama").tokenizer.chat_template is None  # the arithmetic demo's prompts unchanged
+    with pytest.raises(ModelError, match=r"\+chat"):
+        build_tiny_model("llama+tools")
