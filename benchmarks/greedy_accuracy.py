@@ -1,0 +1,44 @@
+"""Held-out accuracy for `learning_vs_trl.py`: one evaluator for both trainers, so the comparison measures the
+policies and not two evaluation codes.
+
+Greedy decoding with Hugging Face `generate` (left-padded batches, float32 on CPU), the completion decoded without
+special tokens, and exact match of the stripped text against the stripped answer, as hybridrl's `eval/accuracy`
+and the `exact_match` reward define it. It imports only torch (its caller passes a model and a tokenizer), so the
+TRL worker runs it in TRL's own virtual environment, where hybridrl is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+BATCH = 250
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """The JSONL rows of a task file (`prompt`, `answer`, ...)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
+    """Share of `rows` whose greedy completion, stripped, equals the row's stripped `answer`."""
+    was_training = model.training
+    model.eval()
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    correct = 0
+    try:
+        for start in range(0, len(rows), BATCH):
+            part = rows[start:start + BATCH]
+            inputs = tokenizer([row["prompt"] for row in part], return_tensors="pt", padding=True,
+                               add_special_tokens=False).to(model.device)
+            output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            correct += sum(text.strip() == str(row["answer"]).strip() for text, row in zip(texts, part))
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return correct / len(rows)

@@ -1,0 +1,103 @@
+"""TRL's side of `learning_vs_trl.py`: `GRPOTrainer` on the exported SFT model, one seed, held-out accuracy at
+each evaluation point. Run by the driver in TRL's own virtual environment (hybridrl is not installed there):
+
+    /tmp/trl-venv/bin/python -m benchmarks.trl_learning_worker --spec '{...}' --out result.json
+
+The spec (JSON, written by the driver) holds the same settings the hybridrl side gets. TRL's knobs set to match
+hybridrl's GRPO: one optimizer step per rollout (per_device_train_batch_size = prompts x group, one accumulation
+step, one generation per step), loss_type "dapo" (token mean over the batch, as hybridrl's token-mean), rewards
+scaled by the group std, clip 0.2, no KL (beta 0), constant learning rate without warm-up, AdamW with no weight
+decay, gradient norm clipped at 1, float32 on CPU. Differences left: TRL divides by std + 1e-4 where hybridrl
+adds 1e-6, and its prompt order and sampling noise come from its own seeded sampler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_DISABLED="true", TOKENIZERS_PARALLELISM="false")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from benchmarks.greedy_accuracy import greedy_accuracy, read_rows  # noqa: E402
+
+
+def exact_match(prompts, completions, answer, **columns):
+    """hybridrl's built-in `exact_match`: 1 where the stripped completion equals the stripped answer."""
+    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
+
+
+class Evaluate(TrainerCallback):
+    """Held-out accuracy before the first step and every `eval_every` steps (and after the last); the training
+    wall-clock counts the steps only, not these evaluations."""
+
+    def __init__(self, spec: dict, tokenizer, rows: list[dict]):
+        self.spec, self.tokenizer, self.rows = spec, tokenizer, rows
+        self.accuracy: dict[int, float] = {}
+        self.train_seconds, self.started = 0.0, 0.0
+        self.rewards: list[float] = []
+
+    def evaluate(self, model, step: int) -> None:
+        self.accuracy[step] = greedy_accuracy(model, self.tokenizer, self.rows, self.spec["max_new_tokens"])
+        print(f"trl seed {self.spec['seed']} step {step}: held-out accuracy {self.accuracy[step]:.3f}", flush=True)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.evaluate(model, 0)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.train_seconds += time.perf_counter() - self.started
+        step, every = state.global_step, self.spec["eval_every"]
+        if (every and step % every == 0) or step == self.spec["steps"]:
+            self.evaluate(model, step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "reward" in logs:
+            self.rewards.append(logs["reward"])
+
+
+def run(spec: dict) -> dict:
+    torch.set_num_threads(spec["threads"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    rows = read_rows(spec["train_path"])
+    train = Dataset.from_dict({"prompt": [row["prompt"] for row in rows], "answer": [row["answer"] for row in rows]})
+    evaluation = read_rows(spec["eval_path"])[:spec["max_eval_samples"]]
+    batch = spec["prompts_per_step"] * spec["group_size"]
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        steps_per_generation=1, num_generations=spec["group_size"], max_completion_length=spec["max_new_tokens"],
+        max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2, num_iterations=1, loss_type="dapo",
+        scale_rewards="group", temperature=spec["temperature"], top_p=1.0, top_k=0, seed=spec["seed"],
+        data_seed=spec["seed"], use_cpu=True, bf16=False, logging_steps=1, report_to="none", save_strategy="no",
+        use_vllm=False, dataloader_num_workers=0, disable_tqdm=True)
+    callback = Evaluate(spec, tokenizer, evaluation)
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=train,
+                          processing_class=tokenizer, callbacks=[callback])
+    trainer.train()
+    return {"side": "trl", "seed": spec["seed"], "accuracy": callback.accuracy,
+            "train_seconds": callback.train_seconds, "reward_per_step": callback.rewards}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="the run's settings as JSON (written by learning_vs_trl.py)")
+    parser.add_argument("--out", required=True, help="where the result JSON goes")
+    args = parser.parse_args()
+    result = run(json.loads(args.spec))
+    with open(args.out, "w") as file:
+        json.dump(result, file)
+
+
+if __name__ == "__main__":
+    main()
