@@ -100,11 +100,23 @@ def length_penalty(prompts: list[str], completions: list[str], *, target_length:
     return [-max(0, n - target_length) / scale for n in lengths]
 
 
+def env_reward(prompts: list[str], completions: list[str], *, env_reward: list[float | None],
+               **columns: Any) -> list[float]:
+    """Multi-turn episodes: the environment's own reward (its last non-None `StepResult.reward`). The reward of a
+    run with an environment and no reward function configured."""
+    missing = next((i for i, value in enumerate(env_reward) if value is None), None)
+    if missing is not None:
+        raise ValueError(f"the environment gave no reward for sample {missing} (every step returned reward=None); "
+                         "return a reward from step, or configure reward.functions to score the episode.")
+    return [float(value) for value in env_reward]
+
+
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "exact_match": exact_match,
     "numeric_match": numeric_match,
     "format": format_reward,
     "length_penalty": length_penalty,
+    "env_reward": env_reward,
 }
 
 

@@ -39,6 +39,7 @@ class RolloutBatch:
     loss_mask: torch.Tensor | None = None  # (B, R) tokens the policy loss counts; None: response_mask
     texts: list[str] = field(default_factory=list)  # decoded responses, for rewards and logs
     sampling: SamplingParams = field(default_factory=SamplingParams)  # how the responses were sampled
+    columns: dict[str, list] | None = None  # per-row columns for rewards (episodes: `episodes.py`); read by scoring
 
     @property
     def response_length(self) -> int:
@@ -58,6 +59,8 @@ class RolloutBatch:
                 value = value[moved[value.device]]
             elif f.name == "texts" and value:
                 value = [value[i] for i in index.tolist()]
+            elif f.name == "columns" and value:
+                value = {key: [column[i] for i in index.tolist()] for key, column in value.items()}
             values[f.name] = value
         return RolloutBatch(**values)
 

@@ -35,6 +35,7 @@ from hybridrl.rewards import RewardComposer, WeightedReward, load_reward_functio
 from hybridrl.rollout.base import RolloutBackend
 from hybridrl.rollout.engine.backend import BuiltinBackend
 from hybridrl.rollout.hf import HFBackend
+from hybridrl.training.episodes import EPISODE_COLUMNS, EpisodeRollout, build_environment, build_episode_rollout
 from hybridrl.training.optim import build_optimizer, build_scheduler
 from hybridrl.training.shared_prompt import attention_problem, uses_flex_attention
 
@@ -59,6 +60,7 @@ class Components:
     dataset: PromptDataset
     eval_dataset: PromptDataset | None
     reference_offload: HostOffloadedWeights | None = None  # `model.reference_offload`: weights on the host
+    episodes: EpisodeRollout | None = None  # `env`: multi-turn episodes (`episodes.py`); None: one turn
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,6 +89,8 @@ def seed_everything(seed: int) -> None:
 
 def build_rewards(config: Config, reward_fn: str | Callable | list | None, device: torch.device) -> RewardComposer:
     if reward_fn is None:
+        if not config.reward.functions and not config.reward.reward_model and config.env.enabled:
+            return RewardComposer([WeightedReward("env_reward", load_reward_function("env_reward"), 1.0)])
         if not config.reward.functions and not config.reward.reward_model:
             raise ConfigError("no reward is configured; set reward.functions (e.g. [{fn: exact_match}]) "
                               "or reward.reward_model, or pass reward_fn= in Python.")
@@ -106,8 +110,10 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
         supported, reason = BuiltinBackend.supports(actor)
         if supported and (backend == "builtin" or device.type == "cuda"):
             engine = config.rollout.engine
+            # episodes grow by observations, which the per-slot KV layout allows (engine/multiturn.py)
+            attention = "sdpa" if config.env.enabled and engine.attention == "auto" else engine.attention
             return BuiltinBackend(actor, tokenizer=tokenizer, kv_cache_memory=config.rollout.kv_cache_memory,
-                                  attention=engine.attention, fuse_qkv=engine.fuse_qkv,
+                                  attention=attention, fuse_qkv=engine.fuse_qkv,
                                   fuse_gate_up=engine.fuse_gate_up, sampler=engine.sampler,
                                   dequantize_4bit=engine.dequantize_4bit)
         if backend == "builtin":
@@ -121,7 +127,9 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
 def check_reward_columns(rewards: RewardComposer, config: Config, dataset: PromptDataset | None,
                          eval_dataset: PromptDataset | None) -> None:
     """Every column the rewards read is in the training and held-out data, checked before any model loads (the
-    files are read here once more: reading is cheap next to finding the gap at step 1)."""
+    files are read here once more: reading is cheap next to finding the gap at step 1). Multi-turn episodes add
+    their trajectory columns (`episodes.EPISODE_COLUMNS`)."""
+    extra = list(EPISODE_COLUMNS) if config.env.enabled else []
     sources = [(d, d.name) for d in (dataset, eval_dataset) if d is not None]
     sources += [(path, f"data file '{path}'") for path, given in ((config.data.train_path, dataset),
                                                                    (config.data.eval_path, eval_dataset))
@@ -132,7 +140,7 @@ def check_reward_columns(rewards: RewardComposer, config: Config, dataset: Promp
         else:
             columns = list(dict.fromkeys(key for row in read_records(source) for key in row
                                          if key != config.data.prompt_key))
-        rewards.check_columns(columns, name)
+        rewards.check_columns(columns + extra, name)
 
 
 def build_components(config: Config, actor: HFModel | None = None, reward_fn: Any = None,
@@ -145,6 +153,7 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
     seed_everything(config.trainer.seed)
     rewards = build_rewards(config, reward_fn, placement.device("reward", setup.local_rank))  # cheap errors first
     check_reward_columns(rewards, config, dataset, eval_dataset)
+    environment = build_environment(config)  # a bad environment or tool spec fails before the model loads
     m = config.model
     if actor is None:
         actor = load_hf_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
@@ -211,9 +220,11 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
         else:
             reference_offload = HostOffloadedWeights(reference, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rollout = build_rollout(config, model, tokenizer, device)
     return Components(
         device=device, actor=model, tokenizer=tokenizer, pad_token_id=pad_id, reference=reference, critic=critic,
         actor_optimizer=actor_optimizer, actor_scheduler=build_scheduler(actor_optimizer, a.lr_schedule, a.warmup_steps, total),
         critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
-        rollout=build_rollout(config, model, tokenizer, device), setup=setup, rewards=rewards, dataset=dataset,
-        eval_dataset=eval_dataset, reference_offload=reference_offload)
+        rollout=rollout, setup=setup, rewards=rewards, dataset=dataset, eval_dataset=eval_dataset,
+        reference_offload=reference_offload,
+        episodes=build_episode_rollout(config, environment, tokenizer, rollout, pad_id))

@@ -12,7 +12,7 @@ import gc
 import resource
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -25,6 +25,7 @@ from hybridrl.checkpoint.stop_signals import stop_on_signals
 from hybridrl.config.loading import load_config
 from hybridrl.config.schema import Config
 from hybridrl.data.datasets import PromptDataset
+from hybridrl.envs.base import EnvironmentCodeError
 from hybridrl.metrics.sinks import MetricsLogger, print_unless_closed
 from hybridrl.metrics.summary import run_summary
 from hybridrl.models.loading import HFModel, save_hf_model
@@ -77,12 +78,15 @@ class RolloutTimings:
     """The train <-> generate switch, both directions, with FSDP's weight gather (`perf/weight_sync_s`)."""
     engine_phases: dict[str, float]
     """The built-in engine's split of its call (`rollout/timeline.phase_seconds`); empty for other backends."""
+    episodes: dict[str, float] = field(default_factory=dict)
+    """Multi-turn episodes: turns, tool calls, errors, latency, the engine's prefill and idle time (`rollout/...`)."""
 
     def metrics(self) -> dict[str, float]:
         """`perf/weight_sync_s` and the engine's split as `timing/rollout_<phase>_s` (this process's share of the
         batch: before the first decode step, decoding, after it)."""
         return {"perf/weight_sync_s": self.weight_sync_s,
-                **{f"timing/rollout_{name}_s": seconds for name, seconds in self.engine_phases.items()}}
+                **{f"timing/rollout_{name}_s": seconds for name, seconds in self.engine_phases.items()},
+                **self.episodes}
 
 
 class RLTrainer:
@@ -169,14 +173,14 @@ class RLTrainer:
         start = (self.step_count, self.sampler.state_dict(), checkpoint.rng_state())
         try:
             return self.step()
-        except RewardError as error:
+        except (RewardError, EnvironmentCodeError) as error:  # user code: reward functions, environments
             self.step_count, sampler, rng = start
             self.sampler.load_state_dict(sampler)
             checkpoint.set_rng_state(*rng)
             if self.step_count == 0:
                 raise
             saved = self.save_checkpoint()
-            raise RewardError(f"{error} The {self.step_count} finished step(s) are saved in {saved}: fix the reward and "
+            raise type(error)(f"{error} The {self.step_count} finished step(s) are saved in {saved}: fix the code and "
                               "run the same command again to resume from there.") from error
 
     def any_rank_stopping(self, stop: bool) -> bool:
@@ -314,13 +318,19 @@ class RLTrainer:
         with rollout_phase(self.parts.actor, self.parts.actor_optimizer, self.device,
                            self.config.actor.offload_during_rollout, switch), \
                 fsdp.gather_for_rollout(self.parts.actor) as sync:
-            generations = sharding.generate_sharded(  # each process decodes the texts of its own share
-                self.parts.rollout, prompts["prompt_ids"], params, self.parts.setup,
-                decode=lambda share: decode_responses(self.parts.tokenizer, share))
+            if self.parts.episodes is not None:  # multi-turn: the batch is the episodes' ids (`episodes.py`)
+                batch, episode_stats = self.parts.episodes.generate(self.parts.rollout, prompts, params)
+            else:
+                generations = sharding.generate_sharded(  # each process decodes the texts of its own share
+                    self.parts.rollout, prompts["prompt_ids"], params, self.parts.setup,
+                    decode=lambda share: decode_responses(self.parts.tokenizer, share))
             self.parts.rollout.release_memory()
         engine_stats = getattr(self.parts.rollout, "last_stats", None) or {}
         timings = RolloutTimings(weight_sync_s=switch["weight_sync"] + sync.seconds,
                                  engine_phases=phase_seconds(engine_stats.get("timeline_ms", {})))
+        if self.parts.episodes is not None:
+            timings.episodes = episode_stats
+            return batch.to(self.device), timings
         batch = build_rollout_batch(prompts["prompt_ids"], generations, self.parts.pad_token_id, params.max_new_tokens,
                                     sampling=params)
         batch.texts = [generation.text for generation in generations]
@@ -329,6 +339,7 @@ class RLTrainer:
     def score(self, batch: RolloutBatch, prompts: dict[str, Any]) -> dict[str, float]:
         rows = batch.prompt_index.tolist()
         columns = {key: [values[i] for i in rows] for key, values in prompts["columns"].items()}
+        columns.update(batch.columns or {})  # episodes: messages, tool_calls, env_reward (`episodes.py`)
         prompt_texts = [prompts["raw_prompts"][i] for i in rows]
         group = batch.sampling.n
         total, per_function = self._score(prompt_texts, batch.texts, columns, group)
