@@ -7,6 +7,7 @@ installed (`pip install 'hybridrl[ray]'`).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -72,6 +73,50 @@ def test_find_stalled_blames_the_rank_outside_the_collective():
     assert find_stalled({0: 5, 1: 9}, {0: 0.0, 1: 10.5}, now=11.0, timeout_s=10.0, waiting={0: True}) is None
 
 
+def test_a_silent_rank_is_named_even_when_its_last_report_said_it_waited():
+    """SIGSTOP inside a collective: the stopped rank's last report says "waiting", like its peers'; its silence
+    (no new publication) names it instead of "every rank has waited"."""
+    counts, changed = {0: 5, 1: 5}, {0: 0.0, 1: 0.0}
+    everyone_waits = {0: True, 1: True}
+    assert find_stalled(counts, changed, 11.0, 10.0, everyone_waits).startswith("every rank has waited")
+    message = find_stalled(counts, changed, 11.0, 10.0, everyone_waits, silent={1})
+    assert message.startswith("rank 1 made no progress for 11 s (stuck after heartbeat 5, its process stopped "
+                              "answering") and "rank 0 wait(s) for it" in message
+    assert find_stalled(counts, changed, 5.0, 10.0, everyone_waits, silent={1}) is None  # silent, not yet stalled
+    # the deadlock verdict waits the time a stopped rank takes to fall silent
+    assert find_stalled(counts, changed, 11.0, 10.0, everyone_waits, silent_after_s=5.0) is None
+    assert find_stalled(counts, changed, 16.0, 10.0, everyone_waits, silent_after_s=5.0).startswith("every rank")
+
+
+def test_the_watchdog_names_a_rank_whose_publications_stopped(monkeypatch):
+    """The watchdog thread against a store where rank 1's report is frozen at "waiting" (its process stopped)."""
+    import threading
+
+    from hybridrl.parallel.watchdog import Watchdog
+
+    monkeypatch.setattr(watchdog, "SILENT_AFTER_AT_LEAST_S", 0.0)
+
+    class Store(dict):
+        def set(self, key, value):
+            self[key] = value
+
+        def check(self, keys):
+            return all(key in self for key in keys)
+
+        def get(self, key):
+            return dict.get(self, key).encode()
+
+    store = Store({"1": "4 1 9"})  # rank 1 last said: heartbeat 4, waiting in a collective, publication 9
+    monkeypatch.setattr(watchdog, "waiting_in_collective", lambda: True)  # rank 0 waits for it
+    messages, fired = [], threading.Event()
+    dog = Watchdog(store, rank=0, world_size=2, timeout_s=0.3, interval_s=0.02, startup_grace_s=0.0,
+                   on_stall=lambda message: (messages.append(message), fired.set()))
+    dog.start()
+    assert fired.wait(10.0)
+    dog.stop()
+    assert messages[0].startswith("rank 1 made no progress") and "stopped answering" in messages[0], messages
+
+
 def test_rank_environments_two_nodes_with_gpus():
     envs = rank_environments([("10.0.0.1", ["3"]), ("10.0.0.1", ["1"]), ("10.0.0.2", ["0"])], master_port=29500)
     assert [env["RANK"] for env in envs] == ["0", "1", "2"]
@@ -132,6 +177,8 @@ def ray_cluster():
 def ray_job(mode: str) -> tuple[int, int, float]:
     setup = process_group.init_from_env("cpu", timeout_s=60)
     total = torch.zeros(1)
+    if setup.rank == 1 and mode == "late":
+        time.sleep(120)  # stopped before its first heartbeat
     for _ in range(5):
         watchdog.heartbeat()
         if setup.rank == 1 and mode == "die":
@@ -158,6 +205,15 @@ def test_ray_hung_worker_is_named_within_the_timeout(ray_cluster):
     with pytest.raises(LaunchError, match=r"rank 1 made no progress for [0-9]+ s .*rank 0 wait\(s\) for it"):
         launch.run_ray(ray_job, ("hang",), 2, use_gpu=False, hang_timeout_s=3, startup_grace_s=30)
     assert time.monotonic() - start < 25
+
+
+def test_ray_rank_without_a_heartbeat_is_named_once_another_rank_trains(ray_cluster):
+    """The driver applies the watchdog's start-up rule: the grace (180 s here) ends at the first heartbeat of any
+    rank, so a rank stopped before its first one is named within the hang timeout, as under torchrun."""
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 made no progress for [0-9]+ s \(before its first heartbeat"):
+        launch.run_ray(ray_job, ("late",), 2, use_gpu=False, hang_timeout_s=3, startup_grace_s=180)
+    assert time.monotonic() - start < 60
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,6 +267,45 @@ for step in range(200):
     process_group.all_reduce(torch.ones(1), setup)
     time.sleep(0.05)
 """
+
+
+STOPPED_INSIDE_A_COLLECTIVE = """
+import os, signal, threading, time, torch
+from hybridrl.parallel import process_group, watchdog
+setup = process_group.init_from_env("cpu", timeout_s=60, hang_timeout_s=5.0)
+for step in range(200):
+    watchdog.heartbeat()
+    if step == 3 and setup.rank == 0:
+        time.sleep(3.0)  # computing (under the hang timeout) while rank 1 already waits in the all-reduce
+    if step == 3 and setup.rank == 1:  # stop this whole process 2.5 s into its wait, as `kill -STOP` would
+        threading.Timer(2.5, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+    process_group.all_reduce(torch.ones(1), setup)
+    time.sleep(0.05)
+"""
+
+
+def test_a_rank_stopped_inside_a_collective_is_named(tmp_path):
+    """Its last report said "waiting", as rank 0's does: the silence of its watchdog names it (before, the run
+    was reported as "every rank has waited in a collective")."""
+    script = tmp_path / "stop.py"
+    script.write_text(STOPPED_INSIDE_A_COLLECTIVE)
+    start = time.monotonic()
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              str(script)], stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = []
+    try:
+        for line in agent.stderr:  # torchrun would wait 30 s for the stopped rank to take its SIGTERM
+            lines.append(line)
+            if "hybridrl:" in line or time.monotonic() - start > 80:
+                break
+    finally:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+    stderr = "".join(lines)
+    assert "hybridrl: rank 1 made no progress" in stderr and "stopped answering" in stderr, stderr[-3000:]
+    assert "rank 0 wait(s) for it in a collective" in stderr
+    assert time.monotonic() - start < 60
 
 
 def test_a_rank_stopped_before_its_first_heartbeat_is_named_within_the_hang_timeout(tmp_path):

@@ -16,7 +16,8 @@ A run never hangs silently:
   (`find_stalled`) and the run stops; torchrun itself ends the run when a worker process dies, naming
   its rank;
 - under Ray, the driver does both: it watches the actors (a dead one ends the run at once) and polls
-  their heartbeat counts.
+  their heartbeat counts with the watchdog's rules (the start-up grace ends at any rank's first
+  heartbeat; a rank whose probe stops answering is stopped or frozen, and named).
 
 A scheduler's SIGTERM (or Ctrl-C) to the launcher stops the run cleanly: torchrun runs in a session of its
 own, so the terminal's signal reaches only the launcher, which passes exactly one SIGTERM/SIGINT to each
@@ -35,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from hybridrl.parallel.watchdog import find_stalled, progress, waiting_in_collective
+from hybridrl.parallel.watchdog import (find_stalled, first_heartbeat_clock, progress, silence_bound_s,
+                                        waiting_in_collective)
 
 
 class LaunchError(RuntimeError):
@@ -216,11 +218,18 @@ def run_ray(fn: Callable[..., Any], args: tuple, num_workers: int, use_gpu: bool
 
 def _supervise(ray: Any, workers: list[Any], runs: list[Any], hang_timeout_s: float, startup_grace_s: float,
                poll_s: float) -> list[Any]:
+    """Wait for the ranks' results while applying the torchrun watchdog's rules from the driver: a rank's stall
+    clock starts at its last new heartbeat count, before the first one at `first_heartbeat_clock` (the start-up
+    grace ends once any rank trains), and a rank whose progress probe has not answered for `silence_bound_s`
+    is stopped or frozen, so it is named even if its last answer said it waited in a collective."""
     rank_of = {run: rank for rank, run in enumerate(runs)}
     results: dict[int, Any] = {}
     counts: dict[int, int] = {}
     waiting: dict[int, bool] = {}
-    changed_at = {rank: time.monotonic() + startup_grace_s for rank in range(len(runs))}
+    started = time.monotonic()
+    changed_at: dict[int, float] = {}
+    answered_at: dict[int, float] = {}
+    first_progress_at: float | None = None
     pending = list(runs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=poll_s)
@@ -251,10 +260,17 @@ def _supervise(ray: Any, workers: list[Any], runs: list[Any], hang_timeout_s: fl
                 count, waiting[rank] = ray.get(probe)
             except Exception:
                 continue  # the rank is dying; its run ref reports why on the next pass
+            answered_at[rank] = now
             if counts.get(rank) != count:
                 counts[rank], changed_at[rank] = count, now
+        if first_progress_at is None and any(counts.values()):
+            first_progress_at = now
+        for rank in running:
+            if not counts.get(rank):
+                changed_at[rank] = first_heartbeat_clock(started, startup_grace_s, first_progress_at)
+        silent = {rank for rank in running if now - answered_at.get(rank, now) > silence_bound_s(poll_s)}
         live = {rank: counts.get(rank, 0) for rank in running}
-        message = find_stalled(live, changed_at, now, hang_timeout_s, waiting)
+        message = find_stalled(live, changed_at, now, hang_timeout_s, waiting, silent, silence_bound_s(poll_s))
         if message:
             raise LaunchError(message + "; the run was stopped (trainer.hang_timeout_s).")
     return [results[rank] for rank in range(len(runs))]

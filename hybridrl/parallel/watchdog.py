@@ -2,7 +2,9 @@
 count stops into an error that names it.
 
 A stalled rank that is computing (not waiting inside a torch.distributed call) is the one to blame;
-ranks waiting in a collective are only held up by it (`find_stalled`). Under Ray the driver runs the same
+ranks waiting in a collective are only held up by it (`find_stalled`). A rank whose whole process stopped
+(SIGSTOP, frozen) last reported whatever it was doing, possibly "waiting"; its watchdog thread stopped too,
+so it stops publishing, and that silence names it. Under Ray the driver runs the same
 check over the actors' counts (`launch.py`).
 """
 
@@ -75,13 +77,18 @@ def first_heartbeat_clock(started: float, startup_grace_s: float, first_progress
 
 
 def find_stalled(counts: dict[int, int], changed_at: dict[int, float], now: float, timeout_s: float,
-                 waiting: dict[int, bool] | None = None) -> str | None:
+                 waiting: dict[int, bool] | None = None, silent: set[int] | None = None,
+                 silent_after_s: float = 0.0) -> str | None:
     """Which rank holds the run up, if any. A rank is stalled when its heartbeat count has not changed
     for `timeout_s`; a stalled rank that is computing (not waiting inside a torch.distributed call) is
-    the one to blame, while stalled ranks waiting in a collective are only held up by it."""
-    waiting = waiting or {}
+    the one to blame, while stalled ranks waiting in a collective are only held up by it. A rank in `silent`
+    (its process stopped answering the supervisor: stopped by SIGSTOP, frozen) is to blame whatever its last
+    report said: a rank stopped inside a collective last reported waiting, like the ranks it holds up. So the
+    verdict that every rank waits (a deadlock, or a rank that died inside a collective) is given only once the
+    stall has lasted `silent_after_s` longer, the time a stopped rank takes to fall silent."""
+    waiting, silent = waiting or {}, silent or set()
     stalled = [r for r in sorted(counts) if now - changed_at[r] > timeout_s]
-    culprits = [r for r in stalled if not waiting.get(r, False)]
+    culprits = [r for r in stalled if r in silent or not waiting.get(r, False)]
     if culprits:
         idle = max(now - changed_at[r] for r in culprits)
         names = ", ".join(str(r) for r in culprits)
@@ -89,13 +96,28 @@ def find_stalled(counts: dict[int, int], changed_at: dict[int, float], now: floa
         also = f"; rank {', '.join(map(str, held))} wait(s) for it in a collective" if held else ""
         beat = min(counts[r] for r in culprits)
         where = f"stuck after heartbeat {beat}" if beat else "before its first heartbeat"
-        return f"rank {names} made no progress for {idle:.0f} s ({where}, outside any collective){also}"
-    if stalled and len(stalled) == len(counts):
-        idle = min(now - changed_at[r] for r in stalled)
+        how = ("its process stopped answering: stopped (SIGSTOP) or frozen" if all(r in silent for r in culprits)
+               else "outside any collective")
+        return f"rank {names} made no progress for {idle:.0f} s ({where}, {how}){also}"
+    idle = min((now - changed_at[r] for r in stalled), default=0.0)
+    if stalled and len(stalled) == len(counts) and idle > timeout_s + silent_after_s:
         where = ", ".join(f"rank {r} at heartbeat {counts[r]}" for r in stalled)
         return (f"every rank has waited in a collective for {idle:.0f} s ({where}): a rank died inside it, or "
                 "the ranks called different collectives")
     return None
+
+
+SILENT_AFTER_POLLS = 3
+SILENT_AFTER_AT_LEAST_S = 10.0
+
+
+def silence_bound_s(interval_s: float) -> float:
+    """How long a supervisor may hear nothing new from a rank (its watchdog's publication count, the Ray driver's
+    progress probe) before that rank counts as stopped (`find_stalled`'s `silent`): `SILENT_AFTER_POLLS` polling
+    intervals, and at least `SILENT_AFTER_AT_LEAST_S` so a loaded machine's late thread is not taken for a stopped
+    one. A rank's own watchdog thread publishes every interval whatever its training thread does, so only a
+    stopped or frozen process stays silent that long."""
+    return max(SILENT_AFTER_POLLS * interval_s, SILENT_AFTER_AT_LEAST_S)
 
 
 class Watchdog(threading.Thread):
@@ -134,16 +156,23 @@ class Watchdog(threading.Thread):
         counts: dict[int, int] = {}
         waiting: dict[int, bool] = {}
         changed_at: dict[int, float] = {}
+        publications: dict[int, int] = {}  # rank -> its watchdog's publication count: it stops when its process does
+        heard_at: dict[int, float] = {}
         started = time.monotonic()
         first_progress_at: float | None = None
+        published = 0
         while not self._stop_event.wait(self.interval_s):
             try:
-                self.store.set(str(self.rank), f"{progress()} {int(waiting_in_collective())}")
+                published += 1
+                self.store.set(str(self.rank), f"{progress()} {int(waiting_in_collective())} {published}")
                 for rank in range(self.world_size):
-                    text = self.store.get(str(rank)).decode() if self.store.check([str(rank)]) else "0 0"
-                    count, waiting[rank] = int(text.split()[0]), text.split()[1] == "1"
+                    text = self.store.get(str(rank)).decode() if self.store.check([str(rank)]) else "0 0 0"
+                    count, waiting[rank], publication = parse_report(text)
+                    now = time.monotonic()
                     if counts.get(rank) != count:
-                        counts[rank], changed_at[rank] = count, time.monotonic()
+                        counts[rank], changed_at[rank] = count, now
+                    if publications.get(rank) != publication:
+                        publications[rank], heard_at[rank] = publication, now
             except Exception as error:  # the store lives in rank 0's process (or torchrun's agent)
                 if self._stop_event.is_set():
                     return
@@ -155,10 +184,20 @@ class Watchdog(threading.Thread):
             for rank in range(self.world_size):
                 if counts.get(rank, 0) == 0:
                     changed_at[rank] = first_heartbeat_clock(started, self.startup_grace_s, first_progress_at)
-            message = find_stalled(counts, changed_at, time.monotonic(), self.timeout_s, waiting)
+            now = time.monotonic()
+            silent = {rank for rank, at in heard_at.items()  # (a rank that never published may not have started yet)
+                      if publications[rank] and now - at > silence_bound_s(self.interval_s)}
+            message = find_stalled(counts, changed_at, now, self.timeout_s, waiting, silent,
+                                   silence_bound_s(self.interval_s))
             if message:
                 self.on_stall(message)
                 return
+
+
+def parse_report(text: str) -> tuple[int, bool, int]:
+    """A rank's published "<heartbeats> <waiting 0|1> <publications>"."""
+    count, waiting, publication = text.split()
+    return int(count), waiting == "1", int(publication)
 
 
 def _exit_with_message(message: str) -> None:
