@@ -20,6 +20,11 @@ def validate(config: Config) -> None:
     _require(r.max_new_tokens >= 1, "rollout.max_new_tokens must be at least 1.")
     _require(r.temperature >= 0, "rollout.temperature must be >= 0 (0 is greedy).")
     _require(r.eval_temperature >= 0, "rollout.eval_temperature must be >= 0 (0 is greedy).")
+    _require(config.eval.num_samples >= 1, "eval.num_samples must be at least 1.")
+    _require(config.eval.num_samples == 1 or r.eval_temperature > 0,
+             f"eval.num_samples={config.eval.num_samples} samples each held-out prompt several times, but "
+             "rollout.eval_temperature=0 (greedy) makes every sample the same; set rollout.eval_temperature "
+             "(e.g. 0.7) or eval.num_samples=1.")
     _require(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1].")
     _require(r.top_k >= 0, "rollout.top_k must be >= 0 (0 disables).")
     _require(0 <= r.min_p < 1, "rollout.min_p must be in [0, 1).")

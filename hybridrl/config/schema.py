@@ -437,6 +437,14 @@ class SFTConfig:
 
 
 @dataclass
+class EvalConfig:
+    num_samples: int = 1
+    """Responses sampled for each held-out prompt (at `rollout.eval_temperature`, which must then be above 0).
+    Above 1 the run also logs `eval/pass@k` (k = num_samples): the share of prompts with at least one of the k
+    responses equal to the reference answer; `eval/accuracy` and the reward means are then over all k x prompts."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -449,6 +457,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property
     def rollout_batch_size(self) -> int:

@@ -1,7 +1,7 @@
 """`hybridrl plot RUN_DIR`: PNG curves of a run from its `metrics.jsonl` (matplotlib, imported lazily).
 
 One figure, a panel per quantity that the run logged (reward, KL, entropy, response length,
-tokens/s, held-out exact-match accuracy; for an SFT run its loss and gradient norm), each with the raw values faint and a moving average on top, so a noisy
+tokens/s, held-out exact-match accuracy and pass@k; for an SFT run its loss and gradient norm), each with the raw values faint and a moving average on top, so a noisy
 RL curve still shows its trend.
 """
 
@@ -12,12 +12,28 @@ import math
 from pathlib import Path
 
 from hybridrl.config.schema import MissingExtra
+from hybridrl.metrics.sinks import PASS_AT_K_PREFIX
 
 PANELS = [
     ("reward/mean", "reward (mean)"), ("actor/kl", "KL to reference"), ("actor/entropy", "entropy"),
     ("rollout/response_length_mean", "response length (tokens)"), ("perf/tokens_per_s", "generated tokens/s"),
     ("eval/accuracy", "held-out exact-match accuracy"), ("sft/loss", "SFT loss"), ("sft/grad_norm", "SFT gradient norm"),
 ]
+
+
+def panels_of(rows: list[dict[str, float]]) -> list[tuple[str, str]]:
+    """(metric, title) of each panel the run has data for: PANELS, with `eval/pass@k` (its name carries k,
+    `eval.num_samples`) after the exact-match accuracy."""
+    logged = {key for row in rows for key in row}
+    passes = [(key, f"held-out {key.removeprefix('eval/')} (exact match)") for key in sorted(logged)
+              if key.startswith(PASS_AT_K_PREFIX)]
+    panels = []
+    for key, title in PANELS:
+        if key in logged:
+            panels.append((key, title))
+        if key == "eval/accuracy":
+            panels += passes
+    return panels
 
 
 class PlotError(ValueError):
@@ -64,7 +80,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise MissingExtra("plotting needs matplotlib: pip install 'hybridrl[plot]'.") from None
-    panels = [(key, title) for key, title in PANELS if any(key in row for row in rows)]
+    panels = panels_of(rows)
     if not panels:
         raise PlotError(f"{run_dir}/metrics.jsonl has none of {', '.join(k for k, _ in PANELS)} yet; "
                         "plot it once the run has logged a step.")

@@ -32,6 +32,18 @@ CONSOLE_KEYS = [
     ("actor/clipfrac", "clip"), ("critic/value_loss", "vloss"), ("rollout/response_length_mean", "len"),
     ("perf/tokens_per_s", "tok/s"), ("timing/step_s", "step_s"), ("sft/loss", "loss"),
 ]
+PASS_AT_K_PREFIX = "eval/pass@"
+"""`eval/pass@k` (`eval.num_samples` = k > 1): its name carries k, so it is found by this prefix."""
+
+
+def console_keys(metrics: dict[str, float]) -> list[tuple[str, str]]:
+    """(metric, short name) of the console line, in order: CONSOLE_KEYS present, with pass@k after eval_exact."""
+    keys = [(key, short) for key, short in CONSOLE_KEYS if key in metrics]
+    passes = [(key, key.removeprefix("eval/")) for key in sorted(metrics) if key.startswith(PASS_AT_K_PREFIX)]
+    after = next((i + 1 for i, (key, _) in enumerate(keys) if key == "eval/accuracy"), len(keys))
+    return keys[:after] + passes + keys[after:]
+
+
 PROGRESS_KEYS = [("reward/mean", "reward"), ("actor/kl", "kl"), ("perf/tokens_per_s", "tok/s"), ("sft/loss", "loss")]
 
 
@@ -74,7 +86,7 @@ class ConsoleSink:
                                  refresh=True)
 
     def write(self, step: int, metrics: dict[str, float], table: str = "") -> None:
-        parts = [f"{short}={metrics[key]:.4g}" for key, short in CONSOLE_KEYS if key in metrics]
+        parts = [f"{short}={metrics[key]:.4g}" for key, short in console_keys(metrics)]
         elapsed = time.time() - self.start
         eta = elapsed / max(step - self.start_step, 1) * (self.total_steps - step)
         line = f"step {step}/{self.total_steps} " + " ".join(parts) + f" eta={eta:.0f}s" + table

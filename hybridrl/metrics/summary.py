@@ -17,19 +17,25 @@ def _first_and_last(history: list[dict[str, Any]], key: str) -> tuple[float, flo
     return (values[0], values[-1]) if values else None
 
 
+def is_share(key: str) -> bool:
+    """Held-out metrics that are shares of prompts (exact-match accuracy, pass@k): shown in percent."""
+    return key == "eval/accuracy" or key.startswith("eval/pass@")
+
+
 def run_summary(history: list[dict[str, Any]], wall_s: float, output_dir: str | Path,
                 model_dir: str | Path | None = None, title: str = "run") -> str:
     """Lines of text: held-out metrics before -> after, steps, time, throughput, memory, output paths."""
     lines = [f"== {title} summary"]
     eval_keys = sorted({key for row in history for key in row if key.startswith("eval/")},
-                       key=lambda key: (key != "eval/accuracy", key))
+                       key=lambda key: (not is_share(key), key))
     for key in eval_keys:
         first_last = _first_and_last(history, key)
         if first_last:
             first, last = first_last
-            change = f" ({(last - first) * 100:+.1f} points)" if key == "eval/accuracy" else ""
-            shown = (lambda v: f"{v:.1%}") if key == "eval/accuracy" else (lambda v: f"{v:.4g}")
-            lines.append(f"  {key}: {shown(first)} -> {shown(last)}{change}")
+            if is_share(key):
+                lines.append(f"  {key}: {first:.1%} -> {last:.1%} ({(last - first) * 100:+.1f} points)")
+            else:
+                lines.append(f"  {key}: {first:.4g} -> {last:.4g}")
     steps = max((row.get("step", 0) for row in history), default=0)
     throughput = [row["perf/tokens_per_s"] for row in history if "perf/tokens_per_s" in row]
     peak = max((row["perf/peak_memory_gib"] for row in history if "perf/peak_memory_gib" in row), default=None)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.config.schema import MissingExtra
-from hybridrl.metrics.plot import PANELS, read_metrics
+from hybridrl.metrics.plot import panels_of, read_metrics
 
 SPARK = "▁▂▃▄▅▆▇█"
 HISTORY = 60
@@ -59,7 +59,7 @@ def render(run_dir: str | Path) -> Any:
     for header, justify in (("quantity", "left"), ("latest", "right"), ("min", "right"), ("max", "right"),
                             (f"last {HISTORY} points", "left")):
         curves.add_column(header, justify=justify)
-    for key, title in PANELS:
+    for key, title in panels_of(rows):
         values = [row[key] for row in rows if key in row and isinstance(row[key], (int, float))]
         if values:
             curves.add_row(title, f"{values[-1]:.4g}", f"{min(values):.4g}", f"{max(values):.4g}", sparkline(values))

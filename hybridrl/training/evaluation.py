@@ -4,7 +4,9 @@
 stripped `data.answer_key` column), the number a user compares with a paper's; it is logged only where
 the data has that column. Rewards are reported beside it as means (`eval/reward_mean`, and per function
 `eval/reward/<name>`), never turned into an "accuracy": a partial-credit reward's share of positive scores
-says nothing about correctness.
+says nothing about correctness. With `eval.num_samples` = k > 1 each held-out prompt is sampled k times:
+`eval/accuracy` is then the mean over all k x prompts responses (pass@1 at `rollout.eval_temperature`), and
+`eval/pass@k` the share of prompts with at least one agreeing response.
 """
 
 from __future__ import annotations
@@ -34,6 +36,19 @@ def exact_agreement(completions: Sequence[str], answers: Sequence[Any]) -> list[
     """Whether each stripped completion equals its stripped reference answer (a missing answer never agrees)."""
     return [answer is not None and completion.strip() == str(answer).strip()
             for completion, answer in zip(completions, answers)]
+
+
+def pass_at_k(agree: Sequence[bool], prompt_index: Sequence[int]) -> float:
+    """The share of prompts with at least one response that agrees with the reference (`agree[i]` belongs to
+    prompt `prompt_index[i]`): pass@k when every prompt has k responses."""
+    solved: dict[int, bool] = {}
+    for index, correct in zip(prompt_index, agree):
+        solved[index] = solved.get(index, False) or correct
+    return sum(solved.values()) / len(solved)
+
+
+def pass_at_k_key(num_samples: int) -> str:
+    return f"eval/pass@{num_samples}"
 
 
 @torch.no_grad()

@@ -38,7 +38,7 @@ from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_re
 from hybridrl.training.components import Components, build_components
 from hybridrl.training.divergence import DivergenceGuard, Limits
 from hybridrl.training.dynamic_sampling import informative_batch
-from hybridrl.training.evaluation import EVAL_BATCH, answer_column, exact_agreement
+from hybridrl.training.evaluation import EVAL_BATCH, answer_column, exact_agreement, pass_at_k, pass_at_k_key
 from hybridrl.training.logprobs import response_logprobs
 from hybridrl.training.phase_switch import rollout_phase
 from hybridrl.training.shared_prompt import PromptLayout
@@ -304,7 +304,8 @@ class RLTrainer:
         r = self.config.rollout
         return SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.eval_temperature if evaluation else r.temperature,
-            top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, n=1 if evaluation else r.num_samples_per_prompt,
+            top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
+            n=self.config.eval.num_samples if evaluation else r.num_samples_per_prompt,
             stop_strings=list(r.stop_strings), ignore_eos=r.ignore_eos and not evaluation,
             seed=self.config.trainer.seed * 100_003 + self.step_count + 1_000_003 * self.generation_round)
 
@@ -432,26 +433,33 @@ class RLTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy (eval_temperature) responses on the held-out prompts: each reward's mean, and `eval/accuracy`, exact
-        agreement with `data.answer_key` where the data has that column (`training/evaluation.py`)."""
+        """`eval.num_samples` responses (at eval_temperature, greedy by default) to each held-out prompt: each
+        reward's mean, and `eval/accuracy`, exact agreement with `data.answer_key` where the data has that column,
+        with `eval/pass@k` when k > 1 (`training/evaluation.py`)."""
         dataset = self.parts.eval_dataset
         limit = self.config.data.max_eval_samples or len(dataset)
         indices = list(range(min(limit, len(dataset))))
-        scores, per_fn_sums, agree = [], {}, []
+        scores, per_fn_sums, agree, agree_prompt = [], {}, [], []
         for start in range(0, len(indices), EVAL_BATCH):
             prompts = dataset.batch(indices[start:start + EVAL_BATCH])
             batch, _ = self.rollout(prompts, evaluation=True)
-            columns = prompts["columns"]
-            total, per_function = self._score(prompts["raw_prompts"], batch.texts, columns, 1)
+            rows = batch.prompt_index.tolist()  # k rows per prompt with eval.num_samples = k
+            columns = {key: [values[i] for i in rows] for key, values in prompts["columns"].items()}
+            columns.update(batch.columns or {})
+            total, per_function = self._score([prompts["raw_prompts"][i] for i in rows], batch.texts, columns,
+                                              batch.sampling.n)
             scores += total.tolist()
             for name, values in per_function.items():
                 per_fn_sums[name] = per_fn_sums.get(name, 0.0) + sum(values)
             answers = answer_column(columns, self.config.data.answer_key)
             if answers is not None:
                 agree += exact_agreement(batch.texts, answers)
+                agree_prompt += [start + row for row in rows]
         metrics = {"eval/reward_mean": sum(scores) / len(scores)}
         if len(agree) == len(scores):  # every batch had reference answers
             metrics["eval/accuracy"] = sum(agree) / len(agree)
+            if self.config.eval.num_samples > 1:
+                metrics[pass_at_k_key(self.config.eval.num_samples)] = pass_at_k(agree, agree_prompt)
         metrics.update({f"eval/reward/{name}": total / len(scores) for name, total in per_fn_sums.items()})
         return metrics
 
