@@ -79,6 +79,21 @@ def test_rollout_with_no_agreement_sequences_skips_the_agreement_check(tmp_path)
     assert result["greedy_agreement"] is None and result["hf_bf16_vs_float32_equal_fraction"] is None
 
 
+def test_multiturn_benchmark_runs_three_turns_against_one(tmp_path):
+    """`multiturn.py` on the tiny model: every episode has its 3 turns, the same tokens are sampled both ways, and
+    the prefill counts only the prompts once and then each resume's observation plus the turn's last token."""
+    stdout = run_script(["-m", "benchmarks.multiturn", "--tiny", "--quick", "--prompts", "2", "--n", "2",
+                         "--prompt-len", "16", "--turn-len", "8", "--observation-len", "4", "--tool-latency-ms", "5",
+                         "--repeats", "1"], tmp_path)
+    assert "multi-turn / single-turn tokens/s" in stdout
+    result = json.loads((tmp_path / "multiturn_benchmark.json").read_text())
+    multi, single = result["multi"], result["single"]
+    assert multi["sampled_tokens"] == single["sampled_tokens"] == 2 * 2 * 3 * 8
+    assert multi["observation_prefills"] == 2 * 2 * 2  # two resumes per episode
+    assert multi["prefill_tokens"] == 2 * 16 + 2 * 2 * 2 * (4 + 1) == result["floor_multi"]["prefill_tokens"]
+    assert multi["idle_s"] >= 0 and result["ratio"] > 0
+
+
 def test_optimizer_step_quick_times_each_offload_share_and_the_baseline(tmp_path):
     baseline = tmp_path / "baseline_optim.py"
     baseline.write_text((ROOT / "hybridrl/training/optim.py").read_text())

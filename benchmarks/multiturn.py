@@ -1,0 +1,226 @@
+"""Multi-turn rollout throughput: episodes of 3 turns with a 50 ms tool between them, against one turn of the
+same number of sampled tokens, on the built-in engine and the grpo-0.5b shape.
+
+    python -m benchmarks.multiturn                 # 64 prompts x 8 episodes, prompt 256, 3 turns x 85 tokens
+    python -m benchmarks.multiturn --quick         # 16 prompts, 3 turns x 32 tokens
+    python -m benchmarks.multiturn --tiny --quick --prompts 2 --n 2   # CPU: checks the script, measures nothing
+
+A random-init model calls no tools, so turns end at a fixed length (`ignore_eos`, `max_new_tokens` per turn) and
+the environment is synthetic: each step sleeps `--tool-latency-ms` (asynchronously, as a remote tool would) and
+returns a fixed `--observation-len`-token observation, 3 turns per episode (`--turns`). The single-turn run
+samples `turns x turn_len` tokens per sequence from the same prompts with `generate` (n samples per prompt), the
+path a single-turn GRPO step takes. Both are timed after a warm-up call (compilation, CUDA graphs), the best of
+`--repeats`.
+
+Reported: sampled tokens/s of each and their ratio (the goal is >= 0.8), the engine's idle time (waiting with
+nothing to decode: every sequence paused on its tool), the prefill tokens (prompts once each, then only the
+observations and each turn's last sampled token: no context is recomputed), and the hardware floor of each,
+computed as in `benchmarks/rollout.py` (every decode step reads the weights and each sequence's KV; prefill at
+peak FLOPs); the multi-turn floor adds the observation prefills and longer contexts, and no tool latency (which
+other sequences' decoding can hide).
+
+Prints a table last; writes JSON to $OUT/multiturn_benchmark.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+import torch
+
+from benchmarks.rollout import GRPO_05B, TINY, build_model, sync
+from hybridrl.envs.base import EnvironmentSession, StepResult
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine.backend import BuiltinBackend
+from hybridrl.rollout.multiturn import EpisodeBudget
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.multiturn", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=64, help="distinct prompts")
+    parser.add_argument("--n", type=int, default=8, help="episodes (samples) per prompt")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--turns", type=int, default=3, help="assistant turns per episode")
+    parser.add_argument("--turn-len", type=int, default=85, help="sampled tokens per turn (forced)")
+    parser.add_argument("--observation-len", type=int, default=32, help="tokens of each tool observation")
+    parser.add_argument("--tool-latency-ms", type=float, default=50.0)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs of each (the best is reported)")
+    parser.add_argument("--kv-cache-memory", type=float, default=0.3)
+    parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
+    parser.add_argument("--peak-tflops", type=float, default=785.0)
+    parser.add_argument("--quick", action="store_true", help="16 prompts, 3 turns x 32 tokens")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a 2-layer model with a 1,000-token vocabulary (checks the script on CPU; measures nothing)")
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--no-compile", action="store_true")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    if "--quick" in (sys.argv[1:] if argv is None else argv):  # new defaults; flags given explicitly still win
+        parser.set_defaults(prompts=16, turn_len=32)
+    return parser.parse_args(argv)
+
+
+class FixedIds:
+    """Stands in for `ObservationRenderer` with a random-init model and no chat template: a row's prompt ids are
+    given, every observation is the same fixed ids; decoding (only to hand text to the environment) is skipped."""
+
+    def __init__(self, observation_ids: list[int]):
+        self.observation = observation_ids
+        self.tokenizer = self
+        self.all_special_ids: list[int] = []
+
+    def prompt_ids(self, messages) -> list[int]:
+        return list(messages[0]["ids"])
+
+    def observation_ids(self, messages, new_messages, sampled_ids=None) -> list[int]:
+        return list(self.observation)
+
+    def encode(self, text: str) -> list[int]:
+        return self.observation[:1]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return ""
+
+
+class SlowTool:
+    """An environment whose every step is a tool call of fixed latency; done after `turns` assistant turns."""
+
+    def __init__(self, row: dict, turns: int, latency_s: float):
+        self.row, self.turns, self.latency_s, self.steps = row, turns, latency_s, 0
+
+    async def reset(self):
+        return [{"role": "user", "content": "", "ids": self.row["ids"]}]
+
+    async def step(self, assistant_text: str) -> StepResult:
+        self.steps += 1
+        await asyncio.sleep(self.latency_s)
+        if self.steps >= self.turns:
+            return StepResult(reward=0.0, done=True)
+        return StepResult([{"role": "tool", "name": "tool", "content": "result"}], done=False)
+
+
+def time_best(fn, repeats: int) -> tuple[float, object]:
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        result = fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def run_multiturn(engine: BuiltinBackend, prompts: list[list[int]], args) -> dict:
+    renderer = FixedIds(list(range(10, 10 + args.observation_len)))
+    budget = EpisodeBudget(max_turns=args.turns, max_observation_tokens=args.observation_len,
+                           max_episode_tokens=args.prompt_len + args.turns * (args.turn_len + args.observation_len) + 1)
+    params = SamplingParams(max_new_tokens=args.turn_len, temperature=1.0, ignore_eos=True, seed=0)
+
+    def episodes(rows):
+        factory = lambda row: SlowTool(row, args.turns, args.tool_latency_ms / 1000)  # noqa: E731
+        sessions = [EnvironmentSession(factory, {"ids": prompt}, name="slow-tool", sample=i * args.n + j)
+                    for i, prompt in enumerate(rows) for j in range(args.n)]
+        return engine.generate_episodes(sessions, renderer, params, budget)
+
+    episodes(prompts[:2])  # warm-up: compilation, CUDA graphs
+    seconds, result = time_best(lambda: episodes(prompts), args.repeats)
+    sampled = sum(e.num_sampled_tokens for e in result)
+    turns = [e.num_turns for e in result]
+    assert all(t == args.turns for t in turns), f"episodes ended early: turns {sorted(set(turns))}"
+    stats = dict(engine.last_stats)
+    return dict(seconds=seconds, sampled_tokens=sampled, tokens_per_s=sampled / seconds, stats=stats,
+                idle_s=stats.get("idle_s"), prefill_tokens=stats.get("prefill_tokens"),
+                observation_prefills=stats.get("observation_prefills"))
+
+
+def run_single(engine: BuiltinBackend, prompts: list[list[int]], args) -> dict:
+    params = SamplingParams(max_new_tokens=args.turns * args.turn_len, temperature=1.0, n=args.n, ignore_eos=True,
+                            seed=0)
+    engine.generate(prompts[:2], params)  # warm-up
+    seconds, result = time_best(lambda: engine.generate(prompts, params), args.repeats)
+    sampled = sum(len(g.token_ids) for g in result)
+    stats = dict(engine.last_stats)
+    return dict(seconds=seconds, sampled_tokens=sampled, tokens_per_s=sampled / seconds, stats=stats,
+                idle_s=0.0, prefill_tokens=stats.get("prefill_tokens"))
+
+
+def floor(model, args, multiturn: bool, bandwidth: float, peak: float) -> dict:
+    """Seconds the hardware needs at least: decode steps bound by reading weights and KV (or by FLOPs), prefill
+    of each distinct prompt (and, multi-turn, of each observation) at peak FLOPs. Tool latency not included."""
+    config = model.config
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_bytes_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
+    sequences = args.prompts * args.n
+    prefill_tokens = args.prompts * args.prompt_len
+    context, decode = args.prompt_len, 0.0
+    turns = args.turns if multiturn else 1
+    turn_len = args.turn_len if multiturn else args.turns * args.turn_len
+    for turn in range(turns):
+        if turn:
+            context += args.observation_len
+            prefill_tokens += sequences * (args.observation_len + 1)
+        for step in range(turn_len - 1):  # a turn's first token comes from the prefill logits
+            step_bytes = weight_bytes + sequences * (context + 1 + step) * kv_bytes_per_token
+            decode += max(step_bytes / bandwidth, 2 * params * sequences / peak)
+        context += turn_len
+    prefill = max(2 * params * prefill_tokens / peak, turns * weight_bytes / bandwidth)
+    seconds = prefill + decode
+    return dict(prefill_s=prefill, decode_s=decode, seconds=seconds, prefill_tokens=prefill_tokens,
+                tokens_per_s=sequences * args.turns * args.turn_len / seconds)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(device, TINY if args.tiny else GRPO_05B)
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len), generator=generator).tolist()
+    engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
+                            compile=False if args.no_compile else None, attention="sdpa")
+    print(f"{args.prompts} prompts x {args.n} episodes, prompt {args.prompt_len}, {args.turns} turns x "
+          f"{args.turn_len} tokens, observation {args.observation_len} tokens after a {args.tool_latency_ms:g} ms "
+          f"tool; single turn: {args.turns * args.turn_len} tokens", flush=True)
+    single = run_single(engine, prompts, args)
+    print(f"single turn: {single['seconds']:.3f} s, stats {single['stats']}", flush=True)
+    multi = run_multiturn(engine, prompts, args)
+    print(f"multi-turn: {multi['seconds']:.3f} s, stats {multi['stats']}", flush=True)
+    bandwidth, peak = args.bandwidth_tbs * 1e12, args.peak_tflops * 1e12
+    result = dict(args=vars(args), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                  torch=torch.__version__, single=single, multi=multi,
+                  ratio=multi["tokens_per_s"] / single["tokens_per_s"],
+                  floor_single=floor(model, args, False, bandwidth, peak),
+                  floor_multi=floor(model, args, True, bandwidth, peak))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "multiturn_benchmark.json"), "w") as handle:
+            json.dump(result, handle, indent=2, default=str)
+    print_table(result)
+
+
+def print_table(result: dict) -> None:
+    rows = [("run", "sampled tokens", "seconds", "tokens/s", "engine idle s", "prefill tokens", "floor s",
+             "% of floor")]
+    for name, key in (("single turn", "single"), (f"{result['args']['turns']} turns + tool", "multi")):
+        run, bound = result[key], result[f"floor_{key}"]
+        rows.append((name, f"{run['sampled_tokens']}", f"{run['seconds']:.3f}", f"{run['tokens_per_s']:,.0f}",
+                     f"{run['idle_s'] or 0:.3f}", f"{run['prefill_tokens']}", f"{bound['seconds']:.3f}",
+                     f"{100 * bound['seconds'] / run['seconds']:.1f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    print(f"\n== multi-turn vs single-turn on {result['device']} (goal: ratio >= 0.8)")
+    for row in rows:
+        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+    print(f"multi-turn / single-turn tokens/s: {result['ratio']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
