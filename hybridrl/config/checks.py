@@ -105,6 +105,14 @@ def validate(config: Config) -> None:
              f"trainer.fsdp_shard_size={t.fsdp_shard_size} must be 0 (shard over all GPUs), 1 (replicate) or a divisor "
              f"of trainer.num_gpus={t.num_gpus}.")
     _require(t.hang_timeout_s > 0, "trainer.hang_timeout_s must be > 0.")
+    _require(t.max_staleness >= 0, "trainer.max_staleness must be >= 0 (0: synchronous; k: rollout runs up to k "
+             "updates behind the trainer).")
+    _require(t.max_staleness == 0 or t.num_gpus == 1,
+             "trainer.max_staleness > 0 runs its rollout worker beside one training process for now; set "
+             "trainer.num_gpus=1 or trainer.max_staleness=0.")
+    _require(t.max_staleness == 0 or not a.dynamic_sampling,
+             "algorithm.dynamic_sampling re-samples within a step, which the asynchronous rollout worker does not do; "
+             "set algorithm.dynamic_sampling=false or trainer.max_staleness=0.")
     _require(mini % t.num_gpus == 0,
              f"trainer.num_gpus={t.num_gpus} must divide actor.mini_batch_size={mini} (each process takes an equal "
              "share of every mini-batch); change actor.mini_batch_size or trainer.prompts_per_step.")

@@ -394,6 +394,11 @@ class TrainerConfig:
     full weights do not fit twice on one GPU)."""
     hang_timeout_s: float = 900.0
     """A multi-process run stops, naming the rank, when one rank completes no trainer phase for this long."""
+    max_staleness: int = 0
+    """0: the synchronous loop (rollout, then update, on the same weights). k > 0: a rollout worker generates and
+    scores the next batches while the trainer updates, each batch with weights exactly k updates older than the
+    trainer's (`training/async_pipeline.py`); correct for it with algorithm.rollout_correction_cap and/or
+    algorithm.rollout_sequence_mask_threshold. Logged as `rollout/staleness_*` and `perf/weight_push_s`."""
     divergence_check: bool = True
     """Stop the run before its checkpoint when a step shows it blowing up (`training/divergence.py`): non-finite
     losses, gradient norms, entropy or weights, or one of the bounds below; nothing is saved over the last good step."""

@@ -34,6 +34,7 @@ from hybridrl.rewards import RewardError
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.kernel_choices import resolve_attention
 from hybridrl.rollout.timeline import phase_seconds
+from hybridrl.training.async_pipeline import AsyncPipeline
 from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_responses
 from hybridrl.training.components import Components, build_components
 from hybridrl.training.divergence import DivergenceGuard, Limits
@@ -118,6 +119,8 @@ class RLTrainer:
                                     config.logging.log_every, config.logging.num_samples_to_print, config.to_dict(),
                                     warn=self.parts.setup.is_main)
         self.sampler = self.parts.dataset.sampler(config.trainer.prompts_per_step)
+        self.pipeline = AsyncPipeline(self, config.trainer.max_staleness) if config.trainer.max_staleness else None
+        """`trainer.max_staleness` > 0: rollout runs ahead in a worker (`async_pipeline.py`); None: synchronous."""
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -195,6 +198,8 @@ class RLTrainer:
         """One rollout-and-update step: rollout -> score -> log-probs -> advantages -> update; its metrics."""
         timer = PhaseTimer(self.device)
         self.step_count += 1
+        if self.pipeline is not None:
+            return self.pipeline_step(timer)
         prompts = self.parts.dataset.batch(next(self.sampler))
         with timer("rollout"):
             batch, rollout_timings = self.rollout(prompts)
@@ -210,6 +215,23 @@ class RLTrainer:
         self.freeze_after_first_step()
         return {**rollout_metrics(batch), **reward_metrics, **update_metrics, **perf_metrics(batch, timer, self.device),
                 **rollout_timings.metrics()}
+
+    def pipeline_step(self, timer: PhaseTimer) -> dict[str, float]:
+        """`step()` with trainer.max_staleness > 0: the batch was generated and scored ahead by the rollout worker
+        (`async_pipeline.py`) with weights at most that many updates old; after the update the worker gets the new
+        ones. The phases after the reward are the synchronous step's."""
+        with timer("rollout"):  # the wait for the worker's batch
+            batch, reward_metrics, pipeline_metrics = self.pipeline.take(self.step_count, self.device)
+        with timer("logprobs"):
+            self.compute_logprobs(batch)
+        with timer("advantages"):
+            self.compute_advantages(batch)
+        with timer("update"):
+            update_metrics = self.update(batch)
+        pipeline_metrics.update(self.pipeline.push(self.step_count))
+        self.freeze_after_first_step()
+        return {**rollout_metrics(batch), **reward_metrics, **update_metrics, **perf_metrics(batch, timer, self.device),
+                **pipeline_metrics}
 
     def due(self, every: int) -> bool:
         """Whether something done every `every` steps (0: never) is due after this step; the last step counts."""
@@ -256,8 +278,11 @@ class RLTrainer:
         if parts.critic is not None:
             models["critic"] = (parts.critic, parts.critic_optimizer)
             schedulers["critic"] = parts.critic_scheduler.state_dict()
-        return {"step": self.step_count, "sampler": self.sampler.state_dict(), "schedulers": schedulers,
-                "history": self.logger.history, "config": self.config.to_dict(), "models": models}
+        state = {"step": self.step_count, "sampler": self.sampler.state_dict(), "schedulers": schedulers,
+                 "history": self.logger.history, "config": self.config.to_dict(), "models": models}
+        if self.pipeline is not None:  # the batches generated ahead, and the data position after them
+            state["pipeline"] = self.pipeline.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the JSON entries of `state_dict()` (its `models` are filled in place by the checkpoint, and the
@@ -269,6 +294,8 @@ class RLTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self.step_count = state["step"]
         self.logger.rewind(state["step"], state["history"])
+        if self.pipeline is not None and "pipeline" in state:
+            self.pipeline.load_state_dict(state["pipeline"])
 
     def save_checkpoint(self) -> Path:
         cfg = self.config.trainer
@@ -298,16 +325,18 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------
     # Phases
 
-    def sampling_params(self, evaluation: bool = False) -> SamplingParams:
+    def sampling_params(self, evaluation: bool = False, step: int | None = None) -> SamplingParams:
         """How this step's rollout samples: the only place the sampling settings are read from the config (the
-        batch carries them on to the log-prob passes and the update)."""
+        batch carries them on to the log-prob passes and the update). `step`: the step whose batch it samples
+        (default: this one; the asynchronous rollout worker samples ahead)."""
         r = self.config.rollout
         return SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.eval_temperature if evaluation else r.temperature,
             top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
             n=self.config.eval.num_samples if evaluation else r.num_samples_per_prompt,
             stop_strings=list(r.stop_strings), ignore_eos=r.ignore_eos and not evaluation,
-            seed=self.config.trainer.seed * 100_003 + self.step_count + 1_000_003 * self.generation_round)
+            seed=self.config.trainer.seed * 100_003 + (self.step_count if step is None else step)
+            + 1_000_003 * self.generation_round)
 
     @torch.no_grad()
     def rollout(self, prompts: dict[str, Any], evaluation: bool = False) -> tuple[RolloutBatch, RolloutTimings]:

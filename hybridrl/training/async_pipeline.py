@@ -1,0 +1,315 @@
+"""Rollout and training at the same time: a bounded-staleness pipeline (`trainer.max_staleness=k`).
+
+With k = 0 the trainer's own synchronous loop runs and this module is not used. With k > 0:
+
+- **Who generates.** A rollout worker (here a background thread of the trainer's process, colocated) owns a copy
+  of the actor and its own rollout backend built on that copy. For each step b it draws the step's prompts from
+  the trainer's data sampler, generates with the copy, and scores the responses with the trainer's reward code
+  (`RLTrainer.score`), so a slow reward or tool overlaps with the trainer's update instead of stopping it. The
+  trainer thread meanwhile computes log-probs, advantages and the update of an earlier step.
+- **Versions.** Version v is the policy after v optimizer updates. The batch of step b is always generated with
+  version `max(0, b - 1 - k)`: exactly k versions behind the trainer that consumes it (k = 0 is on-policy), a
+  fixed schedule rather than "whatever was newest", so a run is reproducible and resumes exactly. Weights do
+  not change under a running sequence (no partial rollouts), so every sequence has one version; the batch
+  carries it per sequence (`Trajectories.versions`, (B,)) for the metrics and for a later per-token scheme.
+- **The bound.** The worker waits for the version its next batch needs (pushed by the trainer after its update),
+  so it runs at most k + 1 batches ahead; the trainer takes batches in step order and refuses one whose lag
+  (its version - the batch's) is above k.
+- **Weight push.** After update v the trainer publishes a copy of its weights when a later batch needs version v
+  (`perf/weight_push_s`: the trainer's cost); the worker copies them into its model's own tensors before the
+  batch that needs them (the built-in engine re-reads those tensors at every `generate`). Across processes the
+  same push is a bucketed broadcast (`parallel/weight_push.py`).
+- **Off-policy correction.** The trainer's log-prob pass gives pi_old under its current weights; the batch keeps
+  the behaviour log-probs the worker's sampler recorded (`sampler_logp`), so the existing corrections apply
+  unchanged: truncated importance sampling (`algorithm.rollout_correction_cap`) and sequence-level masking
+  (`algorithm.rollout_sequence_mask_threshold`), logged as `actor/rollout_correction_*`. Staleness is logged
+  as `rollout/staleness_mean` and `rollout/staleness_max` (versions, per sequence), the trainer's wait for a
+  batch as `timing/rollout_s`, the worker's own times as `timing/worker_generate_s` and `timing/worker_reward_s`.
+- **Checkpoints.** After step s the batches of steps s+1..s+k were generated with weights older than the
+  checkpoint's, so they are saved with it (JSON: token ids, behaviour log-probs, scores, versions, the prompts'
+  data indices), together with the data sampler's position after the last of them. Resuming refills the queue
+  and starts the worker at step s+k+1, which needs version s: the checkpoint's own weights. A resumed run
+  therefore gives the metrics of an uninterrupted one.
+- **Determinism.** The Hugging Face backend seeds torch's global generator per call, so the worker's and the
+  trainer's `generate` calls (held-out evaluation) take turns under one lock (`take_turns`).
+
+What is not here: split placement across processes inside `RLTrainer` (the worker as its own rank, fed by
+`parallel/weight_push.py`), and partial rollouts (sequences that continue under new weights).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+from hybridrl.parallel import sharding
+from hybridrl.parallel.process_group import DistributedSetup
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_responses
+from hybridrl.training.components import build_rollout
+
+POLL_S = 0.5
+"""How often a waiting thread looks whether the other side has stopped."""
+
+
+def needed_version(step: int, max_staleness: int) -> int:
+    """The policy version that generates the batch of `step` (1-based): k versions behind its consumer."""
+    return max(0, step - 1 - max_staleness)
+
+
+def staleness_metrics(versions: torch.Tensor, trainer_version: int) -> dict[str, float]:
+    """Lag of each sequence behind the weights that train on it (versions, (B,))."""
+    lag = (trainer_version - versions).float()
+    return {"rollout/staleness_mean": lag.mean().item(), "rollout/staleness_max": lag.max().item()}
+
+
+@dataclass
+class Trajectories:
+    """One step's scored rollout, as the worker hands it to the trainer."""
+
+    step: int
+    """The trainer step that consumes it."""
+    versions: torch.Tensor
+    """(B,) policy version that sampled each sequence."""
+    indices: list[int]
+    """The prompts' positions in the training data set."""
+    batch: RolloutBatch
+    """On the CPU, with `scores`, `texts` and the behaviour log-probs (`sampler_logp`)."""
+    reward_metrics: dict[str, float]
+    sampler_state: dict[str, int]
+    """The data sampler's position after these prompts were drawn."""
+    generate_s: float = 0.0
+    reward_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON (floats round-trip exactly through Python's float repr)."""
+        batch = {}
+        for f in fields(self.batch):
+            value = getattr(self.batch, f.name)
+            if isinstance(value, torch.Tensor):
+                batch[f.name] = {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
+                                 "values": value.flatten().tolist()}
+            elif f.name == "sampling":
+                batch[f.name] = asdict(value)
+            elif value is not None:
+                batch[f.name] = value
+        return {"step": self.step, "versions": self.versions.tolist(), "indices": self.indices, "batch": batch,
+                "reward_metrics": {key: float(value) for key, value in self.reward_metrics.items()},
+                "sampler_state": self.sampler_state}
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> Trajectories:
+        values: dict[str, Any] = {}
+        for name, value in record["batch"].items():
+            if name == "sampling":
+                values[name] = SamplingParams(**value)
+            elif isinstance(value, dict):
+                dtype = getattr(torch, value["dtype"])
+                values[name] = torch.tensor(value["values"], dtype=dtype).reshape(value["shape"])
+            else:
+                values[name] = value
+        return cls(step=record["step"], versions=torch.tensor(record["versions"]), indices=record["indices"],
+                   batch=RolloutBatch(**values), reward_metrics=record["reward_metrics"],
+                   sampler_state=record["sampler_state"])
+
+
+def take_turns(backend: Any, lock: threading.Lock) -> Any:
+    """`backend`, its `generate` calls now taking turns with other holders of `lock` (see the module's Determinism
+    note); set on the instance, so its type and everything else stay as they were."""
+    generate = backend.generate
+
+    def generate_in_turn(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return generate(*args, **kwargs)
+
+    backend.generate = generate_in_turn
+    return backend
+
+
+class WeightMailbox:
+    """Versions the trainer published and the worker has not loaded yet (at most k at a time)."""
+
+    def __init__(self) -> None:
+        self.condition = threading.Condition()
+        self.published: dict[int, dict[str, torch.Tensor]] = {}
+        self.closed = False
+
+    def publish(self, version: int, model: torch.nn.Module) -> None:
+        state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        with self.condition:
+            self.published[version] = state
+            self.condition.notify_all()
+
+    def take(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The weights of `version` (older ones are dropped), or None once closed."""
+        with self.condition:
+            while version not in self.published and not self.closed:
+                self.condition.wait(POLL_S)
+            if self.closed:
+                return None
+            for older in [v for v in self.published if v < version]:
+                del self.published[older]
+            return self.published.pop(version)
+
+    def close(self) -> None:
+        with self.condition:
+            self.closed = True
+            self.condition.notify_all()
+
+
+class RolloutWorker(threading.Thread):
+    """Generates and scores the batches of steps `first_step`..`last_step` in order (see the module docstring)."""
+
+    def __init__(self, trainer: Any, max_staleness: int, first_step: int, last_step: int, version: int,
+                 lock: threading.Lock, mailbox: WeightMailbox):
+        super().__init__(name="hybridrl-rollout-worker", daemon=True)
+        self.trainer, self.max_staleness = trainer, max_staleness
+        self.first_step, self.last_step, self.version = first_step, last_step, version
+        self.mailbox = mailbox
+        parts = trainer.parts
+        self.model = copy.deepcopy(parts.actor)  # version `version`: the trainer's weights now
+        self.backend = take_turns(build_rollout(trainer.config, self.model, parts.tokenizer, parts.device), lock)
+        self.condition = threading.Condition()
+        self.ready: dict[int, Trajectories] = {}
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for step in range(self.first_step, self.last_step + 1):
+                if not self.load_version(needed_version(step, self.max_staleness)):
+                    return
+                item = self.produce(step)
+                with self.condition:
+                    self.ready[step] = item
+                    self.condition.notify_all()
+        except BaseException as error:  # handed to the trainer, which raises it with the worker named
+            with self.condition:
+                self.error = error
+                self.condition.notify_all()
+
+    def load_version(self, version: int) -> bool:
+        """Load `version` from the mailbox; a version older than the one held (a run resumed with more steps
+        than its checkpoint queued batches for) is served by the one held, which is only less stale."""
+        if version <= self.version:
+            return True
+        state = self.mailbox.take(version)
+        if state is None:
+            return False
+        self.model.load_state_dict(state)  # copies into the model's own tensors, which the engine reads
+        self.version = version
+        return True
+
+    @torch.no_grad()
+    def produce(self, step: int) -> Trajectories:
+        trainer, parts = self.trainer, self.trainer.parts
+        indices = next(trainer.sampler)
+        sampler_state = trainer.sampler.state_dict()
+        prompts = parts.dataset.batch(indices)
+        params = trainer.sampling_params(step=step)
+        start = time.perf_counter()
+        generations = sharding.generate_sharded(self.backend, prompts["prompt_ids"], params, DistributedSetup(),
+                                                decode=lambda share: decode_responses(parts.tokenizer, share))
+        self.backend.release_memory()
+        batch = build_rollout_batch(prompts["prompt_ids"], generations, parts.pad_token_id, params.max_new_tokens,
+                                    sampling=params)
+        batch.texts = [generation.text for generation in generations]
+        generated = time.perf_counter()
+        reward_metrics = {key: float(value) for key, value in trainer.score(batch, prompts).items()}
+        batch.scores = batch.scores.cpu()
+        return Trajectories(step=step, versions=torch.full((len(batch),), self.version), indices=indices,
+                            batch=batch, reward_metrics=reward_metrics, sampler_state=sampler_state,
+                            generate_s=generated - start, reward_s=time.perf_counter() - generated)
+
+    def wait_for(self, step: int, timeout_s: float) -> Trajectories:
+        """The batch of `step` once it is ready; raises, naming the worker, if it failed or stopped."""
+        deadline = time.monotonic() + timeout_s
+        with self.condition:
+            while step not in self.ready:
+                if self.error is not None:
+                    raise RuntimeError(f"the rollout worker (thread {self.name!r}) failed while producing the batch "
+                                       f"of step {step}: {type(self.error).__name__}: {self.error}") from self.error
+                if not self.is_alive() or time.monotonic() > deadline:
+                    state = "stopped" if not self.is_alive() else f"produced nothing for {timeout_s:.0f} s"
+                    raise RuntimeError(f"the rollout worker (thread {self.name!r}) {state} before the batch of step "
+                                       f"{step}; stopping the run (trainer.hang_timeout_s)")
+                self.condition.wait(POLL_S)
+            return self.ready.pop(step)
+
+    def peek(self, step: int, timeout_s: float) -> Trajectories:
+        """The batch of `step`, left in place (for a checkpoint)."""
+        item = self.wait_for(step, timeout_s)
+        with self.condition:
+            self.ready[step] = item
+        return item
+
+
+class AsyncPipeline:
+    """The trainer's side: `take` the step's batch, `push` weights after the update, and the checkpoint state."""
+
+    def __init__(self, trainer: Any, max_staleness: int):
+        self.trainer, self.max_staleness = trainer, max_staleness
+        self.lock = threading.Lock()
+        take_turns(trainer.parts.rollout, self.lock)  # held-out evaluation takes turns with the worker
+        self.mailbox = WeightMailbox()
+        self.worker: RolloutWorker | None = None
+        self.restored: list[Trajectories] = []
+        self.last_sampler_state: dict[str, int] | None = None
+
+    def start(self, step: int) -> None:
+        """Start the worker before the trainer's `step`, with the trainer's weights as they are now (version
+        step - 1); it begins at the first step whose batch was not restored from a checkpoint."""
+        trainer = self.trainer
+        self.worker = RolloutWorker(trainer, self.max_staleness, step + len(self.restored),
+                                    trainer.config.trainer.total_steps, version=step - 1, lock=self.lock,
+                                    mailbox=self.mailbox)
+        for item in self.restored:
+            self.worker.ready[item.step] = item
+        self.restored = []
+        self.worker.start()
+
+    def take(self, step: int, device: torch.device) -> tuple[RolloutBatch, dict[str, float], dict[str, float]]:
+        """The scored batch of `step` on `device`, its reward metrics, and the pipeline's metrics."""
+        if self.worker is None:
+            self.start(step)
+        item = self.worker.wait_for(step, self.trainer.config.trainer.hang_timeout_s)
+        lag = step - 1 - int(item.versions.min())
+        if lag > self.max_staleness:
+            raise RuntimeError(f"the batch of step {step} is {lag} versions old, above trainer.max_staleness="
+                               f"{self.max_staleness}; the rollout worker ran ahead of its bound")
+        self.last_sampler_state = item.sampler_state
+        metrics = {**staleness_metrics(item.versions, step - 1), "timing/worker_generate_s": item.generate_s,
+                   "timing/worker_reward_s": item.reward_s}
+        return item.batch.to(device), item.reward_metrics, metrics
+
+    def push(self, version: int) -> dict[str, float]:
+        """After update `version`: publish the weights if a later batch is generated with them."""
+        start = time.perf_counter()
+        if version + 1 + self.max_staleness <= self.trainer.config.trainer.total_steps:
+            self.mailbox.publish(version, self.trainer.parts.actor)
+        return {"perf/weight_push_s": time.perf_counter() - start}
+
+    def close(self) -> None:
+        self.mailbox.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The queued batches (steps s+1..s+k, waited for) and the data position after the last of them."""
+        step, total = self.trainer.step_count, self.trainer.config.trainer.total_steps
+        queued = self.restored
+        if self.worker is not None:
+            timeout = self.trainer.config.trainer.hang_timeout_s
+            queued = [self.worker.peek(later, timeout) for later in range(step + 1, min(step + self.max_staleness,
+                                                                                       total) + 1)]
+        sampler = queued[-1].sampler_state if queued else self.last_sampler_state
+        return {"queued": [item.to_json() for item in queued], "sampler": sampler}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore before the worker starts (the trainer's resume runs before its first step)."""
+        assert self.worker is None, "the pipeline's state is restored before its worker starts"
+        self.restored = [Trajectories.from_json(record) for record in state["queued"]]
+        if state["sampler"] is not None:
+            self.trainer.sampler.load_state_dict(state["sampler"])

@@ -1,0 +1,135 @@
+"""The asynchronous pipeline (`trainer.max_staleness`) on tiny CPU models: k = 0 through it is the synchronous loop
+bitwise; k = 1 trains on batches exactly one version old, overlaps a slow reward with the update, and resumes
+exactly from a checkpoint that holds its queued batches; a failing worker ends the run naming it."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+from conftest import contains_seven, tiny_actor, toy_prompts
+
+from hybridrl.config.schema import ConfigError
+from hybridrl.data.datasets import PromptDataset
+from hybridrl.training.async_pipeline import AsyncPipeline, Trajectories, needed_version
+from hybridrl.training.trainer import RLTrainer
+
+FAST = dict(rollout__max_new_tokens=4, rollout__num_samples_per_prompt=4, trainer__prompts_per_step=8,
+            actor__micro_batch_size=16, trainer__device="cpu", logging__sinks=["jsonl"], trainer__save_model=False,
+            actor__lr=1e-3, trainer__hang_timeout_s=60)
+
+
+def make_trainer(tmp_path, reward=contains_seven, **overrides):
+    actor = tiny_actor()
+    dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
+    return RLTrainer(actor=actor, reward_fn=reward, dataset=dataset,
+                     **{**FAST, "trainer__output_dir": str(tmp_path), **overrides})
+
+
+def learning_metrics(history):
+    """What must agree between runs: everything but clocks and memory."""
+    return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in history]
+
+
+def test_needed_version_is_k_behind_and_never_negative():
+    assert [needed_version(step, 0) for step in (1, 2, 3)] == [0, 1, 2]
+    assert [needed_version(step, 2) for step in (1, 2, 3, 4, 5)] == [0, 0, 0, 1, 2]
+
+
+def test_staleness_zero_through_the_pipeline_equals_the_synchronous_loop_bitwise(tmp_path):
+    synchronous = make_trainer(tmp_path / "sync", trainer__total_steps=3).train()
+    trainer = make_trainer(tmp_path / "async", trainer__total_steps=3)
+    trainer.pipeline = AsyncPipeline(trainer, max_staleness=0)
+    through_pipeline = trainer.train()
+    assert learning_metrics(through_pipeline) == [{**row, "rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0}
+                                                  for row in learning_metrics(synchronous)]
+    # The worker generates with its own copy of the weights, pushed after each update: equal to the trainer's.
+    worker = trainer.pipeline.worker
+    assert worker.version == 2  # the batch of step 3 was generated with version 2
+    assert worker.model is not trainer.parts.actor
+
+
+def test_staleness_one_trains_on_batches_one_version_old_and_differs_from_synchronous(tmp_path):
+    history = make_trainer(tmp_path / "a", trainer__total_steps=4, trainer__max_staleness=1,
+                           algorithm__rollout_correction_cap=2.0).train()
+    assert [row["rollout/staleness_max"] for row in history] == [0.0, 1.0, 1.0, 1.0]
+    assert all("perf/weight_push_s" in row and "actor/rollout_correction_weight" in row for row in history)
+    # From step 2 on the sampler's policy is one update behind: pi_old / pi_sampler moves away from 1.
+    assert abs(history[0]["actor/rollout_correction_weight"] - 1.0) < 1e-4
+    assert history[-1]["rollout/logprob_diff_mean"] > 1e-4
+    # Reproducible: a second run gives the same metrics (the versions are a schedule, not a race).
+    again = make_trainer(tmp_path / "b", trainer__total_steps=4, trainer__max_staleness=1,
+                         algorithm__rollout_correction_cap=2.0).train()
+    assert learning_metrics(again) == learning_metrics(history)
+
+
+def test_a_slow_reward_overlaps_with_the_update(tmp_path):
+    """The reward sleeps; with k=1 the worker's sleep runs while the trainer updates, so the trainer's wait for
+    a batch (`timing/rollout_s`) is shorter than the worker's reward time."""
+    def slow_reward(prompts, completions, **columns):
+        time.sleep(0.3)
+        return contains_seven(prompts, completions)
+
+    history = make_trainer(tmp_path, reward=slow_reward, trainer__total_steps=4, trainer__max_staleness=1).train()
+    later = history[1:]  # the first batch has nothing to overlap with
+    assert all(row["timing/worker_reward_s"] >= 0.3 for row in later)
+    waited = sum(row["timing/rollout_s"] for row in later)
+    worked = sum(row["timing/worker_generate_s"] + row["timing/worker_reward_s"] for row in later)
+    assert waited < worked - 0.3 * len(later) * 0.5, (waited, worked)
+
+
+def test_checkpoint_holds_the_queue_and_resume_equals_an_uninterrupted_run(tmp_path):
+    """SIGTERM (sent when the worker scores the batch of step 4, so the trainer stops after step 2 or 3, whichever it
+    is in) saves a checkpoint with the batches generated ahead; resuming gives the uninterrupted run's metrics."""
+    settings = dict(trainer__max_staleness=2, trainer__total_steps=6)
+    full = make_trainer(tmp_path / "full", **settings).train()
+    scored = []
+
+    def reward_then_stop(prompts, completions, **columns):
+        scored.append(1)
+        if len(scored) == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return contains_seven(prompts, completions)
+
+    reward_then_stop.__name__ = "contains_seven"  # the metric's name, as in the uninterrupted run
+    cut = make_trainer(tmp_path / "cut", reward=reward_then_stop, **settings)
+    cut.train()
+    assert cut.stopped_by == "SIGTERM" and 1 <= cut.step_count < 6
+    saved = json.loads((tmp_path / "cut" / "checkpoints" / f"step_{cut.step_count:06d}" / "trainer.json").read_text())
+    assert [item["step"] for item in saved["pipeline"]["queued"]] == [cut.step_count + 1, cut.step_count + 2]
+    resumed = make_trainer(tmp_path / "cut", **settings).train()
+    assert learning_metrics(resumed) == learning_metrics(full)
+
+
+def test_resuming_with_more_steps_than_the_checkpoint_queued_for_stays_within_the_bound(tmp_path):
+    make_trainer(tmp_path, trainer__max_staleness=2, trainer__total_steps=2, trainer__save_every=2).train()
+    history = make_trainer(tmp_path, trainer__max_staleness=2, trainer__total_steps=4).train()
+    assert [row["rollout/staleness_max"] for row in history] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_trajectories_round_trip_through_json_exactly(tmp_path):
+    trainer = make_trainer(tmp_path, trainer__total_steps=1, trainer__max_staleness=1)
+    trainer.pipeline.start(1)
+    item = trainer.pipeline.worker.wait_for(1, 60)
+    again = Trajectories.from_json(item.to_json())
+    for name in ("input_ids", "attention_mask", "sampler_logp", "scores", "truncated", "prompt_index"):
+        first, second = getattr(item.batch, name), getattr(again.batch, name)
+        assert first.dtype == second.dtype and torch.equal(first, second), name
+    assert again.batch.texts == item.batch.texts and again.batch.sampling == item.batch.sampling
+    assert torch.equal(again.versions, item.versions) and again.indices == item.indices
+
+
+def test_a_failing_worker_ends_the_run_naming_it(tmp_path):
+    def broken_reward(prompts, completions, **columns):
+        raise ValueError("the grader is down")
+
+    trainer = make_trainer(tmp_path, reward=broken_reward, trainer__total_steps=2, trainer__max_staleness=1)
+    with pytest.raises(RuntimeError, match="rollout worker .* failed while producing the batch of step 1"):
+        trainer.train()
+
+
+def test_max_staleness_is_checked(tmp_path):
+    with pytest.raises(ConfigError, match="trainer.max_staleness must be >= 0"):
+        make_trainer(tmp_path, trainer__max_staleness=-1)
