@@ -61,7 +61,7 @@ def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, 
         state = optimizer.state[param]
         for slot, value in slots.get(name, {}).items():
             if isinstance(value, torch.Tensor):
-                resident = not optimizer.is_offloaded(param)  # with actor.optimizer_offload_fraction < 1
+                resident = not optimizer.slot_on_host(param, slot)  # offload_fraction < 1, or a master copy
                 if isinstance(param, DTensor):  # every rank has the full tensor: cut the shard, no communication
                     value = distribute_tensor(value.to(param.to_local().device, torch.float32), param.device_mesh,
                                               param.placements, src_data_rank=None)

@@ -31,6 +31,9 @@ def validate(config: Config) -> None:
     _require(r.kv_cache_memory > 0, "rollout.kv_cache_memory must be > 0.")
     _require(r.engine.attention in ("auto", "triton", "sdpa"),
              f"rollout.engine.attention must be auto, triton or sdpa; got {r.engine.attention!r}.")
+    _require(r.engine.kv_cache in ("auto", "paged", "contiguous"),
+             f"rollout.engine.kv_cache must be auto, paged or contiguous; got {r.engine.kv_cache!r}.")
+    _require(r.engine.kv_block_size >= 1, "rollout.engine.kv_block_size must be at least 1 (tokens per block).")
     _require(config.data.max_prompt_length >= 1, "data.max_prompt_length must be at least 1.")
     _require(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low must be in [0, 1).")
     _require(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high must be >= 0.")
@@ -83,6 +86,11 @@ def validate(config: Config) -> None:
              "actor.optimizer_offload_fraction applies only with actor.optimizer_offload=true; set that too.")
     _require(not (act.optimizer_8bit and act.optimizer_offload),
              "actor.optimizer_8bit and actor.optimizer_offload cannot both be true; choose one way to save memory.")
+    _require(act.master_weights in ("none", "float32"),
+             f"actor.master_weights must be none or float32; got {act.master_weights!r}.")
+    _require(act.master_weights == "none" or (act.optimizer_state_dtype == "float32" and not act.optimizer_8bit),
+             "actor.master_weights=float32 keeps float32 AdamW state beside the master copy, so it needs "
+             "actor.optimizer_state_dtype=float32 and actor.optimizer_8bit=false; change those or set master_weights=none.")
     _require(config.model.lora_rank >= 0, "model.lora_rank must be >= 0 (0 trains all parameters).")
     _require(not (config.model.reference_offload and config.trainer.num_gpus > 1),
              "model.reference_offload works with one process only for now (a sharded reference is already split "

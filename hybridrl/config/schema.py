@@ -113,6 +113,13 @@ class EngineConfig:
     rollout, so decode steps run as for a bf16 base (CUDA graphs included) instead of dequantizing every layer at
     every step. Costs that copy during the rollout; `auto` copies as many layers as fit in half of the free GPU
     memory, the others are dequantized as they run; false keeps the rollout's memory at the 4-bit size."""
+    kv_cache: Literal["auto", "paged", "contiguous"] = "auto"
+    """KV cache layout. `paged`: fixed-size blocks that sequences take as they grow and give back as they finish
+    (prompt blocks shared by the samples; sequences are admitted by free blocks, and the youngest are preempted and
+    recomputed when blocks run out), so uneven response lengths fit many more sequences in `rollout.kv_cache_memory`;
+    `contiguous`: room for the longest response in every slot; `auto`: contiguous (see docs/rollout.md)."""
+    kv_block_size: int = 64
+    """Tokens per block of the paged KV cache."""
 
 
 @dataclass
@@ -316,6 +323,15 @@ class ActorConfig:
     """AdamW moments for bf16/fp16 parameters: float32 (no float32 copy of the weights; the update is applied
     with stochastic rounding so small steps are not rounded away) or `param` (torch AdamW, state in the
     parameters' dtype). float32 parameters always get float32 state."""
+    master_weights: Literal["none", "float32"] = "none"
+    """How bf16/fp16 weights are trained (actor, critic and SFT alike; float32 weights are their own master).
+    `none` (lean): the weights stay bf16, the float32 AdamW update is written back with stochastic rounding
+    (unbiased; small updates are not rounded away): 2 (weights) + 2 (gradients) + 8 (float32 moments) = 12 bytes
+    per parameter. `float32`: conventional mixed precision, a float32 master copy of the weights in the
+    optimizer state on the device, updated in float32, and the bf16 weights that the model computes with set to
+    it rounded to nearest after each step: 4 bytes per parameter more (16 in all; a 0.5B model 2 GiB more,
+    7B 28 GiB more), checkpointed with the moments. Gradients stay bf16 in both. Needs
+    optimizer_state_dtype=float32 and optimizer_8bit=false."""
     optimizer_offload: bool = False
     """Keep AdamW state in CPU memory and stream it to the device one parameter at a time in each step:
     8 bytes per parameter off the GPU for a host-device round trip of the state every step. Turn it on when the

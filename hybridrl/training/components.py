@@ -89,7 +89,10 @@ def seed_everything(seed: int) -> None:
 
 def build_rewards(config: Config, reward_fn: str | Callable | list | None, device: torch.device) -> RewardComposer:
     if reward_fn is None:
-        if not config.reward.functions and not config.reward.reward_model and config.env.enabled:
+        if not config.reward.functions and not config.reward.reward_model and config.env.tools:
+            raise ConfigError("env.tools runs the built-in tool environment, which gives no reward; set "
+                              "reward.functions to score the episodes (e.g. [{fn: numeric_match}]).")
+        if not config.reward.functions and not config.reward.reward_model and config.env.environment:
             return RewardComposer([WeightedReward("env_reward", load_reward_function("env_reward"), 1.0)])
         if not config.reward.functions and not config.reward.reward_model:
             raise ConfigError("no reward is configured; set reward.functions (e.g. [{fn: exact_match}]) "
@@ -112,10 +115,12 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
             engine = config.rollout.engine
             # episodes grow by observations, which the per-slot KV layout allows (engine/multiturn.py)
             attention = "sdpa" if config.env.enabled and engine.attention == "auto" else engine.attention
+            kv_cache = "contiguous" if config.env.enabled and engine.kv_cache == "auto" else engine.kv_cache
             return BuiltinBackend(actor, tokenizer=tokenizer, kv_cache_memory=config.rollout.kv_cache_memory,
                                   attention=attention, fuse_qkv=engine.fuse_qkv,
                                   fuse_gate_up=engine.fuse_gate_up, sampler=engine.sampler,
-                                  dequantize_4bit=engine.dequantize_4bit)
+                                  dequantize_4bit=engine.dequantize_4bit, kv_cache=kv_cache,
+                                  kv_block_size=engine.kv_block_size)
         if backend == "builtin":
             logger.warning("rollout.backend=builtin falls back to hf: %s", reason)
     if backend == "vllm":
@@ -207,10 +212,12 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
         logger.info("model.compile: %d decoder layers compile during the first step (tens of seconds on a GPU)", compiled)
     actor_optimizer = build_optimizer(model.parameters(), a.lr, a.weight_decay, state_dtype=a.optimizer_state_dtype,
                                       offload=a.optimizer_offload_fraction if a.optimizer_offload else False,
-                                      eight_bit=a.optimizer_8bit, seed=config.trainer.seed)
+                                      eight_bit=a.optimizer_8bit, seed=config.trainer.seed,
+                                      master_weights=a.master_weights == "float32")
     critic_optimizer = critic_scheduler = None
     if critic is not None:
-        critic_optimizer = build_optimizer(critic.parameters(), config.critic.lr, seed=config.trainer.seed + 1)
+        critic_optimizer = build_optimizer(critic.parameters(), config.critic.lr, seed=config.trainer.seed + 1,
+                                           master_weights=a.master_weights == "float32")
         critic_scheduler = build_scheduler(critic_optimizer, config.critic.lr_schedule, config.critic.warmup_steps, total)
     reference_offload = None
     if m.reference_offload and reference is not None:

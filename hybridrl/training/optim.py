@@ -5,6 +5,9 @@ parameter, optionally in CPU memory), and the update written back to the bf16 we
 rounding. Trade-off against float32 master weights (12 bytes more per parameter for bf16+fp32 copies,
 4 more than here): rounding is unbiased but adds noise of half a bf16 ulp per step; nearest rounding
 without a master copy would instead drop every update below half an ulp (most of them at lr 1e-6).
+`master_weights=True` is the conventional mixed precision instead: a float32 copy of each bf16 parameter in
+the optimizer state (on the parameter's device, 4 bytes per parameter), updated in float32, and the bf16
+weight the model computes with set to it rounded to nearest after each step.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ SCHEDULES = {
 
 def build_optimizer(parameters: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
                     betas: tuple[float, float] = (0.9, 0.999), state_dtype: str = "float32",
-                    offload: bool | float = False, eight_bit: bool = False, seed: int = 0) -> torch.optim.Optimizer:
+                    offload: bool | float = False, eight_bit: bool = False, seed: int = 0,
+                    master_weights: bool = False) -> torch.optim.Optimizer:
     """AdamW: torch's fused one for float32 parameters; `LeanAdamW` for bf16 parameters (float32 state,
-    no float32 weight copy) or CPU-offloaded state (`offload`: True, or the share offloaded);
-    bitsandbytes' 8-bit AdamW when `eight_bit`."""
+    no float32 weight copy unless `master_weights`) or CPU-offloaded state (`offload`: True, or the share
+    offloaded); bitsandbytes' 8-bit AdamW when `eight_bit`."""
     params = [p for p in parameters if p.requires_grad]
     if eight_bit:
         try:
@@ -40,7 +44,8 @@ def build_optimizer(parameters: Iterable[torch.nn.Parameter], lr: float, weight_
         return bitsandbytes.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=weight_decay)
     low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
     if offload or (low_precision and state_dtype == "float32"):
-        return LeanAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, offload=offload, seed=seed)
+        return LeanAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, offload=offload, seed=seed,
+                         master_weights=master_weights)
     fused = bool(params) and params[0].is_cuda  # one kernel for the whole update on GPU
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)
 
@@ -157,13 +162,16 @@ class LeanAdamW(torch.optim.Optimizer):
     rounding); float32 parameters match `torch.optim.AdamW`. `offload=True` keeps the moments in pinned
     CPU memory and copies each bucket in and out around its update; a fraction offloads that share of
     the parameter elements (the last parameters in order) and keeps the first ones' moments on the
-    device, where they are updated while the first offloaded bucket is in flight.
+    device, where they are updated while the first offloaded bucket is in flight. `master_weights=True` keeps a
+    float32 copy of each bf16/fp16 parameter (state slot `master`, always on the device): the update reads and
+    writes it, and the parameter is then set to it rounded to nearest (no stochastic rounding).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, offload: bool | float = False, chunk_elements: int = 2**24,
-                 seed: int = 0):
+                 seed: int = 0, master_weights: bool = False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.master_weights = master_weights
         fraction = float(offload)
         if not 0 <= fraction <= 1:
             raise ValueError(f"offload must be a bool or a fraction in [0, 1]; got {offload!r}.")
@@ -174,6 +182,13 @@ class LeanAdamW(torch.optim.Optimizer):
     def is_offloaded(self, param: torch.Tensor) -> bool:
         """Whether `param`'s moments live in CPU memory (this rank's shard, as a plain tensor)."""
         return id(param) in self._offloaded_ids
+
+    def slot_on_host(self, param: torch.Tensor, slot: str) -> bool:
+        """Whether state `slot` of `param` lives in CPU memory: offloaded moments do; a master copy never does."""
+        return slot != "master" and self.is_offloaded(param)
+
+    def has_master(self, param: torch.Tensor) -> bool:
+        return self.master_weights and param.dtype in (torch.bfloat16, torch.float16)
 
     def _noise_key(self, param: torch.Tensor, step: int) -> int:
         """The 32-bit start of one step's rounding counters, from (seed, step, shard): replicas of a shard
@@ -200,6 +215,8 @@ class LeanAdamW(torch.optim.Optimizer):
                     state[key] = torch.zeros(local.shape, dtype=torch.float32, device="cpu", pin_memory=local.is_cuda)
                 else:
                     state[key] = torch.zeros_like(param.detach(), dtype=torch.float32)
+            if self.has_master(param):  # shaped (and, under FSDP2, sharded) like the parameter
+                state["master"] = torch.zeros_like(param.detach(), dtype=torch.float32).copy_(param.detach())
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -213,7 +230,7 @@ class LeanAdamW(torch.optim.Optimizer):
         for saved_id, param in zip(saved_ids, params):
             for key, value in moments[saved_id].items():
                 home = self.state[param][key]
-                if self.is_offloaded(param):
+                if self.slot_on_host(param, key):
                     local = value.to_local() if hasattr(value, "to_local") else value
                     self.state[param][key] = local.to("cpu", torch.float32).pin_memory() if param.is_cuda \
                         else local.to("cpu", torch.float32, copy=True)
@@ -227,7 +244,7 @@ class LeanAdamW(torch.optim.Optimizer):
         (`uncount_step` then takes back the step count)."""
         loss = closure() if closure is not None else None
         streamed, resident = [], []  # buckets whose moments are in CPU memory (streamed through the device) or on it
-        offset, hypers = 0, {}
+        offset, hypers, rounded = 0, {}, []  # rounded: (bf16 parameter, its float32 master), both local
         for group in self.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for param in group["params"]:
@@ -244,6 +261,9 @@ class LeanAdamW(torch.optim.Optimizer):
                                                  1 - beta2 ** state["step"]], apply, data.device)
                 noise_key = self._noise_key(param, state["step"]) if param.dtype == torch.bfloat16 else None
                 weights, grads = data.view(-1), grad.view(-1)
+                if "master" in state:  # the update runs on the float32 copy, as for a float32 parameter
+                    weights, noise_key = _flat(state["master"]), None
+                    rounded.append((data, weights.view(data.shape)))
                 m, v = _flat(state["exp_avg"]), _flat(state["exp_avg_sq"])
                 buckets = streamed if self.is_offloaded(param) else resident
                 for first in range(0, weights.numel(), self.chunk_elements):
@@ -262,6 +282,8 @@ class LeanAdamW(torch.optim.Optimizer):
                 m, v = bucket.gather_moments(device)
                 bucket.scatter(update(bucket.gather_weights(), bucket.gather_grads(), m, v, bucket.noise_base,
                                       bucket.hyper), m, v)
+        if rounded:  # the weights the model computes with: the float32 masters rounded to nearest
+            torch._foreach_copy_([weights for weights, _ in rounded], [master for _, master in rounded])
         return loss
 
     def uncount_step(self) -> None:

@@ -47,7 +47,8 @@ def _train(config: Config) -> Path:
     dataset = sft_dataset(config, tokenizer, config.data.train_path)
     steps_per_epoch = len(dataset) // s.batch_size or 1
     total = steps_per_epoch * s.num_epochs if not s.max_steps else min(s.max_steps, steps_per_epoch * s.num_epochs)
-    optimizer = build_optimizer(model.parameters(), s.lr, weight_decay=0.0)
+    optimizer = build_optimizer(model.parameters(), s.lr, weight_decay=0.0,
+                                master_weights=config.actor.master_weights == "float32")
     scheduler = build_scheduler(optimizer, "cosine", s.warmup_steps, total)
     output_dir = Path(config.trainer.output_dir)
     logger = MetricsLogger(output_dir, config.logging.sinks, total, log_every=max(1, total // 20))
