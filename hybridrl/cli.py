@@ -22,6 +22,8 @@ from hybridrl.config.loading import load_config
 from hybridrl.config.schema import ConfigError, MissingExtra
 from hybridrl.data.datasets import DataError
 from hybridrl.data.tasks import write_arithmetic_task
+from hybridrl.data.tool_task import write_tool_task
+from hybridrl.envs.builtin_tools import BUILTIN_TOOLS
 from hybridrl.metrics.plot import PlotError, plot_run
 from hybridrl.metrics.watch import watch
 from hybridrl.models.loading import ModelError
@@ -38,6 +40,10 @@ DEMO_CONFIGS = Path(__file__).resolve().parent / "config" / "demo"
 """The demo's SFT, GRPO and PPO configs: package data, so `hybridrl demo` runs from an installed wheel too
 (examples/arithmetic_*.yaml link to them)."""
 DEMO_PERIOD_RATE = 0.5  # see tasks.py: half the SFT answers end with a period the verifier rejects
+DEMO_DIRS = {"arithmetic": "demo", "tools": "demo_tools"}
+"""The demo's tasks and their default output directories under runs/."""
+DEMO_TOOL_RATE = 0.4  # see tool_task.py: the teacher calls calc on this share of problems
+DEMO_TOOL_TRAIN, DEMO_TOOL_EVAL = 4000, 200
 
 
 def cmd_train(args: argparse.Namespace) -> int | None:
@@ -77,17 +83,29 @@ def cmd_config_show(args: argparse.Namespace) -> None:
 
 
 def cmd_make_data(args: argparse.Namespace) -> None:
-    paths = write_arithmetic_task(args.out_dir, num_train=args.num_train, num_eval=args.num_eval, seed=args.seed,
-                                  period_rate=args.period_rate)
+    if args.task == "tools":
+        paths = write_tool_task(args.out_dir, num_train=args.num_train or DEMO_TOOL_TRAIN, num_eval=args.num_eval or
+                                DEMO_TOOL_EVAL, seed=args.seed, tool_rate=args.tool_rate)
+    else:
+        paths = write_arithmetic_task(args.out_dir, num_train=args.num_train or 9500, num_eval=args.num_eval or 500,
+                                      seed=args.seed, period_rate=args.period_rate)
     print(" ".join(f"{split}={path}" for split, path in paths.items()))
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    """SFT a tiny model on arithmetic, then RL it; prints held-out accuracy before and after."""
+    """SFT a tiny model, then RL it; prints held-out accuracy (and, for the tool task, the tool-call rate) before
+    and after."""
     if not (DEMO_CONFIGS / "arithmetic_sft.yaml").is_file():
         raise ConfigError(f"the demo configs are not at {DEMO_CONFIGS}: this hybridrl install is incomplete; "
                           "reinstall it (`pip install --force-reinstall hybridrl`).")
-    out = Path(args.out_dir)
+    out = Path(args.out_dir or f"runs/{DEMO_DIRS[args.task]}")
+    if args.task == "tools":
+        demo_tools(args, out)
+    else:
+        demo_arithmetic(args, out)
+
+
+def demo_arithmetic(args: argparse.Namespace, out: Path) -> None:
     start = time.time()
     data = write_arithmetic_task(out / "data", period_rate=DEMO_PERIOD_RATE)
     data_overrides = [f"data.train_path={data['train']}", f"data.eval_path={data['eval']}"]
@@ -107,6 +125,33 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print(f"held-out accuracy (greedy, {args.algorithm}): before RL {before:.1%} -> after RL {after:.1%} "
           f"({(after - before) * 100:+.1f} points); total wall time {time.time() - start:.0f} s; "
           f"metrics in {out / args.algorithm / 'metrics.jsonl'}")
+
+
+def demo_tools(args: argparse.Namespace, out: Path) -> None:
+    """The tool task: SFT on a teacher's conversations (the calc tool on some problems), then GRPO on episodes."""
+    if args.algorithm != "grpo":
+        raise ConfigError(f"the tool demo runs GRPO only (it has no {args.algorithm} config); drop --algorithm.")
+    start = time.time()
+    data = write_tool_task(out / "data", num_train=DEMO_TOOL_TRAIN, num_eval=DEMO_TOOL_EVAL, tool_rate=DEMO_TOOL_RATE)
+    tools = [f"env.tools=[{BUILTIN_TOOLS}:calc]"]
+    sft_model = out / "sft" / "model"
+    if (sft_model / "config.json").is_file():
+        print(f"== 1/2 SFT: reusing {sft_model} (delete it to train it again)", flush=True)
+    else:
+        print(f"== 1/2 SFT: tiny random Llama -> a teacher's conversations (calc tool on {DEMO_TOOL_RATE:.0%})",
+              flush=True)
+        sft_model = run_sft(load_config(DEMO_CONFIGS / "tools_sft.yaml", tools + [
+            f"data.train_path={data['sft']}", f"trainer.output_dir={out / 'sft'}"] + args.overrides))
+    print("== 2/2 RL (grpo) on multi-turn episodes with the calc tool, exact-match reward", flush=True)
+    history = RLTrainer(load_config(DEMO_CONFIGS / "tools_grpo.yaml", tools + [
+        f"data.train_path={data['train']}", f"data.eval_path={data['eval']}", f"model.path={sft_model}",
+        f"trainer.output_dir={out / 'grpo'}"] + args.overrides)).train()
+    evals = [row for row in history if "eval/accuracy" in row]
+    (before, after), (rate_before, rate_after) = ((evals[0][key], evals[-1][key])
+                                                  for key in ("eval/accuracy", "eval/reward/called_tool"))
+    print(f"held-out (greedy, {DEMO_TOOL_EVAL} problems): accuracy before RL {before:.1%} -> after RL {after:.1%} "
+          f"({(after - before) * 100:+.1f} points); tool-call rate {rate_before:.1%} -> {rate_after:.1%}; total wall "
+          f"time {time.time() - start:.0f} s; metrics in {out / 'grpo' / 'metrics.jsonl'}")
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -137,17 +182,22 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.temperature=0.7")
     show.add_argument("--explain", action="store_true", help="write each key's documentation above it")
     show.set_defaults(fn=cmd_config_show)
-    data = commands.add_parser("make-data", help="write the synthetic arithmetic task (train/eval JSONL)")
+    data = commands.add_parser("make-data", help="write a synthetic task (train/eval JSONL; tools: also sft.jsonl)")
     data.add_argument("out_dir")
-    data.add_argument("--num-train", type=int, default=9500)
+    data.add_argument("--task", choices=list(DEMO_DIRS), default="arithmetic")
+    data.add_argument("--num-train", type=int, default=None, help="default 9500 (arithmetic), 4000 (tools)")
     data.add_argument("--period-rate", type=float, default=0.5,
                       help="fraction of SFT targets the teacher ends with a period, which exact match rejects")
-    data.add_argument("--num-eval", type=int, default=500)
+    data.add_argument("--tool-rate", type=float, default=DEMO_TOOL_RATE,
+                      help="tools: fraction of problems the teacher solves with the calc tool")
+    data.add_argument("--num-eval", type=int, default=None, help="default 500 (arithmetic), 200 (tools)")
     data.add_argument("--seed", type=int, default=1234)
     data.set_defaults(fn=cmd_make_data)
-    demo = commands.add_parser("demo", help="the CPU demo: SFT a tiny model on arithmetic, then RL it")
+    demo = commands.add_parser("demo", help="the CPU demo: SFT a tiny model on arithmetic (or a tool task), then RL it")
+    demo.add_argument("--task", choices=list(DEMO_DIRS), default="arithmetic",
+                      help="tools: multiplication with a calc tool, multi-turn episodes")
     demo.add_argument("--algorithm", choices=["grpo", "ppo"], default="grpo")
-    demo.add_argument("--out-dir", default="runs/demo")
+    demo.add_argument("--out-dir", default=None, help="default runs/demo (arithmetic), runs/demo_tools (tools)")
     demo.add_argument("overrides", nargs="*", help="dotted overrides applied to both stages")
     demo.set_defaults(fn=cmd_demo)
     export = commands.add_parser("export", help="write a checkpoint's actor as a Hugging Face model directory")

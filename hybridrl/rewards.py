@@ -111,12 +111,21 @@ def env_reward(prompts: list[str], completions: list[str], *, env_reward: list[f
     return [float(value) for value in env_reward]
 
 
+def called_tool(prompts: list[str], completions: list[str], *, tool_calls: list[list[dict]],
+                **columns: Any) -> list[float]:
+    """Multi-turn episodes: 1.0 where the episode called a tool at least once (a parsed call, whatever it
+    returned), else 0.0. With weight 0 it scores nothing and is logged: `reward/called_tool` and
+    `eval/reward/called_tool` are then the tool-call rate of the samples and of the held-out episodes."""
+    return [float(any(not call.get("malformed") for call in calls or [])) for calls in tool_calls]
+
+
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "exact_match": exact_match,
     "numeric_match": numeric_match,
     "format": format_reward,
     "length_penalty": length_penalty,
     "env_reward": env_reward,
+    "called_tool": called_tool,
 }
 
 

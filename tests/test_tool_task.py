@@ -174,3 +174,42 @@ def test_tiny_chat_variant():
     assert build_tiny_model("llama").tokenizer.chat_template is None  # the arithmetic demo's prompts unchanged
     with pytest.raises(ModelError, match=r"\+chat"):
         build_tiny_model("llama+tools")
+
+
+def test_called_tool_reward_is_the_tool_call_rate():
+    from hybridrl.rewards import BUILTIN_REWARDS
+
+    calls = [[], [{"name": "calc", "malformed": False, "error": True}], [{"name": "", "malformed": True}]]
+    assert BUILTIN_REWARDS["called_tool"](["p"] * 3, ["c"] * 3, tool_calls=calls) == [0.0, 1.0, 0.0]
+
+
+def test_tool_demo_pipeline_short(tmp_path):
+    """The tool demo's stages, very short: data, SFT on conversations from the demo's config, GRPO on episodes with
+    the shipped calc tool; the episodes call the tool (the SFT data always does) and the metrics are sane."""
+    import torch
+
+    from hybridrl.cli import DEMO_CONFIGS
+    from hybridrl.training.sft import run_sft
+    from hybridrl.training.trainer import RLTrainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = write_tool_task(tmp_path / "data", num_train=64, num_eval=8, tool_rate=1.0)
+        tools = [f"env.tools=[{CALC}]"]
+        sft_model = run_sft(load_config(DEMO_CONFIGS / "tools_sft.yaml", tools + [
+            f"data.train_path={data['sft']}", f"trainer.output_dir={tmp_path / 'sft'}", "sft.max_steps=40",
+            "sft.batch_size=16", "sft.warmup_steps=5", "logging.sinks=[jsonl]"]))
+        history = RLTrainer(load_config(DEMO_CONFIGS / "tools_grpo.yaml", tools + [
+            f"data.train_path={data['train']}", f"data.eval_path={data['eval']}", f"model.path={sft_model}",
+            f"trainer.output_dir={tmp_path / 'grpo'}", "trainer.total_steps=2", "trainer.prompts_per_step=2",
+            "rollout.num_samples_per_prompt=4", "trainer.eval_every=2", "logging.sinks=[jsonl]"])).train()
+    finally:
+        torch.set_num_threads(threads)
+    steps = [row for row in history if "rollout/tool_calls_per_episode" in row]
+    evals = [row for row in history if "eval/accuracy" in row]
+    assert len(steps) == 2 and len(evals) == 2  # before the first step and after the last
+    assert all(row["rollout/tool_calls_per_episode"] > 0 for row in steps)
+    assert all(1.0 <= row["rollout/turns_per_episode"] <= 2.0 for row in steps)
+    assert all(0.0 <= row["reward/mean"] <= 1.0 and 0.0 <= row["reward/called_tool"] <= 1.0 for row in steps)
+    assert all(0.0 <= row["eval/accuracy"] <= 1.0 and 0.0 <= row["eval/reward/called_tool"] <= 1.0 for row in evals)
