@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -60,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=6)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--max-eval-samples", type=int, default=500)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of each worker process")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of each process (on a shared machine more threads than free cores "
+                             "make every step several times slower)")
+    parser.add_argument("--sft-steps", type=int, default=0,
+                        help="SFT optimizer steps when the script makes the SFT model (0: the demo config's)")
     parser.add_argument("--sides", default="hybridrl,trl", help="comma-separated, from: " + ", ".join(SIDES))
     parser.add_argument("--trl-python", default="/tmp/trl-venv/bin/python",
                         help=f"the Python of TRL's virtual environment (made by: {TRL_VENV_HINT})")
@@ -85,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not sides:
         parser.error(f"--sides {args.sides!r}: choose from {', '.join(SIDES)} (comma-separated).")
     args.sides = sides
+    if args.sft_steps < 0:
+        parser.error("--sft-steps must be >= 0 (0: the demo config's).")
     for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_eval_samples", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1.")
@@ -158,7 +165,7 @@ def prepare(args: argparse.Namespace, out: Path) -> tuple[Path, dict[str, Path]]
         print(f"SFT ({args.task} task): the demo's config -> {model_dir}", flush=True)
         run_sft(load_config(DEMO_CONFIGS / "arithmetic_sft.yaml", [
             f"data.train_path={data['train']}", f"trainer.output_dir={out / 'sft'}", "trainer.device=cpu",
-            "logging.sinks=[jsonl]", *sft_overrides]))
+            "logging.sinks=[jsonl]", *sft_overrides, *([f"sft.max_steps={args.sft_steps}"] if args.sft_steps else [])]))
     return model_dir, data
 
 
@@ -215,13 +222,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     if "trl" in args.sides:
         check_trl(args.trl_python)
+    torch.set_num_threads(args.threads)
     model_dir, data = prepare(args, out)
     results, start = [], time.time()
     for seed, side in plan:
         result_path = out / f"{side}_seed{seed}.json"
         spec = {**spec_for(args, seed, model_dir, data), "out_dir": str(out / f"{side}_seed{seed}")}
         print(f"== {side}, seed {seed}", flush=True)
-        subprocess.run(worker_command(side, spec, result_path, args.trl_python), cwd=ROOT, check=True)
+        threads = str(args.threads)
+        subprocess.run(worker_command(side, spec, result_path, args.trl_python), cwd=ROOT, check=True,
+                       env={**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
         results.append(json.loads(result_path.read_text()))
     (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     print(f"\n{args.task} task, {args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} samples, "
