@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_multiturn import TEMPLATE as QWEN_TEMPLATE  # a Qwen2.5-style template with a tool role
 
 from hybridrl.config.loading import load_config
 from hybridrl.data.conversations import ConversationSFTDataset, conversation_item, sft_dataset
@@ -15,23 +16,11 @@ from hybridrl.envs.builtin_tools import BUILTIN_TOOLS, calc
 from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.envs.tools import ToolBox, ToolCall, ToolCallFormat, parse_tool_calls
 from hybridrl.models.loading import CHAR_CHAT_TEMPLATE, ModelError, build_char_tokenizer, build_tiny_model
-from hybridrl.rollout.base import Generation
+from hybridrl.rollout.base import Generation, SamplingParams
 from hybridrl.rollout.multiturn import EpisodeBudget, generate_episodes_reference, make_sessions
 
 CALC = f"{BUILTIN_TOOLS}:calc"
 FORMAT = ToolCallFormat("[[", "]]")
-QWEN_TEMPLATE = r"""
-{%- for message in messages %}
-{%- if message.role == 'tool' %}
-{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
-{%- else %}
-{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
-"""
 
 
 def qwen_style_tokenizer():
@@ -76,7 +65,6 @@ def test_sft_conversation_equals_the_rollout_episode(make_tokenizer, tags):
         renderer = ObservationRenderer(tokenizer, tools=toolbox.schemas)
         backend = ScriptedBackend(tokenizer, [[m["content"] for m in c if m["role"] == "assistant"]
                                               for c in conversations])
-        from hybridrl.rollout.base import SamplingParams
         params = SamplingParams(max_new_tokens=80, temperature=0.0, stop_strings=[tags[1]])
         sessions = make_sessions(toolbox, [{"prompt": f"{a}*{b}"} for a, b in problems], n=1, name="calc")
         episodes = generate_episodes_reference(backend, sessions, renderer, params, EpisodeBudget(max_turns=3),
