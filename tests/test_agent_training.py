@@ -12,6 +12,9 @@ import pytest
 import torch
 import yaml
 from conftest import tiny_actor
+from test_envs import qwen_style_tokenizer
+from test_multiturn import TOOLS
+from transformers import AutoModelForCausalLM
 
 from hybridrl import algorithms
 from hybridrl.config.loading import build_config, load_config
@@ -19,9 +22,11 @@ from hybridrl.config.schema import ConfigError
 from hybridrl.data.datasets import PromptDataset
 from hybridrl.envs.base import EnvironmentCodeError
 from hybridrl.envs.episode import Episode
-from hybridrl.envs.rendering import ChatTemplateError, ObservationRenderer
-from hybridrl.envs.tools import ToolBox
-from hybridrl.rollout.base import SamplingParams
+from hybridrl.envs.rendering import ChatTemplateError
+from hybridrl.models.loading import HFModel, tiny_config
+from hybridrl.rewards import RewardError
+from hybridrl.rollout.base import Generation
+from hybridrl.rollout.hf import HFBackend
 from hybridrl.training import episodes as episodes_module
 from hybridrl.training.episodes import build_episode_rollout, episodes_to_batch, final_assistant_text
 from hybridrl.training.logprobs import response_logprobs
@@ -86,8 +91,10 @@ def chat_actor(seed: int = 0):
     return actor
 
 
-def make_trainer(tmp_path: Path, environment: str = "TwoTurns", actor=None, reward_fn=None, **overrides) -> RLTrainer:
-    (tmp_path / "env.py").write_text(ENVIRONMENT)
+def make_trainer(tmp_path: Path, environment: str = "TwoTurns", actor=None, reward_fn=None, source: str = ENVIRONMENT,
+                 **overrides) -> RLTrainer:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "env.py").write_text(source)
     actor = actor or chat_actor()
     dataset = PromptDataset(rows(), actor.tokenizer, max_length=32)
     settings = {**FAST, "env__environment": f"{tmp_path}/env.py:{environment}", "trainer__output_dir": str(tmp_path),
@@ -212,3 +219,229 @@ def test_a_toy_environment_trains_and_logs_the_multi_turn_metrics(tmp_path):
     assert last["rollout/observation_prefills"] == 8  # one resume per episode: only observations are prefilled
     assert last["rollout/logprob_diff_max"] < 1e-4  # the trainer scores the very tokens the engine sampled
     assert any(row["actor/grad_norm"] > 0 for row in history)
+
+
+# ------------------------------------------------------------------------------------------------
+# Losses and metrics over holed masks
+
+
+def random_episodes(vocab: int, seed: int = 0) -> list[Episode]:
+    """Episodes of uneven lengths with several holes, random ids and behaviour log-probs."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def ids(n):
+        return torch.randint(3, vocab, (n,), generator=generator).tolist()
+
+    def logps(n):
+        return (-torch.rand(n, generator=generator) * 3).tolist()
+
+    shapes = [(4, [(3, 5), (2, 0)]), (6, [(1, 2), (4, 3), (2, 0)]), (4, [(5, 0)]), (3, [(2, 6), (1, 1), (3, 0)])]
+    return [hand_episode(ids(prompt), [(ids(n), logps(n), ids(o)) for n, o in turns]) for prompt, turns in shapes]
+
+
+def slow_loss(model, episodes, advantages, temperature, clip, entropy_coef):
+    """The clipped surrogate minus the entropy bonus, summed over sampled (mask 1) tokens only and divided by their
+    count: each episode through the model alone, unpadded; a sampled token at t is predicted at t - 1."""
+    total, entropy_sum, count = 0.0, 0.0, 0
+    for episode, advantage in zip(episodes, advantages):
+        logits = model(torch.tensor([episode.token_ids])).logits[0].float() / temperature
+        log_probs = torch.log_softmax(logits, dim=-1)
+        for t, (token, mask, old) in enumerate(zip(episode.token_ids, episode.loss_mask, episode.behaviour_logprobs)):
+            if not mask:
+                continue
+            logp = log_probs[t - 1, token]
+            ratio = torch.exp(logp - old)
+            total = total - torch.minimum(ratio * advantage, ratio.clamp(1 - clip, 1 + clip) * advantage)
+            entropy = -(log_probs[t - 1].exp() * log_probs[t - 1]).sum()
+            entropy_sum, count = entropy_sum + entropy, count + 1
+    return (total - entropy_coef * entropy_sum) / count, entropy_sum.detach() / count
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_the_loss_and_gradient_of_a_holed_batch_sum_only_the_sampled_tokens(pack):
+    model = tiny_actor(seed=3).model.float()
+    episodes = random_episodes(model.config.vocab_size)
+    advantages = [1.0, -0.5, 2.0, -1.5]
+    batch = episodes_to_batch(episodes, group_size=1, pad_token_id=0)
+    temperature, clip, entropy_coef = 0.7, 0.2, 0.01
+    logp, entropy = response_logprobs(model, batch.input_ids, batch.attention_mask, batch.position_ids,
+                                      batch.response_length, temperature, with_entropy=True, pack=pack)
+    mask = batch.response_mask
+    loss, stats = algorithms.policy_loss(logp, batch.sampler_logp, torch.tensor(advantages)[:, None] * mask, mask,
+                                         clip_low=clip, clip_high=clip, aggregation="token-mean")
+    loss = loss - entropy_coef * algorithms.aggregate_loss(entropy, mask, "token-mean")
+    fast = torch.autograd.grad(loss, list(model.parameters()))
+    reference, reference_entropy = slow_loss(model, episodes, advantages, temperature, clip, entropy_coef)
+    slow = torch.autograd.grad(reference, list(model.parameters()))
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(algorithms.masked_mean(entropy.detach(), mask), reference_entropy, rtol=1e-5, atol=1e-6)
+    assert stats["clipfrac"] > 0, "the test should exercise the clipped branch too"
+
+
+def params_after(tmp_path: Path, **overrides) -> list[torch.Tensor]:
+    trainer = make_trainer(tmp_path, trainer__total_steps=2, actor__lr=1e-2, rollout__backend="hf",
+                           algorithm__kl_coef=0.05, algorithm__entropy_coef=0.01, **overrides)
+    history = trainer.train()
+    assert "actor/kl" in history[-1] and history[-1]["actor/grad_norm"] > 0
+    return [p.detach().clone() for p in trainer.parts.actor.parameters()]
+
+
+@pytest.fixture(scope="module")
+def plain_params(tmp_path_factory):
+    return params_after(tmp_path_factory.mktemp("plain"))
+
+
+@pytest.mark.parametrize("layout", [dict(actor__micro_batch_size=2), dict(actor__max_tokens_per_micro_batch=40),
+                                    dict(actor__share_prompt_tokens=True), dict(actor__reuse_logprobs_on_policy=False)])
+def test_micro_batches_packing_and_shared_prompts_train_episodes_alike(tmp_path, plain_params, layout):
+    """With KL to a reference and an entropy bonus, so the old, reference and new log-prob passes all see holes.
+    (Shared prompts sum in another order: AdamW turns that rounding into differences of a few 1e-6.)"""
+    plain = plain_params
+    other = params_after(tmp_path / "other", **layout)
+    for a, b in zip(plain, other):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# User errors
+
+
+def test_an_environment_that_raises_mid_run_saves_the_finished_steps_and_names_its_code(tmp_path):
+    with pytest.raises(EnvironmentCodeError) as caught:
+        make_trainer(tmp_path, environment="FailsLater", trainer__total_steps=4).train()
+    message = str(caught.value)
+    assert re.search(r"environment '.*env\.py:FailsLater' raised KeyError: 'no such column' \(at .*env\.py:\d+ in "
+                     r"__init__\) in making it from the data row for sample 0", message), message
+    assert re.search(r"The 2 finished step\(s\) are saved in .*step_0*2", message), message
+    resumed = make_trainer(tmp_path, environment="TwoTurns", trainer__total_steps=4).train()
+    assert [row["step"] for row in resumed] == [1, 2, 3, 4]
+
+
+def test_without_a_reward_function_the_environment_reward_is_the_reward_and_must_be_given(tmp_path):
+    history = make_trainer(tmp_path / "given", trainer__total_steps=1).train()
+    assert "reward/env_reward" in history[-1]
+    silent = ENVIRONMENT.replace("StepResult(reward=float(any(c.isdigit() for c in text)), done=True)",
+                                 "StepResult(done=True)")
+    assert silent != ENVIRONMENT
+    with pytest.raises(RewardError, match="the environment gave no reward for sample 0"):
+        make_trainer(tmp_path / "silent", source=silent, trainer__total_steps=1).train()
+
+
+def test_multi_turn_config_mistakes_are_one_sentence_naming_the_key(tmp_path):
+    def error(**overrides) -> str:
+        with pytest.raises(ConfigError) as caught:
+            load_config(None, **overrides)
+        return str(caught.value)
+
+    assert "both set" in error(env__environment="env.py:Guess", env__tools=["python"])
+    assert "rollout.backend=vllm cannot" in error(env__tools=["python"], rollout__backend="vllm")
+    assert "env.tools[1]='calc'" in error(env__tools=["python", "calc"])
+    assert "env.max_turns" in error(env__environment="env.py:Guess", env__max_turns=0)
+    assert "rollout.engine.attention=triton" in error(env__tools=["python"], rollout__engine__attention="triton")
+    assert "trainer.num_gpus=1" in error(env__tools=["python"], trainer__num_gpus=2)
+    assert not load_config(None).env.enabled and load_config(None, env__tools=["python"]).env.enabled
+
+
+def test_multi_turn_refusals_at_start(tmp_path):
+    no_tool_role = chat_actor()
+    no_tool_role.tokenizer.chat_template = TEMPLATE.replace("{{ '[' + m['content'] + ']\\n' }}", "")  # drops them
+    assert no_tool_role.tokenizer.chat_template != TEMPLATE
+    with pytest.raises(ChatTemplateError, match="drops 'tool' messages.*set tokenizer.chat_template"):
+        make_trainer(tmp_path / "template", actor=no_tool_role)
+    config = build_config({"env": {"environment": "env.py:Guess"}})
+    with pytest.raises(ConfigError, match="the object rollout backend cannot generate multi-turn episodes"):
+        build_episode_rollout(config, (lambda row: None, "env.py:Guess"), chat_actor().tokenizer, object(), 0)
+    with pytest.raises(Exception, match="has no class or function 'Missing'"):
+        make_trainer(tmp_path / "spec", environment="Missing")
+    with pytest.raises(ConfigError, match="env.tools runs the built-in tool environment, which gives no reward"):
+        make_trainer(tmp_path / "tools", env__environment="", env__tools=["python"])
+    unequal = [hand_episode([1, 2], [([3], [-0.5], [])]), hand_episode([1, 4], [([3], [-0.5], [])])]
+    with pytest.raises(ConfigError, match="set actor.share_prompt_tokens=false"):
+        episodes_module.check_shared_prompts(unequal, group_size=2)
+
+
+# ------------------------------------------------------------------------------------------------
+# The built-in tool environment (env.tools), with the calc tool of test_multiturn.py
+
+
+class CallsCalcFirst(HFBackend):
+    """The hf backend, except that every episode's first turn is a call of calc (a tiny random model writes none);
+    the trainer still trains on these ids as given."""
+
+    def __init__(self, model, tokenizer):
+        super().__init__(model, tokenizer)
+        self.stop_strings, self.turn = [], 0
+
+    def generate(self, prompts, params):
+        self.stop_strings.append(list(params.stop_strings))
+        self.turn += 1
+        if self.turn > 1:
+            return super().generate(prompts, params)
+        call = self.tokenizer.encode('<tool_call>{"name": "calc", "arguments": {"a": 12, "b": 3}}</tool_call>',
+                                     add_special_tokens=False)
+        return [Generation(i, list(call), [-1.0] * len(call), "stop") for i in range(len(prompts))]
+
+
+def test_tools_are_called_answered_and_seen_by_the_reward(tmp_path):
+    (tmp_path / "tools.py").write_text(TOOLS)
+    seen = []
+
+    def tool_results(prompts, completions, tool_calls, messages, **columns):
+        seen.append((tool_calls, messages))
+        return [float(len(calls)) for calls in tool_calls]
+
+    actor = chat_actor()
+    trainer = make_trainer(tmp_path, actor=actor, reward_fn=tool_results, env__environment="",
+                           env__tools=[f"{tmp_path}/tools.py:calc"], trainer__total_steps=1, rollout__backend="hf",
+                           env__max_observation_tokens=32, env__max_episode_tokens=256, env__system_prompt="Use calc.")
+    backend = CallsCalcFirst(trainer.parts.actor, actor.tokenizer)
+    trainer.parts.rollout = backend
+    history = trainer.train()
+    assert backend.stop_strings[0] == ["</tool_call>"]  # a turn ends at the closing tag
+    assert history[-1]["rollout/tool_calls_per_episode"] == 1.0 and history[-1]["rollout/tool_errors_per_episode"] == 0
+    assert history[-1]["rollout/turns_per_episode"] == 2.0 and "rollout/tool_latency_p95_s" in history[-1]
+    tool_calls, messages = seen[0]
+    assert tool_calls[0] == [{"name": "calc", "arguments": {"a": 12, "b": 3}, "result": "36", "error": False,
+                              "timed_out": False, "malformed": False, "latency_s": tool_calls[0][0]["latency_s"]}]
+    assert [m["role"] for m in messages[0]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert messages[0][0]["content"] == "Use calc." and messages[0][3]["content"] == "36"
+    trainer.parts.episodes.factory.close()
+
+
+def docs_config() -> dict:
+    """The Qwen2.5 starting config of docs/environments.md, as written there."""
+    text = (Path(__file__).parents[1] / "docs" / "environments.md").read_text()
+    section = text[text.index("## A starting config for a Qwen2.5 model"):]
+    return yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+
+
+def test_the_docs_qwen_config_trains_with_a_qwen_style_template(tmp_path):
+    raw = docs_config()
+    assert raw["env"]["tools"] == ["tools.py:calc", "python"] and build_config(raw).env.enabled
+    (tmp_path / "tools.py").write_text(TOOLS)
+    tokenizer = qwen_style_tokenizer()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = tiny_config("qwen2", len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=im_end)
+    torch.manual_seed(0)
+    actor = HFModel(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"), tokenizer)
+    raw["env"]["tools"] = [f"{tmp_path}/tools.py:calc", "python"]
+    raw["trainer"].update(total_steps=1, prompts_per_step=2, device="cpu", output_dir=str(tmp_path), save_model=False)
+    raw["rollout"].update(num_samples_per_prompt=2, max_new_tokens=4)
+    raw["model"]["dtype"] = "float32"
+    raw["logging"] = {"sinks": ["jsonl"]}
+    trainer = RLTrainer(build_config(raw), actor=actor, dataset=PromptDataset(rows(), tokenizer, max_length=64))
+    backend = CallsCalcFirst(trainer.parts.actor, tokenizer)
+    episodes = []
+    backend.generate_episodes = lambda *args: episodes.extend(HFBackend.generate_episodes(backend, *args)) or episodes
+    trainer.parts.rollout = backend
+    history = trainer.train()
+    assert history[-1]["rollout/tool_calls_per_episode"] == 1.0 and "reward/numeric_match" in history[-1]
+    system = tokenizer.decode(episodes[0].span_ids(episodes[0].spans[0]), skip_special_tokens=False)
+    assert "# Tools" in system and '"name": "calc"' in system and '"name": "python"' in system
+    observation = tokenizer.decode(episodes[0].span_ids(episodes[0].spans[2]), skip_special_tokens=False)
+    assert observation == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n36\n</tool_response><|im_end|>\n"
+                           "<|im_start|>assistant\n")  # the turn stopped at </tool_call>: the closing is added whole
+    trainer.parts.episodes.factory.close()
