@@ -1,9 +1,11 @@
 """Held-out accuracy for `learning_vs_trl.py`: one evaluator for both trainers, so the comparison measures the
 policies and not two evaluation codes.
 
-Greedy decoding with Hugging Face `generate` (left-padded batches, float32 on CPU), the completion decoded without
+`greedy_accuracy`: greedy decoding with Hugging Face `generate` (left-padded batches, float32 on CPU), the completion decoded without
 special tokens, and exact match of the stripped text against the stripped answer, as hybridrl's `eval/accuracy`
-and the `exact_match` reward define it. It imports only torch (its caller passes a model and a tokenizer), so the
+and the `exact_match` reward define it. `sampled_pass_rates`: k samples per problem at the training temperature,
+pass@1 (the share of samples right: what the RL reward averages) and pass@k (the share of problems with at least one
+right: the headroom that RL on that reward can turn into pass@1). It imports only torch (its caller passes a model and a tokenizer), so the
 TRL worker runs it in TRL's own virtual environment, where hybridrl is not installed.
 """
 
@@ -42,3 +44,30 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> 
         tokenizer.padding_side = side
         model.train(was_training)
     return correct / len(rows)
+
+
+@torch.no_grad()
+def sampled_pass_rates(model, tokenizer, rows: list[dict], max_new_tokens: int, k: int, temperature: float,
+                       seed: int) -> dict[str, float]:
+    """{"pass@1": share of the k samples per row that are right, f"pass@{k}": share of rows with one right}."""
+    was_training = model.training
+    model.eval()
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    torch.manual_seed(seed)
+    right, solved = 0, 0
+    try:
+        for start in range(0, len(rows), BATCH):
+            part = rows[start:start + BATCH]
+            inputs = tokenizer([row["prompt"] for row in part], return_tensors="pt", padding=True,
+                               add_special_tokens=False).to(model.device)
+            output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                                    top_p=1.0, top_k=0, num_return_sequences=k, pad_token_id=tokenizer.pad_token_id,
+                                    eos_token_id=tokenizer.eos_token_id)
+            texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            for i, row in enumerate(part):
+                hits = sum(text.strip() == str(row["answer"]).strip() for text in texts[i * k:(i + 1) * k])
+                right, solved = right + hits, solved + (hits > 0)
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return {"pass@1": right / (k * len(rows)), f"pass@{k}": solved / len(rows)}

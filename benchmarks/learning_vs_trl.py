@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.greedy_accuracy import greedy_accuracy, read_rows
+from benchmarks.greedy_accuracy import greedy_accuracy, read_rows, sampled_pass_rates
 from hybridrl.cli import DEMO_CONFIGS, DEMO_PERIOD_RATE
 from hybridrl.config.loading import load_config
 from hybridrl.data.tasks import write_arithmetic_task
@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=6)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--max-eval-samples", type=int, default=500)
+    parser.add_argument("--pass-k", type=int, default=8,
+                        help="samples per held-out problem for sampled pass@1 / pass@k before and after RL (0: skip)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of each process (on a shared machine more threads than free cores "
                              "make every step several times slower)")
@@ -92,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sides = sides
     if args.sft_steps < 0:
         parser.error("--sft-steps must be >= 0 (0: the demo config's).")
+    if args.pass_k < 0:
+        parser.error("--pass-k must be >= 0 (0 skips the sampled pass rates).")
     for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_eval_samples", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1.")
@@ -105,7 +109,8 @@ def spec_for(args: argparse.Namespace, seed: int, model: str, data: dict[str, Pa
     return {"seed": seed, "model": str(model), "train_path": str(data["train"]), "eval_path": str(data["eval"]),
             "steps": args.steps, "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
             "lr": args.lr, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-            "eval_every": args.eval_every, "max_eval_samples": args.max_eval_samples, "threads": args.threads}
+            "eval_every": args.eval_every, "max_eval_samples": args.max_eval_samples, "threads": args.threads,
+            "pass_k": args.pass_k}
 
 
 def worker_command(side: str, spec: dict, out: Path, trl_python: str) -> list[str]:
@@ -135,18 +140,26 @@ def run_hybridrl(spec: dict) -> dict:
     trainer = RLTrainer(load_config(DEMO_CONFIGS / "arithmetic_grpo.yaml", overrides))
     model, tokenizer = trainer.parts.actor, trainer.parts.tokenizer
     rows = read_rows(spec["eval_path"])[:spec["max_eval_samples"]]
-    accuracy, rewards, seconds = {0: greedy_accuracy(model, tokenizer, rows, spec["max_new_tokens"])}, [], 0.0
-    print(f"hybridrl seed {spec['seed']} step 0: held-out accuracy {accuracy[0]:.3f}", flush=True)
+    accuracy, sampled, rewards, seconds = {}, {}, [], 0.0
+
+    def evaluate(step: int) -> None:
+        accuracy[step] = greedy_accuracy(model, tokenizer, rows, spec["max_new_tokens"])
+        if step in (0, spec["steps"]) and spec["pass_k"]:
+            sampled[step] = sampled_pass_rates(model, tokenizer, rows, spec["max_new_tokens"], spec["pass_k"],
+                                               spec["temperature"], spec["seed"])
+        print(f"hybridrl seed {spec['seed']} step {step}: held-out accuracy {accuracy[step]:.3f} "
+              f"{sampled.get(step, '')}", flush=True)
+
+    evaluate(0)
     for step in range(1, spec["steps"] + 1):
         start = time.perf_counter()
         metrics = trainer.step()
         seconds += time.perf_counter() - start
         rewards.append(float(metrics["reward/mean"]))
         if due(step, spec["eval_every"], spec["steps"]):
-            accuracy[step] = greedy_accuracy(model, tokenizer, rows, spec["max_new_tokens"])
-            print(f"hybridrl seed {spec['seed']} step {step}: held-out accuracy {accuracy[step]:.3f}", flush=True)
-    return {"side": "hybridrl", "seed": spec["seed"], "accuracy": accuracy, "train_seconds": seconds,
-            "reward_per_step": rewards}
+            evaluate(step)
+    return {"side": "hybridrl", "seed": spec["seed"], "accuracy": accuracy, "sampled": sampled,
+            "train_seconds": seconds, "reward_per_step": rewards}
 
 
 def prepare(args: argparse.Namespace, out: Path) -> tuple[Path, dict[str, Path]]:
@@ -194,6 +207,30 @@ def table(results: list[dict], sides: list[str]) -> str:
     return "\n".join(lines)
 
 
+def sampled_table(results: list[dict], sides: list[str]) -> str:
+    """Sampled pass@1 and pass@k (%) before and after RL, per seed and each side's mean; empty when not measured."""
+    measured = [r for r in results if len(r.get("sampled", {})) == 2]
+    if not measured:
+        return ""
+    names = list(next(iter(measured[0]["sampled"].values())))  # ["pass@1", "pass@k"]
+    lines = ["| side | seed | " + " | ".join(f"{name} before -> after" for name in names) + " |",
+             "| --- | ---: | " + " | ".join("---:" for _ in names) + " |"]
+
+    def cells(before: dict, after: dict) -> str:
+        return " | ".join(f"{100 * before[n]:.1f} -> {100 * after[n]:.1f}" for n in names)
+
+    for side in sides:
+        runs = sorted((r for r in measured if r["side"] == side), key=lambda r: r["seed"])
+        for run in runs:
+            before, after = (run["sampled"][key] for key in sorted(run["sampled"], key=int))
+            lines.append(f"| {side} | {run['seed']} | {cells(before, after)} |")
+        if runs:
+            mean = [{n: statistics.mean(r["sampled"][key][n] for r in runs) for n in names}
+                    for key in sorted(runs[0]["sampled"], key=int)]
+            lines.append(f"| **{side} mean** | | {cells(*mean)} |")
+    return "\n".join(lines)
+
+
 def verdict(results: list[dict]) -> str:
     finals = {side: statistics.mean(100 * r["accuracy"][str(max(map(int, r["accuracy"])))] for r in results
                                     if r["side"] == side) for side in SIDES if any(r["side"] == side for r in results)}
@@ -238,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
           f"lr {args.lr}, temperature {args.temperature}; held-out accuracy (%) on {args.max_eval_samples} problems; "
           f"all runs {time.time() - start:.0f} s")
     print(table(results, args.sides))
+    print(sampled_table(results, args.sides))
     print(verdict(results))
 
 

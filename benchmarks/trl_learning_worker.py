@@ -26,7 +26,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from benchmarks.greedy_accuracy import greedy_accuracy, read_rows  # noqa: E402
+from benchmarks.greedy_accuracy import greedy_accuracy, read_rows, sampled_pass_rates  # noqa: E402
 
 
 def exact_match(prompts, completions, answer, **columns):
@@ -41,12 +41,17 @@ class Evaluate(TrainerCallback):
     def __init__(self, spec: dict, tokenizer, rows: list[dict]):
         self.spec, self.tokenizer, self.rows = spec, tokenizer, rows
         self.accuracy: dict[int, float] = {}
+        self.sampled: dict[int, dict[str, float]] = {}  # at the first and last evaluation
         self.train_seconds, self.started = 0.0, 0.0
         self.rewards: list[float] = []
 
     def evaluate(self, model, step: int) -> None:
         self.accuracy[step] = greedy_accuracy(model, self.tokenizer, self.rows, self.spec["max_new_tokens"])
-        print(f"trl seed {self.spec['seed']} step {step}: held-out accuracy {self.accuracy[step]:.3f}", flush=True)
+        if step in (0, self.spec["steps"]) and self.spec["pass_k"]:
+            self.sampled[step] = sampled_pass_rates(model, self.tokenizer, self.rows, self.spec["max_new_tokens"],
+                                                    self.spec["pass_k"], self.spec["temperature"], self.spec["seed"])
+        print(f"trl seed {self.spec['seed']} step {step}: held-out accuracy {self.accuracy[step]:.3f} "
+              f"{self.sampled.get(step, '')}", flush=True)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.evaluate(model, 0)
@@ -85,7 +90,7 @@ def run(spec: dict) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=train,
                           processing_class=tokenizer, callbacks=[callback])
     trainer.train()
-    return {"side": "trl", "seed": spec["seed"], "accuracy": callback.accuracy,
+    return {"side": "trl", "seed": spec["seed"], "accuracy": callback.accuracy, "sampled": callback.sampled,
             "train_seconds": callback.train_seconds, "reward_per_step": callback.rewards}
 
 
