@@ -83,7 +83,7 @@ def test_conversation_item_by_hand_on_the_tiny_template():
     renderer = ObservationRenderer(tokenizer)
     item = conversation_item(renderer, teacher_messages(12, 3, use_tool=True), tokenizer.eos_token_id)
     text = tokenizer.decode(item["input_ids"], skip_special_tokens=False)
-    call = '[[{"name":"calc","arguments":{"a":12,"b":3}}]]'
+    call = '[[{"name":"calc","arguments":{"expr":"12*3"}}]]'
     assert text == f"Q12*3\nA{call}<eos>R36\nA 36<eos>"
     trained = tokenizer.decode([t for t in item["labels"] if t != IGNORE_INDEX], skip_special_tokens=False)
     assert trained == f"{call} 36<eos>"  # the tool call and the answer with its stop; not the observation's <eos>
@@ -145,11 +145,12 @@ def test_tool_task_files(tmp_path):
 
 
 def test_calc_tool_and_its_call_format():
-    assert calc(123, 45) == 5535
-    with pytest.raises(TypeError, match="multiplies integers"):
-        calc("123", 45)
+    assert calc("123*45") == 5535 and calc(" 7 - 9") == -2 and calc("2+2") == 4
+    for bad in ("2**100", "1+2+3", "import os", 12):
+        with pytest.raises(ValueError, match="two integers with"):
+            calc(bad)
     [call] = parse_tool_calls(tool_call_text(123, 45), FORMAT)
-    assert call == ToolCall("calc", {"a": 123, "b": 45})
+    assert call == ToolCall("calc", {"expr": "123*45"})
     with ToolBox([CALC], format=FORMAT, num_workers=1) as toolbox:
         assert toolbox.schemas[0]["function"]["name"] == "calc"
         assert toolbox.call(call).text == "5535"

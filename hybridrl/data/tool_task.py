@@ -8,8 +8,8 @@ Files (`write_tool_task`): `train.jsonl` and `eval.jsonl` have `prompt` and `ans
 accuracy; disjoint questions), `sft.jsonl` has the same training questions with `messages`, the teacher's
 conversation, for SFT. The teacher calls the tool on a fraction `tool_rate` of the problems:
 
-    Q123*45\nA[[{"name":"calc","arguments":{"a":123,"b":45}}]]<eos>R5535\nA 5535<eos>    (with the tool)
-    Q123*45\nA 5400<eos>                                                                    (in its head)
+    Q123*45\nA[[{"name":"calc","arguments":{"expr":"123*45"}}]]<eos>R5535\nA 5535<eos>    (with the tool)
+    Q123*45\nA 5400<eos>                                                                     (in its head)
 
 (rendered by the tiny model's chat template, `CHAR_CHAT_TEMPLATE`). In its head the teacher rounds the first
 factor to tens, so it is usually wrong; the SFT model imitates both habits, and RL, rewarded by exact match,
@@ -19,7 +19,9 @@ Choices:
 - Every final answer starts with a space, so the choice between calling the tool and answering is one token
   (the tag's first character or the space); otherwise greedy decoding would weigh the tag against the single
   most likely digit, and the tool-call rate would say more about digit statistics than about the policy.
-- Short tags (`[[`, `]]`) and compact JSON: every character is a token of the tiny model.
+- Short tags (`[[`, `]]`) and compact JSON: every character is a token of the tiny model. The call's argument is
+  the prompt itself (`"expr":"123*45"`), one contiguous span to copy, which a tiny model learns far sooner than
+  two numbers copied into two places.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def multiplication_problems(num: int, seed: int) -> list[tuple[int, int]]:
 
 
 def tool_call_text(a: int, b: int, start: str = TOOL_CALL_START, end: str = TOOL_CALL_END) -> str:
-    """The assistant's call of `calc(a, b)` in the format `envs/tools.py` parses."""
-    call = {"name": "calc", "arguments": {"a": a, "b": b}}
+    """The assistant's call of `calc("a*b")` in the format `envs/tools.py` parses."""
+    call = {"name": "calc", "arguments": {"expr": f"{a}*{b}"}}
     return start + json.dumps(call, separators=(",", ":")) + end
 
 

@@ -7,19 +7,24 @@ its path, so it imports nothing from hybridrl and has no import-time side effect
 
 from __future__ import annotations
 
+import operator
+import re
 from pathlib import Path
 
 BUILTIN_TOOLS = Path(__file__).resolve()
 """This file: `f"{BUILTIN_TOOLS}:calc"` is the spec of the calculator tool."""
 
+_EXPRESSION = re.compile(r"\s*(?P<a>-?\d{1,100})\s*(?P<operator>[-+*])\s*(?P<b>-?\d{1,100})\s*")
+_OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
-def calc(a: int, b: int) -> int:
-    """Multiply two integers exactly.
+
+def calc(expr: str) -> int:
+    """Compute one operation of two integers exactly, such as 123*45.
 
     Args:
-        a: The first factor.
-        b: The second factor.
+        expr: Two integers with +, - or * between them, e.g. 123*45.
     """
-    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, int) or not isinstance(b, int):
-        raise TypeError(f"calc multiplies integers; got {a!r} and {b!r}.")
-    return a * b
+    match = _EXPRESSION.fullmatch(expr) if isinstance(expr, str) else None
+    if match is None:
+        raise ValueError(f"calc takes two integers with +, - or * between them, such as 123*45; got {expr!r}.")
+    return _OPERATIONS[match["operator"]](int(match["a"]), int(match["b"]))
