@@ -445,3 +445,10 @@ def test_the_docs_qwen_config_trains_with_a_qwen_style_template(tmp_path):
     assert observation == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n36\n</tool_response><|im_end|>\n"
                            "<|im_start|>assistant\n")  # the turn stopped at </tool_call>: the closing is added whole
     trainer.parts.episodes.factory.close()
+
+
+def test_dynamic_sampling_refills_with_episodes_and_keeps_their_metrics(tmp_path):
+    history = make_trainer(tmp_path, trainer__total_steps=2, rollout__backend="hf",
+                           algorithm__dynamic_sampling=True).train()
+    assert all(row["rollout/turns_per_episode"] == 2.0 for row in history)
+    assert sum(row["rollout/dynamic_sampling_rounds"] for row in history) > 2, "the test needs a refill"

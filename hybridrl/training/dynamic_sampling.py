@@ -78,6 +78,9 @@ def concatenate_batches(batches: list[RolloutBatch], pad_token_id: int) -> Rollo
         parts = [getattr(b, f.name) for b in batches]
         if f.name == "texts":
             values[f.name] = [text for part in parts for text in part]
+        elif f.name == "columns":  # multi-turn episodes' reward columns, row-aligned like the texts
+            values[f.name] = None if any(part is None for part in parts) else {
+                key: [value for part in parts for value in part[key]] for key in parts[0]}
         elif f.name == "sampling":
             values[f.name] = parts[0]
         elif any(part is None for part in parts):
@@ -149,7 +152,8 @@ def informative_batch(trainer: Any, timer: Any, batch: RolloutBatch, timings: An
                "rollout/dynamic_sampling_filled": float(result.filled)}
     all_timings = [round_timings for _, round_timings in rounds]
     timings = type(timings)(weight_sync_s=sum(t.weight_sync_s for t in all_timings),
-                            engine_phases=_summed([t.engine_phases for t in all_timings]))
+                            engine_phases=_summed([t.engine_phases for t in all_timings]),
+                            episodes=timings.episodes)  # multi-turn metrics: the first round's, like `reward/*`
     if not result.kept:
         return batch, timings, metrics
     pieces = [source.select(torch.cat([rows for s, rows in result.kept if s is source]))
