@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DEMO_CONFIGS = [f"hybridrl/config/demo/arithmetic_{name}.yaml" for name in ("sft", "grpo", "ppo")]
+DEMO_CONFIGS = [f"hybridrl/config/demo/{name}.yaml" for name in ("arithmetic_sft", "arithmetic_grpo", "arithmetic_ppo",
+                                                                  "tools_sft", "tools_grpo")]
 
 
 @pytest.fixture(scope="module")
