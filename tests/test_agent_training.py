@@ -204,8 +204,10 @@ def test_the_trained_ids_and_logprobs_are_the_sampled_ones_not_a_retokenization(
     assert batch.texts[0] == "calc" and batch.scores.tolist() == [0.0, 1.0] * 4  # env_reward: the last turn's
 
 
-def test_a_toy_environment_trains_and_logs_the_multi_turn_metrics(tmp_path):
-    trainer = make_trainer(tmp_path, trainer__total_steps=3, actor__lr=1e-2, rollout__backend="builtin")
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "ppo"])
+def test_a_toy_environment_trains_and_logs_the_multi_turn_metrics(tmp_path, algorithm):
+    trainer = make_trainer(tmp_path, trainer__total_steps=3, actor__lr=1e-2, rollout__backend="builtin",
+                           algorithm__name=algorithm, critic__lr=1e-3)
     before = [p.detach().clone() for p in trainer.parts.actor.parameters()]
     history = trainer.train()
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.parts.actor.parameters()))
@@ -219,6 +221,8 @@ def test_a_toy_environment_trains_and_logs_the_multi_turn_metrics(tmp_path):
     assert last["rollout/observation_prefills"] == 8  # one resume per episode: only observations are prefilled
     assert last["rollout/logprob_diff_max"] < 1e-4  # the trainer scores the very tokens the engine sampled
     assert any(row["actor/grad_norm"] > 0 for row in history)
+    if algorithm == "ppo":  # the critic regresses on assistant tokens only, like the policy
+        assert all(math.isfinite(row["critic/value_loss"]) for row in history)
 
 
 # ------------------------------------------------------------------------------------------------
