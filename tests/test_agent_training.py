@@ -209,6 +209,7 @@ def test_a_toy_environment_trains_and_logs_the_multi_turn_metrics(tmp_path, algo
     trainer = make_trainer(tmp_path, trainer__total_steps=3, actor__lr=1e-2, rollout__backend="builtin",
                            algorithm__name=algorithm, critic__lr=1e-3)
     before = [p.detach().clone() for p in trainer.parts.actor.parameters()]
+    assert "episodes of up to 4 turns with " in trainer.describe()
     history = trainer.train()
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.parts.actor.parameters()))
     last = history[-1]

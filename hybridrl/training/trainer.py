@@ -250,6 +250,8 @@ class RLTrainer:
         rollout = type(parts.rollout).__name__.removesuffix("Backend").lower()
         if rollout == "builtin":
             rollout += f" engine, {resolve_attention(parts.rollout.attention, self.device)} decode attention"
+        if parts.episodes is not None:
+            rollout += f", episodes of up to {parts.episodes.budget.max_turns} turns with {parts.episodes.name}"
         processes = f" x {parts.setup.world_size} processes" if parts.setup.is_distributed else ""
         engine_options = getattr(parts.rollout, "options", None)  # the built-in engine's `EngineOptions`
         engine_compiles = (rollout.startswith("builtin") and self.device.type == "cuda"
