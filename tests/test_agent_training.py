@@ -92,14 +92,15 @@ def chat_actor(seed: int = 0):
 
 
 def make_trainer(tmp_path: Path, environment: str = "TwoTurns", actor=None, reward_fn=None, source: str = ENVIRONMENT,
-                 **overrides) -> RLTrainer:
+                 eval_rows: int = 0, **overrides) -> RLTrainer:
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "env.py").write_text(source)
     actor = actor or chat_actor()
     dataset = PromptDataset(rows(), actor.tokenizer, max_length=32)
+    eval_dataset = PromptDataset(rows(eval_rows), actor.tokenizer, max_length=32) if eval_rows else None
     settings = {**FAST, "env__environment": f"{tmp_path}/env.py:{environment}", "trainer__output_dir": str(tmp_path),
                 **overrides}
-    return RLTrainer(actor=actor, reward_fn=reward_fn, dataset=dataset, **settings)
+    return RLTrainer(actor=actor, reward_fn=reward_fn, dataset=dataset, eval_dataset=eval_dataset, **settings)
 
 
 def hand_episode(prompt: list[int], turns: list[tuple[list[int], list[float], list[int]]], text: str = "",
@@ -207,7 +208,7 @@ def test_the_trained_ids_and_logprobs_are_the_sampled_ones_not_a_retokenization(
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo", "ppo"])
 def test_a_toy_environment_trains_and_logs_the_multi_turn_metrics(tmp_path, algorithm):
     trainer = make_trainer(tmp_path, trainer__total_steps=3, actor__lr=1e-2, rollout__backend="builtin",
-                           algorithm__name=algorithm, critic__lr=1e-3)
+                           algorithm__name=algorithm, critic__lr=1e-3, eval_rows=3, trainer__eval_every=3)
     before = [p.detach().clone() for p in trainer.parts.actor.parameters()]
     assert "episodes of up to 4 turns with " in trainer.describe()
     history = trainer.train()
@@ -221,9 +222,10 @@ def test_a_toy_environment_trains_and_logs_the_multi_turn_metrics(tmp_path, algo
         assert key in last and math.isfinite(last[key]), key
     assert last["rollout/observation_prefills"] == 8  # one resume per episode: only observations are prefilled
     assert last["rollout/logprob_diff_max"] < 1e-4  # the trainer scores the very tokens the engine sampled
-    assert any(row["actor/grad_norm"] > 0 for row in history)
+    assert any(row.get("actor/grad_norm", 0) > 0 for row in history)  # history[0]: the evaluation before step 1
+    assert {"eval/reward_mean", "eval/accuracy", "eval/reward/env_reward"} <= set(last)  # greedy held-out episodes
     if algorithm == "ppo":  # the critic regresses on assistant tokens only, like the policy
-        assert all(math.isfinite(row["critic/value_loss"]) for row in history)
+        assert all(math.isfinite(row["critic/value_loss"]) for row in history[1:])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -321,6 +323,9 @@ def test_an_environment_that_raises_mid_run_saves_the_finished_steps_and_names_i
                      r"__init__\) in making it from the data row for sample 0", message), message
     assert re.search(r"The 2 finished step\(s\) are saved in .*step_0*2", message), message
     resumed = make_trainer(tmp_path, environment="TwoTurns", trainer__total_steps=4).train()
+    clean = make_trainer(tmp_path / "clean", environment="TwoTurns", trainer__total_steps=4).train()
+    keys = ("reward/mean", "actor/policy_loss", "actor/grad_norm", "actor/entropy", "rollout/observation_token_share")
+    assert [[row.get(k) for k in keys] for row in resumed] == [[row.get(k) for k in keys] for row in clean]
     assert [row["step"] for row in resumed] == [1, 2, 3, 4]
 
 
