@@ -211,39 +211,52 @@ class AdvantageEstimator(Protocol):
     """The one signature of `ADVANTAGE_ESTIMATORS`; each estimator reads the arguments it needs.
 
     `scores (B,)` are outcome rewards; `token_rewards (B, T)` are those scores on the last token
-    minus any in-reward KL penalty; `values (B, T)` come from the critic (None without one).
+    minus any in-reward KL penalty; `values (B, T)` come from the critic (None without one);
+    `baseline_scores (B,)` are the scores of the greedy response to each row's prompt (ReMax; None otherwise).
     """
 
     def __call__(
         self, *, scores: Tensor, token_rewards: Tensor, values: Tensor | None, mask: Tensor,
-        group_size: int, gamma: float, lam: float, normalize_std: bool,
+        group_size: int, gamma: float, lam: float, normalize_std: bool, baseline_scores: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]: ...
 
 
-def _grpo(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std):
+def _grpo(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std,
+          baseline_scores=None):
     return grpo_advantages(scores, mask, group_size, normalize_std=normalize_std)
 
 
-def _dr_grpo(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std):
+def _dr_grpo(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std,
+             baseline_scores=None):
     return grpo_advantages(scores, mask, group_size, normalize_std=False)
 
 
-def _rloo(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std):
+def _rloo(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std,
+          baseline_scores=None):
     return rloo_advantages(scores, mask, group_size)
 
 
-def _reinforce_pp(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std):
+def _reinforce_pp(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std,
+                  baseline_scores=None):
     return reinforce_pp_advantages(token_rewards, mask, gamma)
 
 
-def _reinforce_pp_baseline(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std):
+def _reinforce_pp_baseline(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std,
+                           baseline_scores=None):
     return reinforce_pp_baseline_advantages(scores, mask, group_size)
 
 
-def _ppo(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std):
+def _ppo(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std,
+         baseline_scores=None):
     if values is None:
         raise ValueError("algorithm.name='ppo' needs critic values; configure a critic or pick a critic-free estimator.")
     return gae_advantages(token_rewards, values, mask, gamma, lam)
+
+
+def _remax(*, scores, token_rewards, values, mask, group_size, gamma, lam, normalize_std, baseline_scores=None):
+    if baseline_scores is None:
+        raise ValueError("algorithm.name='remax' needs the greedy responses' scores (the trainer's greedy rollout).")
+    return remax_advantages(scores, baseline_scores[::group_size], mask, group_size)  # rows are group-major
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
@@ -253,6 +266,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "reinforce_pp": _reinforce_pp,
     "reinforce_pp_baseline": _reinforce_pp_baseline,
     "ppo": _ppo,
+    "remax": _remax,
 }
 """Config name (`algorithm.name`) -> estimator; call with keywords only."""
 

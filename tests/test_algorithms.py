@@ -140,7 +140,7 @@ def test_advantage_estimators_match_config_names_and_functions():
     values = t([[0.1, 0.2], [0.3, 0.0], [0.5, 0.6], [0.7, 0.8]])
     token_rewards = outcome_to_token_rewards(scores, mask)
     kwargs = dict(scores=scores, token_rewards=token_rewards, values=values, mask=mask, group_size=2,
-                  gamma=0.9, lam=0.8, normalize_std=True)
+                  gamma=0.9, lam=0.8, normalize_std=True, baseline_scores=t([0.5, 0.5, 1.0, 1.0]))
     expected = {
         "grpo": grpo_advantages(scores, mask, 2),
         "dr_grpo": grpo_advantages(scores, mask, 2, normalize_std=False),
@@ -148,6 +148,7 @@ def test_advantage_estimators_match_config_names_and_functions():
         "reinforce_pp": reinforce_pp_advantages(token_rewards, mask, 0.9),
         "reinforce_pp_baseline": reinforce_pp_baseline_advantages(scores, mask, 2),
         "ppo": gae_advantages(token_rewards, values, mask, 0.9, 0.8),
+        "remax": remax_advantages(scores, t([0.5, 1.0]), mask, 2),  # one greedy score per prompt
     }
     for name, (adv, returns) in expected.items():
         got_adv, got_returns = ADVANTAGE_ESTIMATORS[name](**kwargs)

@@ -47,6 +47,9 @@ def validate(config: Config) -> None:
     _require(not a.dynamic_sampling or r.num_samples_per_prompt > 1,
              "algorithm.dynamic_sampling compares the samples of a prompt, so it needs "
              "rollout.num_samples_per_prompt > 1.")
+    _require(a.name != "remax" or (r.eval_temperature == 0 and not a.dynamic_sampling and t.max_staleness == 0),
+             "algorithm.name=remax takes its baseline from a greedy rollout of the step's own prompts: it needs "
+             "rollout.eval_temperature=0, algorithm.dynamic_sampling=false and trainer.max_staleness=0.")
     _require(a.dynamic_sampling_max_rounds >= 1,
              "algorithm.dynamic_sampling_max_rounds must be at least 1 (generation rounds per step, the first included).")
     _require(a.rollout_correction_cap is None or a.rollout_correction_cap >= 1,

@@ -215,8 +215,9 @@ class EnvConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"] = "grpo"
-    """Advantage estimator; `ppo` uses GAE with a critic."""
+    name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo", "remax"] = "grpo"
+    """Advantage estimator; `ppo` uses GAE with a critic; `remax` subtracts the score of the prompt's greedy response
+    (one more greedy rollout per step, logged as `reward/greedy_baseline_mean`; any group size, 1 included)."""
     normalize_std: bool = True
     """GRPO: divide group-centred scores by the group's standard deviation."""
     gamma: float = 1.0

@@ -31,6 +31,7 @@ class RolloutBatch:
     truncated: torch.Tensor  # (B,) bool, response hit max_new_tokens
     prompt_index: torch.Tensor  # (B,) which prompt of the step each sequence answers
     scores: torch.Tensor | None = None  # (B,) total reward
+    baseline_scores: torch.Tensor | None = None  # (B,) ReMax: the score of the greedy response to the row's prompt
     old_logp: torch.Tensor | None = None  # (B, R)
     ref_logp: torch.Tensor | None = None  # (B, R)
     old_values: torch.Tensor | None = None  # (B, R)

@@ -40,6 +40,7 @@ from hybridrl.training.components import Components, build_components
 from hybridrl.training.divergence import DivergenceGuard, Limits
 from hybridrl.training.dynamic_sampling import informative_batch
 from hybridrl.training.evaluation import EVAL_BATCH, answer_column, exact_agreement, pass_at_k, pass_at_k_key
+from hybridrl.training.greedy_baseline import attach_greedy_baseline
 from hybridrl.training.logprobs import response_logprobs
 from hybridrl.training.phase_switch import rollout_phase
 from hybridrl.training.shared_prompt import PromptLayout
@@ -206,6 +207,7 @@ class RLTrainer:
         with timer("reward"):
             reward_metrics = self.score(batch, prompts)
         batch, rollout_timings, reward_metrics = informative_batch(self, timer, batch, rollout_timings, reward_metrics)
+        reward_metrics.update(attach_greedy_baseline(self, timer, batch, prompts))  # ReMax only
         with timer("logprobs"):
             self.compute_logprobs(batch)
         with timer("advantages"):
@@ -446,7 +448,8 @@ class RLTrainer:
             token_rewards = token_rewards - a.kl_coef * kl * mask
         batch.advantages, batch.returns = algorithms.ADVANTAGE_ESTIMATORS[a.name](
             scores=batch.scores, token_rewards=token_rewards, values=batch.old_values, mask=mask,
-            group_size=batch.sampling.n, gamma=a.gamma, lam=a.lam, normalize_std=a.normalize_std)
+            group_size=batch.sampling.n, gamma=a.gamma, lam=a.lam, normalize_std=a.normalize_std,
+            baseline_scores=batch.baseline_scores)
         batch.loss_mask = algorithms.policy_loss_mask(mask, batch.truncated, batch.scores, batch.sampling.n,
                                                       a.mask_truncated, a.drop_uniform_groups)
 
