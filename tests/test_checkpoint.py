@@ -169,16 +169,19 @@ def test_resume_off_and_bad_paths(killed_run, tmp_path):
     assert [row["step"] for row in fresh.train()] == [1]
 
 
-def test_bf16_lean_adamw_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("master_weights", ["none", "float32"])
+def test_bf16_lean_adamw_resume_is_exact(tmp_path, master_weights):
     """bf16 parameters train with LeanAdamW, whose `step` is a Python int (saved in numbers.json) and whose
-    moments must stay float32 through load_state_dict: stopped by SIGTERM after step 2 and resumed, the run
-    ends with the same metrics and weights as a run that never stopped."""
+    moments (and float32 master copy, `actor.master_weights=float32`) must stay float32 through load_state_dict:
+    stopped by SIGTERM after step 2 and resumed, the run ends with the same metrics and weights as a run that
+    never stopped."""
     def bf16_trainer(out: Path, reward) -> RLTrainer:
         actor = tiny_actor()
         actor.model.to(torch.bfloat16)
         dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
         return RLTrainer(actor=actor, reward_fn=reward, dataset=dataset, trainer__output_dir=str(out),
-                         **{**SETTINGS, "trainer__total_steps": 3, "trainer__save_every": 0})
+                         **{**SETTINGS, "trainer__total_steps": 3, "trainer__save_every": 0,
+                            "actor__master_weights": master_weights})
 
     calls = []
 
@@ -198,6 +201,8 @@ def test_bf16_lean_adamw_resume_is_exact(tmp_path):
     resumed = resumed_trainer.train()
     moments = next(iter(resumed_trainer.parts.actor_optimizer.state.values()))
     assert moments["exp_avg"].dtype == torch.float32 and isinstance(moments["step"], int)
+    assert ("master" in moments) == (master_weights == "float32")
+    assert "master" not in moments or moments["master"].dtype == torch.float32
     assert comparable(resumed) == comparable(reference)
     for a, b in zip(parameters(resumed_trainer), parameters(straight)):
         assert torch.equal(a, b)
