@@ -43,6 +43,8 @@ TEMPLATE = (
 turn's stop token (which the model samples and the template's closing does not repeat)."""
 
 ENVIRONMENT = '''
+import os
+
 from hybridrl.envs.base import StepResult
 
 
@@ -64,6 +66,15 @@ class TwoTurns:
 
 
 CALLS = {"n": 0}
+
+
+class FailsOnRankOne(TwoTurns):
+    """Raises while being made in the second of two processes (its share: the second row of a step)."""
+
+    def __init__(self, row):
+        if os.environ.get("RANK") == "1":
+            raise KeyError("no such column")
+        super().__init__(row)
 
 
 class FailsLater(TwoTurns):
@@ -216,7 +227,8 @@ def test_a_toy_environment_trains_and_logs_the_multi_turn_metrics(tmp_path, algo
     last = history[-1]
     assert last["rollout/turns_per_episode"] == 2.0
     assert 0 < last["rollout/observation_token_share"] < 1
-    for key in ("rollout/tool_calls_per_episode", "rollout/tool_errors_per_episode", "rollout/tool_timeouts_per_episode",
+    for key in ("rollout/tool_calls_per_episode", "rollout/tool_errors_per_episode",
+                "rollout/tool_timeouts_per_episode",
                 "rollout/prefill_tokens", "rollout/observation_prefills", "rollout/engine_idle_s",
                 "reward/env_reward", "actor/entropy", "actor/grad_norm"):
         assert key in last and math.isfinite(last[key]), key
@@ -350,7 +362,6 @@ def test_multi_turn_config_mistakes_are_one_sentence_naming_the_key(tmp_path):
     assert "env.tools[1]='calc'" in error(env__tools=["python", "calc"])
     assert "env.max_turns" in error(env__environment="env.py:Guess", env__max_turns=0)
     assert "rollout.engine.attention=triton" in error(env__tools=["python"], rollout__engine__attention="triton")
-    assert "trainer.num_gpus=1" in error(env__tools=["python"], trainer__num_gpus=2)
     assert not load_config(None).env.enabled and load_config(None, env__tools=["python"]).env.enabled
 
 
@@ -462,3 +473,35 @@ def test_dynamic_sampling_refills_with_episodes_and_keeps_their_metrics(tmp_path
                            algorithm__dynamic_sampling=True).train()
     assert all(row["rollout/turns_per_episode"] == 2.0 for row in history)
     assert sum(row["rollout/dynamic_sampling_rounds"] for row in history) > 2, "the test needs a refill"
+
+
+def test_two_processes_train_on_episodes_and_an_environment_error_stops_both(tmp_path):
+    """Each rank generates its share of the rows' episodes and every rank trains on all of them (`hybridrl train`
+    with two gloo processes); an environment that raises on one rank's share stops both with its sentence."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "env.py").write_text(ENVIRONMENT)
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows()))
+    (tmp_path / "config.yaml").write_text("{}\n")
+
+    def train(environment: str, out: Path) -> subprocess.CompletedProcess:
+        overrides = [f"data.train_path={tmp_path / 'rows.jsonl'}", "model.path=tiny:llama+chat",
+                     f"env.environment={tmp_path / 'env.py'}:{environment}", "env.max_episode_tokens=64",
+                     "rollout.max_new_tokens=3", "rollout.num_samples_per_prompt=4", "trainer.prompts_per_step=2",
+                     "actor.micro_batch_size=4", "actor.lr=1e-2", "trainer.total_steps=2", "trainer.device=cpu",
+                     "trainer.num_gpus=2", f"trainer.output_dir={out}", "logging.sinks=[jsonl]",
+                     "trainer.save_model=false"]
+        return subprocess.run([sys.executable, "-m", "hybridrl.cli", "train", str(tmp_path / "config.yaml"),
+                               *overrides], capture_output=True, text=True, timeout=300)
+
+    result = train("TwoTurns", tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in history] == [1, 2]
+    assert all(row["rollout/turns_per_episode"] == 2.0 and row["actor/grad_norm"] > 0 for row in history)
+    failed = train("FailsOnRankOne", tmp_path / "failed")
+    assert failed.returncode != 0
+    assert "raised KeyError: 'no such column'" in failed.stderr, failed.stderr[-3000:]
+    assert "for sample 4" in failed.stderr  # its place in the whole batch: rank 1's first episode

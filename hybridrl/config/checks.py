@@ -185,5 +185,3 @@ def validate_env(config: Config) -> None:
     _require(config.rollout.engine.attention != "triton",
              "rollout.engine.attention=triton keeps one response per KV slot and cannot continue an episode with "
              "observations; use rollout.engine.attention=auto or sdpa with env.environment or env.tools.")
-    _require(config.trainer.num_gpus == 1,
-             "multi-turn episodes (env.environment or env.tools) run on one process for now; set trainer.num_gpus=1.")

@@ -234,4 +234,4 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
         critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
         rollout=rollout, setup=setup, rewards=rewards, dataset=dataset, eval_dataset=eval_dataset,
         reference_offload=reference_offload,
-        episodes=build_episode_rollout(config, environment, tokenizer, rollout, pad_id))
+        episodes=build_episode_rollout(config, environment, tokenizer, rollout, pad_id, setup))

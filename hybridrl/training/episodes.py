@@ -20,6 +20,9 @@ Choices:
   data's columns (replacing any of the same name).
 - Groups are episodes: the `n` episodes of one data row are adjacent (prompt-major sessions), so GRPO/RLOO
   groups and `prompt_index` work as for single-turn samples.
+- With several processes each generates the episodes of a contiguous share of the rows (its own environments,
+  seeds offset by rank, as `sharding.generate_sharded`) and every rank gets all of them; an environment error on
+  one rank is raised on every rank, so none waits for a rank that failed.
 """
 
 from __future__ import annotations
@@ -29,15 +32,17 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from hybridrl.config.schema import Config, ConfigError
-from hybridrl.envs.base import EnvironmentFactory, load_environment
+from hybridrl.envs.base import EnvironmentCodeError, EnvironmentFactory, EnvironmentSession, load_environment
 from hybridrl.envs.episode import Episode, episode_metrics
 from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.envs.sandbox import python
 from hybridrl.envs.tools import ToolBox, ToolCallFormat
+from hybridrl.parallel.process_group import DistributedSetup
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.multiturn import EpisodeBudget, make_sessions
+from hybridrl.rollout.multiturn import EpisodeBudget
 from hybridrl.training.batch import RolloutBatch
 
 EPISODE_COLUMNS = ("messages", "tool_calls", "env_reward")
@@ -121,6 +126,7 @@ class EpisodeRollout:
     stop_strings: list[str] = field(default_factory=list)
     """Extra strings that end an assistant turn (the tool environment's closing tag)."""
     share_prompt_tokens: bool = False
+    setup: DistributedSetup = field(default_factory=DistributedSetup)
 
     def generate(self, backend: Any, prompts: dict[str, Any], params: SamplingParams
                  ) -> tuple[RolloutBatch, dict[str, float]]:
@@ -129,14 +135,40 @@ class EpisodeRollout:
         columns = prompts["columns"]
         rows = [{**{key: values[i] for key, values in columns.items()}, self.prompt_key: raw}
                 for i, raw in enumerate(prompts["raw_prompts"])]
-        sessions = make_sessions(self.factory, rows, n=params.n, name=self.name)
         turn = replace(params, n=1, stop_strings=[*params.stop_strings,
                                                   *(s for s in self.stop_strings if s not in params.stop_strings)])
-        episodes = backend.generate_episodes(sessions, self.renderer, turn, self.budget)
+        episodes = self.generate_sharded(backend, rows, turn, params.n)
         if self.share_prompt_tokens:
             check_shared_prompts(episodes, params.n)
         batch = episodes_to_batch(episodes, params.n, self.pad_token_id, sampling=params)
         return batch, {**episode_metrics(episodes), **engine_metrics(getattr(backend, "last_stats", None))}
+
+    def generate_sharded(self, backend: Any, rows: list[dict[str, Any]], params: SamplingParams,
+                         n: int) -> list[Episode]:
+        """`n` episodes per row, prompt-major; each rank makes the sessions of its share of the rows (sample numbers
+        are places in the whole batch) and the episodes are gathered in rank order."""
+        setup = self.setup
+        start, stop = (len(rows) * r // setup.world_size for r in (setup.rank, setup.rank + 1))
+        sessions = []
+        try:  # making an environment runs user code too
+            sessions = [EnvironmentSession(self.factory, row, name=self.name, sample=(start + i) * n + j)
+                        for i, row in enumerate(rows[start:stop]) for j in range(n)]
+            if setup.is_distributed and params.seed is not None:
+                params = replace(params, seed=params.seed + 1_000_003 * setup.rank)
+            local = backend.generate_episodes(sessions, self.renderer, params, self.budget) if sessions else []
+            error = None
+        except EnvironmentCodeError as failure:
+            if not setup.is_distributed:
+                raise
+            local, error = [], str(failure)
+        if not setup.is_distributed:
+            return local
+        gathered: list[Any] = [None] * setup.world_size
+        dist.all_gather_object(gathered, (local, error))
+        errors = [error for _, error in gathered if error]
+        if errors:
+            raise EnvironmentCodeError(errors[0])
+        return [episode for part, _ in gathered for episode in part]
 
 
 def build_environment(config: Config) -> tuple[EnvironmentFactory, str] | None:
@@ -155,7 +187,8 @@ def build_environment(config: Config) -> tuple[EnvironmentFactory, str] | None:
 
 
 def build_episode_rollout(config: Config, environment: tuple[EnvironmentFactory, str] | None, tokenizer: Any,
-                          backend: Any, pad_token_id: int) -> EpisodeRollout | None:
+                          backend: Any, pad_token_id: int, setup: DistributedSetup | None = None
+                          ) -> EpisodeRollout | None:
     """The run's `EpisodeRollout`, or None when multi-turn is off; refuses a backend without `generate_episodes`
     and (through `ObservationRenderer`) a chat template without a tool role."""
     if environment is None:
@@ -170,4 +203,4 @@ def build_episode_rollout(config: Config, environment: tuple[EnvironmentFactory,
         factory=factory, name=name, renderer=ObservationRenderer(tokenizer, tools=tools),
         budget=EpisodeBudget(e.max_turns, e.max_episode_tokens, e.max_observation_tokens), pad_token_id=pad_token_id,
         prompt_key=config.data.prompt_key, stop_strings=[e.tool_call_end] if tools is not None else [],
-        share_prompt_tokens=config.actor.share_prompt_tokens)
+        share_prompt_tokens=config.actor.share_prompt_tokens, setup=setup or DistributedSetup())
