@@ -361,6 +361,7 @@ def test_multi_turn_config_mistakes_are_one_sentence_naming_the_key(tmp_path):
     assert "rollout.backend=vllm cannot" in error(env__tools=["python"], rollout__backend="vllm")
     assert "env.tools[1]='calc'" in error(env__tools=["python", "calc"])
     assert "env.max_turns" in error(env__environment="env.py:Guess", env__max_turns=0)
+    assert "trainer.max_staleness=0" in error(env__tools=["python"], trainer__max_staleness=1)
     assert "rollout.engine.attention=triton" in error(env__tools=["python"], rollout__engine__attention="triton")
     assert not load_config(None).env.enabled and load_config(None, env__tools=["python"]).env.enabled
 
