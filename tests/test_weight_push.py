@@ -1,0 +1,130 @@
+"""Split placement's transport on two gloo processes (rank 0 trains, rank 1 generates): a bucketed weight push
+leaves the worker's weights equal to the trainer's (checksums) in its own tensors; scored batches travel back; a
+rollout worker killed mid-run ends the trainer's run within the watchdog's bound, naming the worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import torch
+import torch.multiprocessing as mp
+from conftest import tiny_actor
+
+from hybridrl.parallel import process_group
+from hybridrl.parallel.weight_push import (
+    RolloutPeerError,
+    buckets,
+    push_tensors,
+    push_weights,
+    receive_object,
+    send_object,
+    weights_checksum,
+)
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.hf import HFBackend
+
+HANG_TIMEOUT_S = 20.0
+PROMPTS = [[10, 11, 12], [13, 14]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_buckets_keep_order_one_dtype_each_and_the_byte_bound():
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert buckets([40, 40, 40, 100, 8], [f32] * 5, 100) == [[0, 1], [2], [3], [4]]
+    assert buckets([4, 4, 4], [f32, bf16, bf16], 100) == [[0], [1, 2]]
+    assert buckets([], [], 100) == []
+
+
+def test_push_tensors_lists_tied_weights_once():
+    model, _ = tiny_actor()
+    model.lm_head.weight = model.model.embed_tokens.weight  # tie them
+    names = list(model.state_dict())
+    assert len(push_tensors(model)) == len(names) - 1
+
+
+def _join(rank: int, port: int, watchdog: bool) -> process_group.DistributedSetup:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), HYBRIDRL_WATCHDOG="1" if watchdog else "0")
+    torch.set_num_threads(1)
+    return process_group.init_from_env("cpu", timeout_s=60, hang_timeout_s=HANG_TIMEOUT_S)
+
+
+def _push_main(rank: int, port: int, out_dir: str) -> None:
+    """Rank 0 trains one step and pushes in small buckets; rank 1 receives into its model (other weights before)."""
+    setup = _join(rank, port, watchdog=False)
+    model, tokenizer = tiny_actor(seed=rank)
+    before = weights_checksum(model)
+    storages = [tensor.data_ptr() for tensor in push_tensors(model)]
+    if rank == 0:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.tensor([PROMPTS[0]])).logits.sum().backward()
+        optimizer.step()
+    metrics = push_weights(model, source=0, bucket_bytes=4096)
+    after = weights_checksum(model)
+    # Batches go back: the worker generates with the pushed weights and sends the result to the trainer.
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    generated = [g.token_ids for g in HFBackend(model, tokenizer).generate(PROMPTS, greedy)]
+    if rank == 1:
+        send_object(generated, 0)
+    received = receive_object(1, "a batch") if rank == 0 else None
+    torch.save({"before": before, "after": after, "same_storage": storages == [t.data_ptr() for t in push_tensors(model)],
+                "metrics": metrics, "generated": generated, "received": received}, f"{out_dir}/rank{rank}.pt")
+    process_group.shutdown(setup)
+
+
+def test_push_makes_the_workers_weights_the_trainers_in_its_own_tensors(tmp_path):
+    mp.spawn(_push_main, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    trainer, worker = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert trainer["before"] != worker["before"] and trainer["after"] != trainer["before"]
+    assert worker["after"] == trainer["after"]  # bitwise equal weights after the push
+    assert worker["same_storage"] and trainer["same_storage"]  # copied into the tensors the engine reads
+    assert worker["metrics"]["perf/weight_push_s"] > 0 and worker["metrics"]["perf/weight_push_gib"] > 0
+    assert trainer["received"] == worker["generated"] == trainer["generated"]
+
+
+def _killed_worker_main(rank: int, port: int, out_dir: str) -> None:
+    """Rank 1 sends one batch and is killed (SIGKILL); rank 0 waits for the second one."""
+    _join(rank, port, watchdog=True)
+    from hybridrl.parallel import watchdog
+
+    watchdog.heartbeat()
+    if rank == 1:
+        send_object(["batch of step 1"], 0)
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    receive_object(1, "the batch of step 1")
+    start = time.monotonic()
+    watchdog.heartbeat()
+    try:
+        receive_object(1, "the batch of step 2")
+        message = "no error"
+    except RolloutPeerError as error:
+        message = str(error)
+    with open(f"{out_dir}/rank0.txt", "w") as file:
+        file.write(f"{time.monotonic() - start:.3f}\n{message}")
+    os._exit(0)  # the group is broken: leave without its teardown
+
+
+def test_a_killed_rollout_worker_ends_the_run_naming_it_within_the_bound(tmp_path):
+    context = mp.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=_killed_worker_main, args=(rank, port, str(tmp_path))) for rank in (0, 1)]
+    start = time.monotonic()
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(HANG_TIMEOUT_S + 60)
+    assert time.monotonic() - start < HANG_TIMEOUT_S + 60
+    assert processes[1].exitcode == -signal.SIGKILL
+    assert processes[0].exitcode == 0  # it reported the worker itself, before the watchdog's bound
+    seconds, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert "rollout worker (rank 1) went away" in message and "batch of step 2" in message, message
+    assert float(seconds) < HANG_TIMEOUT_S
