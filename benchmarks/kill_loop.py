@@ -2,16 +2,16 @@
 ends bitwise equal to a run that was never interrupted, with no step lost or repeated.
 
 Each attempt is a forked child of this process (a restart costs no interpreter start-up or imports; the parent
-imports torch but runs no torch operation, so the fork is safe) that trains the tiny test
-model with a checkpoint after every step and `trainer.resume=auto`. The child reports the phase it is in through
-shared memory (the trainer's phase methods are wrapped); the parent picks a phase at random (start-up, resume,
-rollout, score, log-probs, advantages, update, logging, checkpoint write; the final model save last), waits until
-the child enters it, sleeps a random few milliseconds more and sends SIGKILL, noting the phase the child was in at
-that moment and whether a checkpoint was half-written. After the last kill a child runs to the end. Then: the
-metric rows (timings aside) and `model/model.safetensors` must equal those of an uninterrupted run byte for byte,
-`metrics.jsonl` must hold steps 1..N once each, and no `.tmp-step_*` directory may be left.
+imports torch but runs no torch operation, so the fork is safe) that trains the tiny test model with a checkpoint
+after every step and `trainer.resume=auto`. The child reports the phase it is in through shared memory (the
+trainer's phase methods are wrapped). The parent picks a phase at random (start-up, resume, rollout, score,
+log-probs, advantages, update, logging, checkpoint write; the final model save last) and its first, second or third
+entry, waits until the child gets there, sleeps a random few milliseconds more and sends SIGKILL, noting the phase
+the child was in at that moment and whether a checkpoint was half-written. After the last kill a child runs to the
+end. Then the metric rows (timings aside) and `model/model.safetensors` must equal those of an uninterrupted run
+byte for byte, `metrics.jsonl` must hold steps 1..N once each, and no `.tmp-step_*` directory may be left.
 
-    python -m benchmarks.kill_loop --kills 24 --steps 10 --seed 0
+    python -m benchmarks.kill_loop --kills 24 --steps 40 --seed 0
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ SETTINGS = dict(rollout__max_new_tokens=4, rollout__num_samples_per_prompt=4, tr
                 actor__micro_batch_size=16, trainer__device="cpu", logging__sinks=["jsonl"], actor__lr=1e-2,
                 algorithm__kl_coef=0.1, actor__lr_schedule="cosine", trainer__save_every=1, trainer__keep_last_n=2,
                 trainer__divergence_check=False)
+MAX_ENTRY = 3
+"""A phase of a step is hit at its first, second or third entry in an attempt: attempts finish (and checkpoint) up to
+two steps before the kill, so most resumes load a real checkpoint."""
 MAX_DELAY_S = 0.04
 """Longest pause between the child entering the chosen phase and the SIGKILL (tiny-model phases last 5-100 ms)."""
 
@@ -83,23 +86,26 @@ def train_child(out: str, total_steps: int, phase: Any, entries: Any) -> None:
               trainer__total_steps=total_steps, **SETTINGS).train()
 
 
-def attempt(out: Path, total_steps: int, target: tuple[str, float] | None) -> dict[str, Any] | None:
-    """Run one child; with `target` (phase, delay) kill it there and return what was hit, else wait for the end."""
+def attempt(out: Path, total_steps: int, target: tuple[str, int, float] | None) -> dict[str, Any] | None:
+    """Run one child; with `target` (phase, its n-th entry, delay) kill it there and return what was hit, else wait
+    for the end."""
     context = multiprocessing.get_context("fork")
     phase = context.Value("i", -1, lock=False)
     entries = context.Array("i", len(PHASES), lock=False)
     child = context.Process(target=train_child, args=(str(out), total_steps, phase, entries))
     started = time.monotonic()
+    latest = out / "checkpoints" / "latest"
+    resumed_from = latest.read_text().strip() if latest.is_file() else None
     child.start()
     while child.is_alive():
-        if target is not None and entries[PHASES.index(target[0])]:
-            time.sleep(target[1])
+        if target is not None and entries[PHASES.index(target[0])] >= target[1]:
+            time.sleep(target[2])
             hit = PHASES[phase.value] if phase.value >= 0 else "startup"
             half_written = any((out / "checkpoints").glob(".tmp-step_*"))
             os.kill(child.pid, signal.SIGKILL)
             child.join()
             return {"target": target[0], "phase": hit, "half_written_checkpoint": half_written,
-                    "seconds": time.monotonic() - started}
+                    "seconds": time.monotonic() - started, "resumed_from": resumed_from}
         time.sleep(0.001)
     child.join()
     if child.exitcode != 0:
@@ -126,7 +132,9 @@ def kill_loop(work_dir: Path, kills: int, total_steps: int, seed: int) -> dict[s
     events: list[dict[str, Any]] = []
     while len(events) < kills:
         last = len(events) == kills - 1  # the final model save can come only once every step is done
-        target = ("save_model" if last else rng.choice(PHASES[:-1]), rng.uniform(0.0, MAX_DELAY_S))
+        phase = "save_model" if last else rng.choice(PHASES[:-1])
+        entry = 1 if phase in ("startup", "resume", "save_model") else rng.randint(1, MAX_ENTRY)
+        target = (phase, entry, rng.uniform(0.0, MAX_DELAY_S))
         event = attempt(killed, total_steps, target)
         if event is None:  # the run ended before reaching its target phase
             raise RuntimeError(f"the run finished after {len(events)} kills; give more --steps than {total_steps}")
@@ -140,6 +148,7 @@ def kill_loop(work_dir: Path, kills: int, total_steps: int, seed: int) -> dict[s
     return {
         "kills": len(events), "events": events, "by_phase": Counter(event["phase"] for event in events),
         "half_written_checkpoints": sum(event["half_written_checkpoint"] for event in events),
+        "resumed_attempts": sum(event["resumed_from"] is not None for event in events),
         "metrics_equal": rows == reference_rows, "steps": steps, "steps_expected": list(range(1, total_steps + 1)),
         "model_equal": sha256(killed / "model" / "model.safetensors") == sha256(reference / "model" / "model.safetensors"),
         "leftover_temporary_dirs": len(list((killed / "checkpoints").glob(".tmp-step_*"))),
@@ -154,6 +163,7 @@ def report(result: dict[str, Any]) -> str:
         if result["by_phase"].get(phase):
             lines.append(f"  {phase:<11} {result['by_phase'][phase]}")
     lines.append(f"kills while a checkpoint was half-written: {result['half_written_checkpoints']}")
+    lines.append(f"attempts that had resumed from a checkpoint before their kill: {result['resumed_attempts']}")
     lost = sorted(set(result["steps_expected"]) - set(result["steps"]))
     repeated = len(result["steps"]) - len(set(result["steps"]))
     lines.append(f"steps in metrics.jsonl: {len(result['steps'])} of {len(result['steps_expected'])} "
@@ -176,7 +186,7 @@ def passed(result: dict[str, Any]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=24)
-    parser.add_argument("--steps", type=int, default=10, help="trainer.total_steps of the run")
+    parser.add_argument("--steps", type=int, default=40, help="trainer.total_steps of the run (about 1.5 per kill)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
     parser.add_argument("--work-dir", default=None, help="keep the runs here (default: a temporary directory)")
     args = parser.parse_args(argv)

@@ -52,3 +52,24 @@ def test_watch_without_rich_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_rich)
     with pytest.raises(MissingExtra, match=r"hybridrl\[watch\]"):
         watch.render(tmp_path)
+
+
+def test_plot_without_matplotlib_names_the_extra_in_one_sentence(tmp_path, monkeypatch, capsys):
+    """The base install has no matplotlib: `hybridrl plot` ends with exit status 2 and one line naming the extra."""
+    import sys
+
+    write_run(tmp_path)
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    for name in [name for name in sys.modules if name.startswith("matplotlib")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert main(["plot", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "pip install 'hybridrl[plot]'" in error, error
+    assert not (tmp_path / "curves.png").exists()

@@ -79,7 +79,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise MissingExtra("plotting needs matplotlib: pip install 'hybridrl[plot]'.") from None
+        raise MissingExtra("hybridrl plot draws with matplotlib, which the base install leaves out; add it with "
+                           "pip install 'hybridrl[plot]' (hybridrl watch RUN_DIR --once shows the curves in the "
+                           "terminal with the [watch] extra).") from None
     panels = panels_of(rows)
     if not panels:
         raise PlotError(f"{run_dir}/metrics.jsonl has none of {', '.join(k for k, _ in PANELS)} yet; "
