@@ -133,3 +133,44 @@ def test_a_failing_worker_ends_the_run_naming_it(tmp_path):
 def test_max_staleness_is_checked(tmp_path):
     with pytest.raises(ConfigError, match="trainer.max_staleness must be >= 0"):
         make_trainer(tmp_path, trainer__max_staleness=-1)
+
+
+KILLED_RUN = '''
+import sys, time
+sys.path.insert(0, {tests!r})
+from test_async_pipeline import make_trainer
+from conftest import contains_seven
+
+def contains_seven_slowly(prompts, completions, **columns):
+    time.sleep(0.2)  # steps long enough for the test to kill the run between checkpoints
+    return contains_seven(prompts, completions)
+
+contains_seven_slowly.__name__ = "contains_seven"
+make_trainer({out!r}, reward=contains_seven_slowly, trainer__max_staleness=2, trainer__total_steps=8,
+             trainer__save_every=1, trainer__keep_last_n=0).train()
+'''
+
+
+def test_kill_9_and_resume_equals_an_uninterrupted_run(tmp_path):
+    """SIGKILL at an arbitrary point after the third checkpoint; the resumed run (from the newest complete
+    checkpoint, with its queued batches) gives the uninterrupted run's metrics."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    settings = dict(trainer__max_staleness=2, trainer__total_steps=8)
+    script = tmp_path / "run.py"
+    script.write_text(KILLED_RUN.format(tests=str(Path(__file__).parent), out=str(tmp_path / "cut")))
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "cut" / "checkpoints" / "step_000003" / "COMPLETE").exists():
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    process.kill()
+    process.wait()
+    saved = sorted(p.name for p in (tmp_path / "cut" / "checkpoints").glob("step_*"))
+    assert "step_000008" not in saved, "the run finished before it was killed; nothing was tested"
+    resumed = make_trainer(tmp_path / "cut", **settings).train()
+    full = make_trainer(tmp_path / "full", **settings).train()
+    assert learning_metrics(resumed) == learning_metrics(full)
