@@ -130,8 +130,10 @@ def test_engine_with_triton_kernel_in_interpret_mode_matches_sdpa():
     assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel_rope")
 
 
-def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False, arch: int = 90):
-    """Compile the kernel ahead of time for sm_<arch> (Triton's own ptxas; no GPU or driver needed)."""
+def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False, arch: int = 90,
+                              block_size: int | None = None):
+    """Compile the kernel ahead of time for sm_<arch> (Triton's own ptxas; no GPU or driver needed); with
+    `block_size`, its paged variant (`paged_attention.py`)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -140,14 +142,17 @@ def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool 
     signature.update({name: "*" + dtype for name in ("Q", "PK", "PV", "RK", "RV", "OUT", "NEW_KV", "COS", "SIN",
                                                      "BIAS")})
     signature.update({name: "*i64" for name in ("PROMPT_INDEX", "PROMPT_LEN", "RESPONSE_LEN")})
-    signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride")}, qk_scale="fp32")
+    signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride")}, qk_scale="fp32",
+                     prompt_columns="i32")
     pad = lambda value: max(decode_attention.MIN_DOT_ROWS, 1 << (value - 1).bit_length())  # noqa: E731
     constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=pad(group), BLOCK_D=pad(head_dim),
                      BLOCK_N=decode_attention.BLOCK_N, IEEE=dtype == "fp32",
-                     WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope)  # the variants the engine runs
+                     WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope,  # the variants the engine runs
+                     PAGED=block_size is not None, BLOCK_SIZE=block_size or 1)
     return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
                                            target=GPUTarget("cuda", arch, 32),
-                                           options=dict(num_warps=decode_attention.default_num_warps(head_dim)))
+                                           options=dict(num_warps=decode_attention.default_num_warps(
+                                               head_dim, block_size is not None)))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
@@ -164,12 +169,14 @@ def test_triton_kernel_compiles_for_hopper(dtype, group, head_dim, rope):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
-@pytest.mark.parametrize("dtype, group, head_dim", [("bf16", 7, 64), ("bf16", 7, 128), ("bf16", 8, 128),
-                                                    ("fp16", 4, 128)])
-def test_default_launch_does_not_spill_registers_on_hopper(dtype, group, head_dim):
+@pytest.mark.parametrize("dtype, group, head_dim, block_size", [("bf16", 7, 64, None), ("bf16", 7, 128, None),
+                                                                ("bf16", 8, 128, None), ("fp16", 4, 128, None),
+                                                                ("bf16", 6, 128, 64), ("bf16", 7, 64, 64)])
+def test_default_launch_does_not_spill_registers_on_hopper(dtype, group, head_dim, block_size):
     """The default warps per program (`default_num_warps`: one up to head_dim 64, two above) keep the engine's
     kernel (RoPE and bias inside) within 255 registers for sm_90: at head_dim 128 one warp spills ~340 bytes per
-    thread, which a GPU run would only show as a slower rollout. Read from Triton's own ptxas (-v)."""
+    thread, which a GPU run would only show as a slower rollout. Read from Triton's own ptxas (-v). The paged
+    variant (block size 64) too: Qwen2.5-1.5B's heads (group 6, head_dim 128) and Qwen2-0.5B's."""
     import subprocess
 
     if not isinstance(decode_attention._decode_attention_kernel, decode_attention.triton.runtime.JITFunction):
@@ -177,7 +184,7 @@ def test_default_launch_does_not_spill_registers_on_hopper(dtype, group, head_di
     ptxas = os.path.join(os.path.dirname(decode_attention.triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("this triton build ships no ptxas")
-    compiled = compile_kernel_for_hopper(dtype, group, head_dim, rope=True)
+    compiled = compile_kernel_for_hopper(dtype, group, head_dim, rope=True, block_size=block_size)
     ptx = Path(tempfile.mkdtemp()) / "kernel.ptx"
     ptx.write_text(compiled.asm["ptx"])
     report = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],

@@ -29,7 +29,7 @@ from hybridrl.envs.base import EnvironmentSession
 from hybridrl.envs.episode import Episode
 from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.rollout.base import Generation, SamplingParams
-from hybridrl.rollout.engine.kernel_choices import ATTENTION_OPTIONS, SAMPLER_OPTIONS
+from hybridrl.rollout.engine.kernel_choices import ATTENTION_OPTIONS, KV_CACHE_OPTIONS, SAMPLER_OPTIONS
 from hybridrl.rollout.engine.multiturn import EpisodeLoop
 from hybridrl.rollout.engine.runner import EngineOptions, ModelRunner
 from hybridrl.rollout.engine.scheduler import Scheduler, find_stop_string
@@ -59,7 +59,11 @@ class BuiltinBackend:
     the (compiled) PyTorch sampler. dequantize_4bit: for a bitsandbytes 4-bit base (QLoRA), a full-precision copy
     of its projection weights for the duration of a `generate`, so decode steps run as for a bf16 base (CUDA
     graphs included); "auto" copies as many layers as fit in half of the free GPU memory
-    (`auto_dequantized_layers`), the rest are dequantized as they run.
+    (`auto_dequantized_layers`), the rest are dequantized as they run. kv_cache: "paged" keeps KV in blocks of
+    `kv_block_size` tokens that sequences take as they grow and give back as they finish (prompt blocks shared by
+    the n samples; admission by free blocks; when blocks run out the youngest sequences are preempted and computed
+    again, counted in `last_stats["preemptions"]`), read by its own attention (`kernels/paged_attention.py`);
+    "contiguous" the layouts above (room for the longest response in every slot); "auto" is contiguous.
     """
 
     supports = staticmethod(_supports)
@@ -80,6 +84,8 @@ class BuiltinBackend:
         fuse_gate_up: bool | str = "auto",
         sampler: str = "auto",
         dequantize_4bit: bool | str = "auto",
+        kv_cache: str = "auto",
+        kv_block_size: int = 64,
     ) -> None:
         ok, reason = _supports(model)
         if not ok:
@@ -88,6 +94,10 @@ class BuiltinBackend:
             raise ValueError("kv_cache_memory must be > 0 and max_num_seqs, max_prefill_tokens, sync_every >= 1.")
         if attention not in ATTENTION_OPTIONS:
             raise ValueError(f"attention must be one of {ATTENTION_OPTIONS}; got {attention!r}.")
+        if kv_cache not in KV_CACHE_OPTIONS:
+            raise ValueError(f"kv_cache must be one of {KV_CACHE_OPTIONS}; got {kv_cache!r}.")
+        if kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be at least 1; got {kv_block_size}.")
         if sampler not in SAMPLER_OPTIONS:
             raise ValueError(f"sampler must be one of {SAMPLER_OPTIONS}; got {sampler!r}.")
         for name, value in (("fuse_gate_up", fuse_gate_up), ("dequantize_4bit", dequantize_4bit)):
@@ -96,7 +106,8 @@ class BuiltinBackend:
         self.model, self.tokenizer = model, tokenizer
         self.sync_every, self.release_after_generate = sync_every, release_after_generate
         self.options = EngineOptions(kv_cache_memory, max_num_seqs, max_prefill_tokens, use_cuda_graphs, compile,
-                                     attention, fuse_qkv, fuse_gate_up, sampler, dequantize_4bit)
+                                     attention, fuse_qkv, fuse_gate_up, sampler, dequantize_4bit, kv_cache,
+                                     kv_block_size)
         self.runner = ModelRunner(model, self.options)
         self.last_stats: dict = {}
 
@@ -111,17 +122,27 @@ class BuiltinBackend:
         return self.runner.cache
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 response_lengths: list[int] | None = None) -> list[Generation]:
+        """`response_lengths` (one per sequence, prompt-major, each <= max_new_tokens): cap each response at its own
+        length (with `ignore_eos`, force it), as benchmarks of uneven lengths do."""
         self._validate(prompts, params)
+        num_sequences = len(prompts) * params.n
+        if response_lengths is not None and (len(response_lengths) != num_sequences or not all(
+                1 <= length <= params.max_new_tokens for length in response_lengths)):
+            raise ValueError(f"response_lengths needs one length in [1, max_new_tokens] per sequence "
+                             f"({num_sequences}); got {len(response_lengths)} values.")
         stop_ids = sorted(set(params.stop_token_ids) | set(self._eos_ids(params)))
         num_slots = self.runner.begin(prompts, params, stop_ids)  # 1. weights, KV cache, per-slot state
-        scheduler = Scheduler([i // params.n for i in range(len(prompts) * params.n)], [len(p) for p in prompts],
-                              num_slots)
-        results: list[Generation | None] = [None] * (len(prompts) * params.n)
+        scheduler = Scheduler([i // params.n for i in range(num_sequences)], [len(p) for p in prompts], num_slots,
+                              self.runner.block_allocator(), self.sync_every, params.max_new_tokens, response_lengths)
+        results: list[Generation | None] = [None] * num_sequences
         finished = False
         try:
             while scheduler.has_work:
+                self.runner.free([s.slot for s in scheduler.reserve()])  # paged: blocks for the next window
                 admitted = scheduler.admit()  # 2. admit and prefill
+                self.runner.write_blocks(scheduler.blocks.take_writes() if scheduler.blocks else [])
                 if admitted:
                     self.runner.prefill(prompts, admitted)
                 steps = scheduler.steps_until_sync(self.sync_every, params.max_new_tokens)  # 3. decode
@@ -131,6 +152,7 @@ class BuiltinBackend:
                 self.runner.move(scheduler.compaction_moves())
             finished = True
         finally:
+            self.runner.record_blocks(scheduler.blocks, scheduler.preemptions, scheduler.preempted_tokens)
             self.last_stats = self.runner.end(finished, release=self.release_after_generate)  # 5.
         return results
 
@@ -161,7 +183,8 @@ class BuiltinBackend:
         done, gen_len = self.runner.read_progress(rows)
         scheduler.record_progress(gen_len)
         cut = self._stop_string_cut(params)
-        if not (cut or any(done[slot] for slot in scheduler.live)):
+        at_limit = any(s.limit is not None and s.generated >= s.limit for s in scheduler.live.values())
+        if not (cut or at_limit or any(done[slot] for slot in scheduler.live)):
             return
         tokens, logprobs = self.runner.read_outputs(rows)
         finished = scheduler.harvest(done, tokens, stop_ids, cut)

@@ -12,11 +12,12 @@ from typing import Callable
 
 import torch
 
-from hybridrl.rollout.engine.kv_cache import PrefixSharedKVCache, SlotKVCache
+from hybridrl.rollout.engine.kv_cache import PagedKVCache, PrefixSharedKVCache, SlotKVCache
 from hybridrl.rollout.engine.weights import PROJECTIONS, is_packed_4bit, unwrap
 from hybridrl.rollout.engine.sampling import SamplerSettings
 
 ATTENTION_OPTIONS = ("auto", "triton", "sdpa")
+KV_CACHE_OPTIONS = ("auto", "paged", "contiguous")
 SAMPLER_OPTIONS = ("auto", "torch")
 
 
@@ -53,9 +54,34 @@ def resolve_attention(option: str, device: torch.device) -> str:
     return option
 
 
-def attention_path(option: str, device: torch.device) -> AttentionPath:
-    """The attention path for the user's `option` on `device`. The kernels' module is imported only here, so the
-    per-slot path never imports triton."""
+def resolve_kv_cache(option: str, attention: str) -> str:
+    """`auto` -> "contiguous" (the layout measured fastest on our reference shapes; see docs/benchmarks.md, long-tail).
+    "paged" brings its own decode attention, so it refuses an explicit attention='sdpa'."""
+    if option not in KV_CACHE_OPTIONS:
+        raise ValueError(f"kv_cache must be one of {KV_CACHE_OPTIONS}; got {option!r}.")
+    if option == "paged" and attention == "sdpa":
+        raise ValueError("rollout.engine.kv_cache=paged reads keys through a block table with its own attention, "
+                         "not SDPA; set rollout.engine.attention=auto (or kv_cache=contiguous to keep sdpa).")
+    return "contiguous" if option == "auto" else option
+
+
+def paged_path(device: torch.device) -> AttentionPath:
+    """The paged layout: its Triton kernel on CUDA (triton required), its gather-based PyTorch reference on CPU."""
+    from hybridrl.rollout.kernels import paged_attention
+
+    if device.type != "cuda":
+        return AttentionPath("paged-reference", PagedKVCache, paged_attention.reference_paged_decode_attention)
+    if not triton_available():
+        raise ValueError("rollout.engine.kv_cache=paged needs the triton package on CUDA (pip install triton); "
+                         "use rollout.engine.kv_cache=contiguous.")
+    return AttentionPath("paged-triton", PagedKVCache, paged_attention.triton_paged_decode_attention)
+
+
+def attention_path(option: str, device: torch.device, kv_cache: str = "contiguous") -> AttentionPath:
+    """The attention path for the user's `option` (and `kv_cache` option) on `device`. The kernels' modules are
+    imported only here, so the per-slot path never imports triton."""
+    if resolve_kv_cache(kv_cache, option) == "paged":
+        return paged_path(device)
     if resolve_attention(option, device) == "sdpa":
         return AttentionPath("sdpa", SlotKVCache)
     from hybridrl.rollout.kernels import decode_attention

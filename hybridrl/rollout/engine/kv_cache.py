@@ -8,8 +8,13 @@
   holds each live prompt's KV once, a response cache `(layers, 2, slots, Hkv, response_max_len, D)` each
   sequence's own; decode attention (`decode_attention.py`) reads both up to each slot's own lengths, so no
   key-length bucket is needed and prompt KV takes 1/n of the memory.
+- `PagedKVCache` (kv_cache="paged"): a pool of fixed-size blocks `(layers, 2, blocks, Hkv, block_size, D)` and a
+  block table `(slots, prompt_columns + response_columns)`; sequences hold only the blocks they have filled (the
+  prompt's shared by its samples), so the pool is sized by tokens in flight rather than slots x longest length.
+  Which block goes where is `blocks.py`'s business; decode attention reads through the table
+  (`kernels/paged_attention.py`).
 
-Both expose the same members, so the engine picks a layout once and never branches on it again.
+All expose the same members, so the engine picks a layout once and never branches on it again.
 Which sequence sits in which slot and which prompt in which entry is `scheduler.py`'s business; these
 classes only own tensors. Buffers are zeros, not empty: SDPA meets masked keys with a 0 weight, and
 0 * NaN would be NaN.
@@ -20,8 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import functools
+
 import torch
 
+from hybridrl.devices import host_to_device
+from hybridrl.rollout.engine.blocks import BlockAllocator, blocks_for
 from hybridrl.rollout.engine.llama_forward import DecodeFunctions, decode_logits, decode_logits_prefix_shared
 from hybridrl.rollout.engine.scheduler import SequenceSlot, prompt_entries_needed
 from hybridrl.rollout.engine.weights import ModelWeights
@@ -54,6 +63,14 @@ class CacheGeometry:
     def token_bytes(self) -> int:
         """Keys and values of one token over all layers."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.element_size
+
+
+def contiguous_store(cache: torch.Tensor, rows: torch.Tensor, destinations: torch.Tensor, length: int):
+    """`prefill`'s KV write for a layout of one row per slot or entry: destination j gets prompt row rows[j]."""
+    def store(layer_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        cache[layer_index, 0, destinations, :, :length] = k[rows]
+        cache[layer_index, 1, destinations, :, :length] = v[rows]
+    return store
 
 
 def max_slots(bytes_for: Callable[[int], int], budget: float, limit: int) -> int:
@@ -89,6 +106,19 @@ class SlotKVCache:
     def prefill_writes(self, rows: list[int], sequences: list[SequenceSlot]) -> tuple[list[int], list[int]]:
         """(prompt row, destination) pairs for `prefill`: every admitted sequence gets a copy in its slot."""
         return rows, [sequence.slot for sequence in sequences]
+
+    def prompt_store(self, rows: torch.Tensor, destinations: torch.Tensor, lengths: torch.Tensor, length: int):
+        return contiguous_store(self.prefill_cache, rows, destinations, length)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Nothing to do: a slot's KV is simply overwritten by its next sequence."""
+
+    def allocator(self) -> None:
+        """No blocks to allocate: slots are the unit."""
+        return None
+
+    def write_blocks(self, writes: list[tuple[int, int, int]]) -> None:
+        assert not writes, "a contiguous layout has no block table"
 
     def decode(self, w: ModelWeights, cos: torch.Tensor, sin: torch.Tensor, tokens: torch.Tensor,
                prompt_len: torch.Tensor, gen_len: torch.Tensor, prompt_entry: torch.Tensor, kv_len: int,
@@ -138,6 +168,9 @@ class PrefixSharedKVCache:
         pairs = [(row, sequence.entry) for row, sequence in zip(rows, sequences) if sequence.fills_entry]
         return [row for row, _ in pairs], [entry for _, entry in pairs]
 
+    prompt_store, free, allocator, write_blocks = (SlotKVCache.prompt_store, SlotKVCache.free, SlotKVCache.allocator,
+                                                   SlotKVCache.write_blocks)
+
     def decode(self, w: ModelWeights, cos: torch.Tensor, sin: torch.Tensor, tokens: torch.Tensor,
                prompt_len: torch.Tensor, gen_len: torch.Tensor, prompt_entry: torch.Tensor, kv_len: int,
                functions: DecodeFunctions) -> torch.Tensor:
@@ -152,3 +185,83 @@ class PrefixSharedKVCache:
     @property
     def is_cuda(self) -> bool:
         return self.response_kv.is_cuda
+
+
+class PagedKVCache:
+    """A block pool and a block table (see the module docstring); block 0 is scratch, free slots' rows point at it.
+
+    pool (layers, 2, blocks, Hkv, block_size, D); block_table (slots, prompt_columns + response_columns) int64.
+    `attention` is `triton_paged_decode_attention` or `reference_paged_decode_attention`.
+    """
+
+    reads_kv_len = False
+
+    def __init__(self, geometry: CacheGeometry, num_slots: int, num_blocks: int, block_size: int, device, dtype,
+                 attention: Callable) -> None:
+        g = geometry
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.prompt_columns = blocks_for(g.longest_prompt, block_size)
+        self.pool = torch.zeros(g.num_layers, 2, num_blocks, g.num_kv_heads, block_size, g.head_dim, dtype=dtype,
+                                device=device)
+        self.block_table = torch.zeros(num_slots, self.prompt_columns + blocks_for(g.max_new_tokens, block_size),
+                                       dtype=torch.long, device=device)
+        self.attention = functools.partial(attention, prompt_columns=self.prompt_columns)
+
+    @staticmethod
+    def blocks_within(geometry: CacheGeometry, block_size: int, budget: float) -> int:
+        return int(budget // (block_size * geometry.token_bytes))
+
+    @staticmethod
+    def blocks_needed(geometry: CacheGeometry, block_size: int) -> int:
+        """The pool one sequence of the longest prompt and `max_new_tokens` needs, the scratch block included."""
+        return 1 + blocks_for(geometry.longest_prompt, block_size) + blocks_for(geometry.max_new_tokens, block_size)
+
+    def allocator(self) -> BlockAllocator:
+        return BlockAllocator(self.num_blocks, self.block_size, self.prompt_columns)
+
+    def prefill_writes(self, rows: list[int], sequences: list[SequenceSlot]) -> tuple[list[int], list[int]]:
+        """(prompt row, slot) for each prompt whose blocks were just taken: its KV goes where that slot's row
+        points (the other samples' rows point at the same blocks)."""
+        pairs = [(row, sequence.slot) for row, sequence in zip(rows, sequences) if sequence.fills_entry]
+        return [row for row, _ in pairs], [slot for _, slot in pairs]
+
+    def prompt_store(self, rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, length: int):
+        """`prefill`'s KV write through the block table: position p of prompt row rows[j] goes to block
+        table[slots[j], p // block_size], row p % block_size; padding past a prompt's length goes to scratch."""
+        positions = torch.arange(length, device=rows.device)
+        blocks = self.block_table[slots][:, positions // self.block_size]  # (Q, L)
+        blocks = torch.where(positions[None, :] < lengths[rows][:, None], blocks, 0)
+        offsets = positions % self.block_size
+
+        def store(layer_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            # Advanced indices on dims 0 and 2 of (blocks, Hkv, block_size, D) put (Q, L) first: (Q, L, Hkv, D).
+            self.pool[layer_index, 0][blocks, :, offsets] = k[rows].transpose(1, 2)
+            self.pool[layer_index, 1][blocks, :, offsets] = v[rows].transpose(1, 2)
+        return store
+
+    def write_blocks(self, writes: list[tuple[int, int, int]]) -> None:
+        """Apply the allocator's (slot, column, block) writes in one copy."""
+        if writes:
+            slot, column, block = host_to_device(torch.tensor(writes, dtype=torch.long).T.contiguous(),
+                                                 self.block_table.device)
+            self.block_table[slot, column] = block
+
+    def decode(self, w: ModelWeights, cos: torch.Tensor, sin: torch.Tensor, tokens: torch.Tensor,
+               prompt_len: torch.Tensor, gen_len: torch.Tensor, prompt_entry: torch.Tensor, kv_len: int,
+               functions: DecodeFunctions) -> torch.Tensor:
+        """Logits (B, V) of one decode step, attention through the block table (`kv_len`, `prompt_entry` unused)."""
+        batch = tokens.shape[0]
+        return decode_logits_prefix_shared(w, self.pool, self.pool, cos, sin, tokens, self.block_table[:batch],
+                                           prompt_len, gen_len, self.attention, functions)
+
+    def move(self, source: torch.Tensor, destination: torch.Tensor) -> None:
+        """Compaction moves table rows only: the blocks stay where they are (`free` then resets the sources)."""
+        self.block_table[destination] = self.block_table[source]
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Point freed slots' rows at the scratch block: a decode step still writes their (stale) KV."""
+        self.block_table.index_fill_(0, slots, 0)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.pool.is_cuda

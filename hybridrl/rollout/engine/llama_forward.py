@@ -107,6 +107,7 @@ def prefill(
     source_rows: torch.Tensor,
     dest_slots: torch.Tensor,
     layer: Callable | None = None,
+    store: Callable | None = None,
 ) -> torch.Tensor:
     """Run right-padded prompts once and copy their keys/values into every slot that shares them.
 
@@ -115,7 +116,8 @@ def prefill(
     prefix-shared layout `kv_cache` is the prompt cache and dest_slots are prompt entries (one per
     prompt, none for a prompt whose entry is already filled: then only its logits are wanted).
     Returns float32 logits at each prompt's last token, (P, V). `layer`: `prefill_layer` or its compiled
-    form (`DecodeFunctions.prefill_layer`); eager when None.
+    form (`DecodeFunctions.prefill_layer`); eager when None. `store(layer_index, k, v)`, k/v (P, Hkv, L, D), writes
+    the KV instead (the cache layout's own write, `kv_cache.py`); then kv_cache and the index arguments are unused.
     """
     layer = layer or prefill_layer
     num_prompts, length = input_ids.shape
@@ -125,6 +127,9 @@ def prefill(
     cos, sin = cos_table[:length], sin_table[:length]
     for layer_index, lw in enumerate(w.layers):
         h, k, v = layer(w, unpacked(lw), h, cos, sin)
+        if store is not None:
+            store(layer_index, k, v)
+            continue
         kv_cache[layer_index, 0, dest_slots, :, :length] = k[source_rows]
         kv_cache[layer_index, 1, dest_slots, :, :length] = v[source_rows]
     last = h[torch.arange(num_prompts, device=h.device), lengths - 1]  # (P, hidden)
@@ -323,7 +328,9 @@ def decode_logits_prefix_shared(
     prompt_entry, prompt_len, response_len: (B,). The token fed now is response token
     response_len - 1: its position is prompt_len + response_len - 1 and its KV is written at
     response index response_len - 1 by the attention itself (`new_kv=`), then visible. `attention` is
-    `triton_decode_attention` or `reference_decode_attention`. When every layer has fused q/k/v and no q/k norm
+    `triton_decode_attention` or `reference_decode_attention`. The paged layout runs here too: both caches are the
+    block pool, `prompt_entry` is the block table (B, columns) and `attention` a paged one (`paged_attention.py`).
+    When every layer has fused q/k/v and no q/k norm
     (`rotates_projections`), the attention gets the raw projections and applies bias and RoPE itself: one kernel
     fewer per layer. No host sync and no length-dependent shape (graph-safe).
     """

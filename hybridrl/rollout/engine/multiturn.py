@@ -14,7 +14,8 @@ The loop over scheduler and runner of `backend.generate`, with turns:
 
 Choices:
 - The prefix-shared layout (attention="triton") stores one response of `max_new_tokens` per slot after a shared
-  prompt, so a sequence cannot grow by observations there: multi-turn is refused with it.
+  prompt, so a sequence cannot grow by observations there: multi-turn is refused with it, and with the paged
+  layout, whose prefill of observations onto a sequence's blocks is not written yet.
 - Each resumed turn draws its uniforms from a generator seeded by (seed, episode, turn), so a seeded run gives the
   same episodes whatever order the environments answer in.
 - The observations that are back at one point are prefilled together (padded, chunked by `max_prefill_tokens`).
@@ -42,10 +43,11 @@ class EpisodeLoop:
 
     def __init__(self, backend, runs: list[EpisodeRun], params: SamplingParams, stop_ids: list[int], budget) -> None:
         device = next(backend.model.parameters()).device
-        if attention_path(backend.options.attention, device).layout is not SlotKVCache:
+        if attention_path(backend.options.attention, device, backend.options.kv_cache).layout is not SlotKVCache:
             raise ValueError("multi-turn episodes need the per-slot KV layout, since the prefix-shared one "
-                             "(attention='triton') keeps a single response per slot and cannot continue a sequence "
-                             "with observation tokens; use rollout.engine.attention=sdpa.")
+                             "(attention='triton') keeps a single response per slot and the paged one "
+                             "(kv_cache='paged') does not yet continue a sequence with observation tokens; use "
+                             "rollout.engine.attention=sdpa and rollout.engine.kv_cache=contiguous.")
         self.backend, self.runner, self.runs, self.params = backend, backend.runner, runs, params
         self.stop_ids = stop_ids
         distinct: dict[tuple[int, ...], int] = {}

@@ -32,7 +32,8 @@ from hybridrl.rollout.engine.kernel_choices import (
     sampler_name,
     sampling_kernels_on,
 )
-from hybridrl.rollout.engine.kv_cache import CacheGeometry, PrefixSharedKVCache, SlotKVCache, max_slots
+from hybridrl.rollout.engine.blocks import BlockAllocator
+from hybridrl.rollout.engine.kv_cache import CacheGeometry, PagedKVCache, PrefixSharedKVCache, SlotKVCache, max_slots
 from hybridrl.rollout.engine.llama_forward import (
     EAGER_DECODE,
     DecodeFunctions,
@@ -68,6 +69,8 @@ class EngineOptions:
     fuse_gate_up: bool | str = "auto"
     sampler: str = "auto"
     dequantize_4bit: bool | str = "auto"
+    kv_cache: str = "auto"
+    kv_block_size: int = 64
 
 
 @dataclass
@@ -94,6 +97,14 @@ class GenerateStats:
     idle_s: float = 0.0
     """Multi-turn: seconds the engine waited for environments with no sequence to decode."""
     timeline_ms: dict = field(default_factory=dict)
+    kv_cache: str = "contiguous"
+    kv_blocks: int = 0
+    """Paged layout: blocks in the pool (the scratch block included) and the most in use at once."""
+    kv_blocks_peak: int = 0
+    preemptions: int = 0
+    """Paged layout: sequences whose blocks were taken back when the pool ran dry, and the response tokens they had
+    sampled (computed again after their re-admission)."""
+    preempted_tokens: int = 0
 
 
 @dataclass
@@ -101,8 +112,11 @@ class RunState:
     """The tensors and choices of one `generate` call."""
 
     weights: ModelWeights
-    cache: SlotKVCache | PrefixSharedKVCache
+    cache: SlotKVCache | PrefixSharedKVCache | PagedKVCache
     state: DecodeState
+    uniforms: torch.Tensor
+    """(sequences, max_new_tokens): each sequence's uniforms, by its index, so its samples do not depend on when
+    (or how often, after a preemption) it is admitted."""
     settings: SamplerSettings
     generator: torch.Generator
     cos: torch.Tensor
@@ -122,7 +136,7 @@ class ModelRunner:
         self.model, self.options = model, options
         self.graphs = DecodeGraphs()
         self._compiled: tuple[DecodeFunctions, object] | None = None  # kept across generate calls
-        self.cache: SlotKVCache | PrefixSharedKVCache | None = None
+        self.cache: SlotKVCache | PrefixSharedKVCache | PagedKVCache | None = None
         self.run: RunState | None = None
 
     # ---- one call -----------------------------------------------------------------------------------
@@ -141,14 +155,16 @@ class ModelRunner:
         if weights.sliding_window is not None and geometry.max_len > weights.sliding_window:
             raise ValueError(f"prompt + max_new_tokens ({geometry.max_len}) exceeds the model's sliding window "
                              f"({weights.sliding_window}); the built-in engine does not implement windowed caches.")
-        path = attention_path(self.options.attention, device)
-        num_slots = self._allocate(geometry, path, num_sequences or len(prompts) * params.n, device, dtype)
+        path = attention_path(self.options.attention, device, self.options.kv_cache)
+        num_sequences = num_sequences or len(prompts) * params.n
+        num_slots = self._allocate(geometry, path, num_sequences, device, dtype)
         settings = SamplerSettings(params.temperature, params.top_k, params.top_p, params.min_p)
         generator = torch.Generator(device=device)
         if params.seed is not None:
             generator.manual_seed(params.seed)
         else:
             generator.seed()
+        uniforms = torch.rand(num_sequences, params.max_new_tokens, generator=generator, device=device)
         cos, sin = rope_table(self.model, geometry.max_len, device, dtype)
         functions, sampler = self._decode_functions(device)
         # A 4-bit base is dequantized by bitsandbytes inside each step; whether its kernels capture into a
@@ -156,14 +172,30 @@ class ModelRunner:
         packed = any(is_packed_4bit(getattr(layer, name)) for layer in weights.layers for name in MATRICES)
         stats = GenerateStats(
             num_slots=num_slots, compiled=self._compiles(device), attention=path.name,
-            rope_in_attention=path.layout is PrefixSharedKVCache and rotates_projections(weights),
+            rope_in_attention=path.layout is not SlotKVCache and rotates_projections(weights),
+            kv_cache="paged" if path.layout is PagedKVCache else "contiguous",
+            kv_blocks=getattr(self.cache, "num_blocks", 0),
             fuse_gate_up=any(layer.gate_up_weight is not None for layer in weights.layers),
             dequantized_4bit_layers=dequantized,
             sampler=sampler_name(self.options.sampler, settings, device, weights.lm_head.shape[0]))
         self.run = RunState(weights, self.cache, DecodeState(num_slots, params.max_new_tokens, stop_ids, device),
-                            settings, generator, cos, sin, functions, sampler,
+                            uniforms, settings, generator, cos, sin, functions, sampler,
                             self.options.use_cuda_graphs and not packed and device.type == "cuda", timeline, stats)
         return num_slots
+
+    def block_allocator(self) -> BlockAllocator | None:
+        """The block bookkeeping of this call's paged cache (None for the contiguous layouts)."""
+        return self.run.cache.allocator()
+
+    def record_blocks(self, allocator: BlockAllocator | None, preemptions: int, preempted_tokens: int) -> None:
+        if allocator is not None:
+            stats = self.run.stats
+            stats.kv_blocks_peak, stats.preemptions, stats.preempted_tokens = \
+                allocator.peak_in_use + 1, preemptions, preempted_tokens
+
+    def write_blocks(self, writes: list[tuple[int, int, int]]) -> None:
+        """Apply the scheduler's block-table writes before the next prefill or decode step reads the table."""
+        self.run.cache.write_blocks(writes)
 
     def end(self, finished: bool, release: bool) -> dict:
         """Close the call: its stats as a dict, and the KV cache freed when `release`."""
@@ -210,6 +242,8 @@ class ModelRunner:
             budget = memory * _GIB if memory > 1 else memory * free_bytes
         else:
             budget = memory * _GIB * (1 if memory > 1 else CPU_MEMORY_REFERENCE_GIB)
+        if layout is PagedKVCache:
+            return self._allocate_paged(geometry, path, budget, num_sequences, device, dtype)
         num_slots = max_slots(lambda slots: layout.bytes_for(geometry, slots), budget,
                               min(num_sequences, self.options.max_num_seqs))
         if num_slots < 1:
@@ -220,6 +254,25 @@ class ModelRunner:
             self.cache = SlotKVCache(geometry, num_slots, device, dtype)
         else:
             self.cache = PrefixSharedKVCache(geometry, num_slots, device, dtype, path.attention)
+        return num_slots
+
+    def _allocate_paged(self, geometry: CacheGeometry, path: AttentionPath, budget: float, num_sequences: int,
+                        device, dtype) -> int:
+        """A pool of as many blocks as the budget holds, and a slot for every sequence (up to `max_num_seqs`): the
+        blocks, not the slots, bound how many run at once. Refuses a call whose longest sequence exceeds the pool."""
+        block_size = self.options.kv_block_size
+        needed = PagedKVCache.blocks_needed(geometry, block_size)
+        # Never more than every sequence at full length could fill (each prompt's blocks once), as the contiguous
+        # layouts are never given more slots than sequences.
+        most = 1 + geometry.num_prompts * (needed - 1) + num_sequences * (needed - 1)
+        num_blocks = min(most, PagedKVCache.blocks_within(geometry, block_size, budget))
+        if num_blocks < needed:
+            raise ValueError(f"rollout.kv_cache_memory={self.options.kv_cache_memory} holds {num_blocks} KV blocks of "
+                             f"{block_size} tokens ({budget / _GIB:.3f} GiB), fewer than the {needed} that one sequence "
+                             f"of {geometry.longest_prompt} prompt + {geometry.max_new_tokens} new tokens needs "
+                             f"(with the scratch block); raise kv_cache_memory or lower max_new_tokens.")
+        num_slots = min(num_sequences, self.options.max_num_seqs)
+        self.cache = PagedKVCache(geometry, num_slots, num_blocks, block_size, device, dtype, path.attention)
         return num_slots
 
     def _compiles(self, device) -> bool:
@@ -268,13 +321,15 @@ class ModelRunner:
         # synchronizes the stream, so the host would wait for this prefill to finish before it could record
         # the decode graph, which it can do while the prefill runs.
         index_lists = [[len(prompts[p]) for p in chunk], rows, [sequence.slot for sequence in sequences],
-                       [sequence.entry for sequence in sequences], list(write_rows), list(write_to)]
+                       [sequence.entry for sequence in sequences], list(write_rows), list(write_to),
+                       [sequence.index for sequence in sequences]]
         sizes = [len(values) for values in index_lists]
         on_device = host_to_device(torch.tensor([v for values in index_lists for v in values], dtype=torch.long), device)
-        lengths, rows_t, slots_t, entries, write_rows_t, write_to_t = on_device.split(sizes)
-        logits = prefill(run.weights, run.cache.prefill_cache, run.cos, run.sin, host_to_device(input_ids, device),
-                         lengths, write_rows_t, write_to_t, run.functions.prefill_layer)
-        uniforms = torch.rand(len(sequences), state.max_new_tokens, generator=run.generator, device=device)
+        lengths, rows_t, slots_t, entries, write_rows_t, write_to_t, indices = on_device.split(sizes)
+        store = run.cache.prompt_store(write_rows_t, write_to_t, lengths, length)
+        logits = prefill(run.weights, None, run.cos, run.sin, host_to_device(input_ids, device), lengths, None, None,
+                         run.functions.prefill_layer, store=store)
+        uniforms = run.uniforms[indices]
         state.uniform_table[slots_t] = uniforms  # column 0 draws the first token, column i the (i+1)-th
         tokens, logprobs = sample(logits[rows_t], run.settings, uniforms[:, 0])
         state.last_token[slots_t] = tokens
@@ -381,7 +436,10 @@ class ModelRunner:
                 state.out_logprobs[:batch].to("cpu", copy=True).numpy())
 
     def free(self, slots: list[int]) -> None:
-        self.run.state.free(slots)
+        """Park freed slots (`DecodeState.free`) and point their block-table rows at scratch (paged layout)."""
+        if slots:
+            self.run.state.free(slots)
+            self.run.cache.free(host_to_device(torch.tensor(slots), self.run.state.done.device))
 
     def move(self, moves: list[tuple[int, int]]) -> None:
         """Copy the KV and per-slot state of each (source, destination) slot pair, then free the sources."""
@@ -392,4 +450,4 @@ class ModelRunner:
         self.run.cache.move(source, destination)
         for tensor in state.per_slot():
             tensor[destination] = tensor[source]
-        state.free([s for s, _ in moves])
+        self.free([s for s, _ in moves])

@@ -16,6 +16,12 @@ Compaction moves slots only; a sequence keeps its entry.
 Multi-turn episodes (`engine/multiturn.py`) add a paused state: a sequence whose turn ended keeps its slot (and
 so its KV) while its environment steps, and `resume` makes it live again once its observation has been prefilled
 onto that KV; `prompt_len` then counts every token before the current turn, and `limit` caps the turn's tokens.
+
+For the paged KV layout (`blocks.py`), admission also asks for free blocks (the prompt's unless a sample already
+holds them, plus the first decode window), `reserve` grows each live sequence by the blocks its next window needs,
+oldest first, and when blocks run out preempts the youngest live sequences: their blocks and slots are freed and
+they go back to the front of the queue, to be recomputed from their prompt. Every sequence keeps its own uniforms
+(drawn per sequence index), so a recomputed sequence samples the same tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+from hybridrl.rollout.engine.blocks import BlockAllocator, blocks_for
 
 
 @dataclass
@@ -42,7 +50,10 @@ class SequenceSlot:
     fills_entry: bool = False
     """Set at admission when the entry is new, so this admission's prefill must write the prompt's KV."""
     limit: int | None = None
-    """Tokens this turn may sample when fewer than the call's `max_new_tokens` (multi-turn budgets)."""
+    """Tokens this turn may sample when fewer than the call's `max_new_tokens` (multi-turn budgets, or a benchmark's
+    forced response lengths)."""
+    admitted_at: int = 0
+    """Admission order (paged layout: the youngest live sequences are preempted first)."""
 
 
 def prompt_entries_needed(num_prompts: int, num_slots: int) -> int:
@@ -87,14 +98,21 @@ def batch_buckets(num_slots: int) -> list[int]:
 class Scheduler:
     """Admits waiting sequences into free slots and frees slots of finished ones."""
 
-    def __init__(self, prompt_indices: list[int], prompt_lens: list[int], num_slots: int) -> None:
-        self.waiting = deque(SequenceSlot(i, p, prompt_lens[p]) for i, p in enumerate(prompt_indices))
+    def __init__(self, prompt_indices: list[int], prompt_lens: list[int], num_slots: int,
+                 blocks: BlockAllocator | None = None, window: int = 1, max_new_tokens: int = 1,
+                 limits: Sequence[int] | None = None) -> None:
+        """`blocks` (paged layout) with `window`, the decode steps between syncs, and `max_new_tokens`: admission and
+        growth by blocks. `limits`: per-sequence caps on response tokens."""
+        self.waiting = deque(SequenceSlot(i, p, prompt_lens[p], limit=None if limits is None else limits[i])
+                             for i, p in enumerate(prompt_indices))
         self.num_slots = num_slots
         self.buckets = batch_buckets(num_slots)
         self.free_slots = list(range(num_slots))  # a min-heap
         self.live: dict[int, SequenceSlot] = {}  # slot -> sequence
         self.paused: dict[int, SequenceSlot] = {}  # slot -> sequence waiting for its observation (multi-turn)
         self.entries = PromptEntries(prompt_entries_needed(len(set(prompt_indices)), num_slots))
+        self.blocks, self.window, self.max_new_tokens = blocks, window, max_new_tokens
+        self.admissions = self.preemptions = self.preempted_tokens = 0
 
     @property
     def has_work(self) -> bool:
@@ -103,19 +121,76 @@ class Scheduler:
     def admit(self) -> list[SequenceSlot]:
         """Move as many waiting sequences as there are free slots into the lowest free slots."""
         admitted = []
-        while self.waiting and self.free_slots:
+        while self.waiting and self.free_slots and self._blocks_fit(self.waiting[0]):
             sequence = self.waiting.popleft()
             sequence.slot = heapq.heappop(self.free_slots)
-            sequence.entry, sequence.fills_entry = self.entries.acquire(sequence.prompt_index)
             sequence.generated = 1  # its prefill draws the first token
+            sequence.admitted_at, self.admissions = self.admissions, self.admissions + 1
+            if self.blocks is None:
+                sequence.entry, sequence.fills_entry = self.entries.acquire(sequence.prompt_index)
+            else:
+                sequence.fills_entry = self.blocks.admit(sequence.index, sequence.prompt_index, sequence.prompt_len,
+                                                         sequence.slot)
+                self.blocks.grow(sequence.index, sequence.slot, self._window_rows(sequence))
             self.live[sequence.slot] = sequence
             admitted.append(sequence)
+        assert admitted or self.live or self.paused or not self.waiting, "a sequence fits no block budget"
         return admitted
+
+    # ---- paged layout -------------------------------------------------------------------------------
+    def _window_rows(self, sequence: SequenceSlot) -> int:
+        """Response KV rows the sequence fills by the end of its next decode window: a step writes the KV of the
+        token it feeds, so after s steps from `generated` the rows are generated - 1 + s."""
+        limit = self._limit(sequence, self.max_new_tokens)
+        return sequence.generated - 1 + min(self.window, limit - sequence.generated)
+
+    def _blocks_fit(self, sequence: SequenceSlot) -> bool:
+        """Paged: whether admitting `sequence` leaves its first window and a 1% watermark free (no watermark when
+        nothing runs, so one sequence always fits: `begin` refused any longer than the pool)."""
+        if self.blocks is None:
+            return True
+        blocks, first_window = self.blocks, min(self.window, self._limit(sequence, self.max_new_tokens) - 1)
+        need = blocks.prompt_cost(sequence.prompt_index, sequence.prompt_len) + \
+            blocks_for(first_window, blocks.block_size)
+        watermark = blocks.num_usable // 100 if self.live else 0
+        return need + watermark <= len(blocks.free)
+
+    def reserve(self) -> list[SequenceSlot]:
+        """Paged: give every live sequence, oldest first, the blocks of its next decode window, preempting the
+        youngest live sequences when the pool runs dry; returns the preempted ones (their slots are free now)."""
+        if self.blocks is None:
+            return []
+        queue = sorted(self.live.values(), key=lambda s: s.admitted_at)
+        preempted = []
+        while queue:
+            sequence = queue.pop(0)
+            need = self.blocks.response_cost(sequence.index, self._window_rows(sequence))
+            while need > len(self.blocks.free) and queue:
+                preempted.append(self._preempt(queue.pop()))
+            if need > len(self.blocks.free):
+                preempted.append(self._preempt(sequence))
+            else:
+                self.blocks.grow(sequence.index, sequence.slot, self._window_rows(sequence))
+        for sequence in sorted(preempted, key=lambda s: s.index, reverse=True):
+            self.waiting.appendleft(sequence)  # first in line again, in output order
+        return preempted
+
+    def _preempt(self, sequence: SequenceSlot) -> SequenceSlot:
+        """Free a live sequence's slot and blocks; it starts over from its prompt when admitted again."""
+        slot = sequence.slot
+        self.finish(slot)
+        self.preemptions += 1
+        self.preempted_tokens += sequence.generated
+        sequence.generated, sequence.slot, sequence.fills_entry = 0, slot, False
+        return sequence
 
     def finish(self, slot: int) -> SequenceSlot:
         sequence = self.live.pop(slot) if slot in self.live else self.paused.pop(slot)
         heapq.heappush(self.free_slots, slot)
-        self.entries.release(sequence.prompt_index)
+        if self.blocks is None:
+            self.entries.release(sequence.prompt_index)
+        else:
+            self.blocks.release(sequence.index, sequence.prompt_index)
         return sequence
 
     def pause(self, slot: int) -> SequenceSlot:

@@ -71,9 +71,10 @@ WIDE_HEAD_NUM_WARPS = 2
 would need more than 255 registers a thread and spill (the no-spill test reads ptxas' report)."""
 
 
-def default_num_warps(head_dim: int) -> int:
-    """Warps per program: `NUM_WARPS` up to head_dim 64, else `WIDE_HEAD_NUM_WARPS`."""
-    return NUM_WARPS if head_dim <= 64 else WIDE_HEAD_NUM_WARPS
+def default_num_warps(head_dim: int, paged: bool = False) -> int:
+    """Warps per program: `NUM_WARPS` up to head_dim 64, else `WIDE_HEAD_NUM_WARPS`; the paged variant always the
+    latter (its int64 key offsets gathered through the block table spill a single warp at head_dim 64 too)."""
+    return NUM_WARPS if head_dim <= 64 and not paged else WIDE_HEAD_NUM_WARPS
 
 
 MIN_DOT_ROWS = 16
@@ -183,23 +184,32 @@ def triton_decode_attention(
     new_kv: torch.Tensor | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     qkv_bias: torch.Tensor | None = None,
+    paged: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Launch the Triton kernel over a (B, Hkv) grid; same contract as `reference_decode_attention`."""
+    """Launch the Triton kernel over a (B, Hkv) grid; same contract as `reference_decode_attention`.
+
+    paged = (block_size, prompt_columns): the paged layout (`paged_attention.py`), where prompt_k is response_k is
+    the block pool (blocks, Hkv, block_size, D) and `prompt_index` is the block table (B, columns): a slot's
+    prompt key p lies in block table[b, p // block_size], its response key r in table[b, prompt_columns +
+    r // block_size], at offset (p or r) % block_size."""
     if triton is None:
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
                           "use attention='sdpa' or the reference on machines without it.")
     batch, num_kv_heads, group, head_dim = q.shape
     q, out, fused, cos, sin, bias, strides = launch_arguments(q, prompt_k, prompt_v, response_k, response_v,
                                                               new_kv, rope, qkv_bias)
+    block_size, prompt_columns = paged or (1, 0)
+    table_stride = prompt_index.stride(0) if paged else 0
     _decode_attention_kernel[(batch, num_kv_heads)](
         q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out, fused,
-        cos, sin, bias, scale * math.log2(math.e), *strides,
+        cos, sin, bias, scale * math.log2(math.e), *strides, table_stride, prompt_columns,
         GROUP=group, HEAD_DIM=head_dim,
         GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)),
         BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),
         BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, WRITE_NEW=new_kv is not None,
         ROPE=rope is not None, HAS_BIAS=rope is not None and qkv_bias is not None,
-        num_warps=default_num_warps(head_dim),
+        PAGED=paged is not None, BLOCK_SIZE=block_size,
+        num_warps=default_num_warps(head_dim, paged is not None),
     )
     return out
 
@@ -207,18 +217,21 @@ def triton_decode_attention(
 if triton is not None:
 
     @triton.jit
-    def _attend(q, k_base, v_base, length, stride_l, m_i, l_i, acc, qk_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    def _attend(q, k_base, v_base, length, stride_l, m_i, l_i, acc, qk_scale, table, stride_block,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
         """Online-softmax update of (m_i, l_i, acc) over keys [0, length) of one (entry or slot, KV head).
 
         q (GROUP_PAD, BLOCK_D); m_i, l_i (GROUP_PAD,) float32 in log2 units; acc (GROUP_PAD, BLOCK_D) float32.
+        PAGED: key i lies in block table[i // BLOCK_SIZE] (k_base then points at the pool's head), row i % BLOCK_SIZE.
         """
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         for start in range(0, length, BLOCK_N):  # device-side bound: only the slot's own keys are read
             cols = start + offs_n
             kv_mask = (cols[:, None] < length) & (offs_d[None, :] < HEAD_DIM)
-            offsets = cols[:, None] * stride_l + offs_d[None, :]
+            rows = _key_rows(cols, length, stride_l, table, stride_block, PAGED, BLOCK_SIZE)
+            offsets = rows[:, None] + offs_d[None, :]
             k = tl.load(k_base + offsets, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
             v = tl.load(v_base + offsets, mask=kv_mask, other=0.0)
             if IEEE:
@@ -237,6 +250,17 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         return m_i, l_i, acc
+
+    @triton.jit
+    def _key_rows(cols, length, stride_l, table, stride_block, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """Offsets of keys `cols` from their head's base: contiguous rows, or (PAGED) gathered through the block table
+        in int64 (a pool spans more elements than int32 counts)."""
+        if PAGED:
+            blocks = tl.load(table + cols // BLOCK_SIZE, mask=cols < length, other=0).to(tl.int64)
+            rows = blocks * stride_block + (cols % BLOCK_SIZE).to(tl.int64) * stride_l
+        else:
+            rows = cols * stride_l
+        return rows
 
     @triton.jit
     def _load_new(new, stride_nkv, write, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -261,15 +285,19 @@ if triton is not None:
         return x * cos[None, :] + x_rolled * sin[None, :]
 
     @triton.jit
-    def _attend_new(q, k_base, v_base, k_new, v_new, stride_l, cached, m_i, l_i, acc, qk_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _attend_new(q, k_base, v_base, k_new, v_new, stride_l, cached, m_i, l_i, acc, qk_scale, table, stride_block,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
         """This step's key and value (BLOCK_D,) (see `_load_new`): stored at index `cached` of one slot's
         response cache (k_base, v_base) and folded into (m_i, l_i, acc) from registers, so the program
         never reads what it writes. A slot with no response token (cached = -1) writes and adds nothing."""
         offs_d = tl.arange(0, BLOCK_D)
         write = cached >= 0
         d_mask = (offs_d < HEAD_DIM) & write
-        at = cached.to(tl.int64) * stride_l
+        if PAGED:  # the row through the block table (cached clamped: a slot that writes nothing reads entry 0)
+            row = tl.maximum(cached, 0)
+            at = tl.load(table + row // BLOCK_SIZE).to(tl.int64) * stride_block + (row % BLOCK_SIZE).to(tl.int64) * stride_l
+        else:
+            at = cached.to(tl.int64) * stride_l
         tl.store(k_base + at + offs_d, k_new, mask=d_mask)
         tl.store(v_base + at + offs_d, v_new, mask=d_mask)
         score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # (rows,)
@@ -285,17 +313,20 @@ if triton is not None:
         stride_pe, stride_ph, stride_pl,
         stride_rb, stride_rh, stride_rl,
         stride_ob, stride_oh, stride_og,
-        stride_nb, stride_nkv, stride_nh, stride_cb,
+        stride_nb, stride_nkv, stride_nh, stride_cb, stride_tb, prompt_columns,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr,
         ROPE: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        PAGED: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
     ):
         """One (slot, KV head): the prompt entry's keys, then the slot's response keys, one softmax.
         With WRITE_NEW the last response key/value (index response_len - 1) comes from NEW_KV: it is
         attended from registers and stored into the cache, so the cache write needs no kernel of its own
         (and this program never reads what it writes). With ROPE, Q and NEW_KV are raw projections: the
-        bias rows (BIAS (H + 2 Hkv, D), HAS_BIAS) are added and RoPE applied (COS, SIN (B, D)) on load."""
+        bias rows (BIAS (H + 2 Hkv, D), HAS_BIAS) are added and RoPE applied (COS, SIN (B, D)) on load.
+        PAGED: PROMPT_INDEX is the block table (B, columns) and PK is RK, the block pool (see the wrapper)."""
         slot = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         offs_g = tl.arange(0, GROUP_PAD)
@@ -313,15 +344,20 @@ if triton is not None:
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        entry = tl.load(PROMPT_INDEX + slot).to(tl.int64)
-        prompt = entry * stride_pe + head * stride_ph
+        table = PROMPT_INDEX + slot * stride_tb  # PAGED: this slot's row of the block table
+        if PAGED:
+            prompt = head * stride_ph
+            response = head * stride_rh
+        else:
+            prompt = tl.load(PROMPT_INDEX + slot).to(tl.int64) * stride_pe + head * stride_ph
+            response = slot * stride_rb + head * stride_rh
         m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, tl.load(PROMPT_LEN + slot).to(tl.int32), stride_pl,
-                                m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
-        response = slot * stride_rb + head * stride_rh
+                                m_i, l_i, acc, qk_scale, table, stride_pe, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE,
+                                PAGED, BLOCK_SIZE)
         response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
         cached = response_len - 1 if WRITE_NEW else response_len
-        m_i, l_i, acc = _attend(q, RK + response, RV + response, cached,
-                                stride_rl, m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE)
+        m_i, l_i, acc = _attend(q, RK + response, RV + response, cached, stride_rl, m_i, l_i, acc, qk_scale,
+                                table + prompt_columns, stride_rb, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE, PAGED, BLOCK_SIZE)
         if WRITE_NEW:
             new = NEW_KV + slot * stride_nb + head * stride_nh
             write = cached >= 0
@@ -339,7 +375,8 @@ if triton is not None:
             else:
                 k_new, v_new = _load_new(new, stride_nkv, write, HEAD_DIM, BLOCK_D)
             m_i, l_i, acc = _attend_new(q, RK + response, RV + response, k_new, v_new, stride_rl, cached,
-                                        m_i, l_i, acc, qk_scale, HEAD_DIM, BLOCK_D)
+                                        m_i, l_i, acc, qk_scale, table + prompt_columns, stride_rb, HEAD_DIM, BLOCK_D,
+                                        PAGED, BLOCK_SIZE)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
         tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_mask)
