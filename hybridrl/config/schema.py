@@ -157,8 +157,9 @@ class RolloutConfig:
 @dataclass
 class RewardSpec:
     fn: str = ""
-    """A built-in reward name (exact_match, numeric_match, format, length_penalty, env_reward: a multi-turn
-    environment's own reward) or `file.py:function`."""
+    """A built-in reward name (exact_match, numeric_match, format, length_penalty; for multi-turn episodes
+    env_reward, the environment's own reward, and called_tool, whether the episode called a tool) or
+    `file.py:function`."""
     weight: float = 1.0
     """Weight of this reward in the total."""
     kwargs: dict[str, Any] = field(default_factory=dict)
