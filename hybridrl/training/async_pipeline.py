@@ -40,6 +40,7 @@ What is not here: split placement across processes inside `RLTrainer` (the worke
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, fields
@@ -52,6 +53,8 @@ from hybridrl.parallel.process_group import DistributedSetup
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_responses
 from hybridrl.training.components import build_rollout
+
+logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
 """How often a waiting thread looks whether the other side has stopped."""
@@ -253,6 +256,11 @@ class AsyncPipeline:
 
     def __init__(self, trainer: Any, max_staleness: int):
         self.trainer, self.max_staleness = trainer, max_staleness
+        a = trainer.config.algorithm
+        if max_staleness and a.rollout_correction_cap is None and a.rollout_sequence_mask_threshold is None:
+            logger.warning("trainer.max_staleness=%d trains on batches up to %d updates old with no off-policy "
+                           "correction; set algorithm.rollout_correction_cap=2.0 (docs/training.md)",
+                           max_staleness, max_staleness)
         self.lock = threading.Lock()
         take_turns(trainer.parts.rollout, self.lock)  # held-out evaluation takes turns with the worker
         self.mailbox = WeightMailbox()
