@@ -79,6 +79,21 @@ def test_rollout_with_no_agreement_sequences_skips_the_agreement_check(tmp_path)
     assert result["greedy_agreement"] is None and result["hf_bf16_vs_float32_equal_fraction"] is None
 
 
+def test_long_tail_tiny_runs_both_layouts_on_forced_long_tailed_lengths(tmp_path):
+    """`long_tail.py --tiny` on CPU: both layouts run every response to its drawn length (the script asserts it) and
+    report a floor; the default draw is the benchmark's shape: median about 1k, a few at the 8k cap."""
+    from benchmarks.long_tail import response_lengths
+
+    lengths = response_lengths(512, 1024, 1.0, 16, 8192)
+    assert 900 <= sorted(lengths)[256] <= 1150 and max(lengths) == 8192 and min(lengths) >= 16
+    stdout = run_script(["-m", "benchmarks.long_tail", "--tiny"], tmp_path)
+    assert "paged / contiguous:" in stdout and "floor (computed)" in stdout
+    result = json.loads((tmp_path / "long_tail.json").read_text())
+    assert set(result["layouts"]) == {"contiguous", "paged"} and result["floor"]["seconds"] > 0
+    assert result["layouts"]["paged"]["stats"]["kv_blocks_peak"] > 0
+    assert result["layouts"]["paged"]["tokens"] == result["layouts"]["contiguous"]["tokens"] == result["lengths"]["total"]
+
+
 def test_multiturn_benchmark_runs_three_turns_against_one(tmp_path):
     """`multiturn.py` on the tiny model: every episode has its 3 turns, the same tokens are sampled both ways, and
     the prefill counts only the prompts once and then each resume's observation plus the turn's last token."""
