@@ -222,6 +222,7 @@ def test_a_toy_environment_trains_and_logs_the_multi_turn_metrics(tmp_path, algo
                            algorithm__name=algorithm, critic__lr=1e-3, eval_rows=3, trainer__eval_every=3)
     before = [p.detach().clone() for p in trainer.parts.actor.parameters()]
     assert "episodes of up to 4 turns with " in trainer.describe()
+    assert trainer.parts.rollout.attention == "sdpa"  # auto picks the per-slot KV layout for episodes on any device
     history = trainer.train()
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.parts.actor.parameters()))
     last = history[-1]
