@@ -202,3 +202,12 @@ def test_tool_demo_pipeline_short(tmp_path):
     assert all(1.0 <= row["rollout/turns_per_episode"] <= 2.0 for row in steps)
     assert all(0.0 <= row["reward/mean"] <= 1.0 and 0.0 <= row["reward/called_tool"] <= 1.0 for row in steps)
     assert all(0.0 <= row["eval/accuracy"] <= 1.0 and 0.0 <= row["eval/reward/called_tool"] <= 1.0 for row in evals)
+
+
+def test_make_data_and_demo_command_lines(tmp_path, capsys):
+    from hybridrl.cli import main
+
+    assert main(["make-data", "--task", "tools", str(tmp_path), "--num-train", "20", "--num-eval", "5"]) == 0
+    assert sum(1 for _ in (tmp_path / "sft.jsonl").open()) == 20 and sum(1 for _ in (tmp_path / "eval.jsonl").open()) == 5
+    assert main(["demo", "--task", "tools", "--algorithm", "ppo", "--out-dir", str(tmp_path / "demo")]) == 2
+    assert "runs GRPO only" in capsys.readouterr().err and not (tmp_path / "demo").exists()
