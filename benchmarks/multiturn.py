@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peak-tflops", type=float, default=785.0)
     parser.add_argument("--quick", action="store_true", help="16 prompts, 3 turns x 32 tokens")
     parser.add_argument("--tiny", action="store_true",
-                        help="a 2-layer model with a 1,000-token vocabulary (checks the script on CPU; measures nothing)")
+                        help="a 2-layer model with a 1,000-token vocabulary (checks the script on CPU; measures "
+                             "nothing)")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
     return parser

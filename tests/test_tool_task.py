@@ -88,7 +88,7 @@ def test_conversation_item_by_hand_on_the_tiny_template():
     trained = tokenizer.decode([t for t in item["labels"] if t != IGNORE_INDEX], skip_special_tokens=False)
     assert trained == f"{call} 36<eos>"  # the tool call and the answer with its stop; not the observation's <eos>
     head = conversation_item(renderer, teacher_messages(12, 3, use_tool=False), tokenizer.eos_token_id)
-    assert tokenizer.decode(head["input_ids"], skip_special_tokens=False) == "Q12*3\nA 30<eos>"  # 10*3: 12 rounded to tens
+    assert tokenizer.decode(head["input_ids"], skip_special_tokens=False) == "Q12*3\nA 30<eos>"  # 12 rounded: 10*3
 
 
 def test_conversation_mistakes_are_one_sentence(tmp_path):
@@ -187,7 +187,8 @@ def test_tool_demo_pipeline_short(tmp_path):
         data = write_tool_task(tmp_path / "data", num_train=64, num_eval=8, tool_rate=1.0)
         tools = [f"env.tools=[{CALC}]"]
         sft_model = run_sft(load_config(DEMO_CONFIGS / "tools_sft.yaml", tools + [
-            f"data.train_path={data['sft']}", f"trainer.output_dir={tmp_path / 'sft'}", "sft.max_steps=40",
+            f"data.train_path={data['sft']}", f"data.eval_path={data['sft']}", "data.max_eval_samples=8",
+            f"trainer.output_dir={tmp_path / 'sft'}", "sft.max_steps=40",
             "sft.batch_size=16", "sft.warmup_steps=5", "logging.sinks=[jsonl]"]))
         history = RLTrainer(load_config(DEMO_CONFIGS / "tools_grpo.yaml", tools + [
             f"data.train_path={data['train']}", f"data.eval_path={data['eval']}", f"model.path={sft_model}",
@@ -195,6 +196,9 @@ def test_tool_demo_pipeline_short(tmp_path):
             "rollout.num_samples_per_prompt=4", "trainer.eval_every=2", "logging.sinks=[jsonl]"])).train()
     finally:
         torch.set_num_threads(threads)
+    sft_evals = [row for row in map(json.loads, (tmp_path / "sft" / "metrics.jsonl").open()) if "eval/loss" in row]
+    assert len(sft_evals) == 2 and sft_evals[-1]["eval/loss"] < sft_evals[0]["eval/loss"]  # conversations: loss only
+    assert not any("eval/accuracy" in row for row in sft_evals)
     steps = [row for row in history if "rollout/tool_calls_per_episode" in row]
     evals = [row for row in history if "eval/accuracy" in row]
     assert len(steps) == 2 and len(evals) == 2  # before the first step and after the last
@@ -208,6 +212,6 @@ def test_make_data_and_demo_command_lines(tmp_path, capsys):
     from hybridrl.cli import main
 
     assert main(["make-data", "--task", "tools", str(tmp_path), "--num-train", "20", "--num-eval", "5"]) == 0
-    assert sum(1 for _ in (tmp_path / "sft.jsonl").open()) == 20 and sum(1 for _ in (tmp_path / "eval.jsonl").open()) == 5
+    assert [sum(1 for _ in (tmp_path / name).open()) for name in ("sft.jsonl", "eval.jsonl")] == [20, 5]
     assert main(["demo", "--task", "tools", "--algorithm", "ppo", "--out-dir", str(tmp_path / "demo")]) == 2
     assert "runs GRPO only" in capsys.readouterr().err and not (tmp_path / "demo").exists()

@@ -88,19 +88,22 @@ def _train(config: Config) -> Path:
 def held_out_evaluation(config: Config, model: torch.nn.Module, tokenizer, pad_id: int):
     """A function returning the held-out metrics of `data.eval_path` for the model as it is now, or None
     without an eval set. The loss needs a response column, the accuracy `data.answer_key`; each is left out
-    where the data lacks its column, and data with neither is refused before training starts."""
+    where the data lacks its column, and data with neither is refused before training starts. Conversations (a
+    `messages` column) get the loss only: one greedy turn is not how a multi-turn episode answers."""
     if not config.data.eval_path:
         return None
     d, s = config.data, config.sft
     columns = {key for row in read_records(d.eval_path) for key in row}
     losses = sft_dataset(config, tokenizer, d.eval_path) if columns & {d.response_key, MESSAGES_KEY} else None
-    prompts = PromptDataset(d.eval_path, tokenizer, prompt_key=d.prompt_key, max_length=d.max_prompt_length,
-                            prompt_template=d.prompt_template, use_chat_template=d.use_chat_template, shuffle=False)
+    prompts = None if MESSAGES_KEY in columns else PromptDataset(
+        d.eval_path, tokenizer, prompt_key=d.prompt_key, max_length=d.max_prompt_length,
+        prompt_template=d.prompt_template, use_chat_template=d.use_chat_template, shuffle=False)
     if losses is None and d.answer_key not in columns:
         raise DataError(f"data.eval_path {d.eval_path!r} has neither a '{d.response_key}' column (for the held-out "
                         f"loss) nor a '{d.answer_key}' column (for accuracy); add one, or set data.response_key / "
                         "data.answer_key to the columns it has.")
-    max_new_tokens = max(1, s.max_length - min(len(item["prompt_ids"]) for item in prompts))
+    shortest = min((len(item["prompt_ids"]) for item in prompts), default=0) if prompts is not None else 0
+    max_new_tokens = max(1, s.max_length - shortest)
 
     def evaluate() -> dict[str, float]:
         was_training = model.training
@@ -108,7 +111,8 @@ def held_out_evaluation(config: Config, model: torch.nn.Module, tokenizer, pad_i
         metrics = {}
         if losses is not None:
             metrics["eval/loss"] = sft_eval_loss(model, losses, pad_id, s.batch_size)
-        accuracy = greedy_accuracy(model, tokenizer, prompts, d.answer_key, max_new_tokens, d.max_eval_samples)
+        accuracy = greedy_accuracy(model, tokenizer, prompts, d.answer_key, max_new_tokens,
+                                   d.max_eval_samples) if prompts is not None else None
         if accuracy is not None:
             metrics["eval/accuracy"] = accuracy
         model.train(was_training)
