@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from hybridrl.checkpoint.export import export_checkpoint
 from hybridrl.checkpoint.run_lock import RunLockError, output_dir_lock
 from hybridrl.checkpoint.store import CheckpointError
@@ -131,6 +133,10 @@ def demo_tools(args: argparse.Namespace, out: Path) -> None:
     """The tool task: SFT on a teacher's conversations (the calc tool on some problems), then GRPO on episodes."""
     if args.algorithm != "grpo":
         raise ConfigError(f"the tool demo runs GRPO only (it has no {args.algorithm} config); drop --algorithm.")
+    if not torch.cuda.is_available():
+        # The tiny model's matmuls gain little from a second thread, while on a busy 2-core machine two spinning
+        # OpenMP threads made each SFT step about 5x slower (docs/benchmarks.md#cpu-tool-demo).
+        torch.set_num_threads(1)
     start = time.time()
     data = write_tool_task(out / "data", num_train=DEMO_TOOL_TRAIN, num_eval=DEMO_TOOL_EVAL, tool_rate=DEMO_TOOL_RATE)
     tools = [f"env.tools=[{BUILTIN_TOOLS}:calc]"]
