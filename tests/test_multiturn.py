@@ -3,6 +3,8 @@ regenerated from the whole sequence), on tiny seeded float32 models with a Qwen-
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -378,6 +380,37 @@ def test_scheduler_pauses_resumes_and_ends_turns_at_their_limit():
     scheduler.pause(0)
     scheduler.finish(0)  # the episode ended while paused: its slot goes to the waiting sequence
     assert [sequence.index for sequence in scheduler.admit()] == [2]
+
+
+class Staggered:
+    """A remote tool: answers each turn after the row's own delay, so turns that end together are answered a
+    fraction of a millisecond apart, as a batch of tool calls started one after another is."""
+
+    def __init__(self, row):
+        self.row, self.steps = row, 0
+
+    async def reset(self):
+        return [{"role": "user", "content": self.row["prompt"]}]
+
+    async def step(self, text):
+        self.steps += 1
+        await asyncio.sleep(self.row["delay"])
+        return StepResult([{"role": "tool", "name": "t", "content": "ok"}], done=self.steps >= 3)
+
+
+def test_turns_that_end_together_resume_together():
+    """Without gathering the answers that come in over a few milliseconds, the first one resumes alone, the others
+    wait a whole decode block, and every later turn ends in waves: more resume waves and more decode steps."""
+    rows = [{"prompt": "hi", "delay": 0.03 + 0.0005 * i} for i in range(8)]
+    engine = BuiltinBackend(make_model("llama"), tokenizer=TOKENIZER, sync_every=16)
+    params = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
+    episodes = engine.generate_episodes(make_sessions(Staggered, rows, n=1, name="test_multiturn.py:Staggered"),
+                                        ObservationRenderer(TOKENIZER), params, BUDGET)
+    assert [episode.num_turns for episode in episodes] == [3] * len(rows)
+    stats = engine.last_stats
+    assert stats["resume_waves"] == 2  # one per turn boundary
+    assert stats["decode_steps"] == 3 * (5 - 1) and stats["decode_blocks"] == 3  # a turn's first token is drawn
+    assert stats["observation_prefills"] == 2 * len(rows)
 
 
 @pytest.mark.gpu

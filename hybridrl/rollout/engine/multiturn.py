@@ -12,6 +12,18 @@ The loop over scheduler and runner of `backend.generate`, with turns:
    every decode block, and waits only when no sequence is live (`idle_s`);
 6. a finished step either ends the episode (its slot is freed) or queues its observation for step 3.
 
+Where multi-turn time goes besides decoding, and what the loop does about it:
+- Turns that end together start their tools together, and those answer over a few milliseconds (the tasks start
+  one after another). Resuming whichever answered first and decoding a block for them makes the rest wait a whole
+  block (a decode step costs the same for the batch bucket whatever its live share), and the episodes drift apart
+  for good: every later turn ends in two or more waves, each costing extra steps. So when nothing is live, the
+  loop waits for the first answer and then for stragglers until none has come for `GATHER_QUIET_S`, and resumes
+  them as one wave; after a decode block it yields to the event loop twice (a timer's callback, then the task it
+  wakes), so answers already due join the next block. `last_stats` reports `resume_waves` and `decode_blocks`.
+- Environment steps start while the harvest is still recording the other turns (a yield every
+  `_START_EVERY` ended turns), so a tool's latency overlaps the host's bookkeeping of the rest.
+- Slots of ended episodes are freed in one call per collection, not one per episode.
+
 Choices:
 - The prefix-shared layout (attention="triton") stores one response of `max_new_tokens` per slot after a shared
   prompt, so a sequence cannot grow by observations there: multi-turn is refused with it, and with the paged
@@ -36,6 +48,9 @@ from hybridrl.rollout.engine.scheduler import Scheduler
 from hybridrl.rollout.multiturn import EpisodeRun, close_runs
 
 _SEED_STRIDE = 1_000_003
+GATHER_QUIET_S = 0.002
+"""With nothing live, environment answers that follow each other by less than this are resumed as one wave."""
+_START_EVERY = 32
 
 
 class EpisodeLoop:
@@ -56,6 +71,7 @@ class EpisodeLoop:
         self.budget = budget
         self.seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
         self.device = device
+        self.resume_waves = self.decode_blocks = 0
 
     async def run(self) -> list[Episode]:
         runner, params = self.runner, self.params
@@ -77,12 +93,14 @@ class EpisodeLoop:
                 if scheduler.live:
                     steps = scheduler.steps_until_sync(self.backend.sync_every, params.max_new_tokens)  # 4.
                     runner.decode(scheduler.batch_size(), runner.kv_len(scheduler.furthest_position() + steps), steps)
-                    self._harvest(scheduler)  # 5.
+                    self.decode_blocks += 1
+                    await self._harvest(scheduler)  # 5.
                     runner.move(scheduler.compaction_moves())
-                    await asyncio.sleep(0)
+                    for _ in range(2):  # answers already due: the timer's callback, then the task it wakes
+                        await asyncio.sleep(0)
                 elif self.pending:
                     started = time.perf_counter()
-                    await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
+                    await self._gather_answers()
                     runner.run.stats.idle_s += time.perf_counter() - started
                 self._collect(scheduler)  # 6.
             finished = True
@@ -90,8 +108,18 @@ class EpisodeLoop:
             for task in self.pending:
                 task.cancel()
             self.backend.last_stats = runner.end(finished, release=self.backend.release_after_generate)
+            self.backend.last_stats.update(resume_waves=self.resume_waves, decode_blocks=self.decode_blocks)
             await close_runs(self.runs)
         return [run.episode for run in self.runs]
+
+    async def _gather_answers(self) -> None:
+        """Nothing is live: wait for the first environment answer, then for those that follow it closely (see the
+        module docstring), so that turns which ended together resume together."""
+        _, waiting = await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
+        while waiting:
+            answered, waiting = await asyncio.wait(waiting, timeout=GATHER_QUIET_S, return_when=asyncio.FIRST_COMPLETED)
+            if not answered:
+                return
 
     def _resume(self, scheduler: Scheduler) -> None:
         resumes = []
@@ -104,13 +132,15 @@ class EpisodeLoop:
             resumes.append((slot, [run.last_turn_ids[-1], *ids], start, generator))
         if resumes:
             self.runner.extend(resumes)
+            self.resume_waves += 1
         for slot, fed, start, _ in resumes:
             scheduler.resume(slot, start + len(fed), self.runs[scheduler.paused[slot].index].turn_limit(
                 self.params.max_new_tokens))
         self.ready = []
 
-    def _harvest(self, scheduler: Scheduler) -> None:
-        """Ended turns: append their sampled ids, pause their slots, start their environment steps."""
+    async def _harvest(self, scheduler: Scheduler) -> None:
+        """Ended turns: append their sampled ids, pause their slots, start their environment steps (yielding every
+        `_START_EVERY` turns, so the steps started so far run while the rest are recorded)."""
         rows = scheduler.rows_in_use()
         done, gen_len = self.runner.read_progress(rows)
         scheduler.record_progress(gen_len)
@@ -121,19 +151,24 @@ class EpisodeLoop:
         tokens, logprobs = self.runner.read_outputs(rows)
         ended = scheduler.harvest(done, tokens, set(self.stop_ids), cut, pause=True)
         self.runner.pause([item.slot for item in ended])
-        for item in ended:
+        for count, item in enumerate(ended, 1):
             run = self.runs[item.sequence.index]
-            text = run.add_turn(tokens[item.slot, :item.length], logprobs[item.slot, :item.length], item.reason)
+            text = run.add_turn(tokens[item.slot, :item.length].tolist(), logprobs[item.slot, :item.length].tolist(),
+                                item.reason)
             self.pending[asyncio.ensure_future(run.session.step(text))] = item.slot
+            if count % _START_EVERY == 0:
+                await asyncio.sleep(0)
 
     def _collect(self, scheduler: Scheduler) -> None:
         """Finished environment steps: end the episode (free its slot) or queue its observation."""
+        ended = []
         for task in [t for t in self.pending if t.done()]:
             slot = self.pending.pop(task)
             run = self.runs[scheduler.paused[slot].index]
             ids = run.add_step(task.result())  # an environment error propagates here, as one sentence
             if ids is None:
                 scheduler.finish(slot)
-                self.runner.free([slot])
+                ended.append(slot)
             else:
                 self.ready.append((slot, ids))
+        self.runner.free(ended)
