@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -25,49 +26,44 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
-    """Share of `rows` whose greedy completion, stripped, equals the row's stripped `answer`."""
-    was_training = model.training
+def completions(model, tokenizer, rows: list[dict], max_new_tokens: int, **sampling) -> Iterator[tuple[dict, list[str]]]:
+    """(row, its completions) for each of `rows`, generated in batches of BATCH left-padded prompts (one completion
+    each, or `num_return_sequences`); the model is in eval mode meanwhile and the tokenizer's padding side restored."""
+    was_training, side = model.training, tokenizer.padding_side
     model.eval()
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    correct = 0
+    tokenizer.padding_side = "left"
+    per_row = sampling.get("num_return_sequences", 1)
     try:
         for start in range(0, len(rows), BATCH):
             part = rows[start:start + BATCH]
             inputs = tokenizer([row["prompt"] for row in part], return_tensors="pt", padding=True,
                                add_special_tokens=False).to(model.device)
-            output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            output = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                    eos_token_id=tokenizer.eos_token_id, **sampling)
             texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-            correct += sum(text.strip() == str(row["answer"]).strip() for text, row in zip(texts, part))
+            for i, row in enumerate(part):
+                yield row, texts[i * per_row:(i + 1) * per_row]
     finally:
         tokenizer.padding_side = side
         model.train(was_training)
-    return correct / len(rows)
 
 
-@torch.no_grad()
+def is_right(text: str, row: dict) -> bool:
+    return text.strip() == str(row["answer"]).strip()
+
+
+def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
+    """Share of `rows` whose greedy completion, stripped, equals the row's stripped `answer`."""
+    right = sum(is_right(texts[0], row) for row, texts in completions(model, tokenizer, rows, max_new_tokens,
+                                                                      do_sample=False))
+    return right / len(rows)
+
+
 def sampled_pass_rates(model, tokenizer, rows: list[dict], max_new_tokens: int, k: int, temperature: float,
                        seed: int) -> dict[str, float]:
     """{"pass@1": share of the k samples per row that are right, f"pass@{k}": share of rows with one right}."""
-    was_training = model.training
-    model.eval()
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"
     torch.manual_seed(seed)
-    right, solved = 0, 0
-    try:
-        for start in range(0, len(rows), BATCH):
-            part = rows[start:start + BATCH]
-            inputs = tokenizer([row["prompt"] for row in part], return_tensors="pt", padding=True,
-                               add_special_tokens=False).to(model.device)
-            output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
-                                    top_p=1.0, top_k=0, num_return_sequences=k, pad_token_id=tokenizer.pad_token_id,
-                                    eos_token_id=tokenizer.eos_token_id)
-            texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-            for i, row in enumerate(part):
-                hits = sum(text.strip() == str(row["answer"]).strip() for text in texts[i * k:(i + 1) * k])
-                right, solved = right + hits, solved + (hits > 0)
-    finally:
-        tokenizer.padding_side = side
-        model.train(was_training)
-    return {"pass@1": right / (k * len(rows)), f"pass@{k}": solved / len(rows)}
+    hits = [sum(is_right(text, row) for text in texts) for row, texts in completions(
+        model, tokenizer, rows, max_new_tokens, do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
+        num_return_sequences=k)]
+    return {"pass@1": sum(hits) / (k * len(rows)), f"pass@{k}": sum(h > 0 for h in hits) / len(rows)}
