@@ -5,6 +5,7 @@ reward and settings, several seeds run one after another (interleaved), held-out
     python -m benchmarks.learning_vs_trl                       # the demo task, seeds 0 1 2, 60 steps
     python -m benchmarks.learning_vs_trl --task clean          # the clean-teacher task (no trailing periods)
     python -m benchmarks.learning_vs_trl --dry-run             # print the plan and the worker commands only
+    python -m benchmarks.learning_vs_trl --sides hybridrl --hybridrl-overrides algorithm.dynamic_sampling=true
     python -m benchmarks.learning_vs_trl --tiny --sides hybridrl   # a tiny random model, 2 steps: checks the script
 
 The task is the CPU demo's: `hybridrl make-data` arithmetic, the demo's SFT config on the tiny Llama (character
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "make every step several times slower)")
     parser.add_argument("--sft-steps", type=int, default=0,
                         help="SFT optimizer steps when the script makes the SFT model (0: the demo config's)")
+    parser.add_argument("--hybridrl-overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides for hybridrl's side only, e.g. algorithm.dynamic_sampling=true (a variant "
+                             "beside the matched run; TRL's side is unchanged)")
     parser.add_argument("--sides", default="hybridrl,trl", help="comma-separated, from: " + ", ".join(SIDES))
     parser.add_argument("--trl-python", default="/tmp/trl-venv/bin/python",
                         help=f"the Python of TRL's virtual environment (made by: {TRL_VENV_HINT})")
@@ -110,7 +114,7 @@ def spec_for(args: argparse.Namespace, seed: int, model: str, data: dict[str, Pa
             "steps": args.steps, "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
             "lr": args.lr, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
             "eval_every": args.eval_every, "max_eval_samples": args.max_eval_samples, "threads": args.threads,
-            "pass_k": args.pass_k}
+            "pass_k": args.pass_k, "hybridrl_overrides": list(args.hybridrl_overrides)}
 
 
 def worker_command(side: str, spec: dict, out: Path, trl_python: str) -> list[str]:
@@ -136,7 +140,7 @@ def run_hybridrl(spec: dict) -> dict:
                  f"rollout.temperature={spec['temperature']}", f"rollout.max_new_tokens={spec['max_new_tokens']}",
                  f"actor.micro_batch_size={batch}", "trainer.eval_every=0", "trainer.device=cpu", "trainer.resume=off",
                  "trainer.save_model=false", "logging.sinks=[jsonl]",
-                 f"trainer.output_dir={Path(spec['out_dir']) / 'hybridrl_run'}"]
+                 f"trainer.output_dir={Path(spec['out_dir']) / 'hybridrl_run'}", *spec.get("hybridrl_overrides", [])]
     trainer = RLTrainer(load_config(DEMO_CONFIGS / "arithmetic_grpo.yaml", overrides))
     model, tokenizer = trainer.parts.actor, trainer.parts.tokenizer
     rows = read_rows(spec["eval_path"])[:spec["max_eval_samples"]]

@@ -54,3 +54,11 @@ def test_tiny_run_of_hybridrls_side_prints_its_table(tmp_path):
     saved = json.loads((tmp_path / "demo-tiny" / "results.json").read_text())["results"]
     assert [r["side"] for r in saved] == ["hybridrl"] and set(saved[0]["accuracy"]) == {"0", "1", "2"}
     assert len(saved[0]["reward_per_step"]) == 2
+
+
+def test_hybridrl_overrides_reach_the_hybridrl_workers_spec(capsys, tmp_path):
+    learning_vs_trl.main(["--dry-run", "--seeds", "0", "--sides", "hybridrl", "--out-dir", str(tmp_path),
+                          "--hybridrl-overrides", "algorithm.dynamic_sampling=true"])
+    line = capsys.readouterr().out.strip()
+    spec = json.loads(line.split("--spec ")[1].split(" --out")[0].strip("'"))
+    assert spec["hybridrl_overrides"] == ["algorithm.dynamic_sampling=true"]
