@@ -2,7 +2,7 @@
 accuracy, seeds interleaved.
 
     python -m benchmarks.async_pipeline                       # 3 seeds x (max_staleness 0, 1), 60 steps, 100 ms reward
-    python -m benchmarks.async_pipeline --steps 2 --seeds 0 --eval-samples 20   # checks the script (the test does)
+    python -m benchmarks.async_pipeline --steps 2 --seeds 0 --eval-samples 4 --prompts 2 --sft-steps 2   # checks the script
 
 The demo's stage 2 (`hybridrl demo`: GRPO from the SFT model, 32 prompts x 8 samples, exact-match reward), with the
 reward made to take `--reward-delay-s` per batch (a remote grader or a sandbox: the process waits, the CPU is
@@ -48,8 +48,7 @@ def prepare(out: Path, sft_steps: int, sft_model: str | None) -> tuple[dict[str,
     data = write_arithmetic_task(out / "data", period_rate=DEMO_PERIOD_RATE)
     model = Path(sft_model) if sft_model else out / "sft" / "model"
     if not (model / "config.json").is_file():
-        overrides = [f"data.train_path={data['train']}", f"data.eval_path={data['eval']}",
-                     f"trainer.output_dir={out / 'sft'}", "logging.sinks=[jsonl]"]
+        overrides = [f"data.train_path={data['train']}", f"trainer.output_dir={out / 'sft'}", "logging.sinks=[jsonl]"]
         if sft_steps:
             overrides.append(f"sft.max_steps={sft_steps}")
         model = run_sft(load_config(DEMO_CONFIGS / "arithmetic_sft.yaml", overrides))
@@ -59,7 +58,7 @@ def prepare(out: Path, sft_steps: int, sft_model: str | None) -> tuple[dict[str,
 def run(out: Path, data: dict[str, Path], model: Path, seed: int, staleness: int, args) -> dict[str, float]:
     overrides = [f"model.path={model}", f"data.train_path={data['train']}", f"data.eval_path={data['eval']}",
                  f"data.max_eval_samples={args.eval_samples}", f"trainer.total_steps={args.steps}",
-                 f"trainer.seed={seed}", f"trainer.max_staleness={staleness}", "trainer.eval_every=0",
+                 f"trainer.seed={seed}", f"trainer.prompts_per_step={args.prompts}", f"trainer.max_staleness={staleness}", "trainer.eval_every=0",
                  "trainer.save_model=false", "trainer.resume=off", "algorithm.rollout_correction_cap=2.0",
                  f"trainer.output_dir={out / f'seed{seed}_k{staleness}'}", "logging.sinks=[jsonl]",
                  "logging.num_samples_to_print=0"]
@@ -96,6 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--reward-delay-s", type=float, default=0.1)
     parser.add_argument("--eval-samples", type=int, default=500)
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per step (the demo's 32; x 8 samples)")
     parser.add_argument("--sft-steps", type=int, default=0, help="cap the SFT stage (0: the demo's)")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     parser.add_argument("--sft-model", help="an SFT model directory to start from (default: made under --out)")

@@ -174,3 +174,33 @@ def test_kill_9_and_resume_equals_an_uninterrupted_run(tmp_path):
     resumed = make_trainer(tmp_path / "cut", **settings).train()
     full = make_trainer(tmp_path / "full", **settings).train()
     assert learning_metrics(resumed) == learning_metrics(full)
+
+
+def test_a_push_leaves_the_workers_weights_equal_to_the_trainers_in_its_own_tensors(tmp_path):
+    from hybridrl.parallel.weight_push import push_tensors, weights_checksum
+    from hybridrl.training.async_pipeline import RolloutWorker
+
+    trainer = make_trainer(tmp_path, trainer__total_steps=5, trainer__max_staleness=1)
+    pipeline = trainer.pipeline
+    worker = RolloutWorker(trainer, 1, first_step=1, last_step=5, version=0, lock=pipeline.lock,
+                           mailbox=pipeline.mailbox)  # not started: loaded by hand below
+    storages = [tensor.data_ptr() for tensor in push_tensors(worker.model)]
+    assert weights_checksum(worker.model) == weights_checksum(trainer.parts.actor)
+    with torch.no_grad():
+        for parameter in trainer.parts.actor.parameters():
+            parameter.add_(torch.randn_like(parameter) * 1e-3)  # an update
+    assert weights_checksum(worker.model) != weights_checksum(trainer.parts.actor)
+    trainer.step_count = 1
+    pipeline.push(1)
+    assert worker.load_version(1) and worker.version == 1
+    assert weights_checksum(worker.model) == weights_checksum(trainer.parts.actor)
+    assert storages == [tensor.data_ptr() for tensor in push_tensors(worker.model)]
+
+
+def test_benchmark_script_runs_both_sides_and_prints_its_table(tmp_path, capsys):
+    from benchmarks import async_pipeline
+
+    rows = async_pipeline.main(["--out", str(tmp_path), "--steps", "2", "--seeds", "0", "--eval-samples", "4",
+                                "--sft-steps", "2", "--reward-delay-s", "0.01", "--prompts", "2"])
+    assert [row["max_staleness"] for row in rows] == [0, 1]
+    assert "less wall-clock per step" in capsys.readouterr().out
