@@ -1,0 +1,168 @@
+"""Where a multi-turn rollout's time goes: `benchmarks/multiturn.py`'s runs with every runner phase timed on the host
+and, through CUDA events in stream order (no extra synchronisation), on the GPU.
+
+    python -m benchmarks.profiling.multiturn_trace [--loop path/to/multiturn.py] [benchmark flags, e.g. --quick]
+
+Runs single turn, then multi-turn with the engine's episode loop, and with `--loop` also an `EpisodeLoop` loaded
+from another file (an older version, say) in alternation, so both share the process and the GPU's clocks. For the
+last timed run of each it prints: wall seconds; GPU seconds inside decode blocks, prefills and observation
+prefills (`extend`), and their sum's complement (the GPU waiting for the host: syncs, harvests, tool waits,
+captures); decode steps and blocks, resume waves, and ms per decode step for each (batch, kv_len) bucket; host
+seconds in the loop's harvest, collect and resume and in graph captures. With $OUT set, every decode block and
+extend (host start, sizes, GPU ms) goes to $OUT/multiturn_trace.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import inspect
+import json
+import os
+import time
+
+import torch
+
+from benchmarks import multiturn as bench
+from benchmarks.rollout import GRPO_05B, TINY, build_model
+from hybridrl.rollout.engine import backend as backend_module
+from hybridrl.rollout.engine.backend import BuiltinBackend
+
+RUNNER_PHASES = ("prefill", "extend", "decode")
+LOOP_PHASES = ("_harvest", "_collect", "_resume")
+
+
+class Recorder:
+    """Host seconds and (CUDA) start/end events of each wrapped call, per run."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls: list[dict] = []
+        self.host = collections.Counter()
+        self.started = time.perf_counter()
+
+    def timed(self, name: str, fn, describe=lambda *a: {}):
+        recorder = self
+
+        def event():
+            if not torch.cuda.is_available():
+                return None
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+
+        if inspect.iscoroutinefunction(fn):
+            async def wrapped(*args, **kwargs):
+                start = time.perf_counter()
+                result = await fn(*args, **kwargs)
+                recorder.host[name] += time.perf_counter() - start
+                return result
+        else:
+            def wrapped(*args, **kwargs):
+                start, begin = time.perf_counter(), event()
+                result = fn(*args, **kwargs)
+                recorder.host[name] += time.perf_counter() - start
+                if name in RUNNER_PHASES:
+                    recorder.calls.append(dict(name=name, host_ms=1e3 * (start - recorder.started), begin=begin,
+                                               end=event(), **describe(*args)))
+                return result
+        return wrapped
+
+    def report(self, wall: float) -> dict:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        gpu = collections.Counter()
+        per_bucket: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+        for call in self.calls:
+            call["gpu_ms"] = call.pop("begin").elapsed_time(call.pop("end")) if call.get("begin") else 0.0
+            gpu[call["name"]] += call["gpu_ms"] / 1e3
+            if call["name"] == "decode":
+                bucket = per_bucket[f"{call['batch']}x{call['kv_len']}"]
+                bucket[0] += call["gpu_ms"]
+                bucket[1] += call["steps"]
+        busy = sum(gpu.values())
+        return dict(wall_s=wall, gpu_s=dict(gpu), gpu_waiting_s=wall - busy,
+                    host_s={k: round(v, 4) for k, v in self.host.items()},
+                    ms_per_step={k: round(ms / steps, 3) for k, (ms, steps) in per_bucket.items()},
+                    calls=self.calls)
+
+
+def instrument(engine: BuiltinBackend, recorder: Recorder, loops: list[type]) -> None:
+    runner = engine.runner
+    runner.decode = recorder.timed("decode", runner.decode, lambda b, k, s: dict(batch=b, kv_len=k, steps=s))
+    runner.extend = recorder.timed("extend", runner.extend, lambda r: dict(rows=len(r)))
+    runner.prefill = recorder.timed("prefill", runner.prefill, lambda p, a: dict(rows=len(a)))
+    runner.graphs.capture = recorder.timed("capture", runner.graphs.capture)
+    for loop in loops:
+        for name in LOOP_PHASES:
+            setattr(loop, name, recorder.timed(name, getattr(loop, name)))
+
+
+def load_loop(path: str) -> type:
+    spec = importlib.util.spec_from_file_location("other_multiturn_loop", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.EpisodeLoop
+
+
+def summary_line(name: str, run: dict, report: dict) -> str:
+    stats = run["stats"]
+    keys = ("decode_steps", "decode_blocks", "resume_waves", "observation_prefills", "prefill_tokens", "idle_s")
+    counts = ", ".join(f"{k} {stats.get(k)}" for k in keys if k in stats)
+    gpu = ", ".join(f"{k} {v:.3f}" for k, v in report["gpu_s"].items())
+    return (f"{name}: wall {report['wall_s']:.3f} s ({run['tokens_per_s']:,.0f} tok/s); GPU busy: {gpu}; GPU waiting "
+            f"{report['gpu_waiting_s']:.3f} s; {counts}\n    host s {report['host_s']}\n    ms/step by batch x "
+            f"kv_len {report['ms_per_step']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--loop", help="a file whose EpisodeLoop runs in alternation with the engine's own")
+    own, rest = parser.parse_known_args()
+    args = bench.parse_args(rest)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(device, TINY if args.tiny else GRPO_05B)
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len), generator=generator).tolist()
+    engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
+                            compile=False if args.no_compile else None, attention="sdpa")
+    loops = {"engine loop": backend_module.EpisodeLoop}
+    if own.loop:
+        loops["--loop"] = load_loop(own.loop)
+    recorder = Recorder()
+    instrument(engine, recorder, list(loops.values()))
+    original_time_best = bench.time_best
+
+    def time_best(fn, repeats):  # keep the trace of the last timed run only
+        best, result = float("inf"), None
+        for _ in range(repeats):
+            recorder.reset()
+            seconds, result = original_time_best(fn, 1)
+            best = min(best, seconds)
+            time_best.report = recorder.report(seconds)
+        return best, result
+
+    bench.time_best = time_best
+    results = {}
+    single = bench.run_single(engine, prompts, args)
+    results["single turn"] = (single, time_best.report)
+    for round_index in range(2 if own.loop else 1):
+        for name, loop in loops.items():
+            backend_module.EpisodeLoop = loop
+            run = bench.run_multiturn(engine, prompts, args)
+            results[f"multi-turn, {name}, round {round_index}"] = (run, time_best.report)
+            print(summary_line(f"multi-turn, {name}, round {round_index}", run, time_best.report), flush=True)
+    print()
+    for name, (run, report) in results.items():
+        print(summary_line(name, run, report))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "multiturn_trace.json"), "w") as handle:
+            json.dump({name: dict(stats=run["stats"], **report) for name, (run, report) in results.items()}, handle,
+                      default=str)
+
+
+if __name__ == "__main__":
+    main()
