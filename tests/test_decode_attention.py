@@ -143,12 +143,13 @@ def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool 
                                                      "BIAS")})
     signature.update({name: "*i64" for name in ("PROMPT_INDEX", "PROMPT_LEN", "RESPONSE_LEN")})
     signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride")}, qk_scale="fp32",
-                     prompt_columns="i32")
+                     prompt_columns="i32", split_len="i32", PART_ACC="*fp32", PART_ML="*fp32")
     pad = lambda value: max(decode_attention.MIN_DOT_ROWS, 1 << (value - 1).bit_length())  # noqa: E731
     constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=pad(group), BLOCK_D=pad(head_dim),
                      BLOCK_N=decode_attention.BLOCK_N, IEEE=dtype == "fp32",
                      WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope,  # the variants the engine runs
-                     PAGED=block_size is not None, BLOCK_SIZE=block_size or 1)
+                     PAGED=block_size is not None, BLOCK_SIZE=block_size or 1,
+                     NUM_SPLITS=16 if block_size else 1)  # the paged variant splits long responses
     return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
                                            target=GPUTarget("cuda", arch, 32),
                                            options=dict(num_warps=decode_attention.default_num_warps(

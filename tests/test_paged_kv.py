@@ -207,23 +207,29 @@ def test_paged_triton_kernel_matches_the_reference_in_interpret_mode():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_paged_kernel_and_engine_on_cuda():
-    """The compiled kernel (bf16 included, which the interpreter cannot check) on CUDA, and the engine with CUDA
-    graphs and compiled pieces: paged equals contiguous, with preemption forced."""
-    from hybridrl.rollout.kernels.paged_attention import triton_paged_decode_attention
+def test_paged_kernel_and_engine_on_cuda(monkeypatch):
+    """The compiled kernel (bf16 included, which the interpreter cannot check; with and without split-KV) on CUDA,
+    and the engine with CUDA graphs and compiled pieces: paged equals contiguous, with split-KV and with preemption
+    forced."""
+    from hybridrl.rollout.kernels import paged_attention
 
-    for seed, shape in enumerate(cases.CASES + [(512, 2, 6, 128, 64, 512, 300)]):  # last: Qwen2.5-1.5B's heads
-        for block_size in BLOCK_SIZES:
-            for dtype in (torch.float32, torch.bfloat16, torch.float16):
-                check_paged(triton_paged_decode_attention, seed, shape, block_size, dtype, cases.TOLERANCE[dtype],
-                            device="cuda")
+    # (shape, block size): Qwen2-0.5B's heads, an odd block size, Qwen2.5-1.5B's heads at the engine's block size.
+    shapes = [(cases.CASES[0], 16), (cases.CASES[1], 5), ((512, 2, 6, 128, 64, 512, 300), 64)]
+    for split_keys in (paged_attention.SPLIT_KEYS, 32):  # one program per (slot, head); split-KV
+        monkeypatch.setattr(paged_attention, "SPLIT_KEYS", split_keys)
+        for seed, (shape, block_size) in enumerate(shapes):
+            for dtype in (torch.float32, torch.bfloat16):
+                check_paged(paged_attention.triton_paged_decode_attention, seed, shape, block_size, dtype,
+                            cases.TOLERANCE[dtype], device="cuda")
     model = make_model("qwen2").cuda()
     prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(9)]
     params = SamplingParams(max_new_tokens=20, temperature=0.9, n=3, seed=5, ignore_eos=True,
                             stop_token_ids=list(range(0, 128, 5)))
     contiguous = BuiltinBackend(model, max_num_seqs=6, sync_every=3).generate(prompts, params)
     free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    for kv_cache_memory in (0.3, (50 * 8 * 512 + 1) / free):  # roomy, then 50 blocks of 8 (float32): preemptions
+    # roomy (split-KV over 8-key splits), then 50 blocks of 8 (float32): preemptions
+    for kv_cache_memory, split_keys in ((0.3, 8), ((50 * 8 * 512 + 1) / free, 512)):
+        monkeypatch.setattr(paged_attention, "SPLIT_KEYS", split_keys)
         engine = BuiltinBackend(model, kv_cache="paged", kv_block_size=8, sync_every=3, kv_cache_memory=kv_cache_memory)
         paged = engine.generate(prompts, params)
         stats = engine.last_stats

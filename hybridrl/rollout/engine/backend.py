@@ -125,7 +125,8 @@ class BuiltinBackend:
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  response_lengths: list[int] | None = None) -> list[Generation]:
         """`response_lengths` (one per sequence, prompt-major, each <= max_new_tokens): cap each response at its own
-        length (with `ignore_eos`, force it), as benchmarks of uneven lengths do."""
+        length (with `ignore_eos`, force it), as benchmarks of uneven lengths do; like a stop token, a length is
+        noticed at the next sync (no sync of its own), and the tokens sampled past it are dropped."""
         self._validate(prompts, params)
         num_sequences = len(prompts) * params.n
         if response_lengths is not None and (len(response_lengths) != num_sequences or not all(
@@ -135,7 +136,8 @@ class BuiltinBackend:
         stop_ids = sorted(set(params.stop_token_ids) | set(self._eos_ids(params)))
         num_slots = self.runner.begin(prompts, params, stop_ids)  # 1. weights, KV cache, per-slot state
         scheduler = Scheduler([i // params.n for i in range(num_sequences)], [len(p) for p in prompts], num_slots,
-                              self.runner.block_allocator(), self.sync_every, params.max_new_tokens, response_lengths)
+                              self.runner.block_allocator(), self.sync_every, params.max_new_tokens, response_lengths,
+                              limits_at_sync=True)
         results: list[Generation | None] = [None] * num_sequences
         finished = False
         try:
@@ -186,7 +188,7 @@ class BuiltinBackend:
         at_limit = any(s.limit is not None and s.generated >= s.limit for s in scheduler.live.values())
         if not (cut or at_limit or any(done[slot] for slot in scheduler.live)):
             return
-        tokens, logprobs = self.runner.read_outputs(rows)
+        tokens, logprobs = self.runner.read_outputs(rows, max(gen_len[slot] for slot in scheduler.live))
         finished = scheduler.harvest(done, tokens, stop_ids, cut)
         for item in finished:
             results[item.sequence.index] = Generation(item.sequence.prompt_index, tokens[item.slot, :item.length],

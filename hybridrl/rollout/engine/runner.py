@@ -427,13 +427,14 @@ class ModelRunner:
         self.run.timeline.mark("sync", last=True)
         return done, gen_len
 
-    def read_outputs(self, batch: int):
-        """Tokens and log-probs of slots 0..batch-1 as numpy rows (Python lists of a large batch cost host time
-        with the GPU idle; `Generation` makes them if asked). copy=True: on CPU `.cpu()` would return the state
-        itself, which later waves overwrite under the rows."""
+    def read_outputs(self, batch: int, columns: int | None = None):
+        """Tokens and log-probs of slots 0..batch-1 (their first `columns` positions: long responses make the full
+        rows large) as numpy rows (Python lists of a large batch cost host time with the GPU idle; `Generation` makes
+        them if asked). copy=True: on CPU `.cpu()` would return the state itself, which later waves overwrite under
+        the rows."""
         state = self.run.state
-        return (state.out_tokens[:batch].to("cpu", copy=True).numpy(),
-                state.out_logprobs[:batch].to("cpu", copy=True).numpy())
+        return (state.out_tokens[:batch, :columns].to("cpu", copy=True).numpy(),
+                state.out_logprobs[:batch, :columns].to("cpu", copy=True).numpy())
 
     def free(self, slots: list[int]) -> None:
         """Park freed slots (`DecodeState.free`) and point their block-table rows at scratch (paged layout)."""

@@ -100,9 +100,11 @@ class Scheduler:
 
     def __init__(self, prompt_indices: list[int], prompt_lens: list[int], num_slots: int,
                  blocks: BlockAllocator | None = None, window: int = 1, max_new_tokens: int = 1,
-                 limits: Sequence[int] | None = None) -> None:
+                 limits: Sequence[int] | None = None, limits_at_sync: bool = False) -> None:
         """`blocks` (paged layout) with `window`, the decode steps between syncs, and `max_new_tokens`: admission and
-        growth by blocks. `limits`: per-sequence caps on response tokens."""
+        growth by blocks. `limits`: per-sequence caps on response tokens. `limits_at_sync`: a sequence's limit is
+        checked at the syncs only, so it may run past it until the next one (the extra tokens are dropped), as a
+        sequence that stops on EOS idles until then; otherwise (multi-turn turns) a sync falls due at every limit."""
         self.waiting = deque(SequenceSlot(i, p, prompt_lens[p], limit=None if limits is None else limits[i])
                              for i, p in enumerate(prompt_indices))
         self.num_slots = num_slots
@@ -112,6 +114,7 @@ class Scheduler:
         self.paused: dict[int, SequenceSlot] = {}  # slot -> sequence waiting for its observation (multi-turn)
         self.entries = PromptEntries(prompt_entries_needed(len(set(prompt_indices)), num_slots))
         self.blocks, self.window, self.max_new_tokens = blocks, window, max_new_tokens
+        self.limits_at_sync = limits_at_sync
         self.admissions = self.preemptions = self.preempted_tokens = 0
 
     @property
@@ -208,7 +211,10 @@ class Scheduler:
         return sequence
 
     def _limit(self, sequence: SequenceSlot, max_new_tokens: int) -> int:
-        return max_new_tokens if sequence.limit is None else min(sequence.limit, max_new_tokens)
+        """The most tokens the device may sample for `sequence` before a sync (see `limits_at_sync`)."""
+        if sequence.limit is None or self.limits_at_sync:
+            return max_new_tokens
+        return min(sequence.limit, max_new_tokens)
 
     def steps_until_sync(self, sync_every: int, max_new_tokens: int) -> int:
         """Decode steps before the next host check: `sync_every`, or fewer when a sequence reaches its length

@@ -185,13 +185,20 @@ def triton_decode_attention(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     qkv_bias: torch.Tensor | None = None,
     paged: tuple[int, int] | None = None,
+    splits: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Launch the Triton kernel over a (B, Hkv) grid; same contract as `reference_decode_attention`.
 
     paged = (block_size, prompt_columns): the paged layout (`paged_attention.py`), where prompt_k is response_k is
     the block pool (blocks, Hkv, block_size, D) and `prompt_index` is the block table (B, columns): a slot's
     prompt key p lies in block table[b, p // block_size], its response key r in table[b, prompt_columns +
-    r // block_size], at offset (p or r) % block_size."""
+    r // block_size], at offset (p or r) % block_size.
+
+    splits = (num_splits, split_len): split-KV ("flash decoding") for long responses: program (b, h, s) attends to
+    response keys [s * split_len, (s + 1) * split_len) (split 0 also to the prompt and the new key) and leaves its
+    partial softmax state in a float32 buffer, which a second kernel combines; so one long sequence occupies
+    num_splits programs per KV head instead of one that walks its whole context alone (the tail of an uneven
+    batch). Splits past a slot's own length do no work."""
     if triton is None:
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
                           "use attention='sdpa' or the reference on machines without it.")
@@ -200,34 +207,42 @@ def triton_decode_attention(
                                                               new_kv, rope, qkv_bias)
     block_size, prompt_columns = paged or (1, 0)
     table_stride = prompt_index.stride(0) if paged else 0
-    _decode_attention_kernel[(batch, num_kv_heads)](
+    num_splits, split_len = splits or (1, 0)
+    group_pad, block_d = max(MIN_DOT_ROWS, _next_power_of_two(group)), max(MIN_DOT_ROWS, _next_power_of_two(head_dim))
+    part_acc = part_ml = out  # placeholders without splits
+    if num_splits > 1:
+        part_acc = torch.empty(batch, num_kv_heads, num_splits, group_pad, block_d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(batch, num_kv_heads, num_splits, 2, group_pad, dtype=torch.float32, device=q.device)
+    _decode_attention_kernel[(batch, num_kv_heads, num_splits)](
         q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out, fused,
-        cos, sin, bias, scale * math.log2(math.e), *strides, table_stride, prompt_columns,
-        GROUP=group, HEAD_DIM=head_dim,
-        GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_two(group)),
-        BLOCK_D=max(MIN_DOT_ROWS, _next_power_of_two(head_dim)),
+        cos, sin, bias, scale * math.log2(math.e), *strides, table_stride, prompt_columns, part_acc, part_ml,
+        split_len, GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=group_pad, BLOCK_D=block_d,
         BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, WRITE_NEW=new_kv is not None,
         ROPE=rope is not None, HAS_BIAS=rope is not None and qkv_bias is not None,
-        PAGED=paged is not None, BLOCK_SIZE=block_size,
+        PAGED=paged is not None, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         num_warps=default_num_warps(head_dim, paged is not None),
     )
+    if num_splits > 1:
+        _combine_splits_kernel[(batch, num_kv_heads)](
+            part_acc, part_ml, response_len, out, *out.stride()[:3], split_len, GROUP=group, HEAD_DIM=head_dim,
+            GROUP_PAD=group_pad, BLOCK_D=block_d, NUM_SPLITS=num_splits, WRITE_NEW=new_kv is not None)
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _attend(q, k_base, v_base, length, stride_l, m_i, l_i, acc, qk_scale, table, stride_block,
+    def _attend(q, k_base, v_base, begin, length, stride_l, m_i, l_i, acc, qk_scale, table, stride_block,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                 PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-        """Online-softmax update of (m_i, l_i, acc) over keys [0, length) of one (entry or slot, KV head).
+        """Online-softmax update of (m_i, l_i, acc) over keys [begin, length) of one (entry or slot, KV head).
 
         q (GROUP_PAD, BLOCK_D); m_i, l_i (GROUP_PAD,) float32 in log2 units; acc (GROUP_PAD, BLOCK_D) float32.
         PAGED: key i lies in block table[i // BLOCK_SIZE] (k_base then points at the pool's head), row i % BLOCK_SIZE.
         """
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        for start in range(0, length, BLOCK_N):  # device-side bound: only the slot's own keys are read
+        for start in range(begin, length, BLOCK_N):  # device-side bound: only the slot's own keys are read
             cols = start + offs_n
             kv_mask = (cols[:, None] < length) & (offs_d[None, :] < HEAD_DIM)
             rows = _key_rows(cols, length, stride_l, table, stride_block, PAGED, BLOCK_SIZE)
@@ -313,20 +328,23 @@ if triton is not None:
         stride_pe, stride_ph, stride_pl,
         stride_rb, stride_rh, stride_rl,
         stride_ob, stride_oh, stride_og,
-        stride_nb, stride_nkv, stride_nh, stride_cb, stride_tb, prompt_columns,
+        stride_nb, stride_nkv, stride_nh, stride_cb, stride_tb, prompt_columns, PART_ACC, PART_ML, split_len,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr,
         ROPE: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         PAGED: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
     ):
         """One (slot, KV head): the prompt entry's keys, then the slot's response keys, one softmax.
         With WRITE_NEW the last response key/value (index response_len - 1) comes from NEW_KV: it is
         attended from registers and stored into the cache, so the cache write needs no kernel of its own
         (and this program never reads what it writes). With ROPE, Q and NEW_KV are raw projections: the
         bias rows (BIAS (H + 2 Hkv, D), HAS_BIAS) are added and RoPE applied (COS, SIN (B, D)) on load.
-        PAGED: PROMPT_INDEX is the block table (B, columns) and PK is RK, the block pool (see the wrapper)."""
+        PAGED: PROMPT_INDEX is the block table (B, columns) and PK is RK, the block pool (see the wrapper).
+        NUM_SPLITS > 1: this program is split program_id(2) of the slot's response keys (see the wrapper); split 0 also
+        takes the prompt and the new key; the partial state goes to PART_ACC / PART_ML."""
         slot = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         offs_g = tl.arange(0, GROUP_PAD)
@@ -351,16 +369,23 @@ if triton is not None:
         else:
             prompt = tl.load(PROMPT_INDEX + slot).to(tl.int64) * stride_pe + head * stride_ph
             response = slot * stride_rb + head * stride_rh
-        m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, tl.load(PROMPT_LEN + slot).to(tl.int32), stride_pl,
+        split = tl.program_id(2)
+        prompt_len = tl.where(split == 0, tl.load(PROMPT_LEN + slot).to(tl.int32), 0)
+        m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, 0, prompt_len, stride_pl,
                                 m_i, l_i, acc, qk_scale, table, stride_pe, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE,
                                 PAGED, BLOCK_SIZE)
         response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
         cached = response_len - 1 if WRITE_NEW else response_len
-        m_i, l_i, acc = _attend(q, RK + response, RV + response, cached, stride_rl, m_i, l_i, acc, qk_scale,
+        begin, end = 0, cached
+        if NUM_SPLITS > 1:
+            begin = split * split_len
+            end = tl.minimum(cached, begin + split_len)
+        m_i, l_i, acc = _attend(q, RK + response, RV + response, begin, end, stride_rl, m_i, l_i, acc, qk_scale,
                                 table + prompt_columns, stride_rb, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE, PAGED, BLOCK_SIZE)
         if WRITE_NEW:
             new = NEW_KV + slot * stride_nb + head * stride_nh
-            write = cached >= 0
+            new_at = tl.where(split == 0, cached, -1)  # only split 0 stores and attends the new key
+            write = new_at >= 0
             if ROPE:
                 num_heads = tl.num_programs(1) * GROUP
                 one = tl.arange(0, 1)
@@ -374,9 +399,50 @@ if triton is not None:
                              .to(tl.float32)).to(RV.dtype.element_ty)
             else:
                 k_new, v_new = _load_new(new, stride_nkv, write, HEAD_DIM, BLOCK_D)
-            m_i, l_i, acc = _attend_new(q, RK + response, RV + response, k_new, v_new, stride_rl, cached,
+            m_i, l_i, acc = _attend_new(q, RK + response, RV + response, k_new, v_new, stride_rl, new_at,
                                         m_i, l_i, acc, qk_scale, table + prompt_columns, stride_rb, HEAD_DIM, BLOCK_D,
                                         PAGED, BLOCK_SIZE)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
+        if NUM_SPLITS > 1:  # the partial state of a split that holds keys (split 0 always), for the combine kernel
+            part = (slot * tl.num_programs(1) + head) * NUM_SPLITS + split
+            holds = (split == 0) | (begin < cached)
+            tl.store(PART_ACC + part * GROUP_PAD * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc,
+                     mask=holds)
+            tl.store(PART_ML + part * 2 * GROUP_PAD + offs_g, m_i, mask=holds)
+            tl.store(PART_ML + part * 2 * GROUP_PAD + GROUP_PAD + offs_g, l_i, mask=holds)
+        else:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
+            tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
+                     out.to(OUT.dtype.element_ty), mask=row_mask)
+
+    @triton.jit
+    def _combine_splits_kernel(PART_ACC, PART_ML, RESPONSE_LEN, OUT, stride_ob, stride_oh, stride_og, split_len,
+                               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr,
+                               BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_NEW: tl.constexpr):
+        """One (slot, KV head): merge the partial softmax states of the splits that hold keys into the output."""
+        slot = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, BLOCK_D)
+        response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
+        cached = response_len - 1 if WRITE_NEW else response_len
+        count = tl.maximum(1, tl.cdiv(tl.maximum(cached, 0), split_len))
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+        first = (slot * tl.num_programs(1) + head) * NUM_SPLITS
+        for split in range(0, count):
+            part = first + split
+            m_s = tl.load(PART_ML + part * 2 * GROUP_PAD + offs_g)
+            l_s = tl.load(PART_ML + part * 2 * GROUP_PAD + GROUP_PAD + offs_g)
+            acc_s = tl.load(PART_ACC + part * GROUP_PAD * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :])
+            m_new = tl.maximum(m_i, m_s)
+            seen = m_new > float("-inf")  # both -inf: nothing seen yet (a split 0 without keys)
+            alpha = tl.where(seen, tl.math.exp2(m_i - m_new), 0.0)
+            beta = tl.where(seen, tl.math.exp2(m_s - m_new), 0.0)
+            l_i = l_i * alpha + l_s * beta
+            acc = acc * alpha[:, None] + acc_s * beta[:, None]
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        row_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
         tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_mask)
