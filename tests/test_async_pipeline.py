@@ -130,6 +130,19 @@ def test_a_failing_worker_ends_the_run_naming_it(tmp_path):
         trainer.train()
 
 
+def test_a_hanging_worker_ends_the_run_naming_it_within_the_hang_timeout(tmp_path):
+    def stuck_reward(prompts, completions, **columns):
+        time.sleep(30)
+        return contains_seven(prompts, completions)
+
+    trainer = make_trainer(tmp_path, reward=stuck_reward, trainer__total_steps=2, trainer__max_staleness=1,
+                           trainer__hang_timeout_s=2)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rollout worker .* produced nothing for 2 s before the batch of step 1"):
+        trainer.train()
+    assert time.monotonic() - start < 2 + 10  # the bound, the worker's start-up and one poll
+
+
 def test_max_staleness_is_checked(tmp_path):
     with pytest.raises(ConfigError, match="trainer.max_staleness must be >= 0"):
         make_trainer(tmp_path, trainer__max_staleness=-1)
