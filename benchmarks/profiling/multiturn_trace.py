@@ -9,7 +9,8 @@ last timed run of each it prints: wall seconds; GPU seconds inside decode blocks
 prefills (`extend`), and their sum's complement (the GPU waiting for the host: syncs, harvests, tool waits,
 captures); decode steps and blocks, resume waves, and ms per decode step for each (batch, kv_len) bucket; host
 seconds in the loop's harvest, collect and resume and in graph captures. With $OUT set, every decode block and
-extend (host start, sizes, GPU ms) goes to $OUT/multiturn_trace.json.
+extend (host start, sizes, GPU ms) goes to $OUT/multiturn_trace.json. Ends with the benchmark's own table for the
+engine loop's (last) run.
 """
 
 from __future__ import annotations
@@ -158,6 +159,12 @@ def main() -> None:
     print()
     for name, (run, report) in results.items():
         print(summary_line(name, run, report))
+    bandwidth, peak = args.bandwidth_tbs * 1e12, args.peak_tflops * 1e12
+    multi = results[f"multi-turn, engine loop, round {1 if own.loop else 0}"][0]
+    bench.print_table(dict(args=vars(args), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                           single=single, multi=multi, ratio=multi["tokens_per_s"] / single["tokens_per_s"],
+                           floor_single=bench.floor(model, args, False, bandwidth, peak),
+                           floor_multi=bench.floor(model, args, True, bandwidth, peak)))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "multiturn_trace.json"), "w") as handle:
             json.dump({name: dict(stats=run["stats"], **report) for name, (run, report) in results.items()}, handle,

@@ -172,13 +172,30 @@ def extend(w: ModelWeights, kv_cache: torch.Tensor, cos_table: torch.Tensor, sin
         kv_cache[layer_index, 0][slots[:, None], :, positions] = k
         kv_cache[layer_index, 1][slots[:, None], :, positions] = v
         keys, values = kv_cache[layer_index, 0, slots, :, :kv_end], kv_cache[layer_index, 1, slots, :, :kv_end]
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=visible[:, None],
-                                              enable_gqa=True)  # (P, heads, L, D)
-        h = h + _linear(attn.transpose(1, 2).reshape(num_rows, length, w.num_heads * w.head_dim), lw.o_weight,
-                        lw.o_bias, lw.o_lora)
+        attn = _masked_gqa_attention(q, keys, values, visible)  # (P, L, heads, D)
+        h = h + _linear(attn.reshape(num_rows, length, w.num_heads * w.head_dim), lw.o_weight, lw.o_bias, lw.o_lora)
         h = h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
     last = h[torch.arange(num_rows, device=h.device), lengths - 1]  # (P, hidden)
     return F.linear(rms_norm(last, w.final_norm, w.rms_eps), w.lm_head).float()
+
+
+def _masked_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          visible: torch.Tensor) -> torch.Tensor:
+    """`extend`'s attention as two batched matmuls and a float32 softmax: q (P, L, H, D), keys/values
+    (P, Hkv, K, D), visible (P, L, K) -> (P, L, H, D). Not SDPA: with a mask and grouped heads on CUDA it picked a
+    backend that paid tens of milliseconds of setup for every new (rows, key length), and every resume brings
+    one. The query heads sharing a KV head are folded into the query axis (as decode does), so keys are not
+    repeated."""
+    rows, length, num_heads, head_dim = q.shape
+    num_kv_heads, key_len = keys.shape[1], keys.shape[2]
+    group = num_heads // num_kv_heads
+    folded = q.view(rows, length, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # (P, Hkv, group, L, D)
+    scores = torch.matmul(folded.reshape(rows, num_kv_heads, group * length, head_dim), keys.transpose(-1, -2))
+    scores = scores.float().view(rows, num_kv_heads, group, length, key_len) * head_dim**-0.5
+    scores.masked_fill_(~visible[:, None, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).to(values.dtype).view(rows, num_kv_heads, group * length, key_len)
+    out = torch.matmul(weights, values).view(rows, num_kv_heads, group, length, head_dim)
+    return out.permute(0, 3, 1, 2, 4).reshape(rows, length, num_heads, head_dim)
 
 
 def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, pending: tuple[torch.Tensor, ...],

@@ -17,11 +17,14 @@ Where multi-turn time goes besides decoding, and what the loop does about it:
   one after another). Resuming whichever answered first and decoding a block for them makes the rest wait a whole
   block (a decode step costs the same for the batch bucket whatever its live share), and the episodes drift apart
   for good: every later turn ends in two or more waves, each costing extra steps. So when nothing is live, the
-  loop waits for the first answer and then for stragglers until none has come for `GATHER_QUIET_S`, and resumes
-  them as one wave; after a decode block it yields to the event loop twice (a timer's callback, then the task it
-  wakes), so answers already due join the next block. `last_stats` reports `resume_waves` and `decode_blocks`.
-- Environment steps start while the harvest is still recording the other turns (a yield every
-  `_START_EVERY` ended turns), so a tool's latency overlaps the host's bookkeeping of the rest.
+  loop waits for the first answer and then for stragglers until none has come for a tenth of a full decode block
+  (at least `GATHER_QUIET_S`): waiting costs those already back at most that, not waiting costs a straggler a
+  whole block. It resumes them as one wave; after a decode block it yields to the event loop twice (a timer's
+  callback, then the task it wakes), so answers already due join the next block. `last_stats` reports
+  `resume_waves` and `decode_blocks`.
+- Environment steps start while the harvest is still recording the other turns (a yield every `_START_EVERY`
+  ended turns, often enough that the answers of one harvest come back closer together than the quiet gap), so a
+  tool's latency overlaps the host's bookkeeping of the rest.
 - Slots of ended episodes are freed in one call per collection, not one per episode.
 
 Choices:
@@ -49,8 +52,9 @@ from hybridrl.rollout.multiturn import EpisodeRun, close_runs
 
 _SEED_STRIDE = 1_000_003
 GATHER_QUIET_S = 0.002
-"""With nothing live, environment answers that follow each other by less than this are resumed as one wave."""
-_START_EVERY = 32
+"""With nothing live, environment answers that follow each other by less than this (or a tenth of a full decode
+block, if longer) are resumed as one wave."""
+_START_EVERY = 8
 
 
 class EpisodeLoop:
@@ -72,6 +76,7 @@ class EpisodeLoop:
         self.seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
         self.device = device
         self.resume_waves = self.decode_blocks = 0
+        self.step_seconds = 0.0  # wall time per decode step of the latest block, its harvest included
 
     async def run(self) -> list[Episode]:
         runner, params = self.runner, self.params
@@ -92,9 +97,11 @@ class EpisodeLoop:
                 self._resume(scheduler)  # 3.
                 if scheduler.live:
                     steps = scheduler.steps_until_sync(self.backend.sync_every, params.max_new_tokens)  # 4.
+                    started = time.perf_counter()
                     runner.decode(scheduler.batch_size(), runner.kv_len(scheduler.furthest_position() + steps), steps)
                     self.decode_blocks += 1
                     await self._harvest(scheduler)  # 5.
+                    self.step_seconds = (time.perf_counter() - started) / steps
                     runner.move(scheduler.compaction_moves())
                     for _ in range(2):  # answers already due: the timer's callback, then the task it wakes
                         await asyncio.sleep(0)
@@ -115,9 +122,10 @@ class EpisodeLoop:
     async def _gather_answers(self) -> None:
         """Nothing is live: wait for the first environment answer, then for those that follow it closely (see the
         module docstring), so that turns which ended together resume together."""
+        quiet = max(GATHER_QUIET_S, 0.1 * self.step_seconds * self.backend.sync_every)
         _, waiting = await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
         while waiting:
-            answered, waiting = await asyncio.wait(waiting, timeout=GATHER_QUIET_S, return_when=asyncio.FIRST_COMPLETED)
+            answered, waiting = await asyncio.wait(waiting, timeout=quiet, return_when=asyncio.FIRST_COMPLETED)
             if not answered:
                 return
 
