@@ -76,7 +76,7 @@ class EpisodeLoop:
         self.seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
         self.device = device
         self.resume_waves = self.decode_blocks = 0
-        self.step_seconds = 0.0  # wall time per decode step of the latest block, its harvest included
+        self.step_seconds = 0.0  # wall time per decode step of the latest full block
 
     async def run(self) -> list[Episode]:
         runner, params = self.runner, self.params
@@ -101,7 +101,8 @@ class EpisodeLoop:
                     runner.decode(scheduler.batch_size(), runner.kv_len(scheduler.furthest_position() + steps), steps)
                     self.decode_blocks += 1
                     await self._harvest(scheduler)  # 5.
-                    self.step_seconds = (time.perf_counter() - started) / steps
+                    if steps == self.backend.sync_every:  # a full block; a short one is mostly its harvest
+                        self.step_seconds = (time.perf_counter() - started) / steps
                     runner.move(scheduler.compaction_moves())
                     for _ in range(2):  # answers already due: the timer's callback, then the task it wakes
                         await asyncio.sleep(0)
