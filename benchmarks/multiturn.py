@@ -12,7 +12,8 @@ samples `turns x turn_len` tokens per sequence from the same prompts with `gener
 path a single-turn GRPO step takes. Both are timed after a warm-up call (compilation, CUDA graphs), the best of
 `--repeats`.
 
-Reported: sampled tokens/s of each and their ratio (the goal is >= 0.8), the engine's idle time (waiting with
+Reported: sampled tokens/s of each and their ratio (the goal is >= 0.8; the seconds include each call's
+CUDA-graph capture, `warm-up s`, as in `rollout.py`), the engine's idle time (waiting with
 nothing to decode: every sequence paused on its tool), the prefill tokens (prompts once each, then only the
 observations and each turn's last sampled token: no context is recomputed), and the hardware floor of each,
 computed as in `benchmarks/rollout.py` (every decode step reads the weights and each sequence's KV; prefill at
@@ -209,12 +210,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def print_table(result: dict) -> None:
-    rows = [("run", "sampled tokens", "seconds", "tokens/s", "engine idle s", "prefill tokens", "floor s",
+    rows = [("run", "sampled tokens", "seconds", "tokens/s", "engine idle s", "prefill tokens", "warm-up s", "floor s",
              "% of floor")]
     for name, key in (("single turn", "single"), (f"{result['args']['turns']} turns + tool", "multi")):
         run, bound = result[key], result[f"floor_{key}"]
         rows.append((name, f"{run['sampled_tokens']}", f"{run['seconds']:.3f}", f"{run['tokens_per_s']:,.0f}",
-                     f"{run['idle_s'] or 0:.3f}", f"{run['prefill_tokens']}", f"{bound['seconds']:.3f}",
+                     f"{run['idle_s'] or 0:.3f}", f"{run['prefill_tokens']}", f"{run['stats'].get('warmup_s', 0):.3f}",
+                     f"{bound['seconds']:.3f}",
                      f"{100 * bound['seconds'] / run['seconds']:.1f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print(f"\n== multi-turn vs single-turn on {result['device']} (goal: ratio >= 0.8)")
