@@ -10,7 +10,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,8 +181,14 @@ def ray_job(mode: str) -> tuple[int, int, float]:
     total = torch.zeros(1)
     if setup.rank == 1 and mode == "late":
         time.sleep(120)  # stopped before its first heartbeat
-    for _ in range(5):
+    for step in range(5):
         watchdog.heartbeat()
+        if mode.startswith("stop:") and step == 2:  # rank 1 stopped whole while it waits in the all-reduce
+            if setup.rank == 0:
+                time.sleep(2.0)  # computing, under the hang timeout
+            else:
+                Path(mode[5:]).write_text(str(os.getpid()))
+                threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGSTOP)).start()
         if setup.rank == 1 and mode == "die":
             os._exit(3)
         if setup.rank == 1 and mode == "hang":
@@ -213,6 +221,22 @@ def test_ray_rank_without_a_heartbeat_is_named_once_another_rank_trains(ray_clus
     start = time.monotonic()
     with pytest.raises(LaunchError, match=r"rank 1 made no progress for [0-9]+ s \(before its first heartbeat"):
         launch.run_ray(ray_job, ("late",), 2, use_gpu=False, hang_timeout_s=3, startup_grace_s=180)
+    assert time.monotonic() - start < 60
+
+
+def test_ray_rank_stopped_inside_a_collective_is_named(ray_cluster, tmp_path):
+    """The driver's probes of a SIGSTOPped actor go unanswered: it is named although its last answer said "waiting"."""
+    pid_file = tmp_path / "rank1.pid"
+    start = time.monotonic()
+    try:
+        with pytest.raises(LaunchError, match=r"rank 1 made no progress .*stopped answering.*rank 0 wait\(s\) for it"):
+            launch.run_ray(ray_job, (f"stop:{pid_file}",), 2, use_gpu=False, hang_timeout_s=3, startup_grace_s=180)
+    finally:
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     assert time.monotonic() - start < 60
 
 
