@@ -89,9 +89,10 @@ def stop_at(work: Path, step: int, hang_timeout_s: float | None, limit_s: float)
             time.sleep(0.05)
         ended_after = time.monotonic() - stopped_at if launcher.poll() is not None else None
     finally:
-        for group in [launcher.pid, *child_pids(launcher.pid)]:  # torchrun's agent leads a session of its own
-            try:
-                os.killpg(group, signal.SIGKILL)  # the stopped rank included
+        agents = child_pids(launcher.pid)
+        for pid in [pid for agent in agents for pid in child_pids(agent)] + agents + [launcher.pid]:
+            try:  # the ranks (the stopped one included) and torchrun's agent run in sessions of their own
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         launcher.wait()

@@ -324,7 +324,11 @@ def test_a_rank_stopped_inside_a_collective_is_named(tmp_path):
             if "hybridrl:" in line or time.monotonic() - start > 80:
                 break
     finally:
-        os.killpg(agent.pid, signal.SIGKILL)
+        for pid in [*launch.child_pids(agent.pid), agent.pid]:  # the ranks run in sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         agent.wait()
     stderr = "".join(lines)
     assert "hybridrl: rank 1 made no progress" in stderr and "stopped answering" in stderr, stderr[-3000:]
