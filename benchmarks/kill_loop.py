@@ -46,6 +46,7 @@ SETTINGS = dict(rollout__max_new_tokens=4, rollout__num_samples_per_prompt=4, tr
                 actor__micro_batch_size=16, trainer__device="cpu", logging__sinks=["jsonl"], actor__lr=1e-2,
                 algorithm__kl_coef=0.1, actor__lr_schedule="cosine", trainer__save_every=1, trainer__keep_last_n=2,
                 trainer__divergence_check=False)
+MODEL_FILE = Path("model") / "model.safetensors"
 MAX_ENTRY = 3
 """A phase of a step is hit at its first, second or third entry in an attempt: attempts finish (and checkpoint) up to
 two steps before the kill, so most resumes load a real checkpoint."""
@@ -150,7 +151,7 @@ def kill_loop(work_dir: Path, kills: int, total_steps: int, seed: int) -> dict[s
         "half_written_checkpoints": sum(event["half_written_checkpoint"] for event in events),
         "resumed_attempts": sum(event["resumed_from"] is not None for event in events),
         "metrics_equal": rows == reference_rows, "steps": steps, "steps_expected": list(range(1, total_steps + 1)),
-        "model_equal": sha256(killed / "model" / "model.safetensors") == sha256(reference / "model" / "model.safetensors"),
+        "model_equal": sha256(killed / MODEL_FILE) == sha256(reference / MODEL_FILE),
         "leftover_temporary_dirs": len(list((killed / "checkpoints").glob(".tmp-step_*"))),
         "resume_s": [value for value in resumes if value is not None],
         "reference_s": reference_s, "final_attempt_s": final_s,
@@ -174,7 +175,8 @@ def report(result: dict[str, Any]) -> str:
     if result["resume_s"]:
         lines.append(f"perf/resume_s of the resumes that reached a step: {len(result['resume_s'])}, "
                      f"max {max(result['resume_s']):.3f} s")
-    lines.append(f"uninterrupted run {result['reference_s']:.1f} s; last (completing) attempt {result['final_attempt_s']:.1f} s")
+    lines.append(f"uninterrupted run {result['reference_s']:.1f} s; "
+                 f"last (completing) attempt {result['final_attempt_s']:.1f} s")
     return "\n".join(lines)
 
 

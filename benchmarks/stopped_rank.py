@@ -38,7 +38,8 @@ logging: {sinks: [jsonl]}
 
 
 def rank_pid(launcher: int, rank: int) -> int | None:
-    """The pid of worker `rank`: a child of torchrun's agent (the launcher's child) with RANK=rank in its environment."""
+    """The pid of worker `rank`: a child of torchrun's agent (the launcher's child) with RANK=rank in its
+    environment."""
     for agent in child_pids(launcher):
         for pid in child_pids(agent):
             try:
@@ -103,7 +104,8 @@ def stop_at(work: Path, step: int, hang_timeout_s: float | None, limit_s: float)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stop-at", type=int, nargs="+", default=[2, 25], help="steps after which rank 1 is stopped")
-    parser.add_argument("--hang-timeout", type=float, default=None, help="trainer.hang_timeout_s (default: the config's)")
+    parser.add_argument("--hang-timeout", type=float, default=None,
+                        help="trainer.hang_timeout_s (default: the config's)")
     parser.add_argument("--limit", type=float, default=None, help="give up this long after the SIGSTOP")
     args = parser.parse_args(argv)
     timeout = args.hang_timeout if args.hang_timeout is not None else 900.0
