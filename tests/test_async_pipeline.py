@@ -65,6 +65,22 @@ def test_staleness_one_trains_on_batches_one_version_old_and_differs_from_synchr
     assert learning_metrics(again) == learning_metrics(history)
 
 
+def test_the_worker_in_its_own_process_gives_the_thread_workers_metrics(tmp_path):
+    """`trainer.rollout_worker=process`: a spawned process (gloo rank 1) generates; each version reaches it in a
+    bucketed broadcast and the batches come back to be scored. Same schedule, same metrics as the thread."""
+    settings = dict(trainer__total_steps=4, trainer__max_staleness=1, algorithm__rollout_correction_cap=2.0)
+    thread = make_trainer(tmp_path / "thread", **settings).train()
+    process = make_trainer(tmp_path / "process", trainer__rollout_worker="process", **settings).train()
+    assert [row["rollout/staleness_max"] for row in process] == [0.0, 1.0, 1.0, 1.0]
+    # The same tokens are sampled (rewards and lengths equal); the sampler's log-probs, computed in another process,
+    # differ in their last bits (measured: 3e-7 relative), and with them what is computed from them.
+    for ours, theirs in zip(learning_metrics(process), learning_metrics(thread), strict=True):
+        assert ours.keys() == theirs.keys()
+        assert {k: v for k, v in ours.items() if k.startswith(("reward/", "rollout/response", "rollout/stale"))} == \
+            {k: v for k, v in theirs.items() if k.startswith(("reward/", "rollout/response", "rollout/stale"))}
+        assert all(ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-9) for key in ours), (ours, theirs)
+
+
 def test_a_slow_reward_overlaps_with_the_update(tmp_path):
     """The reward sleeps; with k=1 the worker's sleep runs while the trainer updates, so the trainer's wait for
     a batch (`timing/rollout_s`) is shorter than the worker's reward time."""
@@ -80,10 +96,11 @@ def test_a_slow_reward_overlaps_with_the_update(tmp_path):
     assert waited < worked - 0.3 * len(later) * 0.5, (waited, worked)
 
 
-def test_checkpoint_holds_the_queue_and_resume_equals_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_checkpoint_holds_the_queue_and_resume_equals_an_uninterrupted_run(tmp_path, worker):
     """SIGTERM (sent when the worker scores the batch of step 4, so the trainer stops after step 2 or 3, whichever it
     is in) saves a checkpoint with the batches generated ahead; resuming gives the uninterrupted run's metrics."""
-    settings = dict(trainer__max_staleness=2, trainer__total_steps=6)
+    settings = dict(trainer__max_staleness=2, trainer__total_steps=6, trainer__rollout_worker=worker)
     full = make_trainer(tmp_path / "full", **settings).train()
     scored = []
 
@@ -128,6 +145,21 @@ def test_a_failing_worker_ends_the_run_naming_it(tmp_path):
     trainer = make_trainer(tmp_path, reward=broken_reward, trainer__total_steps=2, trainer__max_staleness=1)
     with pytest.raises(RuntimeError, match="rollout worker .* failed while producing the batch of step 1"):
         trainer.train()
+
+
+def test_a_killed_rollout_process_ends_the_run_naming_it(tmp_path):
+    trainer = None
+
+    def reward_then_kill(prompts, completions, **columns):
+        os.kill(trainer.pipeline.worker.process.pid, signal.SIGKILL)
+        return contains_seven(prompts, completions)
+
+    trainer = make_trainer(tmp_path, reward=reward_then_kill, trainer__total_steps=4, trainer__max_staleness=1,
+                           trainer__rollout_worker="process")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rollout worker \(process \d+, rank 1\) failed .* went away"):
+        trainer.train()
+    assert time.monotonic() - start < FAST["trainer__hang_timeout_s"]
 
 
 def test_a_hanging_worker_ends_the_run_naming_it_within_the_hang_timeout(tmp_path):

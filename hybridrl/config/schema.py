@@ -417,6 +417,10 @@ class TrainerConfig:
     scores the next batches while the trainer updates, each batch with weights exactly k updates older than the
     trainer's (`training/async_pipeline.py`); correct for it with algorithm.rollout_correction_cap and/or
     algorithm.rollout_sequence_mask_threshold. Logged as `rollout/staleness_*` and `perf/weight_push_s`."""
+    rollout_worker: Literal["thread", "process"] = "thread"
+    """With max_staleness > 0, where the rollout worker runs: a thread of the training process with a copy of the
+    actor, or a process of its own (`training/rollout_process.py`) that gets each new version in bucketed
+    broadcasts (gloo on CPU) and sends its batches back; both give the same metrics."""
     divergence_check: bool = True
     """Stop the run before its checkpoint when a step shows it blowing up (`training/divergence.py`): non-finite
     losses, gradient norms, entropy or weights, or one of the bounds below; nothing is saved over the last good step."""

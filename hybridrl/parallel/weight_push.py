@@ -29,16 +29,23 @@ class RolloutPeerError(RuntimeError):
     """The other side of a split trainer/rollout run failed or went away; the message names its rank."""
 
 
-def push_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The model's parameters and buffers in `state_dict` order, each storage once (tied embeddings)."""
+def push_names(model: torch.nn.Module) -> list[str]:
+    """The `state_dict` names of what a push moves, in order: parameters and buffers, each storage once (tied
+    embeddings travel once)."""
     seen: set[tuple[int, int]] = set()
-    tensors = []
-    for tensor in model.state_dict().values():
+    names = []
+    for name, tensor in model.state_dict().items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
         if key not in seen:
             seen.add(key)
-            tensors.append(tensor)
-    return tensors
+            names.append(name)
+    return names
+
+
+def push_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors of `push_names`, the model's own (a receiver's push writes into them)."""
+    state = model.state_dict()
+    return [state[name] for name in push_names(model)]
 
 
 def buckets(sizes_bytes: list[int], dtypes: list[Any], bucket_bytes: int) -> list[list[int]]:
@@ -56,13 +63,18 @@ def buckets(sizes_bytes: list[int], dtypes: list[Any], bucket_bytes: int) -> lis
     return groups
 
 
-@torch.no_grad()
 def push_weights(model: torch.nn.Module, source: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  group: Any = None) -> dict[str, float]:
     """Every rank of `group` calls this with the same model structure: rank `source` sends its tensors, the
-    others receive them into their model's own tensors. Returns `perf/weight_push_s` and the bytes moved."""
+    others receive them into their model's own tensors. Returns `perf/weight_push_s` and the GiB moved."""
+    return broadcast_tensors(push_tensors(model), source, bucket_bytes, group)
+
+
+@torch.no_grad()
+def broadcast_tensors(tensors: list[torch.Tensor], source: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      group: Any = None) -> dict[str, float]:
+    """`push_weights` over a list of tensors (the sender may pass a snapshot of its model's, in push order)."""
     start = time.perf_counter()
-    tensors = push_tensors(model)
     sending = dist.get_rank() == source
     total, device = 0, tensors[0].device if tensors else torch.device("cpu")
     for indices in buckets([t.numel() * t.element_size() for t in tensors], [t.dtype for t in tensors], bucket_bytes):

@@ -165,35 +165,103 @@ class WeightMailbox:
             self.condition.notify_all()
 
 
-class RolloutWorker(threading.Thread):
-    """Generates and scores the batches of steps `first_step`..`last_step` in order (see the module docstring)."""
+class BatchQueue:
+    """The scored batches a worker has ready, by step, and the error that stopped it; the trainer's side waits here."""
+
+    label = "rollout worker"
+    """How errors name the worker."""
+
+    def __init__(self) -> None:
+        self.condition = threading.Condition()
+        self.ready: dict[int, Trajectories] = {}
+        self.error: BaseException | None = None
+
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def deliver(self, step: int, item: Trajectories) -> None:
+        with self.condition:
+            self.ready[step] = item
+            self.condition.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """Hand `error` to the trainer, which raises it with the worker named."""
+        with self.condition:
+            self.error = error
+            self.condition.notify_all()
+
+    def wait_for(self, step: int, timeout_s: float) -> Trajectories:
+        """The batch of `step` once it is ready; raises, naming the worker, if it failed or stopped."""
+        deadline = time.monotonic() + timeout_s
+        with self.condition:
+            while step not in self.ready:
+                if self.error is not None:
+                    raise RuntimeError(f"the {self.label} failed while producing the batch of step {step}: "
+                                       f"{type(self.error).__name__}: {self.error}") from self.error
+                if not self.alive() or time.monotonic() > deadline:
+                    state = "stopped" if not self.alive() else f"produced nothing for {timeout_s:.0f} s"
+                    raise RuntimeError(f"the {self.label} {state} before the batch of step {step}; stopping the run "
+                                       "(trainer.hang_timeout_s)")
+                self.condition.wait(POLL_S)
+            return self.ready.pop(step)
+
+    def peek(self, step: int, timeout_s: float) -> Trajectories:
+        """The batch of `step`, left in place (for a checkpoint)."""
+        item = self.wait_for(step, timeout_s)
+        with self.condition:
+            self.ready[step] = item
+        return item
+
+
+def generate_batch(backend: Any, parts: Any, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutBatch:
+    """One step's responses as a batch on the CPU, with their texts: what `RLTrainer.rollout` builds."""
+    generations = sharding.generate_sharded(backend, prompt_ids, params, DistributedSetup(),
+                                            decode=lambda share: decode_responses(parts.tokenizer, share))
+    backend.release_memory()
+    batch = build_rollout_batch(prompt_ids, generations, parts.pad_token_id, params.max_new_tokens, sampling=params)
+    batch.texts = [generation.text for generation in generations]
+    return batch
+
+
+def score_batch(trainer: Any, step: int, version: int, indices: list[int], sampler_state: dict[str, int],
+                batch: RolloutBatch, generate_s: float) -> Trajectories:
+    """The batch scored by the trainer's rewards (`RLTrainer.score`), as the trainer takes it."""
+    start = time.perf_counter()
+    reward_metrics = {key: float(value) for key, value in
+                      trainer.score(batch, trainer.parts.dataset.batch(indices)).items()}
+    batch.scores = batch.scores.cpu()
+    return Trajectories(step=step, versions=torch.full((len(batch),), version), indices=indices, batch=batch,
+                        reward_metrics=reward_metrics, sampler_state=sampler_state, generate_s=generate_s,
+                        reward_s=time.perf_counter() - start)
+
+
+class RolloutWorker(threading.Thread, BatchQueue):
+    """Generates and scores the batches of steps `first_step`..`last_step` in order, in a thread of the trainer's
+    process with a copy of the actor (see the module docstring)."""
 
     def __init__(self, trainer: Any, max_staleness: int, first_step: int, last_step: int, version: int,
                  lock: threading.Lock, mailbox: WeightMailbox):
-        super().__init__(name="hybridrl-rollout-worker", daemon=True)
+        threading.Thread.__init__(self, name="hybridrl-rollout-worker", daemon=True)
+        BatchQueue.__init__(self)
+        self.label = "rollout worker (thread 'hybridrl-rollout-worker')"
         self.trainer, self.max_staleness = trainer, max_staleness
         self.first_step, self.last_step, self.version = first_step, last_step, version
         self.mailbox = mailbox
         parts = trainer.parts
         self.model = copy.deepcopy(parts.actor)  # version `version`: the trainer's weights now
         self.backend = take_turns(build_rollout(trainer.config, self.model, parts.tokenizer, parts.device), lock)
-        self.condition = threading.Condition()
-        self.ready: dict[int, Trajectories] = {}
-        self.error: BaseException | None = None
+
+    def alive(self) -> bool:
+        return self.is_alive()
 
     def run(self) -> None:
         try:
             for step in range(self.first_step, self.last_step + 1):
                 if not self.load_version(needed_version(step, self.max_staleness)):
                     return
-                item = self.produce(step)
-                with self.condition:
-                    self.ready[step] = item
-                    self.condition.notify_all()
-        except BaseException as error:  # handed to the trainer, which raises it with the worker named
-            with self.condition:
-                self.error = error
-                self.condition.notify_all()
+                self.deliver(step, self.produce(step))
+        except BaseException as error:
+            self.fail(error)
 
     def load_version(self, version: int) -> bool:
         """Load `version` from the mailbox; a version older than the one held (a run resumed with more steps
@@ -209,53 +277,22 @@ class RolloutWorker(threading.Thread):
 
     @torch.no_grad()
     def produce(self, step: int) -> Trajectories:
-        trainer, parts = self.trainer, self.trainer.parts
+        trainer = self.trainer
         indices = next(trainer.sampler)
         sampler_state = trainer.sampler.state_dict()
-        prompts = parts.dataset.batch(indices)
-        params = trainer.sampling_params(step=step)
         start = time.perf_counter()
-        generations = sharding.generate_sharded(self.backend, prompts["prompt_ids"], params, DistributedSetup(),
-                                                decode=lambda share: decode_responses(parts.tokenizer, share))
-        self.backend.release_memory()
-        batch = build_rollout_batch(prompts["prompt_ids"], generations, parts.pad_token_id, params.max_new_tokens,
-                                    sampling=params)
-        batch.texts = [generation.text for generation in generations]
-        generated = time.perf_counter()
-        reward_metrics = {key: float(value) for key, value in trainer.score(batch, prompts).items()}
-        batch.scores = batch.scores.cpu()
-        return Trajectories(step=step, versions=torch.full((len(batch),), self.version), indices=indices,
-                            batch=batch, reward_metrics=reward_metrics, sampler_state=sampler_state,
-                            generate_s=generated - start, reward_s=time.perf_counter() - generated)
-
-    def wait_for(self, step: int, timeout_s: float) -> Trajectories:
-        """The batch of `step` once it is ready; raises, naming the worker, if it failed or stopped."""
-        deadline = time.monotonic() + timeout_s
-        with self.condition:
-            while step not in self.ready:
-                if self.error is not None:
-                    raise RuntimeError(f"the rollout worker (thread {self.name!r}) failed while producing the batch "
-                                       f"of step {step}: {type(self.error).__name__}: {self.error}") from self.error
-                if not self.is_alive() or time.monotonic() > deadline:
-                    state = "stopped" if not self.is_alive() else f"produced nothing for {timeout_s:.0f} s"
-                    raise RuntimeError(f"the rollout worker (thread {self.name!r}) {state} before the batch of step "
-                                       f"{step}; stopping the run (trainer.hang_timeout_s)")
-                self.condition.wait(POLL_S)
-            return self.ready.pop(step)
-
-    def peek(self, step: int, timeout_s: float) -> Trajectories:
-        """The batch of `step`, left in place (for a checkpoint)."""
-        item = self.wait_for(step, timeout_s)
-        with self.condition:
-            self.ready[step] = item
-        return item
+        batch = generate_batch(self.backend, trainer.parts, trainer.parts.dataset.batch(indices)["prompt_ids"],
+                               trainer.sampling_params(step=step))
+        return score_batch(trainer, step, self.version, indices, sampler_state, batch, time.perf_counter() - start)
 
 
 class AsyncPipeline:
     """The trainer's side: `take` the step's batch, `push` weights after the update, and the checkpoint state."""
 
-    def __init__(self, trainer: Any, max_staleness: int):
+    def __init__(self, trainer: Any, max_staleness: int, worker_class: Any = None):
         self.trainer, self.max_staleness = trainer, max_staleness
+        self.worker_class = worker_class or RolloutWorker
+        """The thread worker, or `rollout_process.ProcessWorker` (the same interface)."""
         a = trainer.config.algorithm
         if max_staleness and a.rollout_correction_cap is None and a.rollout_sequence_mask_threshold is None:
             logger.warning("trainer.max_staleness=%d trains on batches up to %d updates old with no off-policy "
@@ -264,7 +301,7 @@ class AsyncPipeline:
         self.lock = threading.Lock()
         take_turns(trainer.parts.rollout, self.lock)  # held-out evaluation takes turns with the worker
         self.mailbox = WeightMailbox()
-        self.worker: RolloutWorker | None = None
+        self.worker: Any = None
         self.restored: list[Trajectories] = []
         self.last_sampler_state: dict[str, int] | None = None
 
@@ -272,7 +309,7 @@ class AsyncPipeline:
         """Start the worker before the trainer's `step`, with the trainer's weights as they are now (version
         step - 1); it begins at the first step whose batch was not restored from a checkpoint."""
         trainer = self.trainer
-        self.worker = RolloutWorker(trainer, self.max_staleness, step + len(self.restored),
+        self.worker = self.worker_class(trainer, self.max_staleness, step + len(self.restored),
                                     trainer.config.trainer.total_steps, version=step - 1, lock=self.lock,
                                     mailbox=self.mailbox)
         for item in self.restored:

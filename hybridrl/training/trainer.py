@@ -43,6 +43,7 @@ from hybridrl.training.evaluation import EVAL_BATCH, answer_column, exact_agreem
 from hybridrl.training.greedy_baseline import attach_greedy_baseline
 from hybridrl.training.logprobs import response_logprobs
 from hybridrl.training.phase_switch import rollout_phase
+from hybridrl.training.rollout_process import ROLLOUT_WORKERS
 from hybridrl.training.shared_prompt import PromptLayout
 from hybridrl.training.update import shard_by_prompt, update_actor, update_critic
 
@@ -120,7 +121,8 @@ class RLTrainer:
                                     config.logging.log_every, config.logging.num_samples_to_print, config.to_dict(),
                                     warn=self.parts.setup.is_main)
         self.sampler = self.parts.dataset.sampler(config.trainer.prompts_per_step)
-        self.pipeline = AsyncPipeline(self, config.trainer.max_staleness) if config.trainer.max_staleness else None
+        staleness, worker = config.trainer.max_staleness, ROLLOUT_WORKERS[config.trainer.rollout_worker]
+        self.pipeline = AsyncPipeline(self, staleness, worker) if staleness else None
         """`trainer.max_staleness` > 0: rollout runs ahead in a worker (`async_pipeline.py`); None: synchronous."""
 
     # ------------------------------------------------------------------------------------------

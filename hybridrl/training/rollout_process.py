@@ -1,0 +1,165 @@
+"""The rollout worker in a process of its own (`trainer.rollout_worker=process`): split placement on one machine.
+
+The trainer's process spawns one rollout process and forms a two-rank gloo group with it (trainer rank 0, worker
+rank 1; the trainer's own setup stays one process), with two sub-groups so that weights and batches never wait
+for each other: a thread of the trainer broadcasts each published version (`parallel/weight_push.py`, in
+buckets, into the worker model's own tensors), and another receives the generated batches and scores them with
+the trainer's rewards (`RLTrainer.score`) while the trainer updates. The worker process only generates: it holds
+the data set and the sampler (its position travels with each batch, for checkpoints), and generates the batch of
+step b with version `needed_version(b, k)` (`async_pipeline.py`), receiving versions in order as it needs them.
+
+The same schedule as the thread worker, so a run gives the same metrics with either worker. A worker process that
+dies makes the trainer's receive fail at once, naming rank 1; one that hangs is named after
+`trainer.hang_timeout_s` (the group's timeout and the trainer's wait). On one machine, on the trainer's device;
+a rollout device apart (`trainer.device_mesh`) and a worker on another node are not built.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hybridrl.parallel.weight_push import (
+    RolloutPeerError,
+    broadcast_tensors,
+    push_names,
+    push_weights,
+    receive_object,
+    send_object,
+)
+from hybridrl.training.async_pipeline import (
+    BatchQueue,
+    RolloutWorker,
+    WeightMailbox,
+    generate_batch,
+    needed_version,
+    score_batch,
+)
+from hybridrl.training.components import build_rollout
+
+TRAINER_RANK, WORKER_RANK = 0, 1
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def join_group(port: int, rank: int, timeout_s: float) -> tuple[Any, Any]:
+    """The two-rank group and its two sub-groups: (weights, batches)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.new_group([TRAINER_RANK, WORKER_RANK]), dist.new_group([TRAINER_RANK, WORKER_RANK])
+
+
+def serve_rollouts(port: int, job: dict[str, Any]) -> None:
+    """The rollout process: generate the batches of `first_step`..`last_step` and send them to the trainer."""
+    weights_group, batches_group = join_group(port, WORKER_RANK, job["timeout_s"])
+    config, parts = job["config"], job["parts"]
+    model = parts.actor
+    backend = build_rollout(config, model, parts.tokenizer, parts.device)
+    sampler = parts.dataset.sampler(config.trainer.prompts_per_step)
+    sampler.load_state_dict(job["sampler_state"])
+    version, base = job["version"], job["sampling"]
+    for step in range(job["first_step"], job["last_step"] + 1):
+        while version < needed_version(step, job["max_staleness"]):  # versions arrive in order, one per update
+            push_weights(model, TRAINER_RANK, group=weights_group)
+            version += 1
+        indices = next(sampler)
+        start = time.perf_counter()
+        # RLTrainer.sampling_params's seed grows by one per step (first generation round)
+        params = dataclasses.replace(base, seed=base.seed + step)
+        with torch.no_grad():
+            batch = generate_batch(backend, parts, parts.dataset.batch(indices)["prompt_ids"], params)
+        send_object({"step": step, "version": version, "indices": indices, "sampler_state": sampler.state_dict(),
+                     "batch": batch, "generate_s": time.perf_counter() - start}, TRAINER_RANK, group=batches_group)
+    dist.barrier(group=batches_group)  # the trainer has received everything before the group goes away
+    dist.destroy_process_group()
+
+
+@dataclasses.dataclass
+class WorkerParts:
+    """What the rollout process needs of the trainer's `Components` (sent to it when it starts)."""
+
+    actor: torch.nn.Module
+    tokenizer: Any
+    pad_token_id: int
+    dataset: Any
+    device: torch.device
+
+
+class ProcessWorker(BatchQueue):
+    """The trainer's side of the rollout process: the same interface as the thread worker (`RolloutWorker`)."""
+
+    def __init__(self, trainer: Any, max_staleness: int, first_step: int, last_step: int, version: int,
+                 lock: threading.Lock, mailbox: WeightMailbox):
+        super().__init__()
+        self.trainer, self.max_staleness, self.mailbox = trainer, max_staleness, mailbox
+        self.first_step, self.last_step, self.version = first_step, last_step, version
+        self.process: Any = None
+        self.threads: list[threading.Thread] = []
+        self.label = f"rollout worker (process, rank {WORKER_RANK})"
+
+    def start(self) -> None:
+        trainer, parts = self.trainer, self.trainer.parts
+        timeout_s = trainer.config.trainer.hang_timeout_s
+        sampler_state = trainer.sampler.state_dict()
+        job = {"config": trainer.config, "timeout_s": timeout_s, "max_staleness": self.max_staleness,
+               "first_step": self.first_step, "last_step": self.last_step, "version": self.version,
+               "sampler_state": sampler_state, "sampling": trainer.sampling_params(step=0),
+               "parts": WorkerParts(copy.deepcopy(parts.actor).requires_grad_(False), parts.tokenizer,
+                                    parts.pad_token_id, parts.dataset, parts.device)}
+        if dist.is_initialized():  # left by an earlier run of this process that stopped early
+            dist.destroy_process_group()
+        port = free_port()
+        self.process = mp.get_context("spawn").Process(target=serve_rollouts, args=(port, job), daemon=True,
+                                                       name="hybridrl-rollout-process")
+        self.process.start()
+        self.weights_group, self.batches_group = join_group(port, TRAINER_RANK, timeout_s)
+        self.label = f"rollout worker (process {self.process.pid}, rank {WORKER_RANK})"
+        self.threads = [threading.Thread(target=self.receive_batches, daemon=True),
+                        threading.Thread(target=self.push_versions, daemon=True)]
+        for thread in self.threads:
+            thread.start()
+
+    def alive(self) -> bool:
+        return self.threads[0].is_alive() or bool(self.ready)
+
+    def receive_batches(self) -> None:
+        try:
+            for step in range(self.first_step, self.last_step + 1):
+                record = receive_object(WORKER_RANK, f"the batch of step {step}", group=self.batches_group)
+                self.deliver(step, score_batch(self.trainer, step, record["version"], record["indices"],
+                                               record["sampler_state"], record["batch"], record["generate_s"]))
+            dist.barrier(group=self.batches_group)
+            dist.destroy_process_group()  # every version was pushed before the last batch was generated
+        except BaseException as error:
+            self.fail(error)
+
+    def push_versions(self) -> None:
+        """Broadcast versions version+1, version+2, ... as the trainer publishes them, while the worker needs them."""
+        names = push_names(self.trainer.parts.actor)
+        last_needed = needed_version(self.last_step, self.max_staleness)
+        try:
+            for version in range(self.version + 1, last_needed + 1):
+                state = self.mailbox.take(version)
+                if state is None:
+                    return
+                broadcast_tensors([state[name] for name in names], TRAINER_RANK, group=self.weights_group)
+        except RuntimeError as error:
+            self.fail(RolloutPeerError(f"the rollout worker (rank {WORKER_RANK}) went away while the trainer pushed "
+                                       f"version {version}: {error}"))
+
+
+ROLLOUT_WORKERS = {"thread": RolloutWorker, "process": ProcessWorker}
+"""`trainer.rollout_worker` -> the worker class."""
