@@ -246,6 +246,7 @@ def test_benchmark_script_runs_both_sides_and_prints_its_table(tmp_path, capsys)
     from benchmarks import async_pipeline
 
     rows = async_pipeline.main(["--out", str(tmp_path), "--steps", "2", "--seeds", "0", "--eval-samples", "4",
-                                "--sft-steps", "2", "--reward-delay-s", "0.01", "--prompts", "2"])
-    assert [row["max_staleness"] for row in rows] == [0, 1]
+                                "--sft-steps", "2", "--reward-delay-s", "0.01", "--prompts", "2",
+                                "--workers", "thread", "process"])
+    assert [(row["side"], row["max_staleness"]) for row in rows] == [("synchronous", 0), ("thread", 1), ("process", 1)]
     assert "less wall-clock per step" in capsys.readouterr().out
