@@ -2,11 +2,11 @@
 
 With k = 0 the trainer's own synchronous loop runs and this module is not used. With k > 0:
 
-- **Who generates.** A rollout worker (here a background thread of the trainer's process, colocated) owns a copy
-  of the actor and its own rollout backend built on that copy. For each step b it draws the step's prompts from
-  the trainer's data sampler, generates with the copy, and scores the responses with the trainer's reward code
-  (`RLTrainer.score`), so a slow reward or tool overlaps with the trainer's update instead of stopping it. The
-  trainer thread meanwhile computes log-probs, advantages and the update of an earlier step.
+- **Who generates.** A rollout worker (a thread of the trainer's process here, or a process of its own) owns a
+  copy of the actor and its own rollout backend built on that copy. For each step b it draws the step's prompts
+  from the data sampler and generates with the copy; the responses are scored with the trainer's reward code
+  (`RLTrainer.score`) off the trainer's thread, so a slow reward or tool overlaps with the trainer's update
+  instead of stopping it. The trainer meanwhile computes log-probs, advantages and the update of an earlier step.
 - **Versions.** Version v is the policy after v optimizer updates. The batch of step b is always generated with
   version `max(0, b - 1 - k)`: exactly k versions behind the trainer that consumes it (k = 0 is on-policy), a
   fixed schedule rather than "whatever was newest", so a run is reproducible and resumes exactly. Weights do
@@ -33,8 +33,8 @@ With k = 0 the trainer's own synchronous loop runs and this module is not used. 
 - **Determinism.** The Hugging Face backend seeds torch's global generator per call, so the worker's and the
   trainer's `generate` calls (held-out evaluation) take turns under one lock (`take_turns`).
 
-What is not here: split placement across processes inside `RLTrainer` (the worker as its own rank, fed by
-`parallel/weight_push.py`), and partial rollouts (sequences that continue under new weights).
+Where the worker runs: here, a thread (`RolloutWorker`); `rollout_process.py` puts the same schedule in a process of
+its own. Not built: partial rollouts (sequences that continue under new weights).
 """
 
 from __future__ import annotations
