@@ -72,6 +72,7 @@ def test_the_worker_in_its_own_process_gives_the_thread_workers_metrics(tmp_path
     thread = make_trainer(tmp_path / "thread", **settings).train()
     process = make_trainer(tmp_path / "process", trainer__rollout_worker="process", **settings).train()
     assert [row["rollout/staleness_max"] for row in process] == [0.0, 1.0, 1.0, 1.0]
+    assert process[-1]["perf/weight_broadcast_s"] > 0  # versions 1 and 2 were broadcast (steps 3 and 4 need them)
     # The same tokens are sampled (rewards and lengths equal); the sampler's log-probs, computed in another process,
     # differ in their last bits (measured: 3e-7 relative), and with them what is computed from them.
     for ours, theirs in zip(learning_metrics(process), learning_metrics(thread), strict=True):

@@ -329,6 +329,8 @@ class AsyncPipeline:
         self.last_sampler_state = item.sampler_state
         metrics = {**staleness_metrics(item.versions, step - 1), "timing/worker_generate_s": item.generate_s,
                    "timing/worker_reward_s": item.reward_s}
+        if hasattr(self.worker, "broadcast_s"):  # the process worker: the push's broadcast, done in a thread
+            metrics["perf/weight_broadcast_s"] = self.worker.broadcast_s
         return item.batch.to(device), item.reward_metrics, metrics
 
     def push(self, version: int) -> dict[str, float]:

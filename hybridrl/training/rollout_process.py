@@ -109,6 +109,9 @@ class ProcessWorker(BatchQueue):
         self.process: Any = None
         self.threads: list[threading.Thread] = []
         self.label = f"rollout worker (process, rank {WORKER_RANK})"
+        self.broadcast_s = 0.0
+        """The last version's broadcast, logged as `perf/weight_broadcast_s` (the trainer's thread waits for the
+        worker to ask for it, so this is transfer time only once the worker is waiting)."""
 
     def start(self) -> None:
         trainer, parts = self.trainer, self.trainer.parts
@@ -155,7 +158,8 @@ class ProcessWorker(BatchQueue):
                 state = self.mailbox.take(version)
                 if state is None:
                     return
-                broadcast_tensors([state[name] for name in names], TRAINER_RANK, group=self.weights_group)
+                pushed = broadcast_tensors([state[name] for name in names], TRAINER_RANK, group=self.weights_group)
+                self.broadcast_s = pushed["perf/weight_push_s"]  # from the worker's call to its last byte
         except RuntimeError as error:
             self.fail(RolloutPeerError(f"the rollout worker (rank {WORKER_RANK}) went away while the trainer pushed "
                                        f"version {version}: {error}"))
