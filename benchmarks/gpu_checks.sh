@@ -13,6 +13,8 @@
 #              `git show BASE:hybridrl/training/optim.py > benchmarks/_baseline_optim.py`)      90
 #   flex       FlexAttention at the update's two layouts (benchmarks/kernels/flex_layouts.py)      150
 #   rollout    the rollout table (benchmarks/rollout.py: engine variants, HF generate, greedy agreement) 190
+#   paged      the paged KV cache's GPU tests (`pytest -m gpu tests/test_paged_kv.py`, 240) and the long-tail rollout,
+#              paged against contiguous (benchmarks/long_tail.py)                                 300
 #   grpo       the GRPO step table (benchmarks/grpo_step.py) with TRL beside it, TRL first; 6 steps, the 6th
 #              profiled and left out of the mean, its Chrome trace saved to $OUT as trace_<mode>.json.gz
 #              (read it with benchmarks/profiling/trace_report.py); modes from $MODES     what the call has left
@@ -52,6 +54,11 @@ for part in "${PARTS[@]}"; do
         timeout -k 20 190 python3 -m benchmarks.rollout --no-eager-baseline --no-triton --agreement-sequences 32 \
             > "$OUT/rollout.log" 2>&1
         echo "== rollout: exit $? after $(elapsed)"; grep -A11 "tokens  seconds" "$OUT/rollout.log" | head -14 ;;
+    paged)
+        timeout -k 20 240 python3 -m pytest -v -m gpu tests/test_paged_kv.py > "$OUT/paged_gpu_tests.log" 2>&1
+        echo "== paged KV gpu tests: exit $? after $(elapsed)"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/paged_gpu_tests.log" | tail -8
+        timeout -k 20 300 python3 -m benchmarks.long_tail > "$OUT/long_tail.log" 2>&1
+        echo "== long_tail: exit $? after $(elapsed)"; tail -7 "$OUT/long_tail.log" ;;
     grpo)
         modes=$MODES
         if ls .bench/trl-*.whl > /dev/null 2>&1 && [ -f .bench/trl_grpo_gpu.py ]; then
@@ -65,6 +72,6 @@ for part in "${PARTS[@]}"; do
         timeout -k 20 $left python3 -m benchmarks.grpo_step --modes "$modes" --steps 6 --profile \
             --trl-script .bench/trl_grpo_gpu.py --timeout 200 > "$OUT/grpo_step.log" 2>&1
         echo "== grpo_step: exit $? after $(elapsed)"; tail -8 "$OUT/grpo_step.log" ;;
-    *) echo "unknown part $part: tests, engine, optimizer, flex, rollout or grpo"; exit 2 ;;
+    *) echo "unknown part $part: tests, engine, optimizer, flex, rollout, paged or grpo"; exit 2 ;;
     esac
 done

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import grpo_step, rollout, scaling
+from benchmarks import grpo_step, long_tail, rollout, scaling
 from benchmarks.profiling.gaps import gap_report, kernel_table
 from benchmarks.profiling.step_profiling import update_with_gap_report
 
@@ -50,11 +50,13 @@ def script_command_lines(script: Path) -> list[tuple[str, list[str]]]:
 
 PARSERS = {"benchmarks.grpo_step": lambda args: grpo_step.build_parser().parse_args(args),
            "benchmarks.rollout": lambda args: rollout.parse_args(args),
-           "benchmarks.scaling": lambda args: scaling.parse_args(args)}
+           "benchmarks.scaling": lambda args: scaling.parse_args(args),
+           "benchmarks.long_tail": lambda args: long_tail.parse_args(args)}
 
 
 @pytest.mark.parametrize("script, expected", [
-    ("gpu_checks.sh", {"benchmarks.grpo_step", "benchmarks.rollout"}), ("node_runs.sh", {"benchmarks.grpo_step"}),
+    ("gpu_checks.sh", {"benchmarks.grpo_step", "benchmarks.rollout", "benchmarks.long_tail"}),
+    ("node_runs.sh", {"benchmarks.grpo_step"}),
     ("two_gpu_runs.sh", {"benchmarks.scaling"})])
 def test_shell_scripts_pass_arguments_their_scripts_accept(script, expected):
     """Every grpo_step / rollout / scaling command line in the device-call scripts parses with that script's own
@@ -82,9 +84,7 @@ def test_rollout_with_no_agreement_sequences_skips_the_agreement_check(tmp_path)
 def test_long_tail_tiny_runs_both_layouts_on_forced_long_tailed_lengths(tmp_path):
     """`long_tail.py --tiny` on CPU: both layouts run every response to its drawn length (the script asserts it) and
     report a floor; the default draw is the benchmark's shape: median about 1k, a few at the 8k cap."""
-    from benchmarks.long_tail import response_lengths
-
-    lengths = response_lengths(512, 1024, 1.0, 16, 8192)
+    lengths = long_tail.response_lengths(512, 1024, 1.0, 16, 8192)
     assert 900 <= sorted(lengths)[256] <= 1150 and max(lengths) == 8192 and min(lengths) >= 16
     stdout = run_script(["-m", "benchmarks.long_tail", "--tiny"], tmp_path)
     assert "paged / contiguous:" in stdout and "floor (computed)" in stdout

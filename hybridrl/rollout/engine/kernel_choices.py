@@ -55,8 +55,9 @@ def resolve_attention(option: str, device: torch.device) -> str:
 
 
 def resolve_kv_cache(option: str, attention: str) -> str:
-    """`auto` -> "contiguous" (the layout measured fastest on our reference shapes; see docs/benchmarks.md, long-tail).
-    "paged" brings its own decode attention, so it refuses an explicit attention='sdpa'."""
+    """`auto` -> "contiguous", today's layout, until the paged path's GPU tests have passed and the grpo-0.5b shape has
+    been measured with it too (docs/benchmarks.md, long-tail: paged wins there). "paged" brings its own decode
+    attention, so it refuses an explicit attention='sdpa'."""
     if option not in KV_CACHE_OPTIONS:
         raise ValueError(f"kv_cache must be one of {KV_CACHE_OPTIONS}; got {option!r}.")
     if option == "paged" and attention == "sdpa":
