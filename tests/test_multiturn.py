@@ -4,6 +4,7 @@ regenerated from the whole sequence), on tiny seeded float32 models with a Qwen-
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from hybridrl.models.loading import build_char_tokenizer
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.backend import BuiltinBackend
 from hybridrl.rollout.engine.llama_forward import extend, prefill, rope_table
-from hybridrl.rollout.engine.scheduler import Scheduler
+from hybridrl.rollout.engine.scheduler import Scheduler, prefill_chunks
 from hybridrl.rollout.engine.weights import resolve_weights
 from hybridrl.rollout.hf import HFBackend
 from hybridrl.rollout.multiturn import EpisodeBudget, make_sessions
@@ -411,6 +412,20 @@ def test_turns_that_end_together_resume_together():
     assert stats["resume_waves"] == 2  # one per turn boundary
     assert stats["decode_steps"] == 3 * (5 - 1) and stats["decode_blocks"] == 3  # a turn's first token is drawn
     assert stats["observation_prefills"] == 2 * len(rows)
+
+
+def test_prefill_chunks_are_greedy_within_the_padded_token_budget():
+    """A wave of resumes is chunked like prompts: every index once, each chunk's padded size within the budget (or a
+    single row), and each chunk closed only because the next row would not have fit."""
+    rng = random.Random(0)
+    for _ in range(300):
+        lengths = [rng.randint(1, 50) for _ in range(rng.randint(1, 40))]
+        budget = rng.randint(1, 400)
+        chunks = prefill_chunks(lengths, list(range(len(lengths))), budget)
+        assert sorted(i for chunk in chunks for i in chunk) == list(range(len(lengths)))
+        assert all(len(chunk) == 1 or max(lengths[i] for i in chunk) * len(chunk) <= budget for chunk in chunks)
+        for chunk, following in zip(chunks, chunks[1:]):
+            assert max(lengths[i] for i in chunk + following[:1]) * (len(chunk) + 1) > budget
 
 
 @pytest.mark.gpu
