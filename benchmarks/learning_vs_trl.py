@@ -128,10 +128,8 @@ def due(step: int, every: int, last: int) -> bool:
     return (every and step % every == 0) or step == last
 
 
-def run_hybridrl(spec: dict) -> dict:
-    """hybridrl's side: the demo's GRPO config with the spec's settings, stepped here so the shared evaluator
-    runs at the same points as on TRL's side."""
-    torch.set_num_threads(spec["threads"])
+def hybridrl_trainer(spec: dict) -> RLTrainer:
+    """The demo's GRPO config with the spec's settings (and its hybridrl-only overrides)."""
     batch = spec["prompts_per_step"] * spec["group_size"]
     overrides = [f"model.path={spec['model']}", f"data.train_path={spec['train_path']}", "data.eval_path=null",
                  f"trainer.seed={spec['seed']}", f"trainer.total_steps={spec['steps']}",
@@ -141,7 +139,13 @@ def run_hybridrl(spec: dict) -> dict:
                  f"actor.micro_batch_size={batch}", "trainer.eval_every=0", "trainer.device=cpu", "trainer.resume=off",
                  "trainer.save_model=false", "logging.sinks=[jsonl]",
                  f"trainer.output_dir={Path(spec['out_dir']) / 'hybridrl_run'}", *spec.get("hybridrl_overrides", [])]
-    trainer = RLTrainer(load_config(DEMO_CONFIGS / "arithmetic_grpo.yaml", overrides))
+    return RLTrainer(load_config(DEMO_CONFIGS / "arithmetic_grpo.yaml", overrides))
+
+
+def run_hybridrl(spec: dict) -> dict:
+    """hybridrl's side, stepped here so the shared evaluator runs at the same points as on TRL's side."""
+    torch.set_num_threads(spec["threads"])
+    trainer = hybridrl_trainer(spec)
     model, tokenizer = trainer.parts.actor, trainer.parts.tokenizer
     rows = read_rows(spec["eval_path"])[:spec["max_eval_samples"]]
     accuracy, sampled, rewards, seconds = {}, {}, [], 0.0

@@ -70,13 +70,11 @@ class Evaluate(TrainerCallback):
             self.rewards.append(logs["reward"])
 
 
-def run(spec: dict) -> dict:
-    torch.set_num_threads(spec["threads"])
-    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+def grpo_trainer(spec: dict, tokenizer, callbacks: list) -> GRPOTrainer:
+    """TRL's trainer on the spec's model and data, with the settings matched to hybridrl's (module docstring)."""
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     rows = read_rows(spec["train_path"])
     train = Dataset.from_dict({"prompt": [row["prompt"] for row in rows], "answer": [row["answer"] for row in rows]})
-    evaluation = read_rows(spec["eval_path"])[:spec["max_eval_samples"]]
     batch = spec["prompts_per_step"] * spec["group_size"]
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
@@ -86,19 +84,51 @@ def run(spec: dict) -> dict:
         scale_rewards="group", temperature=spec["temperature"], top_p=1.0, top_k=0, seed=spec["seed"],
         data_seed=spec["seed"], use_cpu=True, bf16=False, logging_steps=1, report_to="none", save_strategy="no",
         use_vllm=False, dataloader_num_workers=0, disable_tqdm=True)
-    callback = Evaluate(spec, tokenizer, evaluation)
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=train,
-                          processing_class=tokenizer, callbacks=[callback])
-    trainer.train()
+    return GRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=train,
+                       processing_class=tokenizer, callbacks=callbacks)
+
+
+def run(spec: dict) -> dict:
+    torch.set_num_threads(spec["threads"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    callback = Evaluate(spec, tokenizer, read_rows(spec["eval_path"])[:spec["max_eval_samples"]])
+    grpo_trainer(spec, tokenizer, [callback]).train()
     return {"side": "trl", "seed": spec["seed"], "accuracy": callback.accuracy, "sampled": callback.sampled,
             "train_seconds": callback.train_seconds, "reward_per_step": callback.rewards}
+
+
+def step_check(spec: dict, batch_path: str) -> dict:
+    """`learning_step_check.py`'s TRL side: TRL's group advantages (its formula: (r - group mean) / (group std +
+    1e-4)), `compute_loss` on hybridrl's batch, and the gradient it back-propagates (no clipping); again with
+    hybridrl's 1e-6 in place of 1e-4, so that what remains of the difference is not the epsilon."""
+    torch.set_num_threads(spec["threads"])
+    batch = torch.load(batch_path)
+    trainer = grpo_trainer(spec, AutoTokenizer.from_pretrained(spec["model"]), [])
+    scores = batch["scores"].float().view(-1, batch["group_size"])
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which this call skips
+    trainer.model.train()
+    results = {}
+    for name, epsilon in (("trl", 1e-4), ("trl_with_hybridrl_epsilon", 1e-6)):  # the second isolates the epsilon
+        advantages = ((scores - scores.mean(1, keepdim=True)) / (scores.std(1, keepdim=True) + epsilon)).view(-1)
+        inputs = {key: batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        inputs.update(advantages=advantages, num_items_in_batch=batch["completion_mask"].sum())
+        trainer.model.zero_grad(set_to_none=True)
+        loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()
+        results[name] = {"advantages": advantages, "loss": loss.item(), "gradients": {
+            key: p.grad.detach().clone() for key, p in trainer.model.named_parameters() if p.grad is not None}}
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="the run's settings as JSON (written by learning_vs_trl.py)")
-    parser.add_argument("--out", required=True, help="where the result JSON goes")
+    parser.add_argument("--out", required=True, help="where the result JSON (or, with --step-check, .pt) goes")
+    parser.add_argument("--step-check", metavar="BATCH", help="learning_step_check.py's batch: one loss and gradient")
     args = parser.parse_args()
+    if args.step_check:
+        torch.save(step_check(json.loads(args.spec), args.step_check), args.out)
+        return
     result = run(json.loads(args.spec))
     with open(args.out, "w") as file:
         json.dump(result, file)

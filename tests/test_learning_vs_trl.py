@@ -62,3 +62,19 @@ def test_hybridrl_overrides_reach_the_hybridrl_workers_spec(capsys, tmp_path):
     line = capsys.readouterr().out.strip()
     spec = json.loads(line.split("--spec ")[1].split(" --out")[0].strip("'"))
     assert spec["hybridrl_overrides"] == ["algorithm.dynamic_sampling=true"]
+
+
+def test_step_check_reports_advantage_loss_and_gradient_differences():
+    import torch
+
+    from benchmarks.learning_step_check import compare
+
+    ours = {"scores": torch.tensor([1.0, 0.0]), "completion_mask": torch.ones(2, 3), "advantages": torch.tensor([0.5, -0.5]),
+            "loss": 1.0, "gradients": {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([0.0, 2.0])}}
+    theirs = {"advantages": torch.tensor([0.5, -0.25]), "loss": 1.5,
+              "gradients": {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([0.0, 1.0])}}
+    lines = compare(ours, theirs)
+    assert "2 gradient tensors compared" in lines[0]
+    assert "2.500e-01" in lines[1] and "hybridrl 1.000000e+00, TRL 1.500000e+00" in lines[2]
+    # |(0, 1)| / |(1, 0, 0, 1)| overall; tensor b is off by 100% of its norm
+    assert f"{1 / 2 ** 0.5:.3e} overall, 1.000e+00 at worst (b)" in lines[3]
