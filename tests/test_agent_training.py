@@ -430,7 +430,8 @@ def test_tools_are_called_answered_and_seen_by_the_reward(tmp_path):
                               "timed_out": False, "malformed": False, "latency_s": tool_calls[0][0]["latency_s"]}]
     assert [m["role"] for m in messages[0]] == ["system", "user", "assistant", "tool", "assistant"]
     assert messages[0][0]["content"] == "Use calc." and messages[0][3]["content"] == "36"
-    trainer.parts.episodes.factory.close()
+    workers = trainer.parts.episodes.factory._workers  # train() stopped them: no tool process outlives the run
+    assert workers and all(worker.process is None for worker in workers)
 
 
 def docs_config() -> dict:

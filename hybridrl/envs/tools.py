@@ -274,7 +274,9 @@ class ToolBox:
         return outcome
 
     def close(self) -> None:
-        self._finalizer()
+        """Stops the worker processes; a later call starts fresh ones (a trainer may `train()` again), and those
+        are stopped by the next `close()` or when the `ToolBox` is collected."""
+        _stop_all(self._workers)
 
     def __enter__(self) -> ToolBox:
         return self

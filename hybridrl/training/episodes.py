@@ -128,6 +128,19 @@ class EpisodeRollout:
     share_prompt_tokens: bool = False
     setup: DistributedSetup = field(default_factory=DistributedSetup)
 
+    def __enter__(self) -> EpisodeRollout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Calls the factory's optional `close()`: a `ToolBox` stops its worker processes (`RLTrainer.train` does
+        this when it ends, normally or by an error, so no tool process outlives the run)."""
+        close = getattr(self.factory, "close", None)
+        if callable(close):
+            close()
+
     def generate(self, backend: Any, prompts: dict[str, Any], params: SamplingParams
                  ) -> tuple[RolloutBatch, dict[str, float]]:
         """`params.n` episodes per prompt row of `prompts` (a `PromptDataset.batch`): the batch with its texts and

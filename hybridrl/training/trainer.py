@@ -131,7 +131,8 @@ class RLTrainer:
     def train(self) -> list[dict[str, float]]:
         """Run until `trainer.total_steps` (or a stop signal), evaluating every `eval_every` steps; returns the
         metric history. The output directory is locked for the run (`checkpoint/run_lock.py`)."""
-        with output_dir_lock(self.output_dir, enabled=lock_owner(self.parts.setup.rank)):
+        with output_dir_lock(self.output_dir, enabled=lock_owner(self.parts.setup.rank)), \
+                self.parts.episodes or nullcontext():  # multi-turn: stops the tool workers when the run ends
             start = time.time()
             if self.parts.setup.is_main:
                 print_unless_closed(self.describe())
