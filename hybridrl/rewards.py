@@ -307,8 +307,8 @@ class RewardComposer:
 
     def __init__(self, rewards: Sequence[WeightedReward | tuple[str, RewardFunction, float]]):
         if not rewards:
-            raise ValueError("no reward functions were given; set reward.functions (e.g. [{fn: numeric_match}]) "
-                             "or reward.reward_model.")
+            raise ValueError("no reward functions were given; set reward.functions (e.g. [{fn: numeric_match}]), "
+                             "reward.reward_model or reward.judge_model.")
         self.rewards: list[WeightedReward] = []
         used: set[str] = set()
         for reward in rewards:
@@ -321,7 +321,9 @@ class RewardComposer:
             self.rewards.append(WeightedReward(name, reward.fn, reward.weight, dict(reward.kwargs)))
 
     @classmethod
-    def from_config(cls, config: RewardConfig, *, device: str | torch.device = "cpu") -> RewardComposer:
+    def from_config(cls, config: RewardConfig, *, device: str | torch.device = "cpu",
+                    extra: Sequence[WeightedReward] = ()) -> RewardComposer:
+        """The configured functions and reward model, then `extra` (rewards built above this layer: the judge)."""
         rewards = []
         for i, spec in enumerate(config.functions):
             try:
@@ -334,7 +336,12 @@ class RewardComposer:
         if config.reward_model:
             scorer = RewardModelScorer(config.reward_model, device=device)
             rewards.append(WeightedReward("reward_model", scorer, config.reward_model_weight))
-        return cls(rewards)
+        return cls(rewards + list(extra))
+
+    def last_metrics(self) -> dict[str, float]:
+        """What reward functions report about their last call (a judge's parse failures and time): the
+        `last_metrics` dict of each function that has one."""
+        return {key: value for r in self.rewards for key, value in (getattr(r.fn, "last_metrics", None) or {}).items()}
 
     @property
     def names(self) -> list[str]:

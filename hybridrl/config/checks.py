@@ -6,12 +6,33 @@ and how to fix it, before any model is loaded.
 
 from __future__ import annotations
 
+import string
+
 from hybridrl.config.schema import Config, ConfigError
 
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+JUDGE_PLACEHOLDERS = ("prompt", "response", "reference")
+
+
+def judge_template_problem(template: str) -> str | None:
+    """One sentence saying what is wrong with a judge prompt template, or None when it is usable: it must hold
+    `{response}` and no placeholder but {prompt}, {response}, {reference} (literal braces are written {{ }})."""
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as error:
+        return f"the judge template has unbalanced braces ({error}); write a literal brace as {{{{ or }}}}."
+    unknown = sorted({name for name in fields if name not in JUDGE_PLACEHOLDERS})
+    if unknown:
+        return (f"the judge template has unknown placeholder(s) {', '.join('{' + n + '}' for n in unknown)}; "
+                "use only {prompt}, {response} and {reference} (a literal brace is written {{ or }}).")
+    if "response" not in fields:
+        return "the judge template has no {response} placeholder, so the judge would never see the response; add it."
+    return None
 
 
 def validate(config: Config) -> None:
@@ -135,6 +156,13 @@ def validate(config: Config) -> None:
              f"actor.micro_batch_size={act.micro_batch_size} must divide actor.mini_batch_size={mini}.")
     for i, spec in enumerate(config.reward.functions):
         _require(bool(spec.fn), f"reward.functions[{i}].fn is empty; name a built-in reward or file.py:function.")
+    if config.reward.judge_model:
+        _require((problem := judge_template_problem(config.reward.judge_template)) is None,
+                 f"reward.judge_template: {problem}")
+        _require(config.reward.judge_max_new_tokens >= 1, "reward.judge_max_new_tokens must be at least 1.")
+        _require(len(config.reward.judge_answer_words) == 2 and all(config.reward.judge_answer_words),
+                 "reward.judge_answer_words must be two non-empty words, the yes answer then the no answer "
+                 "(e.g. [Yes, No]).")
     for sink in config.logging.sinks:
         _require(sink in ("console", "jsonl", "tensorboard", "wandb"),
                  f"logging.sinks has unknown sink {sink!r}; choose from console, jsonl, tensorboard, wandb.")

@@ -174,6 +174,28 @@ class RewardConfig:
     """Hugging Face sequence-classification model scoring decoded text (its own tokenizer)."""
     reward_model_weight: float = 1.0
     """Weight of the reward model's score in the total."""
+    judge_model: str | None = None
+    """Hugging Face causal LM (a path or hub name, or `tiny:<family>`) asked to judge each response: a generative
+    judge reward (`hybridrl/judge.py`), logged as `reward/judge`, on the reward device (the actor's by default)."""
+    judge_template: str = ("Question: {prompt}\nReference answer: {reference}\nResponse: {response}\n"
+                           "Is the response correct? Answer Yes or No.\nAnswer:")
+    """The judge's prompt: must hold {response}; may hold {prompt} and {reference} (the column judge_reference_key)."""
+    judge_parse: Literal["number", "scale", "yes_no"] = "yes_no"
+    """How the judge's answer becomes a score: `number` the final number of its greedy text; `scale` the last integer
+    1..10 of its text as (s - 1) / 9; `yes_no` P(yes) / (P(yes) + P(no)) from its next-token log-probs (no text)."""
+    judge_parse_failure_score: float = 0.0
+    """The score of a judge text that holds no number (or no 1..10); such texts are counted in
+    `reward/judge_parse_failures`."""
+    judge_weight: float = 1.0
+    """Weight of the judge's score in the total."""
+    judge_max_new_tokens: int = 32
+    """Tokens the judge may write in the number and scale modes."""
+    judge_reference_key: str = "answer"
+    """The data column filled in for {reference}."""
+    judge_answer_words: list[str] = field(default_factory=lambda: ["Yes", "No"])
+    """yes_no: the yes word then the no word; the first token of each is read after the template."""
+    judge_use_chat_template: bool = False
+    """Render the filled template as a user turn of the judge's chat template (for instruct judges)."""
     shard_scoring: bool = True
     """Several processes: each scores whole prompt groups of its share and the scores are gathered;
     false scores the whole batch on every process (for rewards that need the whole batch at once)."""

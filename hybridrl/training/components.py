@@ -18,6 +18,7 @@ from torch import nn
 
 from hybridrl.config.schema import Config, ConfigError
 from hybridrl.data.datasets import PromptDataset, read_records
+from hybridrl.judge import JudgeReward
 from hybridrl.models.loading import (
     HFModel,
     HostOffloadedWeights,
@@ -88,16 +89,20 @@ def seed_everything(seed: int) -> None:
 
 
 def build_rewards(config: Config, reward_fn: str | Callable | list | None, device: torch.device) -> RewardComposer:
+    r = config.reward
     if reward_fn is None:
-        if not config.reward.functions and not config.reward.reward_model and config.env.tools:
+        configured = r.functions or r.reward_model or r.judge_model
+        if not configured and config.env.tools:
             raise ConfigError("env.tools runs the built-in tool environment, which gives no reward; set "
                               "reward.functions to score the episodes (e.g. [{fn: numeric_match}]).")
-        if not config.reward.functions and not config.reward.reward_model and config.env.environment:
+        if not configured and config.env.environment:
             return RewardComposer([WeightedReward("env_reward", load_reward_function("env_reward"), 1.0)])
-        if not config.reward.functions and not config.reward.reward_model:
-            raise ConfigError("no reward is configured; set reward.functions (e.g. [{fn: exact_match}]) "
-                              "or reward.reward_model, or pass reward_fn= in Python.")
-        return RewardComposer.from_config(config.reward, device=device)
+        if not configured:
+            raise ConfigError("no reward is configured; set reward.functions (e.g. [{fn: exact_match}]), "
+                              "reward.reward_model or reward.judge_model, or pass reward_fn= in Python.")
+        judge = [WeightedReward("judge", JudgeReward.from_config(r, device, config.trainer.seed), r.judge_weight)] \
+            if r.judge_model else []  # built here: rewards.py sits below the rollout backends the judge uses
+        return RewardComposer.from_config(r, device=device, extra=judge)
     items = reward_fn if isinstance(reward_fn, list) else [reward_fn]
     rewards = []
     for item in items:

@@ -386,6 +386,7 @@ class RLTrainer:
         if group > 1 and len(total) % group == 0:  # groups that teach nothing (all samples scored alike)
             metrics["reward/uniform_group_fraction"] = algorithms.uniform_groups(total, group).float().mean()
         metrics.update({f"reward/{name}": sum(v) / len(v) for name, v in per_function.items()})
+        metrics.update(self.parts.rewards.last_metrics())  # this process's share, e.g. the judge's parse failures
         return metrics
 
     def _score(self, prompts: list[str], texts: list[str], columns: dict[str, list], group_size: int):
