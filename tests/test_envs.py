@@ -10,11 +10,14 @@ import time
 
 import pytest
 
-from hybridrl.envs.base import (EnvironmentCodeError, EnvironmentSession, EnvironmentSpecError, load_environment,
-                                run_sync)
+from hybridrl.envs.base import (EnvironmentCodeError, EnvironmentSession, EnvironmentSpecError, StepResult,
+                                load_environment, run_sync)
 from hybridrl.envs.episode import Episode, ToolRecord, TurnSpan, episode_metrics
 from hybridrl.envs.rendering import ChatTemplateError, ObservationRenderer
 from hybridrl.models.loading import build_char_tokenizer
+from hybridrl.rollout.base import Generation, SamplingParams
+from hybridrl.rollout.multiturn import (EpisodeBudget, PromptOverBudgetError, generate_episodes_reference,
+                                        make_sessions)
 
 ENVIRONMENTS = '''
 from hybridrl.envs.base import StepResult
@@ -341,3 +344,65 @@ def test_episode_metrics():
         "rollout/tool_malformed_per_episode": 0.5, "rollout/observation_token_share": 2 / 8,
         "rollout/tool_latency_p50_s": 0.55, "rollout/tool_latency_p95_s": 0.955})
     assert episode_metrics([]) == {}
+
+
+# ------------------------------------------------------------------------------------------------
+# The reference episode loop (`rollout/multiturn.py`): budgets at start, closing, a caller's running event loop
+
+
+class Closing:
+    """Two turns; records its close()."""
+
+    def __init__(self, row, closed):
+        self.row, self.closed = row, closed
+
+    def reset(self):
+        return [{"role": "user", "content": self.row["prompt"]}]
+
+    def step(self, text):
+        return StepResult(reward=1.0, done=True)
+
+    def close(self):
+        self.closed.append(self.row["prompt"])
+
+
+class FixedTurns:
+    """A backend whose every turn is the same three sampled ids, ending at the stop token."""
+
+    def __init__(self, tokenizer):
+        self.ids = [*tokenizer.encode("ok", add_special_tokens=False), tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+    def generate(self, prompts, params):
+        assert params.max_new_tokens >= len(self.ids)
+        return [Generation(i, list(self.ids), [-0.5] * len(self.ids), "stop") for i in range(len(prompts))]
+
+
+def reference_run(rows, closed, max_episode_tokens=400):
+    tokenizer = qwen_style_tokenizer()
+    sessions = make_sessions(lambda row: Closing(row, closed), rows, n=2, name="closing.py:Closing")
+    return generate_episodes_reference(FixedTurns(tokenizer), sessions, ObservationRenderer(tokenizer),
+                                       SamplingParams(max_new_tokens=8), EpisodeBudget(max_episode_tokens=
+                                                                                       max_episode_tokens),
+                                       {tokenizer.convert_tokens_to_ids("<|im_end|>")})
+
+
+def test_a_prompt_over_the_episode_budget_is_one_sentence_and_every_session_is_closed():
+    closed = []
+    with pytest.raises(EnvironmentCodeError) as error:  # the trainer saves finished steps and tells every rank
+        reference_run([{"prompt": "hi"}, {"prompt": "a long question " * 10}], closed, max_episode_tokens=40)
+    message = str(error.value)
+    assert isinstance(error.value, PromptOverBudgetError) and "closing.py:Closing" in message
+    assert "sample 2 ('a long question a long question" in message and "raise env.max_episode_tokens above" in message
+    assert message.count("; ") == 1 and message.endswith("prompt.") and ". " not in message
+    assert len(closed) == 4  # no session outlives the failed call
+
+
+def test_the_reference_loop_runs_inside_a_running_event_loop():
+    """A Jupyter cell runs its code inside an event loop, where `asyncio.run` refuses to start another."""
+    closed = []
+
+    async def notebook_cell():
+        return reference_run([{"prompt": "hi"}], closed)
+
+    episodes = asyncio.run(notebook_cell())
+    assert [episode.done_reason for episode in episodes] == ["done", "done"] and len(closed) == 2

@@ -20,6 +20,7 @@ Choices:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import math
 import numbers
@@ -149,5 +150,12 @@ class EnvironmentSession:
 
 
 def run_sync(coroutine: Any) -> Any:
-    """Runs one session call from synchronous code (tests, a reference backend); not inside a running loop."""
-    return asyncio.run(coroutine)
+    """Runs a coroutine to its end from synchronous code (tests, the reference backend), also where this thread
+    already runs an event loop (a Jupyter cell), where `asyncio.run` refuses: it then runs on a loop of its own in
+    a helper thread while the caller waits (a synchronous caller blocks its loop either way)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridrl-run-sync") as pool:
+        return pool.submit(asyncio.run, coroutine).result()

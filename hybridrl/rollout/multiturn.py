@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hybridrl.envs.base import EnvironmentCodeError, EnvironmentFactory, EnvironmentSession, StepResult
+from hybridrl.envs.base import EnvironmentCodeError, EnvironmentFactory, EnvironmentSession, StepResult, run_sync
 from hybridrl.envs.episode import Episode
 from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.rollout.base import FinishReason, SamplingParams
@@ -58,6 +58,17 @@ def make_sessions(factory: EnvironmentFactory, rows: Sequence[dict[str, Any]], n
             for j in range(n)]
 
 
+class PromptOverBudgetError(EnvironmentCodeError):
+    """An episode's first messages render to a prompt that leaves no token to sample under `max_episode_tokens`.
+    An `EnvironmentCodeError`, so the trainer handles it as one (finished steps saved, every rank told)."""
+
+
+def _preview(messages: Sequence[dict[str, Any]], width: int = 60) -> str:
+    """The last message's text, shortened: which data row it is, for an error message."""
+    text = " ".join(str(messages[-1].get("content", "")).split()) if messages else ""
+    return repr(text if len(text) <= width else text[:width - 3] + "...")
+
+
 class EpisodeRun:
     """One episode being generated: its session, its `Episode` and the conversation as text."""
 
@@ -70,9 +81,11 @@ class EpisodeRun:
         self.last_turn_ids: list[int] = []
         self.done = False
         if len(self.episode.token_ids) >= budget.max_episode_tokens:
-            raise ValueError(f"the prompt of sample {session.sample} has {len(self.episode.token_ids)} tokens, which "
-                             f"leaves no room under max_episode_tokens={budget.max_episode_tokens}; raise it or "
-                             "shorten the prompt.")
+            raise PromptOverBudgetError(
+                f"the first messages environment {session.name!r} gave sample {session.sample} ({_preview(messages)}) "
+                f"render to a prompt of {len(self.episode.token_ids)} tokens, which leaves none to sample under "
+                f"max_episode_tokens={budget.max_episode_tokens}; raise env.max_episode_tokens above "
+                f"{len(self.episode.token_ids)} or shorten that data row's prompt.")
 
     @property
     def num_tokens(self) -> int:
@@ -129,9 +142,16 @@ class EpisodeRun:
 
 async def start_runs(sessions: Sequence[EnvironmentSession], renderer: ObservationRenderer, budget: EpisodeBudget,
                      stop_ids: set[int]) -> list[EpisodeRun]:
-    """Reset every environment at once and render each episode's prompt."""
-    first = await asyncio.gather(*(session.reset() for session in sessions))
-    return [EpisodeRun(session, renderer, budget, messages, stop_ids) for session, messages in zip(sessions, first)]
+    """Reset every environment at once and render each episode's prompt; if that fails (an environment raises, a
+    prompt is over the budget), every session is closed before the error propagates, since no caller holds them
+    as runs yet."""
+    try:
+        first = await asyncio.gather(*(session.reset() for session in sessions))
+        return [EpisodeRun(session, renderer, budget, messages, stop_ids)
+                for session, messages in zip(sessions, first)]
+    except BaseException:
+        await asyncio.gather(*(session.close() for session in sessions), return_exceptions=True)
+        raise
 
 
 async def close_runs(runs: Sequence[EpisodeRun]) -> None:
@@ -151,7 +171,7 @@ def generate_episodes_reference(backend: Any, sessions: Sequence[EnvironmentSess
     """The plain loop over `backend.generate` (one turn of every live episode per call, each from its whole
     sequence so far); `stop_ids` are the ids the backend stops at (its end-of-sequence ids and the params')."""
     check_episode_request(sessions, params)
-    runs = asyncio.run(start_runs(sessions, renderer, budget, stop_ids))
+    runs = run_sync(start_runs(sessions, renderer, budget, stop_ids))
     live, turn = list(runs), 0
     try:
         while live:
@@ -164,11 +184,11 @@ def generate_episodes_reference(backend: Any, sessions: Sequence[EnvironmentSess
                 turn_params = replace(params, max_new_tokens=limit, seed=seed)
                 for run, generation in zip(group, backend.generate([r.episode.token_ids for r in group], turn_params)):
                     texts[id(run)] = run.add_turn(generation.token_ids, generation.logprobs, generation.finish_reason)
-            results = asyncio.run(_step_all([(run.session, texts[id(run)]) for run in live]))
+            results = run_sync(_step_all([(run.session, texts[id(run)]) for run in live]))
             live = [run for run, result in zip(live, results) if run.add_step(result) is not None]
             turn += 1
     finally:
-        asyncio.run(close_runs(runs))
+        run_sync(close_runs(runs))
     return [run.episode for run in runs]
 
 
