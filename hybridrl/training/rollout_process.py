@@ -64,6 +64,7 @@ def join_group(port: int, rank: int, timeout_s: float) -> tuple[Any, Any]:
 
 def serve_rollouts(port: int, job: dict[str, Any]) -> None:
     """The rollout process: generate the batches of `first_step`..`last_step` and send them to the trainer."""
+    torch.set_num_threads(job["threads"])  # as the trainer's process was set (a fresh process has torch's default)
     weights_group, batches_group = join_group(port, WORKER_RANK, job["timeout_s"])
     config, parts = job["config"], job["parts"]
     model = parts.actor
@@ -117,7 +118,7 @@ class ProcessWorker(BatchQueue):
         trainer, parts = self.trainer, self.trainer.parts
         timeout_s = trainer.config.trainer.hang_timeout_s
         sampler_state = trainer.sampler.state_dict()
-        job = {"config": trainer.config, "timeout_s": timeout_s, "max_staleness": self.max_staleness,
+        job = {"config": trainer.config, "timeout_s": timeout_s, "threads": torch.get_num_threads(), "max_staleness": self.max_staleness,
                "first_step": self.first_step, "last_step": self.last_step, "version": self.version,
                "sampler_state": sampler_state, "sampling": trainer.sampling_params(step=0),
                "parts": WorkerParts(copy.deepcopy(parts.actor).requires_grad_(False), parts.tokenizer,
