@@ -4,6 +4,7 @@ unparseable output, template mistakes, and a short training run with the judge a
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -131,3 +132,17 @@ def test_two_steps_with_the_judge_as_the_reward(tmp_path):
     for key in ("reward/judge", "reward/judge_parse_failures", "timing/judge_s"):
         assert key in history[-1] and math.isfinite(history[-1][key]), key
     assert 0 < history[-1]["reward/judge"] < 1
+
+
+@pytest.mark.slow
+def test_the_judge_benchmark_runs_every_mode_on_tiny_shapes(tmp_path, monkeypatch, capsys):
+    from benchmarks import judge_step
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr("sys.argv", ["judge_step", "--tiny"])
+    judge_step.main()
+    table = capsys.readouterr().out.split("peak GiB")[1]
+    assert all(mode in table for mode in judge_step.MODES)
+    modes = {m["mode"]: m for m in json.loads((tmp_path / "judge_step.json").read_text())["modes"]}
+    assert modes["judge-yes_no"]["judge_s"] > 0 and modes["no-judge"]["judge_s"] == 0
+    assert modes["judge-number"]["parse_failures"] == 4  # a random judge writes no number: 2 prompts x 2 samples
