@@ -35,6 +35,15 @@ def test_infinite_loop_is_killed_at_its_wall_clock_timeout(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_program_that_does_not_read_a_large_stdin_is_still_killed_at_its_timeout(mode):
+    """More input than a pipe holds, to a program that never reads it: feeding it must not block past the timeout."""
+    started = time.perf_counter()
+    result = run_python("import time\ntime.sleep(30)\n", stdin="x" * (1 << 20),
+                        limits=SandboxLimits(wall_s=1.0, cpu_s=30), isolation=mode)
+    assert time.perf_counter() - started < 6.0 and result.timed_out and result.returncode == -9
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_cpu_time_limit_kills_a_busy_loop(mode):
     result = run_python("while True:\n    pass\n", limits=SandboxLimits(wall_s=20, cpu_s=1), isolation=mode)
     assert not result.timed_out and result.duration_s < 5.0

@@ -175,13 +175,16 @@ def _run(command: list[str], workdir: Path, stdin: str, limits: SandboxLimits, m
                                stderr=subprocess.PIPE, start_new_session=True,
                                preexec_fn=functools.partial(_limit_child, limits))
     outputs = [_Drain(process.stdout, limits.output_bytes), _Drain(process.stderr, limits.output_bytes)]
-    _feed(process, stdin)
+    # In a thread: a program that does not read a large stdin would block this write past the wall-clock timeout.
+    feeder = threading.Thread(target=_feed, args=(process, stdin), daemon=True)
+    feeder.start()
     timed_out = False
     try:
         process.wait(timeout=limits.wall_s)
     except subprocess.TimeoutExpired:
         timed_out = True
     _kill_group(process)
+    feeder.join(timeout=2.0)  # the kill closed the pipe's reader, so the write ends with BrokenPipeError
     for output in outputs:
         output.join()
     stdout, stderr = outputs
@@ -199,7 +202,7 @@ def _feed(process: subprocess.Popen, stdin: str) -> None:
         if stdin:
             process.stdin.write(stdin.encode())
         process.stdin.close()
-    except BrokenPipeError:  # the program exited without reading its input
+    except (BrokenPipeError, ValueError, OSError):  # the program exited (or was killed) without reading its input
         pass
 
 
