@@ -138,13 +138,16 @@ def test_a_failing_constructor_is_one_sentence(env_file):
     ("BadReward", "returned reward nan; a reward must be a finite number or None"),
 ])
 def test_unusable_step_results_are_refused(env_file, name, problem):
-    with pytest.raises(EnvironmentCodeError, match=problem.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(EnvironmentCodeError, match=problem.replace("(", r"\(").replace(")", r"\)")) as error:
         run_sync(session(env_file, name).step("x"))
+    line = next(i for i, text in enumerate(env_file.read_text().splitlines(), 1) if f"class {name}(" in text) + 1
+    assert f"envs.py:{line} in step) in step 1 for sample 0" in str(error.value)  # the user's step, by file:line
 
 
 def test_unusable_messages_are_refused(env_file):
     with pytest.raises(EnvironmentCodeError, match=r"returned message 0 as \{'role': 'user'\}; each message must be "
-                                                   r"a dict with string 'role' and 'content' in reset\(\)"):
+                                                   r"a dict with string 'role' and 'content' \(at .*envs\.py:\d+ in "
+                                                   r"reset\) in reset\(\)"):
         run_sync(session(env_file, "BadMessages").reset())
 
 

@@ -96,7 +96,7 @@ class EnvironmentSession:
 
     async def reset(self) -> list[Message]:
         messages = await self._call("reset()", self.env.reset)
-        return self._checked_messages(messages, "reset()")
+        return self._checked_messages(messages, "reset()", self.env.reset)
 
     async def step(self, assistant_text: str) -> StepResult:
         self.num_steps += 1
@@ -104,12 +104,13 @@ class EnvironmentSession:
         result = await self._call(call, self.env.step, assistant_text)
         if not isinstance(result, StepResult):
             raise self._error(call, f"returned {type(result).__name__}; step() must return "
-                                    "hybridrl.envs.StepResult(observation, reward, done)")
-        result.observation = self._checked_messages(result.observation, call)
+                                    f"hybridrl.envs.StepResult(observation, reward, done){_defined_at(self.env.step)}")
+        result.observation = self._checked_messages(result.observation, call, self.env.step)
         reward = result.reward
         if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)
                                    or not math.isfinite(reward)):
-            raise self._error(call, f"returned reward {reward!r}; a reward must be a finite number or None")
+            raise self._error(call, f"returned reward {reward!r}; a reward must be a finite number or None"
+                                    f"{_defined_at(self.env.step)}")
         return result
 
     async def close(self) -> None:
@@ -137,16 +138,26 @@ class EnvironmentSession:
         return EnvironmentCodeError(f"environment {self.name!r} {what} in {call} for sample {self.sample}; "
                                 "fix the environment or that sample's data.")
 
-    def _checked_messages(self, messages: Any, call: str) -> list[Message]:
+    def _checked_messages(self, messages: Any, call: str, method: Callable) -> list[Message]:
         if not isinstance(messages, list):
             raise self._error(call, f"returned {type(messages).__name__} as messages; return a list of "
-                                    "{'role': ..., 'content': ...} dicts")
+                                    f"{{'role': ..., 'content': ...}} dicts{_defined_at(method)}")
         for i, message in enumerate(messages):
             if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                     and isinstance(message.get("content"), str)):
                 raise self._error(call, f"returned message {i} as {message!r}; each message must be a dict with "
-                                        "string 'role' and 'content'")
+                                        f"string 'role' and 'content'{_defined_at(method)}")
         return messages
+
+
+def _defined_at(method: Callable) -> str:
+    """" (at file:line in name)" of the user's method, for a value it returned (nothing raised, so no traceback
+    names the user's code); empty when the source cannot be found."""
+    try:
+        function = inspect.unwrap(getattr(method, "__func__", method))
+        return f" (at {inspect.getsourcefile(function)}:{function.__code__.co_firstlineno} in {function.__name__})"
+    except (TypeError, AttributeError):
+        return ""
 
 
 def run_sync(coroutine: Any) -> Any:
