@@ -119,19 +119,28 @@ def test_the_reference_column_is_checked_before_scoring():
     composer.check_columns(["prompt", "answer"], "the training data")
 
 
-def test_two_steps_with_the_judge_as_the_reward(tmp_path):
+@pytest.mark.parametrize("parse", ["yes_no", "scale"])
+def test_two_steps_with_the_judge_as_the_reward(tmp_path, parse):
     actor = tiny_actor()
     dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
-    trainer = RLTrainer(actor=actor, dataset=dataset, reward__judge_model="tiny:llama", trainer__total_steps=2,
+    trainer = RLTrainer(actor=actor, dataset=dataset, reward__judge_model="tiny:llama", reward__judge_parse=parse,
+                        reward__judge_max_new_tokens=4, reward__judge_parse_failure_score=0.25, trainer__total_steps=2,
                         actor__lr=1e-3, rollout__max_new_tokens=4, rollout__num_samples_per_prompt=4,
                         trainer__prompts_per_step=4, actor__micro_batch_size=16, trainer__device="cpu",
                         logging__sinks=["jsonl"], trainer__save_model=False, trainer__output_dir=str(tmp_path))
     before = [p.detach().clone() for p in trainer.parts.actor.parameters()]
     history = trainer.train()
-    assert all(not torch.equal(b, p) for b, p in zip(before, trainer.parts.actor.parameters()))
+    changed = all(not torch.equal(b, p) for b, p in zip(before, trainer.parts.actor.parameters()))
+    # A random scale judge mostly writes no 1..10, so all samples may score the failure score: nothing to learn.
+    assert changed or parse == "scale"
     for key in ("reward/judge", "reward/judge_parse_failures", "timing/judge_s"):
         assert key in history[-1] and math.isfinite(history[-1][key]), key
-    assert 0 < history[-1]["reward/judge"] < 1
+    assert '"reward/judge_parse_failures"' in (tmp_path / "metrics.jsonl").read_text()
+    assert 0 <= history[-1]["reward/judge_parse_failures"] <= 16  # 4 prompts x 4 samples
+    if history[-1]["reward/judge_parse_failures"] == 16:  # every text unreadable: every score the configured one
+        assert history[-1]["reward/judge"] == pytest.approx(0.25)
+    assert 0 < history[-1]["reward/judge"] < 1 if parse == "yes_no" else 0 <= history[-1]["reward/judge"] <= 1
+    assert isinstance(trainer.parts.rewards.rewards[0].fn.backend, BuiltinBackend if parse == "scale" else type(None))
 
 
 @pytest.mark.slow
