@@ -370,14 +370,15 @@ class Closing:
 
 
 class FixedTurns:
-    """A backend whose every turn is the same three sampled ids, ending at the stop token."""
+    """A backend whose every turn is the same three sampled ids, ending at the stop token (cut at the turn's limit)."""
 
     def __init__(self, tokenizer):
         self.ids = [*tokenizer.encode("ok", add_special_tokens=False), tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
     def generate(self, prompts, params):
-        assert params.max_new_tokens >= len(self.ids)
-        return [Generation(i, list(self.ids), [-0.5] * len(self.ids), "stop") for i in range(len(prompts))]
+        ids = self.ids[:params.max_new_tokens]
+        reason = "stop" if len(ids) == len(self.ids) else "length"
+        return [Generation(i, list(ids), [-0.5] * len(ids), reason) for i in range(len(prompts))]
 
 
 def reference_run(rows, closed, max_episode_tokens=400):
