@@ -410,3 +410,30 @@ def test_the_reference_loop_runs_inside_a_running_event_loop():
 
     episodes = asyncio.run(notebook_cell())
     assert [episode.done_reason for episode in episodes] == ["done", "done"] and len(closed) == 2
+
+
+class LongObservations(Closing):
+    def step(self, text):
+        return StepResult([{"role": "tool", "name": "echo", "content": "y" * 200}])
+
+
+@pytest.mark.parametrize("room, reason, turns", [(0, "max_tokens", 1), (1, "max_tokens", 2), (10**3, "max_turns", 4)])
+def test_episode_budgets_at_their_edges_and_the_messages_are_what_the_model_saw(room, reason, turns):
+    """A turn of 3 ids and observations cut to 5 ids: an observation that would leave `room` = 0 tokens ends the
+    episode unshown; room for 1 shows it and samples one more token; the messages hold exactly what was shown."""
+    tokenizer = qwen_style_tokenizer()
+    renderer = ObservationRenderer(tokenizer)
+    prompt = len(renderer.prompt_ids([{"role": "user", "content": "hi"}]))
+    sessions = make_sessions(lambda row: LongObservations(row, []), [{"prompt": "hi"}], n=1, name="long")
+    episode, = generate_episodes_reference(FixedTurns(tokenizer), sessions, renderer, SamplingParams(max_new_tokens=8),
+                                           EpisodeBudget(max_turns=4, max_episode_tokens=prompt + 3 + 5 + room,
+                                                         max_observation_tokens=5),
+                                           {tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    episode.check()
+    assert episode.done_reason == reason and episode.num_turns == turns
+    assert len(episode.token_ids) == {0: prompt + 3, 1: prompt + 3 + 5 + 1, 10**3: prompt + 4 * 3 + 3 * 5}[room]
+    kinds = [span.kind for span in episode.spans[1:]]
+    assert [m["role"] for m in episode.messages] == ["user"] + [{"assistant": "assistant", "observation": "tool"}[k]
+                                                                for k in kinds]
+    marker = renderer.encode(EpisodeBudget().truncation_marker)[:5]  # longer than the cut: the marker's first ids
+    assert all(episode.span_ids(span) == marker for span in episode.spans if span.kind == "observation")

@@ -120,11 +120,10 @@ class EpisodeRun:
             raise EnvironmentCodeError(f"environment {self.session.name!r} returned no observation with done=False "
                                        f"in step {self.session.num_steps} for sample {self.session.sample}; return "
                                        "the messages to show the model, or done=True.")
-        ids = self.renderer.observation_ids(self.messages, result.observation, self.last_turn_ids)
-        self.messages.extend(result.observation)
-        ids = self._truncated(ids)
+        ids = self._truncated(self.renderer.observation_ids(self.messages, result.observation, self.last_turn_ids))
         if self.num_tokens + len(ids) >= self.budget.max_episode_tokens:
-            return self._end("max_tokens")
+            return self._end("max_tokens")  # unshown, so not in `messages` either (as with done and max_turns)
+        self.messages.extend(result.observation)
         self.episode.add_observation(ids)
         return ids
 
