@@ -167,8 +167,14 @@ class JudgeReward:
             for row, x in enumerate(chunk):
                 input_ids[row, :len(x)] = torch.tensor(x, dtype=torch.long)
                 attention_mask[row, :len(x)] = 1
-            logits = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
-            last = logits[torch.arange(len(chunk)), attention_mask.sum(1).to(device) - 1].float()  # (B, V)
-            logprobs = torch.log_softmax(last, dim=-1)[:, self.answer_ids]  # (B, 2): yes, no
+            # The head runs on each row's last position only: full (B, T, V) logits of a 150k vocabulary would cost
+            # gigabytes for a batch of long prompts.
+            hidden = self.model.get_decoder()(input_ids=input_ids.to(device),
+                                              attention_mask=attention_mask.to(device)).last_hidden_state  # (B, T, H)
+            last = hidden[torch.arange(len(chunk)), attention_mask.sum(1).to(device) - 1]  # (B, H)
+            logits = self.model.get_output_embeddings()(last).float()  # (B, V)
+            if cap := getattr(self.model.config, "final_logit_softcapping", None):  # Gemma 2 caps its logits
+                logits = torch.tanh(logits / cap) * cap
+            logprobs = torch.log_softmax(logits, dim=-1)[:, self.answer_ids]  # (B, 2): yes, no
             scores += [yes_no_score(yes, no) for yes, no in logprobs.tolist()]
         return scores

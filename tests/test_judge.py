@@ -110,6 +110,10 @@ def test_yes_no_scores_of_a_padded_batch_equal_each_sample_alone():
     alone = [judge([p], [c], answer=[a])[0] for p, c, a in zip(prompts, completions, answers)]
     assert batched == pytest.approx(alone, abs=1e-5)
     assert len(set(round(s, 6) for s in batched[:3])) == 3  # a random judge: distinct scores, not a constant
+    ids = torch.tensor([tokenizer(judge.render(prompts[1], completions[1], answers[1]))["input_ids"]])
+    logprobs = torch.log_softmax(model(input_ids=ids).logits[0, -1], dim=-1)  # the whole model, as transformers runs it
+    yes, no = (logprobs[tokenizer.encode(word, add_special_tokens=False)[0]].item() for word in ("Yes", "No"))
+    assert batched[1] == pytest.approx(yes_no_score(yes, no), abs=1e-5)
 
 
 def test_the_reference_column_is_checked_before_scoring():
