@@ -256,3 +256,41 @@ def test_a_tool_file_can_offer_the_sandboxed_python_tool_by_import(tmp_path):
     with ToolBox([f"{tmp_path / 'my_tools.py'}:python"], timeout_s=20.0, num_workers=1) as box:
         content = box({"prompt": "p"}).step(call_text("python", code="print(2 ** 10)")).observation[0]["content"]
     assert content == "1024\n"
+
+
+SANDBOX_TOOL = '''
+from hybridrl.envs.sandbox import SandboxLimits, run_python
+
+
+def sandboxed(code: str) -> str:
+    """Run a program in the rlimits sandbox with a long wall-clock limit.
+
+    Args:
+        code: The program.
+    """
+    return run_python(code, limits=SandboxLimits(wall_s=120, cpu_s=120), isolation="rlimits").stdout
+'''
+
+
+def test_a_sandboxed_program_dies_with_the_tool_worker_killed_at_its_timeout(tmp_path):
+    """The worker that would enforce the sandbox's wall_s is killed first (tool timeout 1 s): the sleeping program
+    must not outlive it (it is in a session of its own, so the worker's process-group kill misses it)."""
+    (tmp_path / "sandbox_tools.py").write_text(SANDBOX_TOOL)
+    pid_file = tmp_path / "pid"
+    code = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
+    with ToolBox([f"{tmp_path / 'sandbox_tools.py'}:sandboxed"], timeout_s=1.0, num_workers=1) as box:
+        outcome = box.call(ToolCall("sandboxed", {"code": code}))
+    assert outcome.timed_out and pid_file.exists()
+    pid, deadline = int(pid_file.read_text()), time.monotonic() + 5.0
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's reaper may be slow, or absent in a container)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -14,7 +14,7 @@ Two modes, chosen by `isolation` ("auto" picks the first available):
   network and read and write anything the user running hybridrl can. The result says so
   (`network_blocked`, `filesystem_isolated` are False).
 In both: CPU time, address space (RLIMIT_AS), file size and process count limited by `setrlimit` in the child
-before it starts; its own fresh temporary working directory (also HOME and TMPDIR), removed afterwards; a
+before it starts; the program killed if the process that started it dies (Linux: PR_SET_PDEATHSIG); its own fresh temporary working directory (also HOME and TMPDIR), removed afterwards; a
 minimal environment; killed with its whole process group at the wall-clock timeout; stdout and stderr each
 kept up to `output_bytes`, the rest counted and dropped, with a marker. docs/environments.md says what each
 mode guarantees and what it does not.
@@ -22,6 +22,7 @@ mode guarantees and what it does not.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import resource
@@ -158,8 +159,29 @@ def _bwrap_prefix(workdir: Path) -> list[str]:
     return args + ["--"]
 
 
-def _limit_child(limits: SandboxLimits) -> None:
-    # Runs in the child between fork and exec: only setrlimit calls, no locks taken.
+def _libc_prctl():
+    """libc's prctl, looked up here (not in the forked child); None off Linux or without it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _limit_child(limits: SandboxLimits, parent: int) -> None:
+    # Runs in the child between fork and exec: only setrlimit and prctl calls, no locks taken.
+    # Killed when the process that started it dies (e.g. a tool worker killed at its timeout, which can no longer
+    # enforce wall_s): else a sleeping program would outlive everything. The getppid check closes the race of a
+    # parent that died before the prctl.
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
     resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
     resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_size_bytes, limits.file_size_bytes))
@@ -173,7 +195,7 @@ def _run(command: list[str], workdir: Path, stdin: str, limits: SandboxLimits, m
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=workdir, env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, start_new_session=True,
-                               preexec_fn=functools.partial(_limit_child, limits))
+                               preexec_fn=functools.partial(_limit_child, limits, os.getpid()))
     outputs = [_Drain(process.stdout, limits.output_bytes), _Drain(process.stderr, limits.output_bytes)]
     # In a thread: a program that does not read a large stdin would block this write past the wall-clock timeout.
     feeder = threading.Thread(target=_feed, args=(process, stdin), daemon=True)
