@@ -5,7 +5,8 @@ Three ways to read the judge's answer (`parse`):
 - `number`: greedy generation, the final number in the judge's text (`rewards.extract_number`).
 - `scale`: greedy generation, the last integer 1..10 in the text ("7", "7/10"), mapped to (s - 1) / 9 in [0, 1].
 - `yes_no`: no generation; one forward pass, and the score is P(yes) / (P(yes) + P(no)) from the judge's
-  next-token log-probs of the first token of each answer word. It never fails to parse.
+  next-token log-probs, P(word) being the mass of the word's first token with and without a leading space.
+  It never fails to parse.
 
 Choices:
 - It sits above rollout (it generates with a rollout backend) and below training; rewards.py does not import it:
@@ -87,10 +88,7 @@ class JudgeReward:
         self.parse, self.failure_score, self.max_new_tokens = parse, failure_score, max_new_tokens
         self.reference_key, self.batch_size = reference_key, batch_size
         self.use_chat_template = use_chat_template and bool(getattr(tokenizer, "chat_template", None))
-        self.answer_ids = [self._first_token(word) for word in answer_words]
-        if self.answer_ids[0] == self.answer_ids[1]:
-            raise ValueError(f"the judge's answer words {answer_words} start with the same token; choose words "
-                             "whose first tokens differ.")
+        self.answer_ids = self._answer_tokens(answer_words)
         self.backend = None
         if parse in TEXT_PARSERS:
             builtin = backend == "builtin" or (backend == "auto" and BuiltinBackend.supports(model)[0])
@@ -140,11 +138,22 @@ class JudgeReward:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(text)["input_ids"]
 
-    def _first_token(self, word: str) -> int:
-        ids = self.tokenizer.encode(word, add_special_tokens=False)
-        if not ids:
-            raise ValueError(f"the judge's answer word {word!r} encodes to no token; give a non-empty word.")
-        return ids[0]
+    def _answer_tokens(self, words: tuple[str, str]) -> tuple[list[int], list[int]]:
+        """For each answer word, the first tokens of the word and of the word after a space ("Yes" and " Yes" are
+        distinct tokens of BPE vocabularies, and which one follows "Answer:" depends on the judge); a token that
+        could begin either word (a lone space in a character vocabulary) is left out of both."""
+        starts = []
+        for word in words:
+            firsts = {ids[0] for ids in (self.tokenizer.encode(text, add_special_tokens=False)
+                                         for text in (word, " " + word.lstrip())) if ids}
+            if not word.strip() or not firsts:
+                raise ValueError(f"the judge's answer word {word!r} encodes to no token; give a non-empty word.")
+            starts.append(firsts)
+        yes, no = starts[0] - starts[1], starts[1] - starts[0]
+        if not yes or not no:
+            raise ValueError(f"the judge's answer words {words} begin with the same tokens; choose words whose "
+                             "first tokens differ (e.g. Yes and No).")
+        return sorted(yes), sorted(no)
 
     def _generate_and_parse(self, ids: list[list[int]]) -> tuple[list[float], int]:
         params = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0, n=1)
@@ -175,6 +184,7 @@ class JudgeReward:
             logits = self.model.get_output_embeddings()(last).float()  # (B, V)
             if cap := getattr(self.model.config, "final_logit_softcapping", None):  # Gemma 2 caps its logits
                 logits = torch.tanh(logits / cap) * cap
-            logprobs = torch.log_softmax(logits, dim=-1)[:, self.answer_ids]  # (B, 2): yes, no
-            scores += [yes_no_score(yes, no) for yes, no in logprobs.tolist()]
+            logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
+            yes, no = (logprobs[:, ids].logsumexp(dim=-1).tolist() for ids in self.answer_ids)  # (B,) each
+            scores += [yes_no_score(y, n) for y, n in zip(yes, no)]
         return scores

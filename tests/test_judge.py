@@ -112,8 +112,26 @@ def test_yes_no_scores_of_a_padded_batch_equal_each_sample_alone():
     assert len(set(round(s, 6) for s in batched[:3])) == 3  # a random judge: distinct scores, not a constant
     ids = torch.tensor([tokenizer(judge.render(prompts[1], completions[1], answers[1]))["input_ids"]])
     logprobs = torch.log_softmax(model(input_ids=ids).logits[0, -1], dim=-1)  # the whole model, as transformers runs it
+    # " Yes" and " No" begin with the same space token of this character vocabulary: only "Y" and "N" count
     yes, no = (logprobs[tokenizer.encode(word, add_special_tokens=False)[0]].item() for word in ("Yes", "No"))
     assert batched[1] == pytest.approx(yes_no_score(yes, no), abs=1e-5)
+
+
+class WordTokenizer:
+    """A vocabulary where "Yes" and " Yes" are distinct tokens, as in BPE ones."""
+
+    vocabulary = {"Yes": 0, " Yes": 1, "No": 2, " No": 3, "Maybe": 4, " Maybe": 4}
+
+    def encode(self, text, add_special_tokens=False):
+        return [self.vocabulary[text]]
+
+
+def test_yes_no_answer_mass_counts_the_word_with_and_without_a_leading_space():
+    judge = JudgeReward.__new__(JudgeReward)
+    judge.tokenizer = WordTokenizer()
+    assert judge._answer_tokens(("Yes", "No")) == ([0, 1], [2, 3])
+    with pytest.raises(ValueError, match="begin with the same tokens"):
+        judge._answer_tokens(("Maybe", " Maybe"))
 
 
 def test_the_reference_column_is_checked_before_scoring():

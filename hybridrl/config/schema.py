@@ -193,7 +193,8 @@ class RewardConfig:
     judge_reference_key: str = "answer"
     """The data column filled in for {reference}."""
     judge_answer_words: list[str] = field(default_factory=lambda: ["Yes", "No"])
-    """yes_no: the yes word then the no word; the first token of each is read after the template."""
+    """yes_no: the yes word then the no word; each word's probability after the template is that of its first token,
+    with and without a leading space."""
     judge_use_chat_template: bool = False
     """Render the filled template as a user turn of the judge's chat template (for instruct judges)."""
     shard_scoring: bool = True
