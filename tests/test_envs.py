@@ -437,3 +437,25 @@ def test_episode_budgets_at_their_edges_and_the_messages_are_what_the_model_saw(
                                                                 for k in kinds]
     marker = renderer.encode(EpisodeBudget().truncation_marker)[:5]  # longer than the cut: the marker's first ids
     assert all(episode.span_ids(span) == marker for span in episode.spans if span.kind == "observation")
+
+
+class SlowAsyncClose(Closing):
+    """Sample 0's close() raises; the others close asynchronously, after a moment."""
+
+    async def close(self):
+        if self.row["prompt"] == "bad":
+            raise OSError("disk gone")
+        await asyncio.sleep(0.05)
+        self.closed.append(self.row["prompt"])
+
+
+def test_every_environment_is_closed_when_one_close_raises():
+    closed = []
+    tokenizer = qwen_style_tokenizer()
+    rows = [{"prompt": "bad"}, {"prompt": "a"}, {"prompt": "b"}]
+    sessions = make_sessions(lambda row: SlowAsyncClose(row, closed), rows, n=1, name="close.py:SlowAsyncClose")
+    with pytest.raises(EnvironmentCodeError, match=r"raised OSError: disk gone .*in close\(\) for sample 0"):
+        generate_episodes_reference(FixedTurns(tokenizer), sessions, ObservationRenderer(tokenizer),
+                                    SamplingParams(max_new_tokens=8), EpisodeBudget(),
+                                    {tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    assert sorted(closed) == ["a", "b"]

@@ -154,7 +154,12 @@ async def start_runs(sessions: Sequence[EnvironmentSession], renderer: Observati
 
 
 async def close_runs(runs: Sequence[EpisodeRun]) -> None:
-    await asyncio.gather(*(run.session.close() for run in runs))
+    """Close every episode's environment, all of them even when one fails (a failure does not cancel the other
+    closes), then raise the first failure."""
+    results = await asyncio.gather(*(run.session.close() for run in runs), return_exceptions=True)
+    failures = [result for result in results if isinstance(result, BaseException)]
+    if failures:
+        raise failures[0]
 
 
 def check_episode_request(sessions: Sequence[EnvironmentSession], params: SamplingParams) -> None:
