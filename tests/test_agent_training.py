@@ -436,6 +436,21 @@ def test_tools_are_called_answered_and_seen_by_the_reward(tmp_path):
     assert workers and all(worker.process is None for worker in workers)
 
 
+def test_tool_episodes_cut_at_max_turns_count_as_truncated(tmp_path):
+    """env.max_turns=1 and a first turn that calls calc: the budget cut the episode (docs: rollout/truncation_rate
+    counts `max_turns`), not an answer."""
+    (tmp_path / "tools.py").write_text(TOOLS)
+    actor = chat_actor()
+    trainer = make_trainer(tmp_path, actor=actor, reward_fn=lambda prompts, completions, **columns: [0.0] * len(completions),
+                           env__environment="", env__tools=[f"{tmp_path}/tools.py:calc"], trainer__total_steps=1,
+                           rollout__backend="hf", env__max_turns=1, env__max_observation_tokens=32,
+                           env__max_episode_tokens=256)
+    trainer.parts.rollout = CallsCalcFirst(trainer.parts.actor, actor.tokenizer)
+    history = trainer.train()
+    assert history[-1]["rollout/turns_per_episode"] == 1.0 and history[-1]["rollout/tool_calls_per_episode"] == 1.0
+    assert history[-1]["rollout/truncation_rate"] == 1.0
+
+
 def docs_config() -> dict:
     """The Qwen2.5 starting config of docs/environments.md, as written there."""
     text = (Path(__file__).parents[1] / "docs" / "environments.md").read_text()

@@ -193,8 +193,10 @@ def build_environment(config: Config) -> tuple[EnvironmentFactory, str] | None:
     if e.environment:
         return load_environment(e.environment), e.environment
     tools = [python if spec == "python" else spec for spec in e.tools]
+    # The budget (`EpisodeBudget`, env.max_turns) ends an episode whose last turn still called tools, as
+    # `max_turns` (truncated); the tool environment's own limit, one turn later, never comes first to call it done.
     toolbox = ToolBox(tools, timeout_s=e.tool_timeout_s, num_workers=e.num_tool_workers,
-                      format=ToolCallFormat(e.tool_call_start, e.tool_call_end), max_turns=e.max_turns,
+                      format=ToolCallFormat(e.tool_call_start, e.tool_call_end), max_turns=e.max_turns + 1,
                       system_prompt=e.system_prompt or None, prompt_key=config.data.prompt_key)
     return toolbox, "env.tools"
 
