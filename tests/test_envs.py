@@ -459,3 +459,20 @@ def test_every_environment_is_closed_when_one_close_raises():
                                     SamplingParams(max_new_tokens=8), EpisodeBudget(),
                                     {tokenizer.convert_tokens_to_ids("<|im_end|>")})
     assert sorted(closed) == ["a", "b"]
+
+
+class Silent(Closing):
+    def step(self, text):
+        return StepResult()
+
+
+def test_a_step_with_neither_observation_nor_done_names_the_users_step(tmp_path):
+    closed = []
+    tokenizer = qwen_style_tokenizer()
+    sessions = make_sessions(lambda row: Silent(row, closed), [{"prompt": "hi"}], n=1, name="silent.py:Silent")
+    with pytest.raises(EnvironmentCodeError, match=r"returned no observation with done=False \(at .*test_envs\.py:\d+ "
+                                                   r"in step\) in step 1 for sample 0; return the messages"):
+        generate_episodes_reference(FixedTurns(tokenizer), sessions, ObservationRenderer(tokenizer),
+                                    SamplingParams(max_new_tokens=8), EpisodeBudget(),
+                                    {tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    assert closed == ["hi"]

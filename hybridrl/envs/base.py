@@ -104,13 +104,13 @@ class EnvironmentSession:
         result = await self._call(call, self.env.step, assistant_text)
         if not isinstance(result, StepResult):
             raise self._error(call, f"returned {type(result).__name__}; step() must return "
-                                    f"hybridrl.envs.StepResult(observation, reward, done){_defined_at(self.env.step)}")
+                                    f"hybridrl.envs.StepResult(observation, reward, done){defined_at(self.env.step)}")
         result.observation = self._checked_messages(result.observation, call, self.env.step)
         reward = result.reward
         if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)
                                    or not math.isfinite(reward)):
             raise self._error(call, f"returned reward {reward!r}; a reward must be a finite number or None"
-                                    f"{_defined_at(self.env.step)}")
+                                    f"{defined_at(self.env.step)}")
         return result
 
     async def close(self) -> None:
@@ -141,16 +141,16 @@ class EnvironmentSession:
     def _checked_messages(self, messages: Any, call: str, method: Callable) -> list[Message]:
         if not isinstance(messages, list):
             raise self._error(call, f"returned {type(messages).__name__} as messages; return a list of "
-                                    f"{{'role': ..., 'content': ...}} dicts{_defined_at(method)}")
+                                    f"{{'role': ..., 'content': ...}} dicts{defined_at(method)}")
         for i, message in enumerate(messages):
             if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                     and isinstance(message.get("content"), str)):
                 raise self._error(call, f"returned message {i} as {message!r}; each message must be a dict with "
-                                        f"string 'role' and 'content'{_defined_at(method)}")
+                                        f"string 'role' and 'content'{defined_at(method)}")
         return messages
 
 
-def _defined_at(method: Callable) -> str:
+def defined_at(method: Callable) -> str:
     """" (at file:line in name)" of the user's method, for a value it returned (nothing raised, so no traceback
     names the user's code); empty when the source cannot be found."""
     try:

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hybridrl.envs.base import EnvironmentCodeError, EnvironmentFactory, EnvironmentSession, StepResult, run_sync
+from hybridrl.envs.base import (EnvironmentCodeError, EnvironmentFactory, EnvironmentSession, StepResult, defined_at,
+                                run_sync)
 from hybridrl.envs.episode import Episode
 from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.rollout.base import FinishReason, SamplingParams
@@ -117,9 +118,10 @@ class EpisodeRun:
         if self.episode.num_turns >= self.budget.max_turns:
             return self._end("max_turns")
         if not result.observation:
-            raise EnvironmentCodeError(f"environment {self.session.name!r} returned no observation with done=False "
-                                       f"in step {self.session.num_steps} for sample {self.session.sample}; return "
-                                       "the messages to show the model, or done=True.")
+            raise EnvironmentCodeError(f"environment {self.session.name!r} returned no observation with done=False"
+                                       f"{defined_at(self.session.env.step)} in step {self.session.num_steps} for "
+                                       f"sample {self.session.sample}; return the messages to show the model, or "
+                                       "done=True.")
         ids = self._truncated(self.renderer.observation_ids(self.messages, result.observation, self.last_turn_ids))
         if self.num_tokens + len(ids) >= self.budget.max_episode_tokens:
             return self._end("max_tokens")  # unshown, so not in `messages` either (as with done and max_turns)
