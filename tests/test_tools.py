@@ -4,6 +4,7 @@ turned into an observation that says what went wrong."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -274,17 +275,20 @@ def sandboxed(code: str) -> str:
 
 def test_a_sandboxed_program_dies_with_the_tool_worker_killed_at_its_timeout(tmp_path):
     """The worker that would enforce the sandbox's wall_s is killed first (tool timeout 1 s): the sleeping program
-    must not outlive it (it is in a session of its own, so the worker's process-group kill misses it)."""
+    must not outlive it (it is in a session of its own, so the worker's process-group kill misses it), nor its
+    temporary working directory."""
     (tmp_path / "sandbox_tools.py").write_text(SANDBOX_TOOL)
     pid_file = tmp_path / "pid"
-    code = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
+    code = f"import os, time\nopen({str(pid_file)!r}, 'w').write(f'{{os.getpid()}} {{os.getcwd()}}')\ntime.sleep(600)\n"
     with ToolBox([f"{tmp_path / 'sandbox_tools.py'}:sandboxed"], timeout_s=1.0, num_workers=1) as box:
         outcome = box.call(ToolCall("sandboxed", {"code": code}))
     assert outcome.timed_out and pid_file.exists()
-    pid, deadline = int(pid_file.read_text()), time.monotonic() + 5.0
-    while _running(pid) and time.monotonic() < deadline:
+    pid, workdir = pid_file.read_text().split(" ", 1)
+    deadline = time.monotonic() + 5.0
+    while _running(int(pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _running(pid)
+    assert not _running(int(pid))
+    assert not os.path.exists(workdir)  # its working directory too, which the killed worker could not remove
 
 
 def _running(pid: int) -> bool:

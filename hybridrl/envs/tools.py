@@ -23,9 +23,11 @@ import inspect
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -161,6 +163,7 @@ class ToolWorker:
         self.specs = [[str(file), name] for file, name in specs]
         self.start_timeout_s = start_timeout_s
         self.process: subprocess.Popen | None = None
+        self.temp_dir = ""
         self.answers: queue.Queue = queue.Queue()
 
     def call(self, name: str, arguments: dict[str, Any], timeout_s: float) -> ToolOutcome:
@@ -189,8 +192,12 @@ class ToolWorker:
 
     def _start(self) -> None:
         self.answers = queue.Queue()
+        # The worker's temporary files (a sandboxed program's working directory among them) go in a folder of its
+        # own, removed when it stops: a worker killed at a timeout cannot remove what it made itself.
+        self.temp_dir = tempfile.mkdtemp(prefix="hybridrl-tool-worker-")
         self.process = subprocess.Popen([sys.executable, str(_WORKER), json.dumps(self.specs)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, start_new_session=True)
+                                        stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                        env={**os.environ, "TMPDIR": self.temp_dir})
         threading.Thread(target=_read_answers, args=(self.process.stdout, self.answers), daemon=True).start()
         try:
             ready = self.answers.get(timeout=self.start_timeout_s)
@@ -216,6 +223,7 @@ class ToolWorker:
                 pipe.close()
             except OSError:
                 pass
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
         self.process = None
 
 
