@@ -298,3 +298,13 @@ def _running(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_worker_that_died_between_calls_is_replaced_and_its_folder_removed(toolbox):
+    assert toolbox.call(ToolCall("calc", {"a": 2, "b": 3})).text == "6"
+    [worker] = toolbox._workers
+    dead, folder = worker.process, worker.temp_dir
+    os.kill(dead.pid, 9)
+    dead.wait()
+    assert toolbox.call(ToolCall("calc", {"a": 2, "b": 4})).text == "8"
+    assert worker.process is not dead and not os.path.exists(folder) and os.path.isdir(worker.temp_dir)

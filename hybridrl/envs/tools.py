@@ -168,6 +168,7 @@ class ToolWorker:
 
     def call(self, name: str, arguments: dict[str, Any], timeout_s: float) -> ToolOutcome:
         if self.process is None or self.process.poll() is not None:
+            self.stop()  # one that exited between calls: reap it, close its pipes, remove its folder
             self._start()
         started = time.perf_counter()
         try:
