@@ -10,7 +10,8 @@ Choices:
 - A tool's schema comes from its type hints and docstring through `transformers.utils.get_json_schema`, the
   format `apply_chat_template(tools=...)` expects, so the model sees what a Hugging Face pipeline would show it.
 - Calls run in worker processes (`tool_worker.py`), a pool of `num_workers`: a call that passes its timeout is
-  killed with its process group and the worker restarted. A tool file is therefore imported twice (here for the
+  killed with its process group and the worker restarted. Each worker has a temporary folder of its own (its
+  TMPDIR, so also the working directories of sandboxed programs it starts), removed when it stops. A tool file is therefore imported twice (here for the
   schemas, there to call), so keep import-time side effects out of it.
 - Nothing the model writes ends an episode with an error: a tool that raises, hangs, is unknown, or a call that
   is not valid JSON becomes an observation that says what went wrong, and is counted in the episode's records.
