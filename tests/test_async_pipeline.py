@@ -181,6 +181,35 @@ def test_max_staleness_is_checked(tmp_path):
         make_trainer(tmp_path, trainer__max_staleness=-1)
 
 
+def test_rollout_device_cpu_is_the_run_without_it_bitwise(tmp_path):
+    """`trainer.rollout_device` names the worker's device: on a CPU machine "cpu" takes the cross-device path
+    (the copy placed by name, the push copied to it, batches moved back) and must change no bit."""
+    settings = dict(trainer__total_steps=3, trainer__max_staleness=1, algorithm__rollout_correction_cap=2.0)
+    default = make_trainer(tmp_path / "default", **settings).train()
+    trainer = make_trainer(tmp_path / "cpu", trainer__rollout_device="cpu", **settings)
+    placed = trainer.train()
+    assert learning_metrics(placed) == learning_metrics(default)
+    assert all(row["perf/weight_push_s"] >= 0 for row in placed)
+    worker = trainer.pipeline.worker
+    assert worker.device == torch.device("cpu") and worker.version == 1
+    assert all(parameter.device == worker.device for parameter in worker.model.parameters())
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (dict(trainer__rollout_device="cuda:7"), "is not a device this process can see"),
+    (dict(trainer__rollout_device="gpu0"), "is not a device this process can see"),
+    (dict(trainer__rollout_device="cpu", trainer__max_staleness=0), "trainer.max_staleness > 0"),
+    (dict(trainer__rollout_device="cpu", trainer__rollout_worker="process"), "rollout_worker=thread"),
+])
+def test_a_rollout_device_that_cannot_work_is_refused_in_one_sentence(tmp_path, overrides, words):
+    settings = {"trainer__max_staleness": 1, **overrides}
+    if torch.cuda.device_count() > 7 and overrides["trainer__rollout_device"] == "cuda:7":
+        pytest.skip("this machine sees a cuda:7")
+    with pytest.raises(ConfigError, match="trainer.rollout_device=") as error:
+        make_trainer(tmp_path, **settings)
+    assert words in str(error.value)
+
+
 KILLED_RUN = '''
 import sys, time
 sys.path.insert(0, {tests!r})

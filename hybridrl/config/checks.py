@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import string
 
+import torch
+
 from hybridrl.config.schema import Config, ConfigError
 
 
@@ -145,6 +147,7 @@ def validate(config: Config) -> None:
     _require(t.max_staleness == 0 or not a.dynamic_sampling,
              "algorithm.dynamic_sampling re-samples within a step, which the asynchronous rollout worker does not do; "
              "set algorithm.dynamic_sampling=false or trainer.max_staleness=0.")
+    validate_rollout_device(config)
     _require(mini % t.num_gpus == 0,
              f"trainer.num_gpus={t.num_gpus} must divide actor.mini_batch_size={mini} (each process takes an equal "
              "share of every mini-batch); change actor.mini_batch_size or trainer.prompts_per_step.")
@@ -169,6 +172,27 @@ def validate(config: Config) -> None:
     s = config.sft
     _require(s.num_epochs >= 1 and s.batch_size >= 1, "sft.num_epochs and sft.batch_size must be at least 1.")
     _require(s.lr > 0, "sft.lr must be > 0.")
+
+
+def validate_rollout_device(config: Config) -> None:
+    """`trainer.rollout_device`: the thread worker's device, which this process must see."""
+    t = config.trainer
+    device = t.rollout_device
+    if not device:
+        return
+    _require(t.max_staleness > 0 and t.rollout_worker == "thread",
+             f"trainer.rollout_device={device!r} places the thread rollout worker, which runs only with "
+             f"trainer.max_staleness > 0 and trainer.rollout_worker=thread (got max_staleness={t.max_staleness}, "
+             f"rollout_worker={t.rollout_worker}); set those or trainer.rollout_device=\"\".")
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        parsed = None
+    visible = torch.cuda.device_count()
+    _require(parsed is not None and (parsed.type == "cpu" or (parsed.type == "cuda" and (parsed.index or 0) < visible)),
+             f"trainer.rollout_device={device!r} is not a device this process can see ({visible} CUDA device(s) "
+             f"visible, CUDA_VISIBLE_DEVICES renumbers them); use cpu or cuda:N with N below {visible}, or \"\" "
+             "for the trainer's device.")
 
 
 def validate_4bit(config: Config) -> None:

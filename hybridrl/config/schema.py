@@ -444,6 +444,11 @@ class TrainerConfig:
     """With max_staleness > 0, where the rollout worker runs: a thread of the training process with a copy of the
     actor, or a process of its own (`training/rollout_process.py`) that gets each new version in bucketed
     broadcasts (gloo on CPU) and sends its batches back; both give the same metrics."""
+    rollout_device: str = ""
+    """With max_staleness > 0 and rollout_worker=thread: where the worker's copy of the actor and its rollout
+    backend live, e.g. `cuda:0` while the trainer trains on `cuda:1` (rollout and training on two GPUs); each
+    pushed version is copied across into the copy's own tensors, and its batches come back to the trainer's
+    device. "" keeps the copy on the trainer's device."""
     divergence_check: bool = True
     """Stop the run before its checkpoint when a step shows it blowing up (`training/divergence.py`): non-finite
     losses, gradient norms, entropy or weights, or one of the bounds below; nothing is saved over the last good step."""

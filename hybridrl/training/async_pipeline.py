@@ -17,7 +17,10 @@ With k = 0 the trainer's own synchronous loop runs and this module is not used. 
   (its version - the batch's) is above k.
 - **Weight push.** After update v the trainer publishes a copy of its weights when a later batch needs version v
   (`perf/weight_push_s`: the trainer's cost); the worker copies them into its model's own tensors before the
-  batch that needs them (the built-in engine re-reads those tensors at every `generate`). Across processes the
+  batch that needs them (the built-in engine re-reads those tensors at every `generate`). With
+  `trainer.rollout_device` the worker's copy lives on another device (rollout on GPU 0, training on GPU 1): the
+  published copy is made there, across devices, so the worker's load is an on-device copy, and the finished
+  batches come back to the trainer's device in `take`. Across processes the
   same push is a bucketed broadcast (`parallel/weight_push.py`).
 - **Off-policy correction.** The trainer's log-prob pass gives pi_old under its current weights; the batch keeps
   the behaviour log-probs the worker's sampler recorded (`sampler_logp`), so the existing corrections apply
@@ -142,8 +145,14 @@ class WeightMailbox:
         self.published: dict[int, dict[str, torch.Tensor]] = {}
         self.closed = False
 
-    def publish(self, version: int, model: torch.nn.Module) -> None:
-        state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    def publish(self, version: int, model: torch.nn.Module, device: torch.device) -> None:
+        """A copy of `model`'s weights on `device` (the worker's): across GPUs the copies are queued without
+        waiting (non_blocking) and waited for once, so the worker never reads a tensor still in flight."""
+        state = {name: tensor.detach().to(device, non_blocking=True, copy=True)
+                 for name, tensor in model.state_dict().items()}
+        for used in {tensor.device for tensor in model.state_dict().values()} | {device}:
+            if used.type == "cuda":
+                torch.cuda.synchronize(used)
         with self.condition:
             self.published[version] = state
             self.condition.notify_all()
@@ -235,6 +244,11 @@ def score_batch(trainer: Any, step: int, version: int, indices: list[int], sampl
                         reward_s=time.perf_counter() - start)
 
 
+def rollout_device(trainer: Any) -> torch.device:
+    """Where the thread worker's copy of the actor lives: `trainer.rollout_device`, or the trainer's own device."""
+    return torch.device(trainer.config.trainer.rollout_device or trainer.parts.device)
+
+
 class RolloutWorker(threading.Thread, BatchQueue):
     """Generates and scores the batches of steps `first_step`..`last_step` in order, in a thread of the trainer's
     process with a copy of the actor (see the module docstring)."""
@@ -248,8 +262,9 @@ class RolloutWorker(threading.Thread, BatchQueue):
         self.first_step, self.last_step, self.version = first_step, last_step, version
         self.mailbox = mailbox
         parts = trainer.parts
-        self.model = copy.deepcopy(parts.actor)  # version `version`: the trainer's weights now
-        self.backend = take_turns(build_rollout(trainer.config, self.model, parts.tokenizer, parts.device), lock)
+        self.device = rollout_device(trainer)
+        self.model = copy.deepcopy(parts.actor).to(self.device)  # version `version`: the trainer's weights now
+        self.backend = take_turns(build_rollout(trainer.config, self.model, parts.tokenizer, self.device), lock)
 
     def alive(self) -> bool:
         return self.is_alive()
@@ -337,7 +352,7 @@ class AsyncPipeline:
         """After update `version`: publish the weights if a later batch is generated with them."""
         start = time.perf_counter()
         if version + 1 + self.max_staleness <= self.trainer.config.trainer.total_steps:
-            self.mailbox.publish(version, self.trainer.parts.actor)
+            self.mailbox.publish(version, self.trainer.parts.actor, rollout_device(self.trainer))
         return {"perf/weight_push_s": time.perf_counter() - start}
 
     def close(self) -> None:
