@@ -94,6 +94,20 @@ def test_long_tail_tiny_runs_both_layouts_on_forced_long_tailed_lengths(tmp_path
     assert result["layouts"]["paged"]["tokens"] == result["layouts"]["contiguous"]["tokens"] == result["lengths"]["total"]
 
 
+def test_two_gpu_async_tiny_runs_each_side_on_forced_lengths_and_times_the_push(tmp_path):
+    """`two_gpu_async.py --tiny` on CPU (rollout_device=cpu): the async runs at staleness 1 and 2 and the synchronous
+    loop on the same drawn lengths (the script asserts each step's mean length), and the weight push."""
+    stdout = run_script(["-m", "benchmarks.two_gpu_async", "--tiny"], tmp_path)
+    assert "async-1 / sync:" in stdout and "| push |" in stdout
+    result = json.loads((tmp_path / "two_gpu_async.json").read_text())
+    runs = {run["run"]: run for run in result["runs"]}
+    assert set(runs) == {"async-1", "async-2", "sync"}
+    assert runs["async-1"]["staleness_mean"] == 1.0 and runs["sync"]["staleness_mean"] == 0.0
+    assert runs["async-2"]["rollout_device"] == "cpu" and runs["async-2"]["staleness_mean"] == 1.5  # steps 2, 3
+    assert len({run["generated_per_step"] for run in runs.values()}) == 1  # the same batch in every run
+    assert result["pushes"][0]["publish_s"] > 0
+
+
 def test_multiturn_benchmark_runs_three_turns_against_one(tmp_path):
     """`multiturn.py` on the tiny model: every episode has its 3 turns, the same tokens are sampled both ways, and
     the prefill counts only the prompts once and then each resume's observation plus the turn's last token."""
