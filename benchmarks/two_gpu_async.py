@@ -201,6 +201,8 @@ def run_training(name: str, args) -> dict:
     device = "cpu" if not cuda else "cuda" if size > 1 else "cuda:1" if staleness else "cuda:0"
     rollout_device = ("cpu" if not cuda else "cuda:0") if staleness else ""
     devices = [] if not cuda else [0, 1] if staleness or size > 1 else [0]
+    if cuda and size == 1:  # the trainer's thread works on its own GPU (the worker's thread sets cuda:0 for itself)
+        torch.cuda.set_device(torch.device(device))
     trainer = build_trainer(args, staleness, device, rollout_device)
     rows, busy = [], Busy(devices)
     for index in range(args.steps):

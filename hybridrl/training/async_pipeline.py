@@ -42,6 +42,7 @@ its own. Not built: partial rollouts (sequences that continue under new weights)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -249,6 +250,11 @@ def rollout_device(trainer: Any) -> torch.device:
     return torch.device(trainer.config.trainer.rollout_device or trainer.parts.device)
 
 
+def current_device(device: torch.device) -> Any:
+    """A context making `device` the current CUDA device (nothing for the CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class RolloutWorker(threading.Thread, BatchQueue):
     """Generates and scores the batches of steps `first_step`..`last_step` in order, in a thread of the trainer's
     process with a copy of the actor (see the module docstring)."""
@@ -264,13 +270,16 @@ class RolloutWorker(threading.Thread, BatchQueue):
         parts = trainer.parts
         self.device = rollout_device(trainer)
         self.model = copy.deepcopy(parts.actor).to(self.device)  # version `version`: the trainer's weights now
-        self.backend = take_turns(build_rollout(trainer.config, self.model, parts.tokenizer, self.device), lock)
+        with current_device(self.device):  # the engine sizes its KV cache and builds kernels on the current GPU
+            self.backend = take_turns(build_rollout(trainer.config, self.model, parts.tokenizer, self.device), lock)
 
     def alive(self) -> bool:
         return self.is_alive()
 
     def run(self) -> None:
         try:
+            if self.device.type == "cuda":  # per thread: Triton kernels and CUDA graphs launch on the current GPU
+                torch.cuda.set_device(self.device)
             for step in range(self.first_step, self.last_step + 1):
                 if not self.load_version(needed_version(step, self.max_staleness)):
                     return
