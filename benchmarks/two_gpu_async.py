@@ -2,7 +2,7 @@
 the synchronous loop; and the weight push between the GPUs.
 
     python -m benchmarks.two_gpu_async                       # nvidia-h200-x2: every run below, table last
-    python -m benchmarks.two_gpu_async --runs async-1,sync   # a subset (one call of at most 10 minutes each)
+    python -m benchmarks.two_gpu_async --runs async-1        # one run (a device call has at most 10 minutes)
     python -m benchmarks.two_gpu_async --runs push           # the weight push only (1.5B and 7B shapes)
     python -m benchmarks.two_gpu_async --tiny                # CPU: a 2-layer model, rollout_device=cpu; checks the script
     # the synchronous loop colocated on both GPUs (FSDP2, same global batch), through torchrun as `hybridrl`'s
