@@ -352,11 +352,33 @@ def test_a_hanging_tool_is_an_observation_and_the_episode_goes_on(tmp_path):
     assert engine.last_stats["idle_s"] > 0.5  # both sequences waited on their tools with nothing to decode
 
 
-def test_the_prefix_shared_layout_refuses_multi_turn():
+class Closing(Echo):
+    closed = 0
+
+    def close(self):
+        Closing.closed += 1
+
+
+def test_the_prefix_shared_layout_refuses_multi_turn_and_closes_the_environments():
     engine = BuiltinBackend(make_model("llama"), tokenizer=TOKENIZER, attention="triton")
+    Closing.closed = 0
     with pytest.raises(ValueError, match="per-slot KV layout.*attention=sdpa"):
-        engine.generate_episodes(sessions(), ObservationRenderer(TOKENIZER),
+        engine.generate_episodes(sessions(Closing), ObservationRenderer(TOKENIZER),
                                  SamplingParams(max_new_tokens=4, temperature=0), EpisodeBudget())
+    assert Closing.closed == len(ROWS) * 2  # every environment made before the refusal
+
+
+def test_episodes_can_be_generated_from_inside_a_running_event_loop():
+    """A notebook cell runs inside an event loop, where `asyncio.run` refuses to start another."""
+    model = make_model("llama")
+    params = SamplingParams(max_new_tokens=4, temperature=0, stop_token_ids=[IM_END])
+    engine = BuiltinBackend(model, tokenizer=TOKENIZER)
+
+    async def inside_a_loop():
+        return engine.generate_episodes(sessions(), ObservationRenderer(TOKENIZER), params, BUDGET)
+
+    episodes = asyncio.run(inside_a_loop())
+    assert len(episodes) == len(ROWS) * 2 and all(episode.num_turns >= 1 for episode in episodes)
 
 
 def test_n_must_be_one_session_per_episode():

@@ -21,11 +21,9 @@ between syncs idles until the next one. Prompt-major output order, as in `base.p
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
-from hybridrl.envs.base import EnvironmentSession
+from hybridrl.envs.base import EnvironmentSession, run_sync
 from hybridrl.envs.episode import Episode
 from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.rollout.base import Generation, SamplingParams
@@ -34,7 +32,7 @@ from hybridrl.rollout.engine.multiturn import EpisodeLoop
 from hybridrl.rollout.engine.runner import EngineOptions, ModelRunner
 from hybridrl.rollout.engine.scheduler import Scheduler, find_stop_string
 from hybridrl.rollout.engine.weights import supports as _supports
-from hybridrl.rollout.multiturn import EpisodeBudget, check_episode_request, start_runs
+from hybridrl.rollout.multiturn import EpisodeBudget, check_episode_request, close_runs, start_runs
 
 
 class BuiltinBackend:
@@ -166,11 +164,17 @@ class BuiltinBackend:
         check_episode_request(sessions, params)
         self._validate([[0]], params)
         stop_ids = sorted(set(params.stop_token_ids) | set(self._eos_ids(params)))
-        return asyncio.run(self._episodes(sessions, renderer, params, budget, stop_ids))
+        return run_sync(self._episodes(sessions, renderer, params, budget, stop_ids))  # also inside a running loop
 
     async def _episodes(self, sessions, renderer, params, budget, stop_ids) -> list[Episode]:
         runs = await start_runs(sessions, renderer, budget, set(stop_ids))
-        return await EpisodeLoop(self, runs, params, stop_ids, budget).run()
+        try:
+            loop = EpisodeLoop(self, runs, params, stop_ids, budget)
+        except BaseException:  # a refused layout: the environments already made are closed all the same
+            await close_runs(runs)
+            raise
+        with torch.no_grad():  # grad mode is per thread, and run_sync may run this on a thread of its own
+            return await loop.run()
 
     def release_memory(self) -> None:
         """Free the KV cache and CUDA graphs now (a `generate` with `release_after_generate=False` keeps them)."""
