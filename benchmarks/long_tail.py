@@ -50,9 +50,8 @@ QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28
 LAYOUTS = ("contiguous", "paged")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.long_tail", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    """The long-tail batch: prompts x n, prompt length, and the log-normal draw of forced response lengths."""
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -60,6 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sigma", type=float, default=1.0, help="log-normal shape of the response lengths")
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--cap", type=int, default=8192, help="longest response (max_new_tokens)")
+
+
+def apply_tiny_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace, values: dict) -> None:
+    """`--tiny`: the given values replace the defaults the user did not set."""
+    for name, value in values.items():
+        if getattr(args, name) == parser.get_default(name):
+            setattr(args, name, value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.long_tail", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_batch_arguments(parser)
     parser.add_argument("--kv-cache-memory", type=float, default=0.3)
     parser.add_argument("--block-size", type=int, default=64, help="tokens per block of the paged cache")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls per layout (alternating)")
@@ -74,9 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.tiny:
-        for name, value in dict(prompts=4, n=2, prompt_len=16, median=8, min_len=2, cap=32, block_size=8).items():
-            if getattr(args, name) == parser.get_default(name):
-                setattr(args, name, value)
+        apply_tiny_defaults(parser, args, dict(prompts=4, n=2, prompt_len=16, median=8, min_len=2, cap=32, block_size=8))
     return args
 
 

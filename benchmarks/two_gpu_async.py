@@ -49,7 +49,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from benchmarks.grpo_step import build_tokenizer, even_fraction
-from benchmarks.long_tail import QWEN25_15B, response_lengths
+from benchmarks.long_tail import QWEN25_15B, add_batch_arguments, apply_tiny_defaults, response_lengths
 from benchmarks.rollout import TINY
 from hybridrl.training.async_pipeline import RolloutWorker, WeightMailbox
 
@@ -65,13 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default="async-1,async-2,sync,push", help="comma-separated: async-1,async-2,sync,push")
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is left out of the means")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--median", type=int, default=1024, help="median response length")
-    parser.add_argument("--sigma", type=float, default=1.0, help="log-normal shape of the response lengths")
-    parser.add_argument("--min-len", type=int, default=16)
-    parser.add_argument("--cap", type=int, default=8192, help="longest response (max_new_tokens)")
+    add_batch_arguments(parser)
     parser.add_argument("--kv-cache-memory", type=float, default=0.3, help="rollout.kv_cache_memory")
     parser.add_argument("--max-tokens", type=int, default=16384, help="actor.max_tokens_per_micro_batch")
     parser.add_argument("--push-repeats", type=int, default=3)
@@ -83,10 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.tiny:
-        for name, value in dict(steps=3, prompts=4, n=2, prompt_len=8, median=4, min_len=2, cap=8, max_tokens=256,
-                                push_repeats=1).items():
-            if getattr(args, name) == parser.get_default(name):
-                setattr(args, name, value)
+        apply_tiny_defaults(parser, args, dict(steps=3, prompts=4, n=2, prompt_len=8, median=4, min_len=2, cap=8,
+                                               max_tokens=256, push_repeats=1))
     return args
 
 
