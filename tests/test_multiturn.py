@@ -462,4 +462,5 @@ def test_cuda_graphs_and_compiled_decode_continue_episodes_like_the_reference():
     episodes = engine.generate_episodes(sessions(), renderer, params, budget)
     reference = HFBackend(model, TOKENIZER).generate_episodes(sessions(), renderer, params, budget)
     assert engine.last_stats["compiled"] and engine.last_stats["graphs_captured"] >= 1
+    assert engine.last_stats["observation_prefills"] > 0  # the compiled `extend` ran
     assert_same_episodes(episodes, reference, atol=1e-4)

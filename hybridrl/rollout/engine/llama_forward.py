@@ -150,19 +150,16 @@ def prefill_layer(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos: torch
     return h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps)), k, v
 
 
-def extend(w: ModelWeights, kv_cache: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
-           input_ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
-           kv_end: int) -> torch.Tensor:
-    """Continue slots of the per-slot cache (the multi-turn resume: only new tokens are computed). Row p feeds
-    `input_ids[p, :lengths[p]]` (P, L right-padded) at positions starts[p].., writes their KV into slot slots[p]
-    there, and attends to every earlier position the slot holds and causally among its new ids; `kv_end` >= every
-    starts + lengths. Padding is written past the row's own end (clamped into the slot), where nothing is visible
-    until a later step overwrites it. Returns float32 logits at each row's last new id, (P, V)."""
+def extend_reference(w: ModelWeights, kv_cache: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                     input_ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
+                     kv_end: int) -> torch.Tensor:
+    """`extend`'s slow, obviously right form, which tests hold the fast one to: per layer, write the new K/V into
+    the slots by advanced indexing, read each slot's keys back, repeat them for every query head and attend with a
+    float32 softmax under an explicit (P, L, kv_end) mask. Same arguments and result as `extend`."""
     num_rows, length = input_ids.shape
-    if w.sliding_window is not None and kv_end > w.sliding_window:
-        raise ValueError(f"an episode of {kv_end} tokens exceeds the model's sliding window {w.sliding_window}.")
     positions = (starts[:, None] + torch.arange(length, device=input_ids.device)).clamp_(max=kv_cache.shape[4] - 1)
     visible = torch.arange(kv_end, device=input_ids.device) <= positions[:, :, None]  # (P, L, kv_end)
+    group = w.num_heads // w.num_kv_heads
     h = F.embedding(input_ids, w.embed)  # (P, L, hidden)
     cos, sin = cos_table[positions], sin_table[positions]  # (P, L, D)
     for layer_index, lw in enumerate(w.layers):
@@ -171,28 +168,53 @@ def extend(w: ModelWeights, kv_cache: torch.Tensor, cos_table: torch.Tensor, sin
         # Advanced indices on dims 0 and 2 of (slots, Hkv, max_len, D) put (P, L) first: (P, L, Hkv, D).
         kv_cache[layer_index, 0][slots[:, None], :, positions] = k
         kv_cache[layer_index, 1][slots[:, None], :, positions] = v
-        keys, values = kv_cache[layer_index, 0, slots, :, :kv_end], kv_cache[layer_index, 1, slots, :, :kv_end]
-        attn = _masked_gqa_attention(q, keys, values, visible)  # (P, L, heads, D)
-        h = h + _linear(attn.reshape(num_rows, length, w.num_heads * w.head_dim), lw.o_weight, lw.o_bias, lw.o_lora)
+        keys = kv_cache[layer_index, 0, slots, :, :kv_end].repeat_interleave(group, dim=1)  # (P, H, K, D)
+        values = kv_cache[layer_index, 1, slots, :, :kv_end].repeat_interleave(group, dim=1)
+        scores = torch.matmul(q.transpose(1, 2), keys.transpose(-1, -2)).float() * w.head_dim**-0.5  # (P, H, L, K)
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        attn = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # (P, H, L, D)
+        attn = attn.transpose(1, 2).reshape(num_rows, length, w.num_heads * w.head_dim)
+        h = h + _linear(attn, lw.o_weight, lw.o_bias, lw.o_lora)
         h = h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
     last = h[torch.arange(num_rows, device=h.device), lengths - 1]  # (P, hidden)
     return F.linear(rms_norm(last, w.final_norm, w.rms_eps), w.lm_head).float()
 
 
+def extend_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """`extend`, before the KV write: input RMSNorm, q/k/v, q/k norm, RoPE. h (P, L, hidden), cos/sin (P, L, D) ->
+    q (P, L, H, D) and kv (2, P, L, Hkv, D), keys and values stacked so that the cache write is one store."""
+    q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)  # (P, L, heads, D)
+    return q, torch.stack((k, v))
+
+
+def extend_attention_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, q: torch.Tensor,
+                             kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`extend`, after the KV write: attention over the slot's keys (`_masked_gqa_attention`), o projection,
+    residual, post-attention RMSNorm, MLP, residual. h (P, L, hidden), q (P, L, H, D) from `extend_inputs`, kv
+    (2, P, Hkv, K, D) the rows' slots read back after the write, positions (P, L) -> h."""
+    rows, length, _ = h.shape
+    attn = _masked_gqa_attention(q, kv[0], kv[1], positions)
+    h = h + _linear(attn.reshape(rows, length, w.num_heads * w.head_dim), lw.o_weight, lw.o_bias, lw.o_lora)
+    return h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
+
+
 def _masked_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          visible: torch.Tensor) -> torch.Tensor:
-    """`extend`'s attention as two batched matmuls and a float32 softmax: q (P, L, H, D), keys/values
-    (P, Hkv, K, D), visible (P, L, K) -> (P, L, H, D). Not SDPA: with a mask and grouped heads on CUDA it picked a
-    backend that paid tens of milliseconds of setup for every new (rows, key length), and every resume brings
-    one. The query heads sharing a KV head are folded into the query axis (as decode does), so keys are not
-    repeated."""
+                          positions: torch.Tensor) -> torch.Tensor:
+    """`extend`'s attention as two batched matmuls and a float32 softmax: q (P, L, H, D), keys/values (P, Hkv, K, D),
+    positions (P, L) of the queries; key j is visible to a query at position p when j <= p -> (P, L, H, D). Not SDPA:
+    with a mask and grouped heads on CUDA it picked a backend that paid tens of milliseconds of setup for every new
+    (rows, key length), and every resume brings one. The query heads sharing a KV head are folded into the query
+    axis (as decode does), so keys are not repeated. The mask is made from the positions here rather than passed in,
+    so that compiled, the upcast, scale, mask and softmax are one pass over the scores, which the matmul writes once
+    in the model dtype."""
     rows, length, num_heads, head_dim = q.shape
     num_kv_heads, key_len = keys.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads
     folded = q.view(rows, length, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # (P, Hkv, group, L, D)
     scores = torch.matmul(folded.reshape(rows, num_kv_heads, group * length, head_dim), keys.transpose(-1, -2))
     scores = scores.float().view(rows, num_kv_heads, group, length, key_len) * head_dim**-0.5
-    scores.masked_fill_(~visible[:, None, None], float("-inf"))
+    visible = torch.arange(key_len, device=q.device) <= positions[:, None, None, :, None]  # (P, 1, 1, L, K)
+    scores = scores.masked_fill(~visible, float("-inf"))
     weights = torch.softmax(scores, dim=-1).to(values.dtype).view(rows, num_kv_heads, group * length, key_len)
     out = torch.matmul(weights, values).view(rows, num_kv_heads, group, length, head_dim)
     return out.permute(0, 3, 1, 2, 4).reshape(rows, length, num_heads, head_dim)
@@ -244,6 +266,8 @@ class DecodeFunctions:
     attention_output_and_mlp: Callable
     final_logits: Callable
     prefill_layer: Callable = prefill_layer
+    extend_inputs: Callable = extend_inputs
+    extend_attention_and_mlp: Callable = extend_attention_and_mlp
 
 
 EAGER_DECODE = DecodeFunctions(attention_inputs, attention_output_and_mlp, final_logits, prefill_layer)
@@ -257,8 +281,8 @@ def compiled_decode_functions() -> DecodeFunctions:
     # fused copies, bias) adds one, and a process that builds many engines (a benchmark, a test suite)
     # would otherwise fail with "recompile limit exceeded" under fullgraph=True.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    compiled = [torch.compile(fn, fullgraph=True)
-                for fn in (attention_inputs, attention_output_and_mlp, final_logits, prefill_layer)]
+    compiled = [torch.compile(fn, fullgraph=True) for fn in (attention_inputs, attention_output_and_mlp, final_logits,
+                                                             prefill_layer, extend_inputs, extend_attention_and_mlp)]
 
     def dynamic_batch(fn, activation_arg: int):
         def call(*args):
@@ -269,15 +293,62 @@ def compiled_decode_functions() -> DecodeFunctions:
             return fn(*args)
         return call
 
-    def dynamic_prompts(w, lw, h, cos, sin):
-        """The prefill's prompt count and length vary from chunk to chunk: both dynamic, one compilation."""
-        for tensor, dims in ((h, (0, 1)), (cos, (0,)), (sin, (0,))):
-            for dim in dims:
-                torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        return compiled[3](w, lw, h, cos, sin)
+    def dynamic_dims(fn, *dims_per_tensor: tuple[int, ...]):
+        """The prefill's prompt count and length vary from chunk to chunk, and a resume's rows, length and key
+        length from wave to wave: those dimensions of the tensors after (w, lw) are dynamic, one compilation."""
+        def call(w, lw, *tensors):
+            for tensor, dims in zip(tensors, dims_per_tensor):
+                for dim in dims:
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+            return fn(w, lw, *tensors)
+        return call
 
     return DecodeFunctions(dynamic_batch(compiled[0], 2), dynamic_batch(compiled[1], 2), dynamic_batch(compiled[2], 1),
-                           dynamic_prompts)
+                           dynamic_dims(compiled[3], (0, 1), (0,), (0,)),
+                           # h (P, L, hidden), cos and sin (P, L, D)
+                           dynamic_dims(compiled[4], (0, 1), (0, 1), (0, 1)),
+                           # h (P, L, hidden), q (P, L, H, D), kv (2, P, Hkv, K, D), positions (P, L)
+                           dynamic_dims(compiled[5], (0, 1), (0, 1), (1, 3), (0, 1)))
+
+
+def extend(w: ModelWeights, kv_cache: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+           input_ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
+           kv_end: int, functions: DecodeFunctions = EAGER_DECODE) -> torch.Tensor:
+    """Continue slots of the per-slot cache (the multi-turn resume: only new tokens are computed). Row p feeds
+    `input_ids[p, :lengths[p]]` (P, L right-padded) at positions starts[p].., writes their KV into slot slots[p]
+    there, and attends to every earlier position the slot holds and causally among its new ids; `kv_end` >= every
+    starts + lengths (a bucket: keys past a row's own positions are masked). Padding is written past the row's own
+    end (clamped into the slot), where nothing is visible until a later step overwrites it; a resume always
+    leaves room for one more token (`EpisodeRun.add_step`), so no padding lands on a row's last real position.
+    Returns float32 logits at each row's last new id, (P, V). `extend_reference` is the slow form tests compare with.
+
+    Per layer: the compiled `extend_inputs` and `extend_attention_and_mlp` (`functions`, eager by default) around
+    two indexing ops, the write of the new K/V into a flat view of the layer's cache (one `index_put`, index made
+    once per call) and one gather of the rows' slots up to kv_end for keys and values together. Why the eager form
+    was slow (0.5B shape, 512 rows x 33 ids, kv_end ~600, per layer): the scores are 512 x 14 x 33 x 600 = 142M
+    elements, and the matmul's bf16 output went through upcast, scale, mask, softmax and downcast as five
+    kernels, ~5.7 GB of traffic, ~137 GB over 24 layers (~33 ms at 4.2 TB/s before any inefficiency), beside the
+    projections' and MLP's ~12 TFLOP (~16 ms at peak). Compiled, those five are one pass (read the bf16 scores,
+    write bf16 weights: ~1.1 GB per layer) and norm/RoPE/fold, SiLU-mul and residuals fuse; the gather of the slots'
+    K/V is ~0.3 GB per layer."""
+    num_rows, length = input_ids.shape
+    if w.sliding_window is not None and kv_end > w.sliding_window:
+        raise ValueError(f"an episode of {kv_end} tokens exceeds the model's sliding window {w.sliding_window}.")
+    num_kv_heads, max_len, head_dim = kv_cache.shape[3], kv_cache.shape[4], kv_cache.shape[5]
+    positions = (starts[:, None] + torch.arange(length, device=input_ids.device)).clamp_(max=max_len - 1)  # (P, L)
+    heads = torch.arange(num_kv_heads, device=input_ids.device)
+    # Where token (p, l) of KV head j goes in a layer's cache seen as (2, slots * Hkv * max_len, D): (P, L, Hkv).
+    destination = (slots[:, None, None] * num_kv_heads + heads) * max_len + positions[:, :, None]
+    h = F.embedding(input_ids, w.embed)  # (P, L, hidden)
+    cos, sin = cos_table[positions], sin_table[positions]  # (P, L, D)
+    for layer_index, lw in enumerate(w.layers):
+        lw = unpacked(lw)
+        q, kv = functions.extend_inputs(w, lw, h, cos, sin)
+        layer_cache = kv_cache[layer_index]  # (2, slots, Hkv, max_len, D)
+        layer_cache.view(2, -1, head_dim)[:, destination] = kv
+        h = functions.extend_attention_and_mlp(w, lw, h, q, layer_cache[:, slots, :, :kv_end], positions)
+    last = h[torch.arange(num_rows, device=h.device), lengths - 1]  # (P, hidden)
+    return functions.final_logits(w, last, ()).float()
 
 
 def _decode_layers(w: ModelWeights, tokens: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,

@@ -363,9 +363,11 @@ class ModelRunner:
                        [start for _, _, start, _ in resumes]]
         on_device = host_to_device(torch.tensor(index_lists, dtype=torch.long), device)
         slots, lengths, starts = on_device
-        kv_end = max(start + len(ids) for _, ids, start, _ in resumes)
+        # Bucketed like decode's key length: keys past a row's own positions are masked anyway, and compiled
+        # `extend` pieces then meet a handful of key lengths over a run.
+        kv_end = self.kv_len(max(start + len(ids) for _, ids, start, _ in resumes))
         logits = extend(run.weights, run.cache.kv, run.cos, run.sin, host_to_device(input_ids, device), lengths,
-                        starts, slots, kv_end)
+                        starts, slots, kv_end, run.functions)
         uniforms = torch.stack([torch.rand(state.max_new_tokens, generator=generator, device=device)
                                 for _, _, _, generator in resumes])
         tokens, logprobs = sample(logits, run.settings, uniforms[:, 0])

@@ -1,0 +1,144 @@
+"""The multi-turn resume's forward (`extend`): the per-layer pieces (eager and compiled) against the slow, obviously
+right `extend_reference`, and both against one HF forward over the whole sequence, on tiny seeded float32 models."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hybridrl.rollout.engine import llama_forward
+from hybridrl.rollout.engine.llama_forward import EAGER_DECODE, extend, extend_reference, prefill, rope_table
+from hybridrl.rollout.engine.weights import resolve_weights
+from tests.test_multiturn import make_model
+
+MAX_LEN = 64
+
+
+def filled_cache(model, seed: int, num_slots: int = 5):
+    """Weights, RoPE tables and a cache whose slots hold random contexts (prefilled), plus those contexts; on the
+    model's device and in its dtype."""
+    parameter = next(model.parameters())
+    device, dtype = parameter.device, parameter.dtype
+    w = resolve_weights(model, fuse_qkv=True)
+    cos, sin = rope_table(model, MAX_LEN, device, dtype)
+    kv = torch.zeros(len(w.layers), 2, num_slots, w.num_kv_heads, MAX_LEN, w.head_dim, device=device, dtype=dtype)
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    contexts = [torch.randint(1, vocab, (int(torch.randint(1, 30, (), generator=generator)),),
+                              generator=generator).tolist() for _ in range(num_slots)]
+    width = max(map(len, contexts))
+    with torch.no_grad():
+        prefill(w, kv, cos, sin, torch.tensor([c + [0] * (width - len(c)) for c in contexts], device=device),
+                torch.tensor([len(c) for c in contexts], device=device), torch.arange(num_slots, device=device),
+                torch.arange(num_slots, device=device))
+    return w, kv, cos, sin, contexts
+
+
+def resume_batch(contexts, slots: list[int], seed: int, vocab: int):
+    """New ids of uneven lengths (1..12) for the given slots, right-padded with garbage ids, not zeros, so that a
+    padding id leaking into a real row's attention would change the result."""
+    generator = torch.Generator().manual_seed(seed + 1000)
+    new = [torch.randint(1, vocab, (int(torch.randint(1, 13, (), generator=generator)),), generator=generator).tolist()
+           for _ in slots]
+    width = max(map(len, new))
+    input_ids = torch.tensor([ids + [7] * (width - len(ids)) for ids in new])
+    starts = torch.tensor([len(contexts[s]) for s in slots])
+    kv_end = max(len(contexts[s]) + len(ids) for s, ids in zip(slots, new))
+    return new, input_ids, torch.tensor([len(ids) for ids in new]), starts, torch.tensor(slots), kv_end
+
+
+def real_positions(kv, contexts, slots, new):
+    """The cache's keys/values at every real position of the resumed slots (padding's are not compared)."""
+    return [kv[:, :, s, :, :len(contexts[s]) + len(ids)] for s, ids in zip(slots, new)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_extend_equals_the_reference_and_a_full_forward(family, seed):
+    """Uneven rows in an order unlike the slots', a key length bucketed past the longest row, and slots left out:
+    logits and the KV written equal the reference; logits equal HF's forward over context + new ids."""
+    model = make_model(family, seed=seed)
+    w, kv, cos, sin, contexts = filled_cache(model, seed)
+    slots = [3, 0, 4] if seed % 2 else [1, 4, 2, 0]
+    new, input_ids, lengths, starts, slots_t, kv_end = resume_batch(contexts, slots, seed, model.config.vocab_size)
+    reference_kv = kv.clone()
+    want = extend_reference(w, reference_kv, cos, sin, input_ids, lengths, starts, slots_t, kv_end)
+    for bucket in (kv_end, min(MAX_LEN, kv_end + 17)):
+        fast_kv = kv.clone()
+        got = extend(w, fast_kv, cos, sin, input_ids, lengths, starts, slots_t, bucket)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        for mine, theirs in zip(real_positions(fast_kv, contexts, slots, new),
+                                real_positions(reference_kv, contexts, slots, new)):
+            torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
+        untouched = [s for s in range(kv.shape[2]) if s not in slots]
+        torch.testing.assert_close(fast_kv[:, :, untouched], kv[:, :, untouched], atol=0, rtol=0)
+    with torch.no_grad():
+        for row, (slot, ids) in enumerate(zip(slots, new)):
+            full = model(torch.tensor([contexts[slot] + ids])).logits[0, -1].float()
+            torch.testing.assert_close(want[row], full, atol=1e-5, rtol=0)
+
+
+def test_the_compiled_pieces_are_called_with_dynamic_dimensions_that_exist(monkeypatch):
+    """`compiled_decode_functions` marks rows, length and key length dynamic on the extend pieces' tensors; with
+    torch.compile standing aside (identity), a wrong dimension index would raise here and the result must not change."""
+    marked = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda tensor, dim: marked.append(tensor.shape[dim]))
+    model = make_model("qwen2")
+    w, kv, cos, sin, contexts = filled_cache(model, 0)
+    new, input_ids, lengths, starts, slots_t, kv_end = resume_batch(contexts, [2, 0, 1], 0, model.config.vocab_size)
+    functions = llama_forward.compiled_decode_functions()
+    got = extend(w, kv.clone(), cos, sin, input_ids, lengths, starts, slots_t, kv_end, functions)
+    want = extend(w, kv.clone(), cos, sin, input_ids, lengths, starts, slots_t, kv_end, EAGER_DECODE)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    rows, length = input_ids.shape
+    per_layer = [rows, length, rows, length, rows, length,  # extend_inputs: h, cos, sin
+                 rows, length, rows, length, rows, kv_end, rows, length]  # extend_attention_and_mlp
+    assert marked == per_layer * len(w.layers) + [rows]  # + final_logits' rows
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~2 min of C++ compilation)")
+def test_compiled_extend_equals_the_reference_on_cpu_and_compiles_once_for_every_shape():
+    """torch.compile for real (inductor, C++ on CPU): several seeds, uneven rows, row counts and key lengths; after
+    the first shapes no new compilation."""
+    model = make_model("qwen2")
+    functions = llama_forward.compiled_decode_functions()
+    frames = []
+    for seed, slots in enumerate(([1, 4, 2, 0], [3, 0, 4], [4, 1], [0, 1, 2, 3, 4])):
+        w, kv, cos, sin, contexts = filled_cache(model, seed)
+        new, input_ids, lengths, starts, slots_t, kv_end = resume_batch(contexts, slots, seed, model.config.vocab_size)
+        with torch.no_grad():
+            want = extend_reference(w, kv.clone(), cos, sin, input_ids, lengths, starts, slots_t, kv_end)
+            got = extend(w, kv.clone(), cos, sin, input_ids, lengths, starts, slots_t, kv_end, functions)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        frames.append(torch._dynamo.utils.counters["frames"]["ok"])
+    assert frames[-1] == frames[-2] == frames[-3], frames
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_extend_in_bf16_is_as_close_to_float32_as_the_reference_is():
+    """On the GPU, in the engine's dtype: the compiled fast path is no further from a float32 run than the slow
+    reference in bf16 is (both round the scores to bf16 once and softmax in float32), for several shapes, and
+    compiles at most twice for all of them (rows and lengths are dynamic; 1-row waves may specialise)."""
+    model = make_model("qwen2").cuda()
+    functions = llama_forward.compiled_decode_functions()
+    frames = []
+    for seed, slots in enumerate(([1, 4, 2, 0], [3, 0, 4], [4, 1], [0, 1, 2, 3, 4], [2, 3])):
+        w, kv, cos, sin, contexts = filled_cache(model, seed)
+        new, input_ids, lengths, starts, slots_t, kv_end = resume_batch(contexts, slots, seed, model.config.vocab_size)
+        args = [t.cuda() for t in (input_ids, lengths, starts, slots_t)]
+        with torch.no_grad():
+            exact = extend_reference(w, kv, cos, sin, *args, kv_end)
+            model.to(torch.bfloat16)
+            w, kv, cos, sin, _ = filled_cache(model, seed)
+            slow = extend_reference(w, kv.clone(), cos, sin, *args, kv_end)
+            fast = extend(w, kv, cos, sin, *args, min(MAX_LEN, kv_end + 9), functions)
+            model.float()
+        slow_error, fast_error = (slow - exact).abs().max().item(), (fast - exact).abs().max().item()
+        assert fast_error <= 1.5 * slow_error + 1e-2, (fast_error, slow_error)
+        frames.append(torch._dynamo.utils.counters["frames"]["ok"])
+    assert frames[-1] == frames[-2] == frames[-3], frames
