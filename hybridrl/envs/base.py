@@ -123,7 +123,7 @@ class EnvironmentSession:
         try:
             if inspect.iscoroutinefunction(method):
                 return await method(*args)
-            value = await asyncio.to_thread(method, *args)
+            value = await _in_thread(method, *args)
             return await value if inspect.isawaitable(value) else value
         except Exception as error:
             raise self._error(call, f"raised {type(error).__name__}: {error}{where(error)}") from error
@@ -148,6 +148,18 @@ class EnvironmentSession:
                 raise self._error(call, f"returned message {i} as {message!r}; each message must be a dict with "
                                         f"string 'role' and 'content'{defined_at(method)}")
         return messages
+
+
+async def _in_thread(method: Callable, *args: Any) -> Any:
+    """`method(*args)` in a worker thread. Cancelled, it still returns only once the thread has: a thread cannot be
+    stopped, and whoever cancelled it (an episode loop that ends at another episode's error) goes on to close the
+    environment, which must not run beside the user's step."""
+    running = asyncio.ensure_future(asyncio.to_thread(method, *args))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        await asyncio.wait([running])
+        raise
 
 
 def defined_at(method: Callable) -> str:

@@ -115,6 +115,8 @@ class EpisodeLoop:
         finally:
             for task in self.pending:
                 task.cancel()
+            # An environment step cancelled here may still run in its thread; close() must not start beside it.
+            await asyncio.gather(*self.pending, return_exceptions=True)
             self.backend.last_stats = runner.end(finished, release=self.backend.release_after_generate)
             self.backend.last_stats.update(resume_waves=self.resume_waves, decode_blocks=self.decode_blocks)
             await close_runs(self.runs)
