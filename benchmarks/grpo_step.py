@@ -343,11 +343,12 @@ def with_root_on_path() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
-def child(mode: str, timeout: int, quick: bool, gpus: int = 1) -> dict:
-    """Run one mode in a fresh process (its own peak memory), or `gpus` processes under torchrun; a
-    failure becomes an `error` entry."""
+def child(mode: str, timeout: int, quick: bool, gpus: int = 1, module: str = "benchmarks.grpo_step",
+          arguments: tuple[str, ...] = ()) -> dict:
+    """Run one mode of `module` (`--child MODE [--quick] ARGUMENTS`) in a fresh process (its own peak memory), or
+    `gpus` processes under torchrun; the child prints `RESULT <json>`; a failure becomes an `error` entry."""
     launcher = [] if gpus == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
-    command = [sys.executable, *launcher, "-m", "benchmarks.grpo_step", "--child", mode] + (["--quick"] if quick else [])
+    command = [sys.executable, *launcher, "-m", module, "--child", mode, *(["--quick"] if quick else []), *arguments]
     mode = mode if gpus == 1 else f"{mode} x{gpus}"
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=with_root_on_path())
