@@ -199,6 +199,10 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
         model = apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules)
     if m.gradient_checkpointing:
         enable_activation_checkpointing(model)  # non-reentrant in transformers 5: LoRA needs no input grads
+        # transformers recomputes a layer only in train mode, and `from_pretrained` returns a model in eval mode: left
+        # so, a loaded model would keep every activation. (A model built from a config, as in the tests, was always in
+        # train mode; the Llama/Qwen families have no dropout to switch on.)
+        model.train()
     model.config.use_cache = False
     reference = None
     if config.algorithm.kl_coef > 0:  # LoRA: the base is the adapter-disabled actor, no second copy
