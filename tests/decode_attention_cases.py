@@ -72,6 +72,49 @@ def check_kernel_cases() -> None:
     print("kernel cases passed")
 
 
+SPLIT_CASES = [(7, 2, 7, 64, 3, 40, 150), (5, 3, 4, 32, 2, 20, 100), (4, 1, 16, 64, 4, 17, 70), (3, 2, 1, 32, 1, 9, 40)]
+"""Shapes for split-KV (responses above the checks' 32-key splits): GQA groups 7 (Qwen2-0.5B), 4, 16 and 1 (no
+sharing); no capacity is a multiple of the split length, so each one's last split is partial."""
+
+
+def at_split_edges(case: dict, split_len: int) -> dict:
+    """`case` with response lengths at and around the split edges, in turn over the slots: all keys in split 0
+    (split_len), one key past it (split_len + 1, where the fused write's new key is the last of split 0), two splits
+    and one key, the capacity, a single key."""
+    capacity = case["response_k"].shape[2]
+    edges = [split_len, split_len + 1, split_len + 2, 2 * split_len + 1, capacity, 1]
+    lengths = torch.tensor([min(capacity, edges[slot % len(edges)]) for slot in range(case["q"].shape[0])])
+    return dict(case, response_len=lengths.to(case["response_len"]))
+
+
+def check_split_cases() -> None:
+    """Run with TRITON_INTERPRET=1: the prefix-shared (contiguous) kernel with split-KV against the float32
+    reference, as `paged_attention_cases` checks the paged one. 32-key splits: uneven random lengths, lengths at the
+    split edges (`at_split_edges`), a slot that sees no key, the fused write and RoPE + bias, float32 and float16.
+    8-key splits: `MAX_SPLITS` caps the count, so splits are longer than asked and the last ones hold no key."""
+    from hybridrl.rollout.kernels import decode_launch
+
+    default = decode_launch.SPLIT_KEYS
+    for split_keys, dtypes in ((32, (torch.float32, torch.float16)), (8, (torch.float32,))):
+        decode_launch.SPLIT_KEYS = split_keys
+        for seed, shape in enumerate(SPLIT_CASES):
+            plan = decode_launch.launch_plan(shape[2], shape[3], shape[6], paged=False)
+            assert plan.num_splits > 1 and shape[6] % plan.split_len != 0, (shape, plan)
+            for dtype in dtypes:
+                case = make_case(seed, *shape, dtype=dtype)
+                edges = at_split_edges(case, plan.split_len)
+                for inputs in (case, edges):
+                    torch.testing.assert_close(triton_decode_attention(**inputs), reference_decode_attention(**inputs),
+                                               **TOLERANCE[dtype])
+                check_fused_write(triton_decode_attention, edges, TOLERANCE[dtype])
+                check_rope(triton_decode_attention, case, TOLERANCE[dtype], with_bias=seed % 2 == 0)
+        blind = make_case(9, *SPLIT_CASES[1])
+        blind["prompt_len"][2], blind["response_len"][2] = 0, 0
+        assert torch.equal(triton_decode_attention(**blind)[2], torch.zeros(3, 4, 32))
+    decode_launch.SPLIT_KEYS = default
+    print("split kernel cases passed")
+
+
 def with_new_kv(case: dict, seed: int = 7) -> tuple[dict, torch.Tensor]:
     """A copy of `case` with its own response caches, and random new keys/values (B, 2, Hkv, D)."""
     case = dict(case, response_k=case["response_k"].clone(), response_v=case["response_v"].clone())

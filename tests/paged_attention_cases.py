@@ -7,8 +7,9 @@ import torch
 
 from decode_attention_cases import CASES, TOLERANCE, make_case, rope_inputs, with_new_kv
 from hybridrl.rollout.kernels.decode_attention import reference_decode_attention
-from hybridrl.rollout.kernels import paged_attention
-from hybridrl.rollout.kernels.paged_attention import SPLIT_KEYS, triton_paged_decode_attention
+from hybridrl.rollout.kernels import decode_launch
+from hybridrl.rollout.kernels.decode_launch import SPLIT_KEYS
+from hybridrl.rollout.kernels.paged_attention import triton_paged_decode_attention
 
 
 def to_paged(case: dict, block_size: int, seed: int = 0) -> dict:
@@ -76,10 +77,10 @@ def check_kernel_cases() -> None:
     """Run with TRITON_INTERPRET=1: the paged kernel against the contiguous reference (float32, float16; the
     interpreter's bf16 dot is unusable, see decode_attention_cases)."""
     for split_keys in (None, 32):  # one program per slot and head; split-KV over 32-key splits
-        paged_attention.SPLIT_KEYS = split_keys or SPLIT_KEYS
+        decode_launch.SPLIT_KEYS = split_keys or SPLIT_KEYS
         for seed, shape in enumerate(CASES):
             for block_size in BLOCK_SIZES[:3 if split_keys is None else 2]:
                 for dtype in (torch.float32, torch.float16):
                     check_paged(triton_paged_decode_attention, seed, shape, block_size, dtype, TOLERANCE[dtype])
-    paged_attention.SPLIT_KEYS = SPLIT_KEYS
+    decode_launch.SPLIT_KEYS = SPLIT_KEYS
     print("paged kernel cases passed")

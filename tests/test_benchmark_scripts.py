@@ -307,14 +307,14 @@ def check_decode_attention_launches_script() -> None:
     from decode_attention_cases import make_case, rope_inputs, with_new_kv
 
     from benchmarks.kernels import decode_attention as script
-    from hybridrl.rollout.kernels import decode_attention
+    from hybridrl.rollout.kernels import decode_attention, decode_launch
 
     case, new_kv = with_new_kv(make_case(0, 6, 2, 7, 64, 3, 40, 30, dtype=torch.float16))
     cos, sin, bias = rope_inputs(case, with_bias=True)
-    before = decode_attention.BLOCK_N, decode_attention.NUM_WARPS
+    before = decode_launch.BLOCK_N, decode_launch.NUM_WARPS
     for config in (script.DEFAULT, {"block_n": 16, "num_warps": 2}):
         script.check(config, case, (new_kv, (cos, sin), bias))
-    assert (decode_attention.BLOCK_N, decode_attention.NUM_WARPS) == before
+    assert (decode_launch.BLOCK_N, decode_launch.NUM_WARPS) == before
 
     def zeroed(*args, new_kv, **kwargs):
         return decode_attention.triton_decode_attention(*args, new_kv=new_kv * 0, **kwargs)

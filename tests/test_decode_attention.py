@@ -17,7 +17,7 @@ from hybridrl.rollout.engine import kernel_choices
 from hybridrl.rollout.engine.backend import BuiltinBackend
 from hybridrl.rollout.engine.kv_cache import CacheGeometry, PrefixSharedKVCache, SlotKVCache, max_slots
 from hybridrl.rollout.engine.scheduler import PromptEntries
-from hybridrl.rollout.kernels import decode_attention
+from hybridrl.rollout.kernels import decode_attention, decode_launch
 from hybridrl.rollout.kernels.decode_attention import (
     reference_decode_attention,
     rotate_projections,
@@ -121,6 +121,13 @@ def test_triton_kernel_matches_reference_in_interpret_mode():
     assert "kernel cases passed" in run_in_interpreter("check_kernel_cases")
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
+def test_split_kv_kernel_matches_reference_in_interpret_mode():
+    """Split-KV on the prefix-shared layout (`decode_attention_cases.check_split_cases`)."""
+    assert "split kernel cases passed" in cases.run_in_interpreter("decode_attention_cases", "check_split_cases",
+                                                                   timeout=900)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
 @pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~10 s: the engine "
@@ -131,9 +138,9 @@ def test_engine_with_triton_kernel_in_interpret_mode_matches_sdpa():
 
 
 def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False, arch: int = 90,
-                              block_size: int | None = None):
+                              block_size: int | None = None, num_splits: int = 1):
     """Compile the kernel ahead of time for sm_<arch> (Triton's own ptxas; no GPU or driver needed); with
-    `block_size`, its paged variant (`paged_attention.py`)."""
+    `block_size`, its paged variant (`paged_attention.py`); with `num_splits` > 1, its split-KV variant."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -144,16 +151,13 @@ def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool 
     signature.update({name: "*i64" for name in ("PROMPT_INDEX", "PROMPT_LEN", "RESPONSE_LEN")})
     signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride")}, qk_scale="fp32",
                      prompt_columns="i32", split_len="i32", PART_ACC="*fp32", PART_ML="*fp32")
-    pad = lambda value: max(decode_attention.MIN_DOT_ROWS, 1 << (value - 1).bit_length())  # noqa: E731
-    constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=pad(group), BLOCK_D=pad(head_dim),
-                     BLOCK_N=decode_attention.BLOCK_N, IEEE=dtype == "fp32",
+    plan = decode_launch.launch_plan(group, head_dim, 0, block_size is not None)
+    constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=plan.group_pad, BLOCK_D=plan.block_d,
+                     BLOCK_N=plan.block_n, IEEE=dtype == "fp32",
                      WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope,  # the variants the engine runs
-                     PAGED=block_size is not None, BLOCK_SIZE=block_size or 1,
-                     NUM_SPLITS=16 if block_size else 1)  # the paged variant splits long responses
+                     PAGED=block_size is not None, BLOCK_SIZE=block_size or 1, NUM_SPLITS=num_splits)
     return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
-                                           target=GPUTarget("cuda", arch, 32),
-                                           options=dict(num_warps=decode_attention.default_num_warps(
-                                               head_dim, block_size is not None)))
+                                           target=GPUTarget("cuda", arch, 32), options=dict(num_warps=plan.num_warps))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
@@ -170,14 +174,15 @@ def test_triton_kernel_compiles_for_hopper(dtype, group, head_dim, rope):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
-@pytest.mark.parametrize("dtype, group, head_dim, block_size", [("bf16", 7, 64, None), ("bf16", 7, 128, None),
-                                                                ("bf16", 8, 128, None), ("fp16", 4, 128, None),
-                                                                ("bf16", 6, 128, 64), ("bf16", 7, 64, 64)])
-def test_default_launch_does_not_spill_registers_on_hopper(dtype, group, head_dim, block_size):
+@pytest.mark.parametrize("dtype, group, head_dim, block_size, num_splits", [
+    ("bf16", 7, 64, None, 1), ("bf16", 7, 128, None, 1), ("bf16", 8, 128, None, 1), ("fp16", 4, 128, None, 1),
+    ("bf16", 6, 128, 64, 16), ("bf16", 7, 64, 64, 16), ("bf16", 6, 128, None, 16), ("bf16", 7, 64, None, 16)])
+def test_default_launch_does_not_spill_registers_on_hopper(dtype, group, head_dim, block_size, num_splits):
     """The default warps per program (`default_num_warps`: one up to head_dim 64, two above) keep the engine's
     kernel (RoPE and bias inside) within 255 registers for sm_90: at head_dim 128 one warp spills ~340 bytes per
     thread, which a GPU run would only show as a slower rollout. Read from Triton's own ptxas (-v). The paged
-    variant (block size 64) too: Qwen2.5-1.5B's heads (group 6, head_dim 128) and Qwen2-0.5B's."""
+    variant (block size 64) too, and both layouts' split-KV variants: Qwen2.5-1.5B's heads (group 6, head_dim 128)
+    and Qwen2-0.5B's."""
     import subprocess
 
     if not isinstance(decode_attention._decode_attention_kernel, decode_attention.triton.runtime.JITFunction):
@@ -185,7 +190,8 @@ def test_default_launch_does_not_spill_registers_on_hopper(dtype, group, head_di
     ptxas = os.path.join(os.path.dirname(decode_attention.triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("this triton build ships no ptxas")
-    compiled = compile_kernel_for_hopper(dtype, group, head_dim, rope=True, block_size=block_size)
+    compiled = compile_kernel_for_hopper(dtype, group, head_dim, rope=True, block_size=block_size,
+                                         num_splits=num_splits)
     ptx = Path(tempfile.mkdtemp()) / "kernel.ptx"
     ptx.write_text(compiled.asm["ptx"])
     report = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],

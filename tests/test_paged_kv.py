@@ -218,9 +218,9 @@ def on_gpu(test):
 def test_paged_kernel_on_cuda(monkeypatch, split_keys, dtype):
     """The compiled kernel (bf16 included, which the interpreter cannot check) against the contiguous reference.
     Each case compiles a few kernel variants (a minute or so in all on an H200: give the call that)."""
-    from hybridrl.rollout.kernels import paged_attention
+    from hybridrl.rollout.kernels import decode_launch, paged_attention
 
-    monkeypatch.setattr(paged_attention, "SPLIT_KEYS", split_keys or paged_attention.SPLIT_KEYS)
+    monkeypatch.setattr(decode_launch, "SPLIT_KEYS", split_keys or decode_launch.SPLIT_KEYS)
     # (shape, block size): Qwen2-0.5B's heads with an odd block size, Qwen2.5-1.5B's heads at the engine's block size.
     for seed, (shape, block_size) in enumerate([(cases.CASES[0], 5), ((512, 2, 6, 128, 64, 512, 300), 64)]):
         check_paged(paged_attention.triton_paged_decode_attention, seed, shape, block_size, dtype,
@@ -230,8 +230,8 @@ def test_paged_kernel_on_cuda(monkeypatch, split_keys, dtype):
 @on_gpu
 def test_paged_engine_on_cuda(monkeypatch):
     """The engine with CUDA graphs and compiled pieces (float32): paged equals contiguous, with split-KV (8-key
-    splits) and with preemption forced (50 blocks of 8)."""
-    from hybridrl.rollout.kernels import paged_attention
+    splits) and with preemption forced (12 blocks of 8)."""
+    from hybridrl.rollout.kernels import decode_launch
     from test_decode_attention import assert_same_samples
 
     model = make_model("qwen2").cuda()
@@ -240,8 +240,10 @@ def test_paged_engine_on_cuda(monkeypatch):
                             stop_token_ids=list(range(0, 128, 5)))
     contiguous = BuiltinBackend(model, max_num_seqs=6, sync_every=3).generate(prompts, params)
     free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    for kv_cache_memory, split_keys in ((0.3, 8), ((50 * 8 * 512 + 1) / free, 512)):
-        monkeypatch.setattr(paged_attention, "SPLIT_KEYS", split_keys)
+    # 12 blocks of 8 (512 bytes a token): fewer than the 9 prompts and 27 responses hold at once, even though a
+    # fifth of the vocabulary stops a sequence early, so preemption must happen.
+    for kv_cache_memory, split_keys in ((0.3, 8), ((12 * 8 * 512 + 1) / free, 512)):
+        monkeypatch.setattr(decode_launch, "SPLIT_KEYS", split_keys)
         engine = BuiltinBackend(model, kv_cache="paged", kv_block_size=8, sync_every=3, kv_cache_memory=kv_cache_memory)
         paged = engine.generate(prompts, params)
         stats = engine.last_stats

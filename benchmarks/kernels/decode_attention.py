@@ -1,7 +1,7 @@
 """The prefix-shared decode attention kernel at the grpo-0.5b shape: its launch configurations, against the floor.
 
 The kernel's keys per iteration and warps are module constants (`BLOCK_N`, `NUM_WARPS` in
-`hybridrl/rollout/kernels/decode_attention.py`; no autotuning: graph capture needs one kernel per shape). This
+`hybridrl/rollout/kernels/decode_launch.py`; no autotuning: graph capture needs one kernel per shape). This
 script sets them in turn and runs the engine's call (raw q and new K/V, RoPE and the q/k/v bias inside the kernel,
 the fused cache write), each launch checked against the PyTorch reference first, then timed as calls captured in
 one CUDA graph (as the engine runs it), so launch overhead is not what is measured:
@@ -30,23 +30,23 @@ import sys
 import torch
 
 from benchmarks.kernels.cuda_timing import graph_time_us
-from hybridrl.rollout.kernels import decode_attention
+from hybridrl.rollout.kernels import decode_attention, decode_launch
 from tests.decode_attention_cases import TOLERANCE, make_case, rope_inputs, with_new_kv
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, PROMPT_LEN = 24, 2, 7, 64, 256
-DEFAULT = dict(block_n=decode_attention.BLOCK_N, num_warps=decode_attention.default_num_warps(HEAD_DIM))
+DEFAULT = dict(block_n=decode_launch.BLOCK_N, num_warps=decode_launch.default_num_warps(HEAD_DIM))
 LAUNCHES = [dict(block_n=block_n, num_warps=warps) for block_n, warps in itertools.product((16, 32, 64, 128), (1, 2, 4, 8))]
 
 
 @contextlib.contextmanager
 def launch(block_n: int, num_warps: int):
     """The kernel launched with `block_n` keys per iteration and `num_warps` warps while inside."""
-    saved = decode_attention.BLOCK_N, decode_attention.NUM_WARPS, decode_attention.WIDE_HEAD_NUM_WARPS
-    decode_attention.BLOCK_N, decode_attention.NUM_WARPS, decode_attention.WIDE_HEAD_NUM_WARPS = block_n, num_warps, num_warps
+    saved = decode_launch.BLOCK_N, decode_launch.NUM_WARPS, decode_launch.WIDE_HEAD_NUM_WARPS
+    decode_launch.BLOCK_N, decode_launch.NUM_WARPS, decode_launch.WIDE_HEAD_NUM_WARPS = block_n, num_warps, num_warps
     try:
         yield
     finally:
-        decode_attention.BLOCK_N, decode_attention.NUM_WARPS, decode_attention.WIDE_HEAD_NUM_WARPS = saved
+        decode_launch.BLOCK_N, decode_launch.NUM_WARPS, decode_launch.WIDE_HEAD_NUM_WARPS = saved
 
 
 def engine_call_case(seed: int, slots: int, entries: int, response_len: int, device: str = "cuda",

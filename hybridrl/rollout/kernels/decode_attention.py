@@ -24,10 +24,11 @@ matmul's output.
   the oracle of the tests and the engine's attention on CPU (or wherever Triton cannot run).
 - `triton_decode_attention`: one program per (slot, KV head), online softmax (float32 running max,
   sum and accumulator; exp2 with the scale folded into log2 units) over the prompt part, then the
-  response part, each looping only to that slot's own length, read on the device. The grid depends
-  only on B, block sizes are fixed and nothing is autotuned, so a launch has no host sync and can be
-  captured in a CUDA graph (autotuning would benchmark configs at the first call and could pick a
-  different kernel per shape). Query rows are padded to at least 16 (`tl.dot`'s minimum); padded rows
+  response part, each looping only to that slot's own length, read on the device. Responses longer
+  than `decode_launch.SPLIT_KEYS` are split over several programs per (slot, KV head) whose partial
+  states a second kernel combines (split-KV), in both layouts by one rule. The grid depends only on
+  shapes (B and the response capacity; `decode_launch.py` makes the plan), so a launch has no host
+  sync and can be captured in a CUDA graph. Query rows are padded to at least 16 (`tl.dot`'s minimum); padded rows
   are zeros, so their scores are 0, never NaN, and are not stored. Every block the loops visit holds
   at least one visible key (a block starts below the length), so the running max is always finite
   and no fully masked block is ever reduced. A slot with no visible key at all gets zeros.
@@ -54,32 +55,13 @@ import math
 
 import torch
 
+from hybridrl.rollout.kernels.decode_launch import launch_arguments, launch_plan, partial_state
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the reference below is all there is
     triton = None
-
-BLOCK_N = 32
-"""Keys per loop iteration; fixed (no autotune) so every launch is the same graph-safe kernel. Float32 tiles of
-head_dim 128 (32 x 128 x 4 bytes) stay well inside shared memory."""
-NUM_WARPS = 1
-"""Warps per program up to head_dim 64: the loop is a chain of dependent loads and dots, and more programs per
-SM hide its latency better than more warps per program (`docs/benchmarks.md` has the launch sweep)."""
-WIDE_HEAD_NUM_WARPS = 2
-"""Warps per program above head_dim 64 (Qwen2.5-1.5B/7B, Llama 3: 128): with RoPE and the bias inside, one warp
-would need more than 255 registers a thread and spill (the no-spill test reads ptxas' report)."""
-
-
-def default_num_warps(head_dim: int, paged: bool = False) -> int:
-    """Warps per program: `NUM_WARPS` up to head_dim 64, else `WIDE_HEAD_NUM_WARPS`; the paged variant always the
-    latter (its int64 key offsets gathered through the block table spill a single warp at head_dim 64 too)."""
-    return NUM_WARPS if head_dim <= 64 and not paged else WIDE_HEAD_NUM_WARPS
-
-
-MIN_DOT_ROWS = 16
-"""`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
-
 
 def reference_decode_attention(
     q: torch.Tensor,
@@ -143,34 +125,6 @@ def rotate_projections(q: torch.Tensor, new_kv: torch.Tensor, cos: torch.Tensor,
     return rotated(q32).to(q.dtype), torch.cat((rotated(kv32[:, :1]), kv32[:, 1:]), dim=1).to(new_kv.dtype)
 
 
-def _next_power_of_two(value: int) -> int:
-    return 1 << (max(value, 1) - 1).bit_length()
-
-
-def launch_arguments(q, prompt_k, prompt_v, response_k, response_v, new_kv, rope, qkv_bias) -> tuple:
-    """Checks and arguments of `triton_decode_attention`'s kernel: q made contiguous in head_dim, the output,
-    the new K/V, cos, sin and bias pointers (the output stands in for absent ones) and the strides, in the
-    kernel's order."""
-    batch, num_kv_heads, _, head_dim = q.shape
-    assert prompt_k.stride() == prompt_v.stride() and response_k.stride() == response_v.stride()
-    assert prompt_k.stride(-1) == 1 and response_k.stride(-1) == 1, "head_dim must be contiguous"
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.empty_like(q)  # (B, Hkv, group, D)
-    if new_kv is not None:
-        assert new_kv.shape == (batch, 2, num_kv_heads, head_dim) and new_kv.stride(-1) == 1
-    fused = new_kv if new_kv is not None else out  # a placeholder pointer when nothing is written
-    if rope is not None:
-        assert new_kv is not None, "rope needs new_kv: the kernel rotates the new key it stores"
-        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in rope)
-        assert cos.shape == sin.shape == (batch, head_dim) and cos.stride() == sin.stride()
-    else:
-        cos = sin = out  # placeholders
-    bias = qkv_bias if qkv_bias is not None and rope is not None else out  # placeholder without one
-    strides = (*q.stride()[:3], *prompt_k.stride()[:3], *response_k.stride()[:3], *out.stride()[:3],
-               *fused.stride()[:3], cos.stride(0))
-    return q, out, fused, cos, sin, bias, strides
-
-
 def triton_decode_attention(
     q: torch.Tensor,
     prompt_k: torch.Tensor,
@@ -185,47 +139,41 @@ def triton_decode_attention(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     qkv_bias: torch.Tensor | None = None,
     paged: tuple[int, int] | None = None,
-    splits: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Launch the Triton kernel over a (B, Hkv) grid; same contract as `reference_decode_attention`.
+    """Launch the Triton kernel over a (B, Hkv, splits) grid (`decode_launch.launch_plan`); same contract as
+    `reference_decode_attention`.
 
     paged = (block_size, prompt_columns): the paged layout (`paged_attention.py`), where prompt_k is response_k is
     the block pool (blocks, Hkv, block_size, D) and `prompt_index` is the block table (B, columns): a slot's
     prompt key p lies in block table[b, p // block_size], its response key r in table[b, prompt_columns +
     r // block_size], at offset (p or r) % block_size.
 
-    splits = (num_splits, split_len): split-KV ("flash decoding") for long responses: program (b, h, s) attends to
-    response keys [s * split_len, (s + 1) * split_len) (split 0 also to the prompt and the new key) and leaves its
-    partial softmax state in a float32 buffer, which a second kernel combines; so one long sequence occupies
-    num_splits programs per KV head instead of one that walks its whole context alone (the tail of an uneven
-    batch). Splits past a slot's own length do no work."""
+    Long responses (capacity over `decode_launch.SPLIT_KEYS`: response_max_len here, the table's response columns
+    times block_size when paged) run split-KV: program (b, h, s) attends to response keys [s * split_len,
+    (s + 1) * split_len) (split 0 also to the prompt and the new key) and leaves its partial softmax state in a
+    float32 buffer, which a second kernel combines."""
     if triton is None:
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
                           "use attention='sdpa' or the reference on machines without it.")
     batch, num_kv_heads, group, head_dim = q.shape
+    block_size, prompt_columns = paged or (1, 0)
+    capacity = (prompt_index.shape[1] - prompt_columns) * block_size if paged else response_k.shape[2]
+    plan = launch_plan(group, head_dim, capacity, paged is not None)
     q, out, fused, cos, sin, bias, strides = launch_arguments(q, prompt_k, prompt_v, response_k, response_v,
                                                               new_kv, rope, qkv_bias)
-    block_size, prompt_columns = paged or (1, 0)
     table_stride = prompt_index.stride(0) if paged else 0
-    num_splits, split_len = splits or (1, 0)
-    group_pad, block_d = max(MIN_DOT_ROWS, _next_power_of_two(group)), max(MIN_DOT_ROWS, _next_power_of_two(head_dim))
-    part_acc = part_ml = out  # placeholders without splits
-    if num_splits > 1:
-        part_acc = torch.empty(batch, num_kv_heads, num_splits, group_pad, block_d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(batch, num_kv_heads, num_splits, 2, group_pad, dtype=torch.float32, device=q.device)
-    _decode_attention_kernel[(batch, num_kv_heads, num_splits)](
+    part_acc, part_ml = partial_state(plan, batch, num_kv_heads, out)
+    sizes = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=plan.group_pad, BLOCK_D=plan.block_d,
+                 NUM_SPLITS=plan.num_splits, WRITE_NEW=new_kv is not None)
+    _decode_attention_kernel[(batch, num_kv_heads, plan.num_splits)](
         q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out, fused,
         cos, sin, bias, scale * math.log2(math.e), *strides, table_stride, prompt_columns, part_acc, part_ml,
-        split_len, GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=group_pad, BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, WRITE_NEW=new_kv is not None,
-        ROPE=rope is not None, HAS_BIAS=rope is not None and qkv_bias is not None,
-        PAGED=paged is not None, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        num_warps=default_num_warps(head_dim, paged is not None),
-    )
-    if num_splits > 1:
-        _combine_splits_kernel[(batch, num_kv_heads)](
-            part_acc, part_ml, response_len, out, *out.stride()[:3], split_len, GROUP=group, HEAD_DIM=head_dim,
-            GROUP_PAD=group_pad, BLOCK_D=block_d, NUM_SPLITS=num_splits, WRITE_NEW=new_kv is not None)
+        plan.split_len, BLOCK_N=plan.block_n, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
+        HAS_BIAS=rope is not None and qkv_bias is not None, PAGED=paged is not None, BLOCK_SIZE=block_size,
+        num_warps=plan.num_warps, **sizes)
+    if plan.num_splits > 1:
+        _combine_splits_kernel[(batch, num_kv_heads)](part_acc, part_ml, response_len, out, *out.stride()[:3],
+                                                      plan.split_len, **sizes)
     return out
 
 

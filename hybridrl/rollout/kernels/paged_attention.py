@@ -17,9 +17,9 @@ the block table in place of the prompt index, so `llama_forward.decode_logits_pr
 - `triton_paged_decode_attention`: the prefix-shared Triton kernel with its PAGED switch: each loop iteration loads
   its keys' block ids from the table and gathers rows in int64 offsets; the new key/value are stored and attended
   from registers, as in the contiguous kernel. A free slot's row points at block 0 (scratch), so the writes of a
-  freed or finished slot land there and never in a block another sequence owns. Responses longer than
-  `SPLIT_KEYS` are split over several programs per (slot, KV head) (`response_splits`; split-KV, as flash-decoding
-  does): at the tail of an uneven batch a few long sequences would otherwise leave all but a few SMs idle.
+  freed or finished slot land there and never in a block another sequence owns. Long responses run split-KV by the
+  rule of the contiguous kernel (`decode_launch.py`), their capacity being the table's response columns times
+  block_size.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 
 from hybridrl.rollout.kernels.decode_attention import (
-    BLOCK_N,
     reference_decode_attention,
     rotate_projections,
     triton_decode_attention,
@@ -93,25 +92,5 @@ def triton_paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
     """The Triton kernel reading through the block table; same contract as `reference_paged_decode_attention`
     (`fused`: its new_kv, rope and qkv_bias)."""
     assert block_table.stride(-1) == 1, "block table rows must be contiguous"
-    block_size = k_pool.shape[2]
     return triton_decode_attention(q, k_pool, v_pool, k_pool, v_pool, block_table, prompt_len, response_len, scale,
-                                   paged=(block_size, prompt_columns),
-                                   splits=response_splits((block_table.shape[1] - prompt_columns) * block_size),
-                                   **fused)
-
-
-SPLIT_KEYS = 512
-"""Response keys per split program of the paged kernel (at most `MAX_SPLITS` splits; see `response_splits`)."""
-MAX_SPLITS = 16
-
-
-def response_splits(response_capacity: int, split_keys: int | None = None) -> tuple[int, int] | None:
-    """(num_splits, split_len) for responses of up to `response_capacity` tokens, or None (one program per slot and
-    head) when they fit one split: short responses gain nothing from a second kernel. The grid depends only on the
-    call's capacity, never on live lengths, so a CUDA graph stays valid; splits past a slot's length do no work."""
-    split_keys = split_keys or SPLIT_KEYS
-    if response_capacity <= split_keys:
-        return None
-    num_splits = min(MAX_SPLITS, -(-response_capacity // split_keys))
-    split_len = -(-response_capacity // num_splits)
-    return num_splits, -(-split_len // BLOCK_N) * BLOCK_N
+                                   paged=(k_pool.shape[2], prompt_columns), **fused)

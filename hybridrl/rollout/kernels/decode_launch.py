@@ -1,0 +1,122 @@
+"""How the decode-attention kernel launches, for both KV layouts: tile sizes, warps, the split-KV partition of the
+response keys, and the checked pointers and strides the kernel takes.
+
+`decode_attention.triton_decode_attention` launches one kernel for the prefix-shared layout and, through
+`paged_attention.triton_paged_decode_attention`, for the paged one. Everything that decides how it launches lives
+here, so the two layouts follow one rule and cannot drift apart.
+
+Every choice is a function of shapes, never of live lengths (those stay on the device): a launch needs no host sync,
+and the plan made when a CUDA graph is captured holds for every replay. Nothing is autotuned for the same reason
+(autotuning would benchmark configs at the first call and could pick a different kernel per shape).
+
+Split-KV ("flash decoding"): one program per (slot, KV head) walks that slot's whole context alone, so at the tail
+of an uneven batch a few long sequences leave all but a few SMs idle. When the response capacity (the most response
+keys a slot can hold) exceeds `SPLIT_KEYS`, the response keys are cut into `num_splits` partitions (at most
+`MAX_SPLITS`) of `split_len` keys, one program each; split 0 also takes the prompt and this step's new key. Each
+program leaves its partial softmax state (running max, sum, accumulator, float32) in a buffer and a second kernel
+merges them (log-sum-exp). The grid depends on the capacity only, so splits past a slot's own length do no work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK_N = 32
+"""Keys per loop iteration; fixed (no autotune) so every launch is the same graph-safe kernel. Float32 tiles of
+head_dim 128 (32 x 128 x 4 bytes) stay well inside shared memory."""
+NUM_WARPS = 1
+"""Warps per program up to head_dim 64: the loop is a chain of dependent loads and dots, and more programs per
+SM hide its latency better than more warps per program (`docs/benchmarks.md` has the launch sweep)."""
+WIDE_HEAD_NUM_WARPS = 2
+"""Warps per program above head_dim 64 (Qwen2.5-1.5B/7B, Llama 3: 128): with RoPE and the bias inside, one warp
+would need more than 255 registers a thread and spill (the no-spill test reads ptxas' report)."""
+MIN_DOT_ROWS = 16
+"""`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
+SPLIT_KEYS = 512
+"""Response keys per split program (at most `MAX_SPLITS` splits; see `response_splits`); responses of at most this
+many keys run unsplit."""
+MAX_SPLITS = 16
+
+
+def default_num_warps(head_dim: int, paged: bool = False) -> int:
+    """Warps per program: `NUM_WARPS` up to head_dim 64, else `WIDE_HEAD_NUM_WARPS`; the paged variant always the
+    latter (its int64 key offsets gathered through the block table spill a single warp at head_dim 64 too)."""
+    return NUM_WARPS if head_dim <= 64 and not paged else WIDE_HEAD_NUM_WARPS
+
+
+def padded_tile(size: int) -> int:
+    """A tile side of `tl.dot`: the next power of two, at least `MIN_DOT_ROWS`."""
+    return max(MIN_DOT_ROWS, 1 << (max(size, 1) - 1).bit_length())
+
+
+def response_splits(response_capacity: int, split_keys: int | None = None) -> tuple[int, int] | None:
+    """(num_splits, split_len) for responses of up to `response_capacity` keys, or None (one program per slot and
+    head) when they fit one split: short responses gain nothing from a second kernel. split_len is a whole number of
+    `BLOCK_N` key blocks, so no loop iteration straddles two splits."""
+    split_keys = split_keys or SPLIT_KEYS
+    if response_capacity <= split_keys:
+        return None
+    num_splits = min(MAX_SPLITS, -(-response_capacity // split_keys))
+    split_len = -(-response_capacity // num_splits)
+    return num_splits, -(-split_len // BLOCK_N) * BLOCK_N
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one call launches: the grid (batch, KV heads, `num_splits`) and the kernel's compile-time sizes."""
+
+    group_pad: int
+    """Query rows per program: the GQA group padded (`padded_tile`); padded rows are zeros and are not stored."""
+    block_d: int
+    """head_dim padded likewise."""
+    block_n: int
+    """Keys per loop iteration (`BLOCK_N`)."""
+    num_warps: int
+    num_splits: int
+    """Programs per (slot, KV head): 1 without split-KV."""
+    split_len: int
+    """Response keys per split program (0 without split-KV)."""
+
+
+def launch_plan(group: int, head_dim: int, response_capacity: int, paged: bool) -> LaunchPlan:
+    """The plan for query groups of `group` rows of `head_dim`, over responses of up to `response_capacity` keys
+    (the same rule for both layouts; see the module docstring)."""
+    num_splits, split_len = response_splits(response_capacity) or (1, 0)
+    return LaunchPlan(group_pad=padded_tile(group), block_d=padded_tile(head_dim), block_n=BLOCK_N,
+                      num_warps=default_num_warps(head_dim, paged), num_splits=num_splits, split_len=split_len)
+
+
+def partial_state(plan: LaunchPlan, batch: int, num_kv_heads: int, placeholder: torch.Tensor) -> tuple:
+    """The split programs' float32 buffers: accumulators (B, Hkv, splits, group_pad, block_d) and running max and
+    sum (B, Hkv, splits, 2, group_pad); without split-KV, `placeholder` for both (the kernel never touches them)."""
+    if plan.num_splits == 1:
+        return placeholder, placeholder
+    shape, device = (batch, num_kv_heads, plan.num_splits), placeholder.device
+    return (torch.empty(*shape, plan.group_pad, plan.block_d, dtype=torch.float32, device=device),
+            torch.empty(*shape, 2, plan.group_pad, dtype=torch.float32, device=device))
+
+
+def launch_arguments(q, prompt_k, prompt_v, response_k, response_v, new_kv, rope, qkv_bias) -> tuple:
+    """Checks and arguments of `triton_decode_attention`'s kernel: q made contiguous in head_dim, the output,
+    the new K/V, cos, sin and bias pointers (the output stands in for absent ones) and the strides, in the
+    kernel's order."""
+    batch, num_kv_heads, _, head_dim = q.shape
+    assert prompt_k.stride() == prompt_v.stride() and response_k.stride() == response_v.stride()
+    assert prompt_k.stride(-1) == 1 and response_k.stride(-1) == 1, "head_dim must be contiguous"
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty_like(q)  # (B, Hkv, group, D)
+    if new_kv is not None:
+        assert new_kv.shape == (batch, 2, num_kv_heads, head_dim) and new_kv.stride(-1) == 1
+    fused = new_kv if new_kv is not None else out  # a placeholder pointer when nothing is written
+    if rope is not None:
+        assert new_kv is not None, "rope needs new_kv: the kernel rotates the new key it stores"
+        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in rope)
+        assert cos.shape == sin.shape == (batch, head_dim) and cos.stride() == sin.stride()
+    else:
+        cos = sin = out  # placeholders
+    bias = qkv_bias if qkv_bias is not None and rope is not None else out  # placeholder without one
+    strides = (*q.stride()[:3], *prompt_k.stride()[:3], *response_k.stride()[:3], *out.stride()[:3],
+               *fused.stride()[:3], cos.stride(0))
+    return q, out, fused, cos, sin, bias, strides
