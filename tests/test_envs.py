@@ -419,24 +419,27 @@ class LongObservations(Closing):
 
 @pytest.mark.parametrize("room, reason, turns", [(0, "max_tokens", 1), (1, "max_tokens", 2), (10**3, "max_turns", 4)])
 def test_episode_budgets_at_their_edges_and_the_messages_are_what_the_model_saw(room, reason, turns):
-    """A turn of 3 ids and observations cut to 5 ids: an observation that would leave `room` = 0 tokens ends the
-    episode unshown; room for 1 shows it and samples one more token; the messages hold exactly what was shown."""
+    """A turn of 3 ids and observations cut to 5 ids and the template's next-turn opening: an observation that would
+    leave `room` = 0 tokens ends the episode unshown; room for 1 shows it and samples one more token; the messages
+    hold exactly what was shown."""
     tokenizer = qwen_style_tokenizer()
     renderer = ObservationRenderer(tokenizer)
     prompt = len(renderer.prompt_ids([{"role": "user", "content": "hi"}]))
+    opening = renderer.encode("\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    cut = 5 + len(opening)
     sessions = make_sessions(lambda row: LongObservations(row, []), [{"prompt": "hi"}], n=1, name="long")
     episode, = generate_episodes_reference(FixedTurns(tokenizer), sessions, renderer, SamplingParams(max_new_tokens=8),
-                                           EpisodeBudget(max_turns=4, max_episode_tokens=prompt + 3 + 5 + room,
-                                                         max_observation_tokens=5),
+                                           EpisodeBudget(max_turns=4, max_episode_tokens=prompt + 3 + cut + room,
+                                                         max_observation_tokens=cut),
                                            {tokenizer.convert_tokens_to_ids("<|im_end|>")})
     episode.check()
     assert episode.done_reason == reason and episode.num_turns == turns
-    assert len(episode.token_ids) == {0: prompt + 3, 1: prompt + 3 + 5 + 1, 10**3: prompt + 4 * 3 + 3 * 5}[room]
+    assert len(episode.token_ids) == {0: prompt + 3, 1: prompt + 3 + cut + 1, 10**3: prompt + 4 * 3 + 3 * cut}[room]
     kinds = [span.kind for span in episode.spans[1:]]
     assert [m["role"] for m in episode.messages] == ["user"] + [{"assistant": "assistant", "observation": "tool"}[k]
                                                                 for k in kinds]
     marker = renderer.encode(EpisodeBudget().truncation_marker)[:5]  # longer than the cut: the marker's first ids
-    assert all(episode.span_ids(span) == marker for span in episode.spans if span.kind == "observation")
+    assert all(episode.span_ids(span) == marker + opening for span in episode.spans if span.kind == "observation")
 
 
 class SlowAsyncClose(Closing):
@@ -476,3 +479,13 @@ def test_a_step_with_neither_observation_nor_done_names_the_users_step(tmp_path)
                                     SamplingParams(max_new_tokens=8), EpisodeBudget(),
                                     {tokenizer.convert_tokens_to_ids("<|im_end|>")})
     assert closed == ["hi"]
+
+
+def test_the_next_turn_opening_is_what_the_template_writes_after_the_last_content():
+    renderer = ObservationRenderer(qwen_style_tokenizer(), tools=[CALC_SCHEMA])
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                    {"role": "tool", "name": "calc", "content": "36"}, {"role": "tool", "name": "calc", "content": "7"}]
+    assert renderer.tokenizer.decode(renderer.next_turn_opening(conversation)) == \
+        "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    conversation[-1]["content"] = ""  # nothing to find: the generation prompt alone
+    assert renderer.tokenizer.decode(renderer.next_turn_opening(conversation)) == "<|im_start|>assistant\n"

@@ -249,13 +249,13 @@ def test_budgets_end_episodes():
     _, engine_episodes, reference = both(model, factory=Endless, budget=EpisodeBudget(
         max_turns=3, max_episode_tokens=10**4, max_observation_tokens=40))
     assert_same_episodes(engine_episodes, reference)
-    marker = TOKENIZER.encode(EpisodeBudget().truncation_marker, add_special_tokens=False)
+    opening = TOKENIZER.encode("\n</tool_response><|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    marker = TOKENIZER.encode(EpisodeBudget().truncation_marker, add_special_tokens=False)[:40 - len(opening)]
     for episode in engine_episodes:
         assert episode.done_reason == "max_turns" and episode.num_turns == 3
         for span in episode.spans:
-            if span.kind == "observation":
-                ids = episode.span_ids(span)
-                assert len(ids) == 40 and ids[-len(marker):] == marker
+            if span.kind == "observation":  # the marker's first ids and the template's next-turn opening
+                assert episode.span_ids(span) == marker + opening
     _, engine_episodes, reference = both(model, factory=Endless, budget=EpisodeBudget(
         max_turns=50, max_episode_tokens=120, max_observation_tokens=20))
     assert_same_episodes(engine_episodes, reference)

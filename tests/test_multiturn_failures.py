@@ -12,9 +12,8 @@ from hybridrl.envs.base import EnvironmentCodeError, StepResult
 from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.backend import BuiltinBackend
-from hybridrl.rollout.hf import HFBackend
 from hybridrl.rollout.multiturn import EpisodeBudget, make_sessions
-from tests.test_multiturn import IM_END, TOKENIZER, assert_same_episodes, make_model
+from tests.test_multiturn import TOKENIZER, Endless, assert_same_episodes, both, make_model
 
 
 class FailsBesideSlowSteps:
@@ -51,3 +50,21 @@ def test_environments_are_closed_only_after_their_pending_steps_have_finished():
         engine.generate_episodes(sessions, ObservationRenderer(TOKENIZER),
                                  SamplingParams(max_new_tokens=3, temperature=0), EpisodeBudget())
     assert FailsBesideSlowSteps.closed_while_stepping == [False, False, False]
+
+
+def test_a_truncated_observation_keeps_the_templates_next_turn_opening():
+    """Cut to 100 ids, an observation keeps its first ids and the marker, and still ends as the template ends it: the
+    tool message's closing and the next assistant turn's opening, so the model's next turn begins where it would
+    have (on both backends alike)."""
+    budget = EpisodeBudget(max_turns=3, max_episode_tokens=10**4, max_observation_tokens=100)
+    _, engine_episodes, reference = both(make_model("llama"), factory=Endless, budget=budget)
+    assert_same_episodes(engine_episodes, reference)
+    opening = TOKENIZER.encode("\n</tool_response><|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    marker = TOKENIZER.encode(budget.truncation_marker, add_special_tokens=False)
+    for episode in engine_episodes:
+        observations = [episode.span_ids(span) for span in episode.spans if span.kind == "observation"]
+        assert len(observations) == 2
+        for ids in observations:
+            assert len(ids) == 100 and ids[-len(opening):] == opening
+            assert ids[-len(opening) - len(marker):-len(opening)] == marker
+            assert TOKENIZER.decode(ids[:100 - len(opening) - len(marker)]).endswith("x" * 5)  # the observation's start

@@ -152,9 +152,11 @@ def test_a_raising_tool_becomes_a_counted_observation(toolbox, tool_file):
     env = toolbox({"prompt": "p"})
     result = env.step(call_text("fail", x=7))
     [message] = result.observation
-    assert message["content"] == "error: ValueError: cannot handle 7"
+    line = TOOLS.splitlines().index('    raise ValueError(f"cannot handle {x}")') + 1
+    # The user's tool code by file:line: short in what the model sees, the full path in the record.
+    assert message["content"] == f"error: ValueError: cannot handle 7 (at tools.py:{line} in fail)"
     [record] = result.info["tool_calls"]
-    assert record.error and not record.timed_out
+    assert record.error and not record.timed_out and record.where == f"{tool_file}:{line} in fail"
 
 
 def test_a_hanging_tool_is_killed_at_its_timeout_and_the_next_call_works(toolbox):

@@ -35,6 +35,8 @@ class ToolRecord:
     timed_out: bool = False
     malformed: bool = False
     latency_s: float = 0.0
+    where: str = ""
+    """For a tool that raised: file:line in function of the user's tool code, innermost first."""
 
 
 @dataclass

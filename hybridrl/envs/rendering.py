@@ -86,6 +86,18 @@ class ObservationRenderer:
         closing = closing[len(self._sampled_stop_text(sampled_ids, closing)):]
         return self.encode(closing + after[len(with_assistant):])
 
+    def next_turn_opening(self, conversation: Sequence[Message]) -> list[int]:
+        """The ids the template writes after the content of the conversation's last message up to where the next
+        assistant turn begins: that message's closing and the generation prompt (e.g. `<|im_end|>\n<|im_start|>
+        assistant\n`). A truncated observation ends with them, so that the model's next turn opens as it would
+        have. Only the generation prompt when the last content does not appear verbatim in the rendering."""
+        text = self.render(conversation, add_generation_prompt=True)
+        content = conversation[-1].get("content", "") if conversation else ""
+        at = text.rfind(content) if content else -1
+        if at < 0:
+            at, content = len(self.render(conversation, add_generation_prompt=False)), ""
+        return self.encode(text[at + len(content):])
+
     def _sampled_stop_text(self, sampled_ids: Sequence[int] | None, closing: str) -> str:
         if not sampled_ids or sampled_ids[-1] not in self._special_ids:
             return ""

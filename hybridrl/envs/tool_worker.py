@@ -6,7 +6,8 @@ whole process group) at the call's timeout, and the next call gets a fresh one.
 
 Protocol, one JSON object per line: argv[1] is `[[file, function], ...]`; the worker answers `{"ready": true}`
 or `{"load_error": "..."}`, then reads `{"name": ..., "arguments": {...}}` requests from stdin and answers each
-with `{"ok": text}` or `{"error": "Type: message", "where": "file:line in fn <- ..."}`. The tool's own prints
+with `{"ok": text}` or `{"error": "Type: message", "where": [[file, line, function], ...]}` (the user's frames,
+innermost first). The tool's own prints
 go to stderr and its stdin is empty, so it cannot corrupt the protocol.
 """
 
@@ -48,9 +49,10 @@ def render(value: object) -> str:
         return str(value)
 
 
-def user_where(error: BaseException, files: set[str]) -> str:
+def user_where(error: BaseException, files: set[str]) -> list[list]:
+    """The frames of the user's tool files in the traceback, [file, line, function], innermost first (three at most)."""
     frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) in files]
-    return " <- ".join(f"{f.filename}:{f.lineno} in {f.name}" for f in reversed(frames[-3:]))
+    return [[f.filename, f.lineno, f.name] for f in reversed(frames[-3:])]
 
 
 def answer(request: dict, tools: dict, files: set[str]) -> dict:

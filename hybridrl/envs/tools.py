@@ -14,7 +14,8 @@ Choices:
   TMPDIR, so also the working directories of sandboxed programs it starts), removed when it stops. A tool file is therefore imported twice (here for the
   schemas, there to call), so keep import-time side effects out of it.
 - Nothing the model writes ends an episode with an error: a tool that raises, hangs, is unknown, or a call that
-  is not valid JSON becomes an observation that says what went wrong, and is counted in the episode's records.
+  is not valid JSON becomes an observation that says what went wrong (for a raising tool, also where: file:line of
+  the user's tool code), and is counted in the episode's records.
 - A turn without a tool call is the final answer: the episode is done.
 """
 
@@ -155,6 +156,20 @@ class ToolOutcome:
     error: bool = False
     timed_out: bool = False
     latency_s: float = 0.0
+    where: str = ""
+    """For a tool that raised: file:line in function of the user's tool code, innermost first."""
+
+
+def _raised(answer: dict, latency_s: float) -> ToolOutcome:
+    """A tool's exception as an outcome: the model sees the error and the innermost line of the tool file by its name
+    (short, and the same on every machine); the record keeps the full paths."""
+    frames = answer.get("where") or []
+    text = f"error: {answer['error']}"
+    if frames:
+        file, line, function = frames[0]
+        text += f" (at {os.path.basename(file)}:{line} in {function})"
+    where = " <- ".join(f"{file}:{line} in {function}" for file, line, function in frames)
+    return ToolOutcome(text, error=True, latency_s=latency_s, where=where)
 
 
 class ToolWorker:
@@ -189,7 +204,7 @@ class ToolWorker:
             self.stop()
             return ToolOutcome(f"error: the tool {name!r} crashed (its process exited).", error=True, latency_s=latency)
         if "error" in answer:
-            return ToolOutcome(f"error: {answer['error']}", error=True, latency_s=latency)
+            return _raised(answer, latency)
         return ToolOutcome(answer["ok"], latency_s=latency)
 
     def _start(self) -> None:
@@ -342,4 +357,4 @@ class ToolEnvironment:
             return ToolRecord(name="", arguments={}, result=f"error: {call.problem}", error=True, malformed=True)
         outcome = self.toolbox.call(call)
         return ToolRecord(name=call.name, arguments=call.arguments, result=outcome.text, error=outcome.error,
-                          timed_out=outcome.timed_out, latency_s=outcome.latency_s)
+                          timed_out=outcome.timed_out, latency_s=outcome.latency_s, where=outcome.where)

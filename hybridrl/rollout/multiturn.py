@@ -16,8 +16,9 @@ Choices:
 - The environment is stepped after every assistant turn, also the last one a budget allows, so its reward for
   that turn is recorded; then `done` wins, then `max_turns`, then the token budget (`done_reason`).
 - An observation that does not leave room for one more sampled token ends the episode (`max_tokens`) unshown.
-- A truncated observation keeps its first ids and ends with the marker's ids; the rest of the rendering (in a
-  chat template, the closing and the next generation prompt) is cut with it.
+- A truncated observation keeps its first ids, then the marker's ids, then the ids the template writes after the
+  observation's content (its closing and the next turn's generation prompt), so the next assistant turn opens as it
+  would have; that opening is kept whole even when `max_observation_tokens` is smaller than it.
 """
 
 from __future__ import annotations
@@ -122,19 +123,23 @@ class EpisodeRun:
                                        f"{defined_at(self.session.env.step)} in step {self.session.num_steps} for "
                                        f"sample {self.session.sample}; return the messages to show the model, or "
                                        "done=True.")
-        ids = self._truncated(self.renderer.observation_ids(self.messages, result.observation, self.last_turn_ids))
+        ids = self.renderer.observation_ids(self.messages, result.observation, self.last_turn_ids)
+        ids = self._truncated(ids, [*self.messages, *result.observation])
         if self.num_tokens + len(ids) >= self.budget.max_episode_tokens:
             return self._end("max_tokens")  # unshown, so not in `messages` either (as with done and max_turns)
         self.messages.extend(result.observation)
         self.episode.add_observation(ids)
         return ids
 
-    def _truncated(self, ids: list[int]) -> list[int]:
+    def _truncated(self, ids: list[int], conversation: list[dict[str, Any]]) -> list[int]:
+        """`ids` cut to `max_observation_tokens`: first ids + marker + the template's next-turn opening."""
         limit = self.budget.max_observation_tokens
         if len(ids) <= limit:
             return ids
-        marker = self.renderer.encode(self.budget.truncation_marker)[:limit]
-        return ids[:limit - len(marker)] + marker
+        opening = self.renderer.next_turn_opening(conversation)
+        room = max(0, limit - len(opening))
+        marker = self.renderer.encode(self.budget.truncation_marker)[:room]
+        return ids[:room - len(marker)] + marker + opening
 
     def _end(self, reason: str) -> None:
         """Nothing more to feed: `add_step` returns this None."""
