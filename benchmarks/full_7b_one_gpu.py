@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--response-len", type=int, default=256, help="every response forced to this length")
     parser.add_argument("--steps", type=int, default=2, help="GRPO steps per variant; the first is left out")
-    add_run_arguments(parser, VARIANTS, DEFAULT_VARIANTS, 200, "CPU: a 2-layer model, 4 prompts x 2, 16 + 8 tokens, no compile")
+    add_run_arguments(parser, VARIANTS, DEFAULT_VARIANTS, 240,
+                      "CPU: a 2-layer model, 4 prompts x 2, 16 + 8 tokens, no compile")
     return parser
 
 
@@ -115,9 +116,10 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
     peak = lambda result: f"{result['peak_alloc_gib']:.1f}" if result.get("peak_alloc_gib") else "-"  # noqa: E731
     print_rows(("variant", "step s", "rollout s", "update s", "update MFU", "MFU of 785", "peak GiB",
                 "floor s (step / rollout / update)"), results,
-               lambda result: (result["variant"], f"{result['step_s']:.2f}", f"{result['mean']['timing/rollout_s']:.2f}",
-                               f"{result['update_s']:.2f}", f"{100 * result['update_mfu']:.1f}%",
-                               f"{100 * result['update_mfu_of_measured']:.1f}%", peak(result),
+               lambda result: (result["variant"], f"{result['step_s']:.2f}",
+                               f"{result['mean']['timing/rollout_s']:.2f}", f"{result['update_s']:.2f}",
+                               f"{100 * result['update_mfu']:.1f}%", f"{100 * result['update_mfu_of_measured']:.1f}%",
+                               peak(result),
                                f"{result['step_floor_s']:.2f} / {result['rollout_floor_s']:.2f} / "
                                f"{result['update_floor_s']:.2f}"))
     for result in results:

@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence, prompt included")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--updates", type=int, default=3, help="updates per variant; the first is left out")
-    add_run_arguments(parser, VARIANTS, DEFAULT_VARIANTS, 150, "CPU: a 2-layer model, 4 sequences of 64 tokens, no compile")
+    add_run_arguments(parser, VARIANTS, DEFAULT_VARIANTS, 150,
+                      "CPU: a 2-layer model, 4 sequences of 64 tokens, no compile")
     return parser
 
 
