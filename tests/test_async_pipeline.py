@@ -102,11 +102,7 @@ def test_a_slow_reward_overlaps_with_the_update(tmp_path):
     assert waited < sum(worked) - 0.5 * could_overlap, (waited, worked, trained)
 
 
-@pytest.mark.parametrize("worker", [
-    pytest.param("thread", marks=pytest.mark.xfail(strict=False, reason=(
-        "known race, not yet found: with the thread worker the resumed run's last step differs from the "
-        "uninterrupted run's in about one run of four (rollout log-prob diffs of step 6); the process worker holds"))),
-    "process"])
+@pytest.mark.parametrize("worker", ["thread", "process"])
 def test_checkpoint_holds_the_queue_and_resume_equals_an_uninterrupted_run(tmp_path, worker):
     """SIGTERM (sent when the worker scores the batch of step 4, so the trainer stops after step 2 or 3, whichever it
     is in) saves a checkpoint with the batches generated ahead; resuming gives the uninterrupted run's metrics."""

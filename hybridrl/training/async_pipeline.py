@@ -33,8 +33,12 @@ With k = 0 the trainer's own synchronous loop runs and this module is not used. 
   data indices), together with the data sampler's position after the last of them. Resuming refills the queue
   and starts the worker at step s+k+1, which needs version s: the checkpoint's own weights. A resumed run
   therefore gives the metrics of an uninterrupted one.
-- **Determinism.** The Hugging Face backend seeds torch's global generator per call, so the worker's and the
-  trainer's `generate` calls (held-out evaluation) take turns under one lock (`take_turns`).
+- **Determinism.** The Hugging Face backend seeds torch's default generator, one per process, at every call, so
+  all `generate` calls of pipelines (workers and the trainers' held-out evaluation) take turns under one lock per
+  process (`GENERATE_LOCK`, `take_turns`). A worker ends with its run (`AsyncPipeline.close`, when `train()`
+  returns or raises): a run stopped early would otherwise leave its worker generating the next batch, reseeding
+  that generator in the middle of a later run's `generate` in the same process (a resumed run, a test), which
+  then sampled other tokens.
 
 Where the worker runs: here, a thread (`RolloutWorker`); `rollout_process.py` puts the same schedule in a process of
 its own. Not built: partial rollouts (sequences that continue under new weights).
@@ -62,6 +66,10 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
 """How often a waiting thread looks whether the other side has stopped."""
+STOP_WAIT_S = 2.0
+"""How long `close` waits for a stopping worker (its `generate` in flight, then its thread or process)."""
+GENERATE_LOCK = threading.Lock()
+"""Held by each `generate` call of a pipeline's backends: torch's default generator is one per process."""
 
 
 def needed_version(step: int, max_staleness: int) -> int:
@@ -125,13 +133,21 @@ class Trajectories:
                    sampler_state=record["sampler_state"])
 
 
-def take_turns(backend: Any, lock: threading.Lock) -> Any:
+class WorkerStopped(Exception):
+    """Raised by a stopped worker's `generate` call instead of generating: the run it belonged to has ended."""
+
+
+def take_turns(backend: Any, lock: threading.Lock, stopped: threading.Event | None = None) -> Any:
     """`backend`, its `generate` calls now taking turns with other holders of `lock` (see the module's Determinism
-    note); set on the instance, so its type and everything else stay as they were."""
+    note); set on the instance, so its type and everything else stay as they were. Once `stopped` is set, a call
+    raises `WorkerStopped`: it is checked under the lock, so a stopper that sets it under the lock knows that no
+    call runs or will start."""
     generate = backend.generate
 
     def generate_in_turn(*args: Any, **kwargs: Any) -> Any:
         with lock:
+            if stopped is not None and stopped.is_set():
+                raise WorkerStopped("the rollout worker was stopped")
             return generate(*args, **kwargs)
 
     backend.generate = generate_in_turn
@@ -266,12 +282,13 @@ class RolloutWorker(threading.Thread, BatchQueue):
         self.label = "rollout worker (thread 'hybridrl-rollout-worker')"
         self.trainer, self.max_staleness = trainer, max_staleness
         self.first_step, self.last_step, self.version = first_step, last_step, version
-        self.mailbox = mailbox
+        self.mailbox, self.lock, self.stopped = mailbox, lock, threading.Event()
         parts = trainer.parts
         self.device = rollout_device(trainer)
         self.model = copy.deepcopy(parts.actor).to(self.device)  # version `version`: the trainer's weights now
         with current_device(self.device):  # the engine sizes its KV cache and builds kernels on the current GPU
-            self.backend = take_turns(build_rollout(trainer.config, self.model, parts.tokenizer, self.device), lock)
+            self.backend = take_turns(build_rollout(trainer.config, self.model, parts.tokenizer, self.device), lock,
+                                      self.stopped)
 
     def alive(self) -> bool:
         return self.is_alive()
@@ -281,11 +298,25 @@ class RolloutWorker(threading.Thread, BatchQueue):
             if self.device.type == "cuda":  # per thread: Triton kernels and CUDA graphs launch on the current GPU
                 torch.cuda.set_device(self.device)
             for step in range(self.first_step, self.last_step + 1):
-                if not self.load_version(needed_version(step, self.max_staleness)):
+                if self.stopped.is_set() or not self.load_version(needed_version(step, self.max_staleness)):
                     return
                 self.deliver(step, self.produce(step))
+        except WorkerStopped:
+            return
         except BaseException as error:
             self.fail(error)
+
+    def stop(self) -> None:
+        """End the worker (its run has ended; the mailbox is closed first). Once this returns no `generate` of it
+        runs or will start; its thread may still finish a reward call, for which this waits a little."""
+        locked = self.lock.acquire(timeout=STOP_WAIT_S)
+        self.stopped.set()
+        if locked:
+            self.lock.release()
+        else:
+            logger.warning("the rollout worker's generate call is still running %.0f s after its run ended",
+                           STOP_WAIT_S)
+        self.join(STOP_WAIT_S)
 
     def load_version(self, version: int) -> bool:
         """Load `version` from the mailbox; a version older than the one held (a run resumed with more steps
@@ -322,10 +353,12 @@ class AsyncPipeline:
             logger.warning("trainer.max_staleness=%d trains on batches up to %d updates old with no off-policy "
                            "correction; set algorithm.rollout_correction_cap=2.0 (docs/training.md)",
                            max_staleness, max_staleness)
-        self.lock = threading.Lock()
+        self.lock = GENERATE_LOCK
         take_turns(trainer.parts.rollout, self.lock)  # held-out evaluation takes turns with the worker
         self.mailbox = WeightMailbox()
         self.worker: Any = None
+        """The worker of the running `train()`, or the last one's (ended) after it."""
+        self.running = False
         self.restored: list[Trajectories] = []
         self.last_sampler_state: dict[str, int] | None = None
 
@@ -339,11 +372,13 @@ class AsyncPipeline:
         for item in self.restored:
             self.worker.ready[item.step] = item
         self.restored = []
+        self.last_sampler_state = trainer.sampler.state_dict()  # after the restored batches' prompts
         self.worker.start()
+        self.running = True
 
     def take(self, step: int, device: torch.device) -> tuple[RolloutBatch, dict[str, float], dict[str, float]]:
         """The scored batch of `step` on `device`, its reward metrics, and the pipeline's metrics."""
-        if self.worker is None:
+        if not self.running:
             self.start(step)
         item = self.worker.wait_for(step, self.trainer.config.trainer.hang_timeout_s)
         lag = step - 1 - int(item.versions.min())
@@ -365,13 +400,29 @@ class AsyncPipeline:
         return {"perf/weight_push_s": time.perf_counter() - start}
 
     def close(self) -> None:
+        """End the worker with the run (see the module's Determinism note). What it had ready for the next steps
+        stays, as a checkpoint would restore it, so a later `train()` of this trainer continues where this ended."""
         self.mailbox.close()
+        if not self.running:
+            return
+        self.running = False
+        self.worker.stop()
+        with self.worker.condition:
+            ready = dict(self.worker.ready)
+        step = self.trainer.step_count + 1
+        self.restored = []
+        while step + len(self.restored) in ready:
+            self.restored.append(ready[step + len(self.restored)])
+        sampler = self.restored[-1].sampler_state if self.restored else self.last_sampler_state
+        if sampler is not None:  # the worker drew prompts for batches it will not deliver
+            self.trainer.sampler.load_state_dict(sampler)
+        self.mailbox = WeightMailbox()
 
     def state_dict(self) -> dict[str, Any]:
         """The queued batches (steps s+1..s+k, waited for) and the data position after the last of them."""
         step, total = self.trainer.step_count, self.trainer.config.trainer.total_steps
         queued = self.restored
-        if self.worker is not None:
+        if self.running:
             timeout = self.trainer.config.trainer.hang_timeout_s
             queued = [self.worker.peek(later, timeout) for later in range(step + 1, min(step + self.max_staleness,
                                                                                        total) + 1)]
@@ -380,7 +431,7 @@ class AsyncPipeline:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore before the worker starts (the trainer's resume runs before its first step)."""
-        assert self.worker is None, "the pipeline's state is restored before its worker starts"
+        assert not self.running, "the pipeline's state is restored before its worker starts"
         self.restored = [Trajectories.from_json(record) for record in state["queued"]]
         if state["sampler"] is not None:
             self.trainer.sampler.load_state_dict(state["sampler"])

@@ -37,6 +37,7 @@ from hybridrl.parallel.weight_push import (
     send_object,
 )
 from hybridrl.training.async_pipeline import (
+    STOP_WAIT_S,
     BatchQueue,
     RolloutWorker,
     WeightMailbox,
@@ -138,6 +139,17 @@ class ProcessWorker(BatchQueue):
 
     def alive(self) -> bool:
         return self.threads[0].is_alive() or bool(self.ready)
+
+    def stop(self) -> None:
+        """End the rollout process if it still runs (its run ended early: nothing will take its batches); the mailbox
+        is closed first, so the pushing thread returns, and the receiving one fails once its peer is gone."""
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(STOP_WAIT_S)
+        for thread in self.threads:
+            thread.join(STOP_WAIT_S)
+        if dist.is_initialized() and not any(thread.is_alive() for thread in self.threads):
+            dist.destroy_process_group()
 
     def receive_batches(self) -> None:
         try:

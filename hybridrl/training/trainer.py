@@ -137,7 +137,11 @@ class RLTrainer:
             if self.parts.setup.is_main:
                 print_unless_closed(self.describe())
             self.resume()
-            self.stopped_by = self.run_steps()
+            try:
+                self.stopped_by = self.run_steps()
+            finally:  # the rollout worker ends with the run (`AsyncPipeline.close`)
+                if self.pipeline is not None:
+                    self.pipeline.close()
             saved = not self.stopped_by and self.config.trainer.save_model
             if self.stopped_by:
                 print_unless_closed(f"stopped by {self.stopped_by} after step {self.step_count}; checkpoint saved in "
