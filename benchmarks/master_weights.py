@@ -1,7 +1,7 @@
 """The lean default (bf16 weights, float32 moments, stochastic rounding) against conventional mixed precision
 (`actor.master_weights=float32`) on the demo task, several seeds: does the default learn as well?
 
-    python -m benchmarks.master_weights [--seeds 0,1,2] [--device cuda] [--out runs/master_weights] [--tiny]
+    python -m benchmarks.master_weights [--seeds 0,1,2] [--device cuda] [--parallel-seeds] [--out DIR] [--tiny]
 
 Per seed: one SFT run (the demo's config, `trainer.seed` = the seed), then GRPO from that checkpoint with each
 setting, in alternating order, each in its own `hybridrl train` process (the same CLI a user runs). Prints the
@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/master_weights"))
     parser.add_argument("--sft-steps", type=int, default=3000)
     parser.add_argument("--steps", type=int, default=60, help="GRPO steps")
+    parser.add_argument("--parallel-seeds", action="store_true",
+                        help="run the seeds at once, one process each (a large GPU holds them all; wall-clock then "
+                             "compares the settings within a seed, not with a run alone)")
     parser.add_argument("--tiny", action="store_true", help="a few steps on CPU (the script's test)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides for both GRPO settings")
     args = parser.parse_args(argv)
@@ -85,10 +89,11 @@ def main(argv: list[str] | None = None) -> None:
     args.out = args.out.resolve()
     data = args.out / "data"
     hybridrl("make-data", str(data))
-    per_seed = {}
-    for seed in (int(s) for s in args.seeds.split(",")):
-        per_seed[seed] = run_seed(seed, args, data)
-        print(f"seed {seed}: {json.dumps(per_seed[seed])}", flush=True)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    with ThreadPoolExecutor(len(seeds) if args.parallel_seeds else 1) as pool:
+        per_seed = dict(zip(seeds, pool.map(lambda seed: run_seed(seed, args, data), seeds)))
+    for seed, results in per_seed.items():
+        print(f"seed {seed}: {json.dumps(results)}", flush=True)
     print(table(per_seed))
 
 
