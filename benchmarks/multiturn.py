@@ -29,12 +29,11 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 
 import torch
 
-from benchmarks.rollout import GRPO_05B, TINY, build_model, sync
+from benchmarks.rollout import GRPO_05B, TINY, add_engine_arguments, build_model, parse_with_quick, sync
 from hybridrl.envs.base import EnvironmentSession, StepResult
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.backend import BuiltinBackend
@@ -52,23 +51,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--observation-len", type=int, default=32, help="tokens of each tool observation")
     parser.add_argument("--tool-latency-ms", type=float, default=50.0)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each (the best is reported)")
-    parser.add_argument("--kv-cache-memory", type=float, default=0.3)
-    parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
-    parser.add_argument("--peak-tflops", type=float, default=785.0)
-    parser.add_argument("--quick", action="store_true", help="16 prompts, 3 turns x 32 tokens")
-    parser.add_argument("--tiny", action="store_true",
-                        help="a 2-layer model with a 1,000-token vocabulary (checks the script on CPU; measures "
-                             "nothing)")
-    parser.add_argument("--no-cuda-graphs", action="store_true")
-    parser.add_argument("--no-compile", action="store_true")
+    add_engine_arguments(parser, quick="16 prompts, 3 turns x 32 tokens")
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    if "--quick" in (sys.argv[1:] if argv is None else argv):  # new defaults; flags given explicitly still win
-        parser.set_defaults(prompts=16, turn_len=32)
-    return parser.parse_args(argv)
+    return parse_with_quick(build_parser(), argv, prompts=16, turn_len=32)
+
+
+def set_up(args: argparse.Namespace) -> tuple[str, object, list[list[int]], BuiltinBackend]:
+    """The device, the model (grpo-0.5b shape, or `--tiny`), the seeded random prompts and the engine."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(device, TINY if args.tiny else GRPO_05B)
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len), generator=generator).tolist()
+    engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
+                            compile=False if args.no_compile else None, attention="sdpa")
+    return device, model, prompts, engine
 
 
 class FixedIds:
@@ -110,18 +109,24 @@ class SlowTool:
         return StepResult([{"role": "tool", "name": "tool", "content": "result"}], done=False)
 
 
-def time_best(fn, repeats: int) -> tuple[float, object]:
+def time_best(fn, repeats: int, before=lambda: None, after=lambda seconds: None) -> tuple[float, object]:
+    """The best wall time of `repeats` calls of `fn` (GPU work included) and the last result; `before()` and
+    `after(seconds)` run around each timed call, outside its time (the trace tool's recording)."""
     best, result = float("inf"), None
     for _ in range(repeats):
+        before()
         sync()
         start = time.perf_counter()
         result = fn()
         sync()
-        best = min(best, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        after(seconds)
+        best = min(best, seconds)
     return best, result
 
 
-def run_multiturn(engine: BuiltinBackend, prompts: list[list[int]], args) -> dict:
+def run_multiturn(engine: BuiltinBackend, prompts: list[list[int]], args, **hooks) -> dict:
+    """The timed multi-turn calls (`hooks`: `time_best`'s before/after)."""
     renderer = FixedIds(list(range(10, 10 + args.observation_len)))
     budget = EpisodeBudget(max_turns=args.turns, max_observation_tokens=args.observation_len,
                            max_episode_tokens=args.prompt_len + args.turns * (args.turn_len + args.observation_len) + 1)
@@ -134,7 +139,7 @@ def run_multiturn(engine: BuiltinBackend, prompts: list[list[int]], args) -> dic
         return engine.generate_episodes(sessions, renderer, params, budget)
 
     episodes(prompts[:2])  # warm-up: compilation, CUDA graphs
-    seconds, result = time_best(lambda: episodes(prompts), args.repeats)
+    seconds, result = time_best(lambda: episodes(prompts), args.repeats, **hooks)
     sampled = sum(e.num_sampled_tokens for e in result)
     turns = [e.num_turns for e in result]
     assert all(t == args.turns for t in turns), f"episodes ended early: turns {sorted(set(turns))}"
@@ -144,11 +149,12 @@ def run_multiturn(engine: BuiltinBackend, prompts: list[list[int]], args) -> dic
                 observation_prefills=stats.get("observation_prefills"))
 
 
-def run_single(engine: BuiltinBackend, prompts: list[list[int]], args) -> dict:
+def run_single(engine: BuiltinBackend, prompts: list[list[int]], args, **hooks) -> dict:
+    """The timed single-turn calls of the same sampled tokens (`hooks`: `time_best`'s before/after)."""
     params = SamplingParams(max_new_tokens=args.turns * args.turn_len, temperature=1.0, n=args.n, ignore_eos=True,
                             seed=0)
     engine.generate(prompts[:2], params)  # warm-up
-    seconds, result = time_best(lambda: engine.generate(prompts, params), args.repeats)
+    seconds, result = time_best(lambda: engine.generate(prompts, params), args.repeats, **hooks)
     sampled = sum(len(g.token_ids) for g in result)
     stats = dict(engine.last_stats)
     return dict(seconds=seconds, sampled_tokens=sampled, tokens_per_s=sampled / seconds, stats=stats,
@@ -182,14 +188,18 @@ def floor(model, args, multiturn: bool, bandwidth: float, peak: float) -> dict:
                 tokens_per_s=sequences * args.turns * args.turn_len / seconds)
 
 
+def summary(model, args: argparse.Namespace, device: str, single: dict, multi: dict) -> dict:
+    """The runs, their ratio and both floors: what `print_table` shows and the JSON holds."""
+    bandwidth, peak = args.bandwidth_tbs * 1e12, args.peak_tflops * 1e12
+    return dict(args=vars(args), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                torch=torch.__version__, single=single, multi=multi, ratio=multi["tokens_per_s"] / single["tokens_per_s"],
+                floor_single=floor(model, args, False, bandwidth, peak),
+                floor_multi=floor(model, args, True, bandwidth, peak))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_model(device, TINY if args.tiny else GRPO_05B)
-    generator = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len), generator=generator).tolist()
-    engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
-                            compile=False if args.no_compile else None, attention="sdpa")
+    device, model, prompts, engine = set_up(args)
     print(f"{args.prompts} prompts x {args.n} episodes, prompt {args.prompt_len}, {args.turns} turns x "
           f"{args.turn_len} tokens, observation {args.observation_len} tokens after a {args.tool_latency_ms:g} ms "
           f"tool; single turn: {args.turns * args.turn_len} tokens", flush=True)
@@ -197,12 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"single turn: {single['seconds']:.3f} s, stats {single['stats']}", flush=True)
     multi = run_multiturn(engine, prompts, args)
     print(f"multi-turn: {multi['seconds']:.3f} s, stats {multi['stats']}", flush=True)
-    bandwidth, peak = args.bandwidth_tbs * 1e12, args.peak_tflops * 1e12
-    result = dict(args=vars(args), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                  torch=torch.__version__, single=single, multi=multi,
-                  ratio=multi["tokens_per_s"] / single["tokens_per_s"],
-                  floor_single=floor(model, args, False, bandwidth, peak),
-                  floor_multi=floor(model, args, True, bandwidth, peak))
+    result = summary(model, args, device, single, multi)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "multiturn_benchmark.json"), "w") as handle:
             json.dump(result, handle, indent=2, default=str)

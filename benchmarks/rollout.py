@@ -62,15 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="greedy sequences compared with HF (0 skips the agreement check)")
     parser.add_argument("--agreement-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="timed engine runs (the best is reported)")
-    parser.add_argument("--kv-cache-memory", type=float, default=0.3)
-    parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
-    parser.add_argument("--peak-tflops", type=float, default=785.0)
-    parser.add_argument("--quick", action="store_true", help="16 prompts x 8, response 64, HF on 32 sequences")
-    parser.add_argument("--tiny", action="store_true",
-                        help="a 2-layer model with a 1,000-token vocabulary instead of the grpo-0.5b shape (checks the "
-                             "script on CPU; measures nothing)")
-    parser.add_argument("--no-cuda-graphs", action="store_true")
-    parser.add_argument("--no-compile", action="store_true", help="time the engine without torch.compile")
+    add_engine_arguments(parser, quick="16 prompts x 8, response 64, HF on 32 sequences")
     parser.add_argument("--no-eager-baseline", action="store_true", help="skip timing the uncompiled engine too")
     parser.add_argument("--try-efficient-attention", action="store_true",
                         help="also time the compiled engine with SDPA restricted to the mem-efficient backend")
@@ -80,11 +72,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    if "--quick" in (sys.argv[1:] if argv is None else argv):  # new defaults; flags given explicitly still win
-        parser.set_defaults(prompts=16, response_len=64, hf_sequences=32, agreement_sequences=16)
+def add_engine_arguments(parser: argparse.ArgumentParser, quick: str) -> None:
+    """What every grpo-0.5b engine benchmark takes: KV memory, the machine's figures for the floor, `--quick` (whose
+    effect `quick` describes), `--tiny`, and the engine's CUDA graphs and compilation."""
+    parser.add_argument("--kv-cache-memory", type=float, default=0.3)
+    parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
+    parser.add_argument("--peak-tflops", type=float, default=785.0)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--tiny", action="store_true",
+                        help="a 2-layer model with a 1,000-token vocabulary instead of the grpo-0.5b shape (checks the "
+                             "script on CPU; measures nothing)")
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--no-compile", action="store_true", help="time the engine without torch.compile")
+
+
+def parse_with_quick(parser: argparse.ArgumentParser, argv: list[str] | None, **quick_defaults) -> argparse.Namespace:
+    """Parse `argv` (default: the command line); with `--quick`, `quick_defaults` replace the defaults (flags given
+    explicitly still win)."""
+    if "--quick" in (sys.argv[1:] if argv is None else argv):
+        parser.set_defaults(**quick_defaults)
     return parser.parse_args(argv)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parse_with_quick(build_parser(), argv, prompts=16, response_len=64, hf_sequences=32, agreement_sequences=16)
 
 
 GRPO_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

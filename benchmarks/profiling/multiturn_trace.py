@@ -26,7 +26,6 @@ import time
 import torch
 
 from benchmarks import multiturn as bench
-from benchmarks.rollout import GRPO_05B, TINY, build_model
 from hybridrl.rollout.engine import backend as backend_module
 from hybridrl.rollout.engine.backend import BuiltinBackend
 
@@ -124,47 +123,28 @@ def main() -> None:
     parser.add_argument("--loop", help="a file whose EpisodeLoop runs in alternation with the engine's own")
     own, rest = parser.parse_known_args()
     args = bench.parse_args(rest)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_model(device, TINY if args.tiny else GRPO_05B)
-    generator = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len), generator=generator).tolist()
-    engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
-                            compile=False if args.no_compile else None, attention="sdpa")
+    device, model, prompts, engine = bench.set_up(args)
     loops = {"engine loop": backend_module.EpisodeLoop}
     if own.loop:
         loops["--loop"] = load_loop(own.loop)
     recorder = Recorder()
     instrument(engine, recorder, list(loops.values()))
-    original_time_best = bench.time_best
-
-    def time_best(fn, repeats):  # keep the trace of the last timed run only
-        best, result = float("inf"), None
-        for _ in range(repeats):
-            recorder.reset()
-            seconds, result = original_time_best(fn, 1)
-            best = min(best, seconds)
-            time_best.report = recorder.report(seconds)
-        return best, result
-
-    bench.time_best = time_best
+    reports = []  # the trace of each timed run; the last one of each call is kept
+    hooks = dict(before=recorder.reset, after=lambda seconds: reports.append(recorder.report(seconds)))
     results = {}
-    single = bench.run_single(engine, prompts, args)
-    results["single turn"] = (single, time_best.report)
+    single = bench.run_single(engine, prompts, args, **hooks)
+    results["single turn"] = (single, reports[-1])
     for round_index in range(2 if own.loop else 1):
         for name, loop in loops.items():
             backend_module.EpisodeLoop = loop
-            run = bench.run_multiturn(engine, prompts, args)
-            results[f"multi-turn, {name}, round {round_index}"] = (run, time_best.report)
-            print(summary_line(f"multi-turn, {name}, round {round_index}", run, time_best.report), flush=True)
+            run = bench.run_multiturn(engine, prompts, args, **hooks)
+            results[f"multi-turn, {name}, round {round_index}"] = (run, reports[-1])
+            print(summary_line(f"multi-turn, {name}, round {round_index}", run, reports[-1]), flush=True)
     print()
     for name, (run, report) in results.items():
         print(summary_line(name, run, report))
-    bandwidth, peak = args.bandwidth_tbs * 1e12, args.peak_tflops * 1e12
     multi = results[f"multi-turn, engine loop, round {1 if own.loop else 0}"][0]
-    bench.print_table(dict(args=vars(args), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                           single=single, multi=multi, ratio=multi["tokens_per_s"] / single["tokens_per_s"],
-                           floor_single=bench.floor(model, args, False, bandwidth, peak),
-                           floor_multi=bench.floor(model, args, True, bandwidth, peak)))
+    bench.print_table(bench.summary(model, args, device, single, multi))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "multiturn_trace.json"), "w") as handle:
             json.dump({name: dict(stats=run["stats"], **report) for name, (run, report) in results.items()}, handle,
