@@ -20,15 +20,17 @@ from hybridrl import algorithms
 from hybridrl.config.loading import build_config, load_config
 from hybridrl.config.schema import ConfigError
 from hybridrl.data.datasets import PromptDataset
-from hybridrl.envs.base import EnvironmentCodeError
+from hybridrl.envs.base import EnvironmentCodeError, load_environment
 from hybridrl.envs.episode import Episode
-from hybridrl.envs.rendering import ChatTemplateError
+from hybridrl.envs.rendering import ChatTemplateError, ObservationRenderer
 from hybridrl.models.loading import HFModel, tiny_config
 from hybridrl.rewards import RewardError
-from hybridrl.rollout.base import Generation
+from hybridrl.parallel.process_group import DistributedSetup
+from hybridrl.rollout.base import Generation, SamplingParams
 from hybridrl.rollout.hf import HFBackend
+from hybridrl.rollout.multiturn import EpisodeBudget
 from hybridrl.training import episodes as episodes_module
-from hybridrl.training.episodes import build_episode_rollout, episodes_to_batch, final_assistant_text
+from hybridrl.training.episodes import EpisodeRollout, build_episode_rollout, episodes_to_batch, final_assistant_text
 from hybridrl.training.logprobs import response_logprobs
 from hybridrl.training.trainer import RLTrainer
 
@@ -75,6 +77,21 @@ class FailsOnRankOne(TwoTurns):
         if os.environ.get("RANK") == "1":
             raise KeyError("no such column")
         super().__init__(row)
+
+
+class StrangeLater(TwoTurns):
+    """The 17th episode made (the third step of a run of 8 episodes per step) answers its first turn with an
+    observation that `STRANGE_TEMPLATE` cannot render token-exactly."""
+
+    def __init__(self, row):
+        CALLS["n"] += 1
+        self.strange = CALLS["n"] == 17
+        super().__init__(row)
+
+    def step(self, text):
+        if self.strange:
+            return StepResult([{"role": "tool", "name": "echo", "content": "strange"}])
+        return super().step(text)
 
 
 class FailsLater(TwoTurns):
@@ -342,6 +359,47 @@ def test_an_environment_that_raises_mid_run_saves_the_finished_steps_and_names_i
     assert [row["step"] for row in resumed] == [1, 2, 3, 4]
 
 
+STRANGE_TEMPLATE = "{%- if messages | selectattr('content', 'equalto', 'strange') | list -%}!{%- endif -%}" + TEMPLATE
+"""`TEMPLATE`, except that a 'strange' message anywhere changes how the conversation begins: not prefix-stable
+for that one observation, which passes the check at start and fails mid-run."""
+
+
+def test_a_chat_template_failure_mid_run_saves_the_finished_steps_and_names_the_sample(tmp_path):
+    actor = chat_actor()
+    actor.tokenizer.chat_template = STRANGE_TEMPLATE
+    with pytest.raises(EnvironmentCodeError) as caught:
+        make_trainer(tmp_path, environment="StrangeLater", actor=actor, trainer__total_steps=4).train()
+    message = str(caught.value)
+    assert re.search(r"the chat template cannot render the observation environment '.*env\.py:StrangeLater' gave in "
+                     r"step 1 for sample 0 \('strange'\): the chat template renders earlier turns differently", message)
+    assert re.search(r"The 2 finished step\(s\) are saved in .*step_0*2", message), message
+
+
+def test_a_chat_template_failure_on_one_rank_reaches_every_rank(tmp_path, monkeypatch):
+    """Rank 0 of two (the gather faked): the template's error goes into the ranks' gather, as an environment error
+    does, instead of leaving this rank before it while the other rank waits there."""
+    (tmp_path / "env.py").write_text(ENVIRONMENT)
+    actor = chat_actor()
+    rollout = EpisodeRollout(load_environment(f"{tmp_path}/env.py:TwoTurns"), "env.py:TwoTurns",
+                             ObservationRenderer(actor.tokenizer), EpisodeBudget(max_episode_tokens=64), pad_token_id=0,
+                             setup=DistributedSetup(rank=0, world_size=2))
+    sent = []
+
+    def all_gather_object(gathered, mine):
+        sent.append(mine)
+        gathered[:] = [mine, ([], None)]
+
+    def not_prefix_stable(*args, **kwargs):
+        raise ChatTemplateError("the chat template renders earlier turns differently once a message is added")
+
+    monkeypatch.setattr(episodes_module.dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(ObservationRenderer, "observation_ids", not_prefix_stable)
+    with pytest.raises(EnvironmentCodeError, match="cannot render the observation .* for sample 0"):
+        rollout.generate_sharded(HFBackend(actor.model, actor.tokenizer), rows(2),
+                                 SamplingParams(max_new_tokens=2), n=1)
+    assert len(sent) == 1 and "renders earlier turns differently" in sent[0][1]
+
+
 def test_without_a_reward_function_the_environment_reward_is_the_reward_and_must_be_given(tmp_path):
     history = make_trainer(tmp_path / "given", trainer__total_steps=1).train()
     assert "reward/env_reward" in history[-1]
@@ -429,7 +487,8 @@ def test_tools_are_called_answered_and_seen_by_the_reward(tmp_path):
     assert history[-1]["rollout/turns_per_episode"] == 2.0 and "rollout/tool_latency_p95_s" in history[-1]
     tool_calls, messages = seen[0]
     assert tool_calls[0] == [{"name": "calc", "arguments": {"a": 12, "b": 3}, "result": "36", "error": False,
-                              "timed_out": False, "malformed": False, "latency_s": tool_calls[0][0]["latency_s"]}]
+                              "timed_out": False, "malformed": False, "latency_s": tool_calls[0][0]["latency_s"],
+                              "where": ""}]
     assert [m["role"] for m in messages[0]] == ["system", "user", "assistant", "tool", "assistant"]
     assert messages[0][0]["content"] == "Use calc." and messages[0][3]["content"] == "36"
     workers = trainer.parts.episodes.factory._workers  # train() stopped them: no tool process outlives the run

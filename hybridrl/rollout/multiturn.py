@@ -31,7 +31,7 @@ from typing import Any
 from hybridrl.envs.base import (EnvironmentCodeError, EnvironmentFactory, EnvironmentSession, StepResult, defined_at,
                                 run_sync)
 from hybridrl.envs.episode import Episode
-from hybridrl.envs.rendering import ObservationRenderer
+from hybridrl.envs.rendering import ChatTemplateError, ObservationRenderer
 from hybridrl.rollout.base import FinishReason, SamplingParams
 
 
@@ -63,6 +63,11 @@ def make_sessions(factory: EnvironmentFactory, rows: Sequence[dict[str, Any]], n
 class PromptOverBudgetError(EnvironmentCodeError):
     """An episode's first messages render to a prompt that leaves no token to sample under `max_episode_tokens`.
     An `EnvironmentCodeError`, so the trainer handles it as one (finished steps saved, every rank told)."""
+
+
+class ObservationTemplateError(EnvironmentCodeError):
+    """The chat template could not render one observation token-exactly (`ChatTemplateError`) mid-run. An
+    `EnvironmentCodeError`, so the trainer handles it as one (finished steps saved, every rank told)."""
 
 
 def _preview(messages: Sequence[dict[str, Any]], width: int = 60) -> str:
@@ -123,7 +128,13 @@ class EpisodeRun:
                                        f"{defined_at(self.session.env.step)} in step {self.session.num_steps} for "
                                        f"sample {self.session.sample}; return the messages to show the model, or "
                                        "done=True.")
-        ids = self.renderer.observation_ids(self.messages, result.observation, self.last_turn_ids)
+        try:
+            ids = self.renderer.observation_ids(self.messages, result.observation, self.last_turn_ids)
+        except ChatTemplateError as error:
+            raise ObservationTemplateError(
+                f"the chat template cannot render the observation environment {self.session.name!r} gave in step "
+                f"{self.session.num_steps} for sample {self.session.sample} ({_preview(result.observation)}): {error}"
+            ) from error
         ids = self._truncated(ids, [*self.messages, *result.observation])
         if self.num_tokens + len(ids) >= self.budget.max_episode_tokens:
             return self._end("max_tokens")  # unshown, so not in `messages` either (as with done and max_turns)

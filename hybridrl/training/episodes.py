@@ -16,13 +16,14 @@ Choices:
 - `truncated` is an episode that a budget ended (`max_tokens`, `max_turns`) rather than its environment.
 - Reward functions score the episode: the completion they get is the final assistant turn's text, and the
   columns `messages` (the whole conversation), `tool_calls` (one dict per call: name, arguments, result, error,
-  timed_out, malformed, latency_s) and `env_reward` (the environment's last reward, or None) are added to the
+  timed_out, malformed, latency_s, where) and `env_reward` (the environment's last reward, or None) are added to the
   data's columns (replacing any of the same name).
 - Groups are episodes: the `n` episodes of one data row are adjacent (prompt-major sessions), so GRPO/RLOO
   groups and `prompt_index` work as for single-turn samples.
 - With several processes each generates the episodes of a contiguous share of the rows (its own environments,
   seeds offset by rank, as `sharding.generate_sharded`) and every rank gets all of them; an environment error on
-  one rank is raised on every rank, so none waits for a rank that failed.
+  one rank (a chat template failing on an observation is one, `ObservationTemplateError`) is raised on every rank,
+  so none waits for a rank that failed.
 """
 
 from __future__ import annotations
