@@ -215,13 +215,7 @@ class RLTrainer:
             reward_metrics = self.score(batch, prompts)
         batch, rollout_timings, reward_metrics = informative_batch(self, timer, batch, rollout_timings, reward_metrics)
         reward_metrics.update(attach_greedy_baseline(self, timer, batch, prompts))  # ReMax only
-        with timer("logprobs"):
-            self.compute_logprobs(batch)
-        with timer("advantages"):
-            self.compute_advantages(batch)
-        with timer("update"):
-            update_metrics = self.update(batch)
-        self.freeze_after_first_step()
+        update_metrics = self.train_on(batch, timer)  # log-probs -> advantages -> update
         return {**rollout_metrics(batch), **reward_metrics, **update_metrics, **perf_metrics(batch, timer, self.device),
                 **rollout_timings.metrics()}
 
@@ -231,16 +225,22 @@ class RLTrainer:
         ones. The phases after the reward are the synchronous step's."""
         with timer("rollout"):  # the wait for the worker's batch
             batch, reward_metrics, pipeline_metrics = self.pipeline.take(self.step_count, self.device)
+        update_metrics = self.train_on(batch, timer)
+        pipeline_metrics.update(self.pipeline.push(self.step_count))
+        return {**rollout_metrics(batch), **reward_metrics, **update_metrics, **perf_metrics(batch, timer, self.device),
+                **pipeline_metrics}
+
+    def train_on(self, batch: RolloutBatch, timer: PhaseTimer) -> dict[str, float]:
+        """The phases after the reward, the same in both steps: old/reference log-probs and values -> advantages ->
+        update, on a scored batch; the update's metrics."""
         with timer("logprobs"):
             self.compute_logprobs(batch)
         with timer("advantages"):
             self.compute_advantages(batch)
         with timer("update"):
             update_metrics = self.update(batch)
-        pipeline_metrics.update(self.pipeline.push(self.step_count))
         self.freeze_after_first_step()
-        return {**rollout_metrics(batch), **reward_metrics, **update_metrics, **perf_metrics(batch, timer, self.device),
-                **pipeline_metrics}
+        return update_metrics
 
     def due(self, every: int) -> bool:
         """Whether something done every `every` steps (0: never) is due after this step; the last step counts."""
