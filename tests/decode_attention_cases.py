@@ -182,8 +182,8 @@ def check_engine_with_kernel(**engine_options) -> None:
 
     torch.set_num_threads(1)
     engine_options.setdefault("fuse_qkv", False)  # without: RoPE in a compiled step piece, the kernel plain
-    runner.attention_path = lambda option, device: AttentionPath("triton-interpret", PrefixSharedKVCache,
-                                                                 triton_decode_attention)
+    runner.attention_path = lambda *options: AttentionPath("triton-interpret", PrefixSharedKVCache,
+                                                           triton_decode_attention)
     model, params = make_model("qwen2"), SamplingParams(max_new_tokens=8, temperature=0, n=2)
     engine = BuiltinBackend(model, attention="triton", max_num_seqs=5, sync_every=2, **engine_options)
     shared = engine.generate(PROMPTS, params)
@@ -199,6 +199,36 @@ def check_engine_with_kernel(**engine_options) -> None:
 def check_engine_with_kernel_rope() -> None:
     """fuse_qkv on Qwen2 (q/k/v biases): RoPE and the biases applied inside the kernel."""
     check_engine_with_kernel(fuse_qkv=True)
+
+
+def check_engine_with_split_kernel() -> None:
+    """The engine with the kernel (interpret mode) splitting responses into 32-key splits, over forced lengths that
+    end inside split 0, at its edge and in split 1: greedy tokens equal to the sdpa engine's, log-probs within 1e-5."""
+    from test_builtin_engine import PROMPTS, make_model
+
+    from hybridrl.rollout.base import SamplingParams
+    from hybridrl.rollout.engine import runner
+    from hybridrl.rollout.engine.backend import BuiltinBackend
+    from hybridrl.rollout.engine.kernel_choices import AttentionPath
+    from hybridrl.rollout.engine.kv_cache import PrefixSharedKVCache
+    from hybridrl.rollout.kernels import decode_launch
+
+    torch.set_num_threads(1)
+    decode_launch.SPLIT_KEYS = 32
+    runner.attention_path = lambda *options: AttentionPath("triton-interpret", PrefixSharedKVCache,
+                                                           triton_decode_attention)
+    model, params = make_model("qwen2"), SamplingParams(max_new_tokens=40, temperature=0, n=2, ignore_eos=True)
+    lengths = [(40, 33, 32, 5)[i % 4] for i in range(len(PROMPTS) * 2)]
+    engine = BuiltinBackend(model, attention="triton", max_num_seqs=5, sync_every=4, release_after_generate=False)
+    shared = engine.generate(PROMPTS, params, lengths)
+    assert engine.last_stats["attention"] == "triton-interpret"
+    assert decode_launch.launch_plan(2, 16, engine.cache.response_kv.shape[-2], paged=False).num_splits > 1
+    per_slot = BuiltinBackend(model, attention="sdpa").generate(PROMPTS, params, lengths)
+    assert [g.token_ids for g in shared] == [g.token_ids for g in per_slot]
+    assert [len(g.token_ids) for g in shared] == lengths
+    for a, b in zip(shared, per_slot):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    print("engine with split kernel passed")
 
 
 def run_in_interpreter(module: str, check: str, timeout: int = 300) -> str:

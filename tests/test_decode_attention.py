@@ -137,6 +137,15 @@ def test_engine_with_triton_kernel_in_interpret_mode_matches_sdpa():
     assert "engine with kernel passed" in run_in_interpreter("check_engine_with_kernel_rope")
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
+@pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (minutes: 40 decode "
+                    "steps of the engine run the split kernel in Triton's interpreter)")
+def test_engine_with_split_kv_kernel_in_interpret_mode_matches_sdpa():
+    assert "engine with split kernel passed" in cases.run_in_interpreter("decode_attention_cases",
+                                                                         "check_engine_with_split_kernel", timeout=1200)
+
+
 def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False, arch: int = 90,
                               block_size: int | None = None, num_splits: int = 1):
     """Compile the kernel ahead of time for sm_<arch> (Triton's own ptxas; no GPU or driver needed); with
@@ -370,3 +379,34 @@ def test_triton_kernel_and_engine_on_cuda():
             logits = model(ids).logits[0, len(prompts[generation.prompt_index]) - 1 : -1].float()
         reference = torch.log_softmax(logits / 0.9, -1).gather(1, ids[0, -len(generation.token_ids):, None])[:, 0]
         torch.testing.assert_close(torch.tensor(generation.logprobs), reference.cpu(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_split_kv_kernel_and_engine_on_cuda(monkeypatch):
+    """Split-KV on the prefix-shared layout, compiled: bf16 (which the interpreter cannot check) against the float32
+    reference, at Qwen2-0.5B's heads with 32-key splits and at Qwen2.5-1.5B's with the default 512-key ones; then the
+    engine (compiled, CUDA graphs) with 32-key splits over forced uneven lengths equals the per-slot SDPA engine."""
+    default_split_keys = decode_launch.SPLIT_KEYS
+    for seed, (shape, split_keys) in enumerate([(cases.SPLIT_CASES[0], 32), ((64, 2, 6, 128, 8, 512, 2000), None)]):
+        monkeypatch.setattr(decode_launch, "SPLIT_KEYS", split_keys or default_split_keys)
+        plan = decode_launch.launch_plan(shape[2], shape[3], shape[6], paged=False)
+        assert plan.num_splits > 1
+        case = make_case(seed, *shape, dtype=torch.bfloat16, device="cuda")
+        tolerance = TOLERANCE[torch.bfloat16]
+        torch.testing.assert_close(triton_decode_attention(**case), reference_decode_attention(**case), **tolerance)
+        check_fused_write(triton_decode_attention, cases.at_split_edges(case, plan.split_len), tolerance)
+        check_rope(triton_decode_attention, case, tolerance, with_bias=True)
+    monkeypatch.setattr(decode_launch, "SPLIT_KEYS", 32)
+    model = make_model("qwen2").cuda()
+    prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(9)]
+    params = SamplingParams(max_new_tokens=100, temperature=0.9, n=3, seed=5, ignore_eos=True)
+    lengths = [(100, 33, 64, 5, 31, 97)[i % 6] for i in range(27)]  # within a split, at its edge, across several
+    per_slot = BuiltinBackend(model, attention="sdpa", max_num_seqs=6, sync_every=3).generate(prompts, params, lengths)
+    engine = BuiltinBackend(model, attention="triton", max_num_seqs=6, sync_every=3, release_after_generate=False)
+    shared = engine.generate(prompts, params, lengths)
+    assert engine.last_stats["attention"] == "triton" and engine.last_stats["graphs_captured"] >= 1
+    assert decode_launch.launch_plan(2, 16, engine.cache.response_kv.shape[-2], paged=False).num_splits > 1
+    assert [len(g.token_ids) for g in shared] == lengths
+    assert_same_samples(shared, per_slot, allowed_boundary_flips=1)  # summation orders differ
