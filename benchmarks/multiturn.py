@@ -10,7 +10,9 @@ the environment is synthetic: each step sleeps `--tool-latency-ms` (asynchronous
 returns a fixed `--observation-len`-token observation, 3 turns per episode (`--turns`). The single-turn run
 samples `turns x turn_len` tokens per sequence from the same prompts with `generate` (n samples per prompt), the
 path a single-turn GRPO step takes. Both are timed after a warm-up call (compilation, CUDA graphs), the best of
-`--repeats`.
+`--repeats`; after the warm-up, as the trainer after its first step, the objects alive are collected and frozen
+(`freeze_warm_up_objects`): otherwise a full garbage collection that walks everything compiling made can land in a
+timed call (~0.5 s on the H200 machine) and the figure depends on where it lands.
 
 Reported: sampled tokens/s of each and their ratio (the goal is >= 0.8; the seconds include each call's
 CUDA-graph capture, `warm-up s`, as in `rollout.py`), the engine's idle time (waiting with
@@ -38,6 +40,7 @@ from hybridrl.envs.base import EnvironmentSession, StepResult
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.backend import BuiltinBackend
 from hybridrl.rollout.multiturn import EpisodeBudget
+from hybridrl.training.trainer import freeze_warm_up_objects
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,6 +142,7 @@ def run_multiturn(engine: BuiltinBackend, prompts: list[list[int]], args, **hook
         return engine.generate_episodes(sessions, renderer, params, budget)
 
     episodes(prompts[:2])  # warm-up: compilation, CUDA graphs
+    freeze_warm_up_objects()  # as the trainer after its first step (see there)
     seconds, result = time_best(lambda: episodes(prompts), args.repeats, **hooks)
     sampled = sum(e.num_sampled_tokens for e in result)
     turns = [e.num_turns for e in result]
@@ -154,6 +158,7 @@ def run_single(engine: BuiltinBackend, prompts: list[list[int]], args, **hooks) 
     params = SamplingParams(max_new_tokens=args.turns * args.turn_len, temperature=1.0, n=args.n, ignore_eos=True,
                             seed=0)
     engine.generate(prompts[:2], params)  # warm-up
+    freeze_warm_up_objects()
     seconds, result = time_best(lambda: engine.generate(prompts, params), args.repeats, **hooks)
     sampled = sum(len(g.token_ids) for g in result)
     stats = dict(engine.last_stats)

@@ -142,3 +142,14 @@ def test_compiled_extend_in_bf16_is_as_close_to_float32_as_the_reference_is():
         assert fast_error <= 1.5 * slow_error + 1e-2, (fast_error, slow_error)
         frames.append(torch._dynamo.utils.counters["frames"]["ok"])
     assert frames[-1] == frames[-2] == frames[-3], frames
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~3 min of C++ compilation)")
+def test_compiled_engine_episodes_equal_the_hf_reference_on_cpu():
+    """The whole engine compiled (decode and extend pieces) on CPU: greedy episodes equal the HF reference loop."""
+    from tests.test_multiturn import assert_same_episodes, both
+
+    engine, episodes, reference = both(make_model("qwen2"), compile=True)
+    assert engine.last_stats["compiled"] and engine.last_stats["observation_prefills"] > 0
+    assert_same_episodes(episodes, reference)

@@ -8,7 +8,8 @@ from another file (an older version, say) in alternation, so both share the proc
 last timed run of each it prints: wall seconds; GPU seconds inside decode blocks, prefills and observation
 prefills (`extend`), and their sum's complement (the GPU waiting for the host: syncs, harvests, tool waits,
 captures); decode steps and blocks, resume waves, and ms per decode step for each (batch, kv_len) bucket; host
-seconds in the loop's harvest, collect and resume and in graph captures. With $OUT set, every decode block and
+seconds in the loop's harvest, collect and resume and in graph captures; full (generation 2) garbage collections and
+their milliseconds; each observation prefill's forward (`llama_forward.extend`), host and GPU ms side by side. With $OUT set, every decode block and
 extend (host start, sizes, GPU ms) goes to $OUT/multiturn_trace.json. Ends with the benchmark's own table for the
 engine loop's (last) run.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import importlib.util
 import inspect
 import json
@@ -27,22 +29,40 @@ import torch
 
 from benchmarks import multiturn as bench
 from hybridrl.rollout.engine import backend as backend_module
+from hybridrl.rollout.engine import runner as runner_module
 from hybridrl.rollout.engine.backend import BuiltinBackend
 
 RUNNER_PHASES = ("prefill", "extend", "decode")
+FORWARD = "extend forward"
+"""`llama_forward.extend` alone, inside the runner's `extend` (whose rest is sampling and bookkeeping): its host
+and GPU milliseconds side by side say whether the observation prefill is bound by the host's launches."""
 LOOP_PHASES = ("_harvest", "_collect", "_resume")
 
 
 class Recorder:
-    """Host seconds and (CUDA) start/end events of each wrapped call, per run."""
+    """Host seconds and (CUDA) start/end events of each wrapped call, and the full garbage collections, per run."""
 
     def __init__(self) -> None:
         self.reset()
+        self.gc_started: float | None = None
+        gc.callbacks.append(self.full_collection)
 
     def reset(self) -> None:
         self.calls: list[dict] = []
         self.host = collections.Counter()
         self.started = time.perf_counter()
+        self.gc_ms, self.gc_count = 0.0, 0
+
+    def full_collection(self, phase: str, info: dict) -> None:
+        """A generation-2 collection stops the host wherever it lands (`gc.callbacks`)."""
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self.gc_started = time.perf_counter()
+        elif self.gc_started is not None:
+            self.gc_ms += 1e3 * (time.perf_counter() - self.gc_started)
+            self.gc_count += 1
+            self.gc_started = None
 
     def timed(self, name: str, fn, describe=lambda *a: {}):
         recorder = self
@@ -64,10 +84,11 @@ class Recorder:
             def wrapped(*args, **kwargs):
                 start, begin = time.perf_counter(), event()
                 result = fn(*args, **kwargs)
-                recorder.host[name] += time.perf_counter() - start
-                if name in RUNNER_PHASES:
+                took = time.perf_counter() - start
+                recorder.host[name] += took
+                if name in (*RUNNER_PHASES, FORWARD):
                     recorder.calls.append(dict(name=name, host_ms=1e3 * (start - recorder.started), begin=begin,
-                                               end=event(), **describe(*args)))
+                                               end=event(), host_call_ms=1e3 * took, **describe(*args)))
                 return result
         return wrapped
 
@@ -83,17 +104,20 @@ class Recorder:
                 bucket = per_bucket[f"{call['batch']}x{call['kv_len']}"]
                 bucket[0] += call["gpu_ms"]
                 bucket[1] += call["steps"]
-        busy = sum(gpu.values())
+        busy = sum(seconds for name, seconds in gpu.items() if name != FORWARD)  # the forward is inside extend
         return dict(wall_s=wall, gpu_s=dict(gpu), gpu_waiting_s=wall - busy,
                     host_s={k: round(v, 4) for k, v in self.host.items()},
                     ms_per_step={k: round(ms / steps, 3) for k, (ms, steps) in per_bucket.items()},
-                    calls=self.calls)
+                    gc_full_ms=round(self.gc_ms, 1), gc_full_collections=self.gc_count,
+                    calls=list(self.calls))  # a copy: the next run's warm-up records into the same list
 
 
 def instrument(engine: BuiltinBackend, recorder: Recorder, loops: list[type]) -> None:
     runner = engine.runner
     runner.decode = recorder.timed("decode", runner.decode, lambda b, k, s: dict(batch=b, kv_len=k, steps=s))
     runner.extend = recorder.timed("extend", runner.extend, lambda r: dict(rows=len(r)))
+    runner_module.extend = recorder.timed(FORWARD, runner_module.extend, lambda w, kv, c, s, ids, *rest: dict(
+        rows=ids.shape[0], length=ids.shape[1], kv_end=rest[-2]))
     runner.prefill = recorder.timed("prefill", runner.prefill, lambda p, a: dict(rows=len(a)))
     runner.graphs.capture = recorder.timed("capture", runner.graphs.capture)
     for loop in loops:
@@ -113,9 +137,12 @@ def summary_line(name: str, run: dict, report: dict) -> str:
     keys = ("decode_steps", "decode_blocks", "resume_waves", "observation_prefills", "prefill_tokens", "idle_s")
     counts = ", ".join(f"{k} {stats.get(k)}" for k in keys if k in stats)
     gpu = ", ".join(f"{k} {v:.3f}" for k, v in report["gpu_s"].items())
+    forwards = [f"{c['rows']}x{c['length']} (kv {c['kv_end']}): host {c['host_call_ms']:.1f} GPU {c['gpu_ms']:.1f}"
+                for c in report["calls"] if c["name"] == FORWARD]
     return (f"{name}: wall {report['wall_s']:.3f} s ({run['tokens_per_s']:,.0f} tok/s); GPU busy: {gpu}; GPU waiting "
             f"{report['gpu_waiting_s']:.3f} s; {counts}\n    host s {report['host_s']}\n    ms/step by batch x "
-            f"kv_len {report['ms_per_step']}")
+            f"kv_len {report['ms_per_step']}\n    full GC: {report['gc_full_collections']} collections, "
+            f"{report['gc_full_ms']} ms; extend forwards, ms: {forwards}")
 
 
 def main() -> None:
