@@ -31,8 +31,9 @@ Choices:
 - The prefix-shared layout (attention="triton") stores one response of `max_new_tokens` per slot after a shared
   prompt, so a sequence cannot grow by observations there: multi-turn is refused with it, and with the paged
   layout, whose prefill of observations onto a sequence's blocks is not written yet.
-- Each resumed turn draws its uniforms from a generator seeded by (seed, episode, turn), so a seeded run gives the
-  same episodes whatever order the environments answer in.
+- Each resumed turn draws its uniforms from a CPU generator seeded by (seed, episode, turn), so a seeded run gives
+  the same episodes whatever order the environments answer in (on a GPU not the draws a CUDA generator would make:
+  hundreds of CUDA generators per wave cost a launch each, on the host, while the device waits).
 - The observations that are back at one point are prefilled together (padded, chunked by `max_prefill_tokens`).
 """
 
@@ -74,7 +75,6 @@ class EpisodeLoop:
         self.prompts = [list(p) for p in distinct]
         self.budget = budget
         self.seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-        self.device = device
         self.resume_waves = self.decode_blocks = 0
         self.step_seconds = 0.0  # wall time per decode step of the latest full block
 
@@ -138,7 +138,7 @@ class EpisodeLoop:
             episode_index = scheduler.paused[slot].index
             run = self.runs[episode_index]
             start = run.num_tokens - len(ids) - 1  # the last sampled token's position: its KV is not written yet
-            generator = torch.Generator(device=self.device)
+            generator = torch.Generator()  # on the host: see `ModelRunner.extend`
             generator.manual_seed(self.seed * _SEED_STRIDE + episode_index * 1009 + run.episode.num_turns)
             resumes.append((slot, [run.last_turn_ids[-1], *ids], start, generator))
         if resumes:

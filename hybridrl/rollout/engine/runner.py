@@ -344,7 +344,7 @@ class ModelRunner:
         """Multi-turn resumes, each (slot, ids, start, generator): feed `ids` at positions start.. onto the slot's
         own KV (per-slot layout), which holds every earlier position, and draw the first token of the slot's next
         turn from the last logits. Padded batches of at most `max_prefill_tokens`; each turn's uniforms come from
-        its own `generator` (one per episode and turn, so results do not depend on the order in which
+        its own `generator` (a CPU one, one per episode and turn, so results do not depend on the order in which
         environments answer or on which resumes share a batch)."""
         lengths = [len(ids) for _, ids, _, _ in resumes]
         for chunk in prefill_chunks(lengths, list(range(len(resumes))), self.options.max_prefill_tokens):
@@ -356,9 +356,7 @@ class ModelRunner:
         run, state = self.run, self.run.state
         device = state.done.device
         width = max(len(ids) for _, ids, _, _ in resumes)
-        input_ids = torch.zeros(len(resumes), width, dtype=torch.long)
-        for row, (_, ids, _, _) in enumerate(resumes):
-            input_ids[row, :len(ids)] = torch.tensor(ids)
+        input_ids = torch.tensor([ids + [0] * (width - len(ids)) for _, ids, _, _ in resumes], dtype=torch.long)
         index_lists = [[slot for slot, _, _, _ in resumes], [len(ids) for _, ids, _, _ in resumes],
                        [start for _, _, start, _ in resumes]]
         on_device = host_to_device(torch.tensor(index_lists, dtype=torch.long), device)
@@ -368,8 +366,10 @@ class ModelRunner:
         kv_end = self.kv_len(max(start + len(ids) for _, ids, start, _ in resumes))
         logits = extend(run.weights, run.cache.kv, run.cos, run.sin, host_to_device(input_ids, device), lengths,
                         starts, slots, kv_end, run.functions)
-        uniforms = torch.stack([torch.rand(state.max_new_tokens, generator=generator, device=device)
-                                for _, _, _, generator in resumes])
+        # Drawn on the host while the device runs the forward: the generators are CPU ones (a wave has hundreds,
+        # and a CUDA generator costs a launch per draw); one copy takes them over.
+        uniforms = host_to_device(torch.stack([torch.rand(state.max_new_tokens, generator=generator)
+                                               for _, _, _, generator in resumes]), device)
         tokens, logprobs = sample(logits, run.settings, uniforms[:, 0])
         state.uniform_table[slots] = uniforms
         state.last_token[slots] = tokens
