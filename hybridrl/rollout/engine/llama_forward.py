@@ -21,6 +21,10 @@ become a few fused kernels. The KV write and attention stay outside the compiled
 into a graph input are where compilers are least predictable): SDPA after an `index_put`, or the Triton
 prefix-shared kernel, which stores the new K/V itself. The caller's CUDA graph takes the whole step,
 compiled kernels included.
+
+`extend` (a multi-turn resume: new tokens onto a slot's per-slot cache) is split the same way, into two compiled
+pieces per layer around its KV write and read, with rows, length and key length dynamic; it runs uncaptured, since
+every resume wave brings new shapes. `extend_reference` is its slow, obviously right form.
 """
 
 from __future__ import annotations
