@@ -16,8 +16,9 @@ Batches (response keys per slot):
 - `tail-16`, `tail-4`: the last few long sequences of a rollout (4,096-8,192 keys), where one program per (slot,
   head) leaves most SMs idle.
 
-The floor is the bytes a layer must read once (each prompt entry's KV, each slot's response KV) at
-`--bandwidth-tbs`.
+Besides one program and the default (16 splits at cap 8,192), 4 and 8 splits are timed, so a rule that picks fewer
+splits for full batches can be judged. The floor is the bytes a layer must read once (each prompt entry's KV, each
+slot's response KV) at `--bandwidth-tbs`.
 
     python -m benchmarks.kernels.split_kv [--cap 8192] [--layers 4] [--bandwidth-tbs 4.2]
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -120,30 +120,38 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels/split_kv.py needs a CUDA GPU (it times Triton kernels).")
-    plan = decode_launch.launch_plan(GROUP, HEAD_DIM, args.cap, paged=False)
-    print(f"{torch.cuda.get_device_name()}: capacity {args.cap}, default plan {plan.num_splits} splits of "
-          f"{plan.split_len} keys", flush=True)
-    print(f"{'batch':>10} {'slots':>6} {'mean keys':>10} {'floor us':>9} {'1 program us':>13} {'split us':>9} "
-          f"{'speed-up':>9} {'% floor':>8}", flush=True)
+    default_keys = decode_launch.SPLIT_KEYS
+    keys_per_split = sorted({args.cap, args.cap // 4, args.cap // 8, default_keys}, reverse=True)
+    num_splits = {}
+    for keys in keys_per_split:
+        with split_keys(keys):
+            num_splits[keys] = decode_launch.launch_plan(GROUP, HEAD_DIM, args.cap, paged=False).num_splits
+    print(f"{torch.cuda.get_device_name()}: capacity {args.cap}; the default plan ({default_keys}-key splits) runs "
+          f"{num_splits[default_keys]} splits", flush=True)
+    columns = "".join(f"{f'{num_splits[keys]} split(s) us':>15}" for keys in keys_per_split)
+    print(f"{'batch':>10} {'slots':>6} {'mean keys':>10} {'floor us':>9}{columns} {'default vs 1':>13} "
+          f"{'default % floor':>16}", flush=True)
     rows = []
     for name, lengths in batches(args.cap).items():
         cases = [layer_case(layer, lengths, args.cap) for layer in range(args.layers)]
         micros = {}
-        for variant, keys in (("one_program", args.cap), ("split", decode_launch.SPLIT_KEYS)):
+        for keys in keys_per_split:
             with split_keys(keys):
                 check(*cases[0])
-                micros[variant] = time_layers(cases)
+                micros[num_splits[keys]] = time_layers(cases)
         floor = floor_us(lengths, args.bandwidth_tbs)
-        rows.append(dict(batch=name, slots=len(lengths), mean_keys=float(np.mean(lengths)), floor_us=floor, **micros))
-        print(f"{name:>10} {len(lengths):>6} {np.mean(lengths):>10.0f} {floor:>9.1f} {micros['one_program']:>13.1f} "
-              f"{micros['split']:>9.1f} {micros['one_program'] / micros['split']:>8.2f}x "
-              f"{100 * floor / micros['split']:>7.0f}%", flush=True)
+        default_us = micros[num_splits[default_keys]]
+        rows.append(dict(batch=name, slots=len(lengths), mean_keys=float(np.mean(lengths)), floor_us=floor,
+                         us_by_splits=micros))
+        timings = "".join(f"{micros[num_splits[keys]]:>15.1f}" for keys in keys_per_split)
+        print(f"{name:>10} {len(lengths):>6} {np.mean(lengths):>10.0f} {floor:>9.1f}{timings} "
+              f"{micros[1] / default_us:>12.2f}x {100 * floor / default_us:>15.0f}%", flush=True)
         del cases
         torch.cuda.empty_cache()
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "split_kv.json"), "w") as handle:
-            json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), plan=dataclasses.asdict(plan), rows=rows), handle,
-                      indent=2)
+            json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), default_split_keys=default_keys,
+                           rows=rows), handle, indent=2)
 
 
 if __name__ == "__main__":
