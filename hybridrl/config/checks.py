@@ -144,9 +144,10 @@ def validate(config: Config) -> None:
     _require(t.max_staleness == 0 or t.num_gpus == 1,
              "trainer.max_staleness > 0 runs its rollout worker beside one training process for now; set "
              "trainer.num_gpus=1 or trainer.max_staleness=0.")
-    _require(t.max_staleness == 0 or not a.dynamic_sampling,
-             "algorithm.dynamic_sampling re-samples within a step, which the asynchronous rollout worker does not do; "
-             "set algorithm.dynamic_sampling=false or trainer.max_staleness=0.")
+    _require(t.max_staleness == 0 or t.rollout_worker == "thread" or not a.dynamic_sampling,
+             "algorithm.dynamic_sampling re-samples within a step by the step's scores, which the rollout process "
+             "(trainer.rollout_worker=process) does not do; set trainer.rollout_worker=thread, "
+             "algorithm.dynamic_sampling=false or trainer.max_staleness=0.")
     validate_rollout_device(config)
     _require(mini % t.num_gpus == 0,
              f"trainer.num_gpus={t.num_gpus} must divide actor.mini_batch_size={mini} (each process takes an equal "

@@ -51,7 +51,7 @@ import copy
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -61,6 +61,7 @@ from hybridrl.parallel.process_group import DistributedSetup
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_responses
 from hybridrl.training.components import build_rollout
+from hybridrl.training.dynamic_sampling import keep_informative
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ POLL_S = 0.5
 """How often a waiting thread looks whether the other side has stopped."""
 STOP_WAIT_S = 2.0
 """How long `close` waits for a stopping worker (its `generate` in flight, then its thread or process)."""
-GENERATE_LOCK = threading.Lock()
+GENERATE_LOCK = threading.RLock()
 """Held by each `generate` call of a pipeline's backends: torch's default generator is one per process."""
 
 
@@ -100,6 +101,8 @@ class Trajectories:
     """The data sampler's position after these prompts were drawn."""
     generate_s: float = 0.0
     reward_s: float = 0.0
+    rollout_metrics: dict[str, float] = field(default_factory=dict)
+    """Multi-turn episodes' `rollout/*` metrics (turns, tool calls, ...) and dynamic sampling's counts."""
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON (floats round-trip exactly through Python's float repr)."""
@@ -115,6 +118,7 @@ class Trajectories:
                 batch[f.name] = value
         return {"step": self.step, "versions": self.versions.tolist(), "indices": self.indices, "batch": batch,
                 "reward_metrics": {key: float(value) for key, value in self.reward_metrics.items()},
+                "rollout_metrics": {key: float(value) for key, value in self.rollout_metrics.items()},
                 "sampler_state": self.sampler_state}
 
     @classmethod
@@ -123,6 +127,8 @@ class Trajectories:
         for name, value in record["batch"].items():
             if name == "sampling":
                 values[name] = SamplingParams(**value)
+            elif name == "columns":  # episodes' trajectory columns: plain JSON already
+                values[name] = value
             elif isinstance(value, dict):
                 dtype = getattr(torch, value["dtype"])
                 values[name] = torch.tensor(value["values"], dtype=dtype).reshape(value["shape"])
@@ -130,28 +136,32 @@ class Trajectories:
                 values[name] = value
         return cls(step=record["step"], versions=torch.tensor(record["versions"]), indices=record["indices"],
                    batch=RolloutBatch(**values), reward_metrics=record["reward_metrics"],
-                   sampler_state=record["sampler_state"])
+                   sampler_state=record["sampler_state"], rollout_metrics=record.get("rollout_metrics", {}))
 
 
 class WorkerStopped(Exception):
     """Raised by a stopped worker's `generate` call instead of generating: the run it belonged to has ended."""
 
 
-def take_turns(backend: Any, lock: threading.Lock, stopped: threading.Event | None = None) -> Any:
-    """`backend`, its `generate` calls now taking turns with other holders of `lock` (see the module's Determinism
-    note); set on the instance, so its type and everything else stay as they were. Once `stopped` is set, a call
-    raises `WorkerStopped`: it is checked under the lock, so a stopper that sets it under the lock knows that no
-    call runs or will start."""
-    generate = backend.generate
+def take_turns(backend: Any, lock: threading.RLock, stopped: threading.Event | None = None) -> Any:
+    """`backend`, its `generate` and `generate_episodes` calls now taking turns with other holders of `lock` (see the
+    module's Determinism note; reentrant, as episodes call `generate`); set on the instance, so its type and
+    everything else stay as they were. Once `stopped` is set, a call raises `WorkerStopped`: it is checked under the
+    lock, so a stopper that sets it under the lock knows that no call runs or will start."""
+    for name in ("generate", "generate_episodes"):
+        if callable(getattr(backend, name, None)):
+            setattr(backend, name, in_turn(getattr(backend, name), lock, stopped))
+    return backend
 
-    def generate_in_turn(*args: Any, **kwargs: Any) -> Any:
+
+def in_turn(method: Any, lock: threading.RLock, stopped: threading.Event | None) -> Any:
+    def call_in_turn(*args: Any, **kwargs: Any) -> Any:
         with lock:
             if stopped is not None and stopped.is_set():
                 raise WorkerStopped("the rollout worker was stopped")
-            return generate(*args, **kwargs)
+            return method(*args, **kwargs)
 
-    backend.generate = generate_in_turn
-    return backend
+    return call_in_turn
 
 
 class WeightMailbox:
@@ -332,13 +342,42 @@ class RolloutWorker(threading.Thread, BatchQueue):
 
     @torch.no_grad()
     def produce(self, step: int) -> Trajectories:
+        """The batch of `step`: a round of prompts rolled out and scored, and with `algorithm.dynamic_sampling`
+        further rounds until it has enough informative groups, as the trainer's own step does."""
+        trainer, rounds, config = self.trainer, [], self.trainer.config
+
+        def next_round(round_index: int) -> RolloutBatch:
+            rounds.append(self.roll_out_and_score(step, round_index))
+            return rounds[-1].batch
+
+        batch, counts = next_round(0), {}
+        if config.algorithm.dynamic_sampling:
+            batch, counts = keep_informative(batch, next_round, config.trainer.prompts_per_step,
+                                             config.algorithm.dynamic_sampling_max_rounds, trainer.parts.pad_token_id)
+        first = rounds[0]  # `reward/*` and the episodes' metrics: the first round's, as in the trainer's step
+        return Trajectories(step=step, versions=torch.full((len(batch),), self.version),
+                            indices=[index for item in rounds for index in item.indices], batch=batch,
+                            reward_metrics=first.reward_metrics, sampler_state=rounds[-1].sampler_state,
+                            generate_s=sum(item.generate_s for item in rounds),
+                            reward_s=sum(item.reward_s for item in rounds),
+                            rollout_metrics={**first.rollout_metrics, **counts})
+
+    def roll_out_and_score(self, step: int, generation_round: int) -> Trajectories:
+        """Fresh prompts from the data, their responses (or multi-turn episodes) and scores."""
         trainer = self.trainer
         indices = next(trainer.sampler)
         sampler_state = trainer.sampler.state_dict()
+        prompts = trainer.parts.dataset.batch(indices)
+        params = trainer.sampling_params(step=step, generation_round=generation_round)
         start = time.perf_counter()
-        batch = generate_batch(self.backend, trainer.parts, trainer.parts.dataset.batch(indices)["prompt_ids"],
-                               trainer.sampling_params(step=step))
-        return score_batch(trainer, step, self.version, indices, sampler_state, batch, time.perf_counter() - start)
+        if trainer.parts.episodes is not None:  # multi-turn: the batch is the episodes' ids (`episodes.py`)
+            batch, episode_metrics = trainer.parts.episodes.generate(self.backend, prompts, params)
+            self.backend.release_memory()
+        else:
+            batch, episode_metrics = generate_batch(self.backend, trainer.parts, prompts["prompt_ids"], params), {}
+        item = score_batch(trainer, step, self.version, indices, sampler_state, batch, time.perf_counter() - start)
+        item.rollout_metrics = episode_metrics
+        return item
 
 
 class AsyncPipeline:
@@ -386,8 +425,8 @@ class AsyncPipeline:
             raise RuntimeError(f"the batch of step {step} is {lag} versions old, above trainer.max_staleness="
                                f"{self.max_staleness}; the rollout worker ran ahead of its bound")
         self.last_sampler_state = item.sampler_state
-        metrics = {**staleness_metrics(item.versions, step - 1), "timing/worker_generate_s": item.generate_s,
-                   "timing/worker_reward_s": item.reward_s}
+        metrics = {**item.rollout_metrics, **staleness_metrics(item.versions, step - 1),
+                   "timing/worker_generate_s": item.generate_s, "timing/worker_reward_s": item.reward_s}
         if hasattr(self.worker, "broadcast_s"):  # the process worker: the push's broadcast, done in a thread
             metrics["perf/weight_broadcast_s"] = self.worker.broadcast_s
         return item.batch.to(device), item.reward_metrics, metrics

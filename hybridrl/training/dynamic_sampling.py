@@ -3,8 +3,9 @@ all score alike, and generate more prompts until the step has enough of them.
 
 A group whose scores are all equal has group-relative advantages of 0: it teaches nothing yet dilutes a
 token-mean loss. `fill_informative_groups` is the bookkeeping (no models): given a function that rolls out and
-scores a fresh batch of prompts, it returns the groups to train on and what was discarded; `informative_batch`
-is what the trainer calls after scoring, with its own rollout and scoring as that function. The number
+scores a fresh batch of prompts, it returns the groups to train on and what was discarded; `keep_informative`
+turns that into the step's batch for whoever rolls out: `informative_batch` is what the trainer calls after
+scoring, with its own rollout and scoring, and the asynchronous rollout worker calls it with its own. The number
 of generation rounds is bounded, so a task the policy always solves (or never does) cannot loop forever; the
 step then trains on the informative groups it found.
 """
@@ -112,53 +113,67 @@ def _widened(name: str, tensor: torch.Tensor, batch: RolloutBatch, prompt_width:
     return torch.nn.functional.pad(tensor, (left, right), value=fill)
 
 
-def informative_batch(trainer: Any, timer: Any, batch: RolloutBatch, timings: Any,
-                      reward_metrics: dict[str, float]) -> tuple[RolloutBatch, Any, dict[str, float]]:
-    """`algorithm.dynamic_sampling`: the step's scored batch reduced to its informative groups, refilled from
-    fresh prompts (rolled out and scored by the trainer, timed in its rollout and reward phases) up to
-    `trainer.prompts_per_step` groups or `algorithm.dynamic_sampling_max_rounds` rounds. Returns the batch, the
-    rollout timings summed over rounds, and the first round's reward metrics (the policy's reward, unfiltered)
-    with `rollout/dynamic_sampling_*` counts. Off: everything as given.
+def keep_informative(batch: RolloutBatch, next_round: Callable[[int], RolloutBatch], target: int, max_rounds: int,
+                     pad_token_id: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """The scored `batch` reduced to its informative groups, refilled from `next_round(round_index)` (fresh prompts
+    rolled out and scored) up to `target` groups or `max_rounds` rounds; with the `rollout/dynamic_sampling_*`
+    counts. Who rolls out is the caller's: the trainer (`informative_batch`) or the asynchronous rollout worker.
 
     When no round yields an informative group, the first round's batch is trained on as it is (its advantages
     are all 0, so the policy term does nothing), and `rollout/dynamic_sampling_kept_groups` says 0."""
-    config = trainer.config
-    if not config.algorithm.dynamic_sampling:
-        return batch, timings, reward_metrics
     group_size = batch.sampling.n
-    rounds = [(batch, timings)]
+    rounds = [batch]
 
     def generate(round_index: int) -> list[tuple[tuple[RolloutBatch, torch.Tensor], list[float]]]:
         if round_index > 0:
-            prompts = trainer.parts.dataset.batch(next(trainer.sampler))
-            trainer.generation_round = round_index  # a fresh sampling seed for this round
-            try:
-                with timer("rollout"):
-                    rounds.append(trainer.rollout(prompts))
-            finally:
-                trainer.generation_round = 0
-            with timer("reward"):
-                trainer.score(rounds[-1][0], prompts)
-        scored = rounds[round_index][0]
+            rounds.append(next_round(round_index))
+        scored = rounds[round_index]
         rows = torch.arange(len(scored)).reshape(-1, group_size)
         scores = scored.scores.reshape(-1, group_size).tolist()
         return [((scored, group_rows), group_scores) for group_rows, group_scores in zip(rows, scores)]
 
-    result = fill_informative_groups(generate, config.trainer.prompts_per_step,
-                                     config.algorithm.dynamic_sampling_max_rounds)
-    metrics = {**reward_metrics, "rollout/dynamic_sampling_discarded_groups": result.num_discarded,
-               "rollout/dynamic_sampling_kept_groups": len(result.kept),
-               "rollout/dynamic_sampling_rounds": result.num_rounds,
-               "rollout/dynamic_sampling_filled": float(result.filled)}
-    all_timings = [round_timings for _, round_timings in rounds]
+    result = fill_informative_groups(generate, target, max_rounds)
+    counts = {"rollout/dynamic_sampling_discarded_groups": result.num_discarded,
+              "rollout/dynamic_sampling_kept_groups": len(result.kept),
+              "rollout/dynamic_sampling_rounds": result.num_rounds,
+              "rollout/dynamic_sampling_filled": float(result.filled)}
+    if not result.kept:
+        return batch, counts
+    pieces = [source.select(torch.cat([rows for s, rows in result.kept if s is source]))
+              for source in rounds if any(s is source for s, _ in result.kept)]
+    return concatenate_batches(pieces, pad_token_id), counts
+
+
+def informative_batch(trainer: Any, timer: Any, batch: RolloutBatch, timings: Any,
+                      reward_metrics: dict[str, float]) -> tuple[RolloutBatch, Any, dict[str, float]]:
+    """`algorithm.dynamic_sampling` in the trainer's step (`keep_informative`, the extra rounds rolled out and
+    scored by the trainer, timed in its rollout and reward phases). Returns the batch, the rollout timings summed
+    over rounds, and the first round's reward metrics (the policy's reward, unfiltered) with the
+    `rollout/dynamic_sampling_*` counts. Off: everything as given."""
+    config = trainer.config
+    if not config.algorithm.dynamic_sampling:
+        return batch, timings, reward_metrics
+    all_timings = [timings]
+
+    def next_round(round_index: int) -> RolloutBatch:
+        prompts = trainer.parts.dataset.batch(next(trainer.sampler))
+        trainer.generation_round = round_index  # a fresh sampling seed for this round
+        try:
+            with timer("rollout"):
+                scored, round_timings = trainer.rollout(prompts)
+        finally:
+            trainer.generation_round = 0
+        all_timings.append(round_timings)
+        with timer("reward"):
+            trainer.score(scored, prompts)
+        return scored
+
+    batch, counts = keep_informative(batch, next_round, config.trainer.prompts_per_step,
+                                     config.algorithm.dynamic_sampling_max_rounds, trainer.parts.pad_token_id)
     timings = type(timings)(weight_sync_s=sum(t.weight_sync_s for t in all_timings),
                             engine_phases=_summed([t.engine_phases for t in all_timings]),
                             episodes=timings.episodes)  # multi-turn metrics: the first round's, like `reward/*`
-    if not result.kept:
-        return batch, timings, metrics
-    pieces = [source.select(torch.cat([rows for s, rows in result.kept if s is source]))
-              for source, _ in rounds if any(s is source for s, _ in result.kept)]
-    return concatenate_batches(pieces, trainer.parts.pad_token_id), timings, metrics
+    return batch, timings, {**reward_metrics, **counts}
 
 
 def _summed(dicts: list[dict[str, float]]) -> dict[str, float]:

@@ -336,10 +336,12 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------
     # Phases
 
-    def sampling_params(self, evaluation: bool = False, step: int | None = None) -> SamplingParams:
+    def sampling_params(self, evaluation: bool = False, step: int | None = None,
+                        generation_round: int | None = None) -> SamplingParams:
         """How this step's rollout samples: the only place the sampling settings are read from the config (the
         batch carries them on to the log-prob passes and the update). `step`: the step whose batch it samples
-        (default: this one; the asynchronous rollout worker samples ahead)."""
+        (default: this one; the asynchronous rollout worker samples ahead); `generation_round`: the step's round
+        of dynamic sampling (default: the trainer's own)."""
         r = self.config.rollout
         return SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.eval_temperature if evaluation else r.temperature,
@@ -347,7 +349,7 @@ class RLTrainer:
             n=self.config.eval.num_samples if evaluation else r.num_samples_per_prompt,
             stop_strings=list(r.stop_strings), ignore_eos=r.ignore_eos and not evaluation,
             seed=self.config.trainer.seed * 100_003 + (self.step_count if step is None else step)
-            + 1_000_003 * self.generation_round)
+            + 1_000_003 * (self.generation_round if generation_round is None else generation_round))
 
     @torch.no_grad()
     def rollout(self, prompts: dict[str, Any], evaluation: bool = False) -> tuple[RolloutBatch, RolloutTimings]:
