@@ -11,7 +11,7 @@ import torch
 from hybridrl.rollout.engine import llama_forward
 from hybridrl.rollout.engine.llama_forward import EAGER_DECODE, extend, extend_reference, prefill, rope_table
 from hybridrl.rollout.engine.weights import resolve_weights
-from tests.test_multiturn import make_model
+from test_multiturn import assert_same_episodes, both, make_model
 
 MAX_LEN = 64
 
@@ -148,8 +148,6 @@ def test_compiled_extend_in_bf16_is_as_close_to_float32_as_the_reference_is():
 @pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~3 min of C++ compilation)")
 def test_compiled_engine_episodes_equal_the_hf_reference_on_cpu():
     """The whole engine compiled (decode and extend pieces) on CPU: greedy episodes equal the HF reference loop."""
-    from tests.test_multiturn import assert_same_episodes, both
-
     engine, episodes, reference = both(make_model("qwen2"), compile=True)
     assert engine.last_stats["compiled"] and engine.last_stats["observation_prefills"] > 0
     assert_same_episodes(episodes, reference)

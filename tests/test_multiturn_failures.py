@@ -13,7 +13,7 @@ from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.backend import BuiltinBackend
 from hybridrl.rollout.multiturn import EpisodeBudget, make_sessions
-from tests.test_multiturn import TOKENIZER, Endless, assert_same_episodes, both, make_model
+from test_multiturn import TOKENIZER, Endless, assert_same_episodes, both, make_model
 
 
 class FailsBesideSlowSteps:
