@@ -420,7 +420,8 @@ def test_multi_turn_config_mistakes_are_one_sentence_naming_the_key(tmp_path):
     assert "rollout.backend=vllm cannot" in error(env__tools=["python"], rollout__backend="vllm")
     assert "env.tools[1]='calc'" in error(env__tools=["python", "calc"])
     assert "env.max_turns" in error(env__environment="env.py:Guess", env__max_turns=0)
-    assert "trainer.max_staleness=0" in error(env__tools=["python"], trainer__max_staleness=1)
+    assert "trainer.rollout_worker=thread" in error(env__tools=["python"], trainer__max_staleness=1,
+                                                    trainer__rollout_worker="process")
     assert "rollout.engine.attention=triton" in error(env__tools=["python"], rollout__engine__attention="triton")
     assert "rollout.engine.kv_cache=paged cannot" in error(env__tools=["python"], rollout__engine__kv_cache="paged",
                                                            rollout__engine__attention="auto")
