@@ -40,8 +40,13 @@ With k = 0 the trainer's own synchronous loop runs and this module is not used. 
   that generator in the middle of a later run's `generate` in the same process (a resumed run, a test), which
   then sampled other tokens.
 
+- **Rounds and episodes.** The thread worker builds the batch the trainer's own step would: with
+  `algorithm.dynamic_sampling` it runs the refill rounds (`dynamic_sampling.keep_informative`, each round's seed as
+  the trainer's), and with `env:` it generates multi-turn episodes through the run's `EpisodeRollout`.
+
 Where the worker runs: here, a thread (`RolloutWorker`); `rollout_process.py` puts the same schedule in a process of
-its own. Not built: partial rollouts (sequences that continue under new weights).
+its own (single-turn, one round). Not built: partial rollouts (sequences that continue under new weights), which
+this schedule does not need: weights change only between batches.
 """
 
 from __future__ import annotations
