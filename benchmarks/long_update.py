@@ -105,6 +105,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, variants: dict, default: 
     parser.add_argument("--peak-tflops", type=float, default=H200_DENSE_BF16_TFLOPS)
     parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
     parser.add_argument("--timeout", type=int, default=timeout, help="seconds per variant")
+    parser.add_argument("--budget", type=int, default=0,
+                        help="seconds for all variants (0: no limit): a variant gets at most what is left, and none "
+                             "starts with less than a minute left, so no variant's process outlives the call")
     parser.add_argument("--tiny", "--quick", dest="tiny", action="store_true", help=tiny_help)
     parser.add_argument("--child", help=argparse.SUPPRESS)
 
@@ -231,9 +234,13 @@ def run_variants(args: argparse.Namespace, module: str, child_options: tuple[str
         return
     arguments = tuple(str(part) for option in child_options
                       for part in ("--" + option.replace("_", "-"), getattr(args, option)))
-    results = []
+    results, deadline = [], time.monotonic() + (args.budget or float("inf"))
     for name in args.variants.split(","):
-        results.append(child(name, args.timeout, args.tiny, module=module, arguments=arguments))
+        left = deadline - time.monotonic()
+        if left < 60:
+            results.append(dict(mode=name, error=f"not started: {left:.0f} s of --budget {args.budget} left"))
+            continue
+        results.append(child(name, int(min(args.timeout, left)), args.tiny, module=module, arguments=arguments))
         if os.environ.get("OUT"):  # after every variant, so a run cut short keeps what finished
             Path(os.environ["OUT"], module.rsplit(".", 1)[-1] + ".json").write_text(json.dumps(
                 dict(date=time.strftime("%Y-%m-%d"), args=vars(args), variants=results), indent=1))

@@ -90,3 +90,18 @@ def test_the_scripts_refuse_an_unknown_variant(capsys):
         with pytest.raises(SystemExit):
             script.parse_args(["--variants", "ckpt,fast"])
         assert "unknown variant 'fast'" in capsys.readouterr().err
+
+
+def test_budget_bounds_each_variant_by_what_is_left_and_starts_none_short_of_a_minute(monkeypatch, capsys):
+    """`--budget 200`: the first variant may use 150 s (its --timeout), the second only the 80 s left after the first
+    took 120 s, and a third with 20 s left is not started (its process would outlive the device call)."""
+    clock = iter([0.0, 0.0, 120.0, 180.0])  # the deadline, then before each variant
+    monkeypatch.setattr(long_update.time, "monotonic", lambda: next(clock))
+    calls = []
+    monkeypatch.setattr(long_update, "child", lambda name, timeout, *rest, **options: calls.append((name, timeout))
+                        or {"mode": name, "error": "stopped here"})
+    args = long_update.parse_args(["--variants", "ckpt,ckpt-compile,nockpt-compile", "--budget", "200"])
+    results = []
+    long_update.run_variants(args, "benchmarks.long_update", (), None, lambda found, _: results.extend(found))
+    assert calls == [("ckpt", 150), ("ckpt-compile", 80)]
+    assert results[2] == {"mode": "nockpt-compile", "error": "not started: 20 s of --budget 200 left"}
