@@ -8,7 +8,8 @@ mean step time (first step left out: it compiles), the judge's share of it and t
 Modes, one after another in this process, each with a fresh actor (same seed): `no-judge` (the cheap
 `even_fraction` reward), `judge-yes_no` (one judge forward per sample), `judge-number` (the judge writes up to
 --judge-tokens greedy tokens through the built-in engine; a random judge writes no number, so every text is a
-parse failure and scores the failure score: the cost is that of a judge that writes its whole budget).
+parse failure and scores the failure score: the cost is that of a judge that writes its whole budget),
+`judge-yes_no-offload` (the judge's weights in host memory between reward calls, `reward.judge_offload`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from hybridrl.judge import JudgeReward
 from hybridrl.models.loading import HFModel
 from hybridrl.training.trainer import RLTrainer
 
-MODES = ("no-judge", "judge-yes_no", "judge-number")
+MODES = ("no-judge", "judge-yes_no", "judge-number", "judge-yes_no-offload")
 
 
 def random_model(shape: str, device: str, seed: int) -> torch.nn.Module:
@@ -56,7 +57,8 @@ def run_mode(mode: str, args: argparse.Namespace, device: str) -> dict:
     reward = even_fraction
     if mode != "no-judge":  # the judge's words are the tokenizer's `t<i>`; "t3"/"t4" stand for yes/no
         reward = JudgeReward(random_model(shape, device, seed=1), tokenizer, "{prompt} t5 {response} t6",
-                             parse=mode.split("-")[1], max_new_tokens=args.judge_tokens, answer_words=("t3", "t4"))
+                             parse=mode.split("-")[1], max_new_tokens=args.judge_tokens, answer_words=("t3", "t4"),
+                             offload=mode.endswith("-offload"))
     trainer = RLTrainer(
         actor=HFModel(random_model(shape, device, seed=0), tokenizer), reward_fn=reward, dataset=dataset,
         model__gradient_checkpointing=True, rollout__backend="builtin", rollout__max_new_tokens=args.response_len,

@@ -13,13 +13,15 @@ Choices:
   `training/components.py` builds it from `reward.judge_*` and hands the `RewardComposer` a plain callable.
 - Generation is greedy through the built-in engine where it supports the judge (`BuiltinBackend.supports`), else
   the Hugging Face backend; the judge lives on the reward device (the actor's unless `trainer.device_mesh` places
-  `reward` elsewhere), so by default it is colocated with the actor.
+  `reward` elsewhere), so by default it is colocated with the actor; `offload` (`reward.judge_offload`) keeps its
+  weights in host memory between calls (`models/host_offload.py`).
 - A text the parser cannot read scores `failure_score` and is counted: each call leaves `last_metrics`
   (`reward/judge_parse_failures`, the count in that call, and `timing/judge_s`), which the trainer logs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import re
@@ -31,6 +33,7 @@ import torch
 
 from hybridrl.config.checks import judge_template_problem
 from hybridrl.config.schema import RewardConfig
+from hybridrl.models.host_offload import HostOffload
 from hybridrl.models.loading import load_hf_model
 from hybridrl.rewards import extract_number
 from hybridrl.rollout.base import SamplingParams
@@ -77,7 +80,8 @@ class JudgeReward:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, template: str = DEFAULT_TEMPLATE, *,
                  parse: str = "yes_no", failure_score: float = 0.0, max_new_tokens: int = 32,
                  reference_key: str = "answer", answer_words: tuple[str, str] = ("Yes", "No"),
-                 backend: str = "auto", use_chat_template: bool = False, batch_size: int = 64):
+                 backend: str = "auto", use_chat_template: bool = False, batch_size: int = 64,
+                 offload: bool = False):
         if (problem := judge_template_problem(template)) is not None:
             raise ValueError(problem)
         if parse not in PARSE_MODES:
@@ -95,6 +99,9 @@ class JudgeReward:
             self.backend = BuiltinBackend(model, tokenizer, kv_cache_memory=0.2) if builtin else \
                 HFBackend(model, tokenizer)
         self.last_metrics: dict[str, float] = {}
+        # Between calls the judge's weights wait in host memory (`reward.judge_offload`), leaving the device to the
+        # actor's update and rollout; each call copies them back first.
+        self.offload = HostOffload(model) if offload else None
         if "{reference}" in template:  # the composer's column check then sees the column this judge reads
             parameters = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
                           for name in ("prompts", "completions")]
@@ -109,7 +116,7 @@ class JudgeReward:
         return cls(model, tokenizer, config.judge_template, parse=config.judge_parse,
                    failure_score=config.judge_parse_failure_score, max_new_tokens=config.judge_max_new_tokens,
                    reference_key=config.judge_reference_key, answer_words=tuple(config.judge_answer_words),
-                   use_chat_template=config.judge_use_chat_template)
+                   use_chat_template=config.judge_use_chat_template, offload=config.judge_offload)
 
     def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
         start = time.perf_counter()
@@ -119,10 +126,11 @@ class JudgeReward:
                              "reward.judge_reference_key.")
         references = columns.get(self.reference_key, [""] * len(completions))
         ids = [self._encode(self.render(p, c, str(r))) for p, c, r in zip(prompts, completions, references)]
-        if self.parse == "yes_no":
-            scores, failures = self._yes_no(ids), 0
-        else:
-            scores, failures = self._generate_and_parse(ids)
+        with self.offload.on_device() if self.offload else contextlib.nullcontext():
+            if self.parse == "yes_no":
+                scores, failures = self._yes_no(ids), 0
+            else:
+                scores, failures = self._generate_and_parse(ids)
         self.last_metrics = {"reward/judge_parse_failures": float(failures),
                              "timing/judge_s": time.perf_counter() - start}
         return scores

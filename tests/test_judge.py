@@ -13,7 +13,7 @@ from conftest import tiny_actor, toy_prompts
 
 from hybridrl.config.checks import judge_template_problem
 from hybridrl.config.loading import build_config
-from hybridrl.config.schema import ConfigError
+from hybridrl.config.schema import ConfigError, RewardConfig
 from hybridrl.data.datasets import PromptDataset
 from hybridrl.judge import JudgeReward, parse_number, parse_scale, yes_no_score
 from hybridrl.models.loading import build_tiny_model
@@ -177,3 +177,29 @@ def test_the_judge_benchmark_runs_every_mode_on_tiny_shapes(tmp_path, monkeypatc
     modes = {m["mode"]: m for m in json.loads((tmp_path / "judge_step.json").read_text())["modes"]}
     assert modes["judge-yes_no"]["judge_s"] > 0 and modes["no-judge"]["judge_s"] == 0
     assert modes["judge-number"]["parse_failures"] == 4  # a random judge writes no number: 2 prompts x 2 samples
+
+
+@pytest.mark.parametrize("parse, backend", [("number", "auto"), ("number", "hf"), ("yes_no", "auto")])
+def test_an_offloaded_judge_scores_as_a_resident_one_and_holds_no_device_memory_between_calls(parse, backend):
+    """`reward.judge_offload`: the weights' storage is empty between calls (tied weights included) and refilled
+    for each call; scores over two calls equal a judge that never left the device."""
+    resident = JudgeReward(*copier_judge(), "{prompt} -> {response}", parse=parse, max_new_tokens=3,
+                           answer_words=("5", "7"), backend=backend)
+    model, tokenizer = copier_judge()
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as many judges are: one storage, freed once
+    offloaded = JudgeReward(model, tokenizer, "{prompt} -> {response}", parse=parse, max_new_tokens=3,
+                            answer_words=("5", "7"), backend=backend, offload=True)
+    assert offloaded.offload.device_bytes == 0
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    for completions in (["5", "?", "7"], ["75", "5", "x"]):
+        assert offloaded(["a", "b", "c"], completions) == resident(["a", "b", "c"], completions)
+        assert offloaded.offload.device_bytes == 0
+    # One storage per distinct tensor: the tied head (one Parameter object with the embedding) is not counted twice.
+    assert len(offloaded.offload.storages) == len(list(model.parameters())) + len(list(model.buffers()))
+
+
+def test_judge_offload_is_a_config_key_that_reaches_the_judge():
+    config = RewardConfig(judge_model="tiny:llama", judge_offload=True)
+    judge = JudgeReward.from_config(config)
+    assert judge.offload is not None and judge.offload.device_bytes == 0
+    assert len(judge(["1+1="], ["2"], answer=["2"])) == 1

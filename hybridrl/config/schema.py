@@ -197,6 +197,10 @@ class RewardConfig:
     with and without a leading space."""
     judge_use_chat_template: bool = False
     """Render the filled template as a user turn of the judge's chat template (for instruct judges)."""
+    judge_offload: bool = False
+    """Keep the judge's weights in host memory between reward calls and copy them to the device for each call: frees
+    the judge's size of device memory during rollout and update (for a GPU too small for both models), at one
+    host-to-device copy of the judge per step."""
     shard_scoring: bool = True
     """Several processes: each scores whole prompt groups of its share and the scores are gathered;
     false scores the whole batch on every process (for rewards that need the whole batch at once)."""
