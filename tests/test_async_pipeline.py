@@ -13,6 +13,7 @@ from conftest import contains_seven, tiny_actor, toy_prompts
 
 from hybridrl.config.schema import ConfigError
 from hybridrl.data.datasets import PromptDataset
+from hybridrl.rewards import RewardError
 from hybridrl.training.async_pipeline import AsyncPipeline, Trajectories, needed_version
 from hybridrl.training.trainer import RLTrainer
 
@@ -149,8 +150,31 @@ def test_a_failing_worker_ends_the_run_naming_it(tmp_path):
         raise ValueError("the grader is down")
 
     trainer = make_trainer(tmp_path, reward=broken_reward, trainer__total_steps=2, trainer__max_staleness=1)
-    with pytest.raises(RuntimeError, match="rollout worker .* failed while producing the batch of step 1"):
+    with pytest.raises(RewardError, match="the grader is down .* in the rollout worker .* batch of step 1"):
         trainer.train()
+
+
+def test_a_raising_reward_in_the_worker_saves_the_finished_steps_and_the_fixed_run_resumes(tmp_path):
+    """As in the synchronous loop: the reward raises on the batch of step 4, the run stops at step 4 with the
+    reward's sentence after saving steps 1-3; with the reward fixed, the same command resumes at step 4."""
+    settings = dict(trainer__total_steps=5, trainer__max_staleness=1)
+    full = make_trainer(tmp_path / "full", **settings).train()
+    scored = []
+
+    def fails_on_batch_4(prompts, completions, **columns):
+        scored.append(1)
+        if len(scored) == 4:
+            raise ValueError("the grader is down")
+        return contains_seven(prompts, completions)
+
+    fails_on_batch_4.__name__ = "contains_seven"
+    with pytest.raises(RewardError, match="the grader is down .* The 3 finished step.s. are saved"):
+        make_trainer(tmp_path / "cut", reward=fails_on_batch_4, **settings).train()
+    saved = json.loads((tmp_path / "cut" / "checkpoints" / "step_000003" / "trainer.json").read_text())
+    assert saved["pipeline"]["queued"] == []  # the batch of step 4 failed: the resumed worker makes it anew
+    resumed = make_trainer(tmp_path / "cut", **settings).train()
+    assert learning_metrics(resumed)[:3] == learning_metrics(full)[:3] and len(resumed) == 5
+    assert resumed[3]["rollout/staleness_max"] == 0.0  # made with the checkpoint's weights, newer than the schedule's
 
 
 def test_a_killed_rollout_process_ends_the_run_naming_it(tmp_path):

@@ -61,8 +61,10 @@ from typing import Any
 
 import torch
 
+from hybridrl.envs.base import EnvironmentCodeError
 from hybridrl.parallel import sharding
 from hybridrl.parallel.process_group import DistributedSetup
+from hybridrl.rewards import RewardError
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_responses
 from hybridrl.training.components import build_rollout
@@ -74,6 +76,8 @@ POLL_S = 0.5
 """How often a waiting thread looks whether the other side has stopped."""
 STOP_WAIT_S = 2.0
 """How long `close` waits for a stopping worker (its `generate` in flight, then its thread or process)."""
+USER_CODE_ERRORS = (RewardError, EnvironmentCodeError)
+"""Raised by the user's reward or environment code: the trainer saves the finished steps before it stops."""
 GENERATE_LOCK = threading.RLock()
 """Held by each `generate` call of a pipeline's backends: torch's default generator is one per process."""
 
@@ -236,6 +240,9 @@ class BatchQueue:
         deadline = time.monotonic() + timeout_s
         with self.condition:
             while step not in self.ready:
+                if isinstance(self.error, USER_CODE_ERRORS):  # the trainer saves the finished steps, as synchronous
+                    raise type(self.error)(f"{self.error} (raised in the {self.label} while producing the batch of "
+                                           f"step {step})") from self.error
                 if self.error is not None:
                     raise RuntimeError(f"the {self.label} failed while producing the batch of step {step}: "
                                        f"{type(self.error).__name__}: {self.error}") from self.error
@@ -451,22 +458,30 @@ class AsyncPipeline:
             return
         self.running = False
         self.worker.stop()
-        with self.worker.condition:
-            ready = dict(self.worker.ready)
-        step = self.trainer.step_count + 1
-        self.restored = []
-        while step + len(self.restored) in ready:
-            self.restored.append(ready[step + len(self.restored)])
+        self.restored = self.ready_batches()
         sampler = self.restored[-1].sampler_state if self.restored else self.last_sampler_state
         if sampler is not None:  # the worker drew prompts for batches it will not deliver
             self.trainer.sampler.load_state_dict(sampler)
         self.mailbox = WeightMailbox()
 
+    def ready_batches(self) -> list[Trajectories]:
+        """The worker's batches of the next steps, in order, as far as they are ready now."""
+        with self.worker.condition:
+            ready = dict(self.worker.ready)
+        batches, step = [], self.trainer.step_count + 1
+        while step + len(batches) in ready:
+            batches.append(ready[step + len(batches)])
+        return batches
+
     def state_dict(self) -> dict[str, Any]:
-        """The queued batches (steps s+1..s+k, waited for) and the data position after the last of them."""
+        """The queued batches (steps s+1..s+k, waited for) and the data position after the last of them. After
+        the worker failed (the trainer saves the finished steps of a run whose reward or environment code raised),
+        those that are ready: the resumed worker generates the rest with the checkpoint's weights."""
         step, total = self.trainer.step_count, self.trainer.config.trainer.total_steps
         queued = self.restored
-        if self.running:
+        if self.running and self.worker.error is not None:
+            queued = self.ready_batches()
+        elif self.running:
             timeout = self.trainer.config.trainer.hang_timeout_s
             queued = [self.worker.peek(later, timeout) for later in range(step + 1, min(step + self.max_staleness,
                                                                                        total) + 1)]
