@@ -3,6 +3,7 @@ observations cut by the budget."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -11,8 +12,9 @@ import pytest
 from hybridrl.envs.base import EnvironmentCodeError, StepResult
 from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine import multiturn as engine_multiturn
 from hybridrl.rollout.engine.backend import BuiltinBackend
-from hybridrl.rollout.multiturn import EpisodeBudget, make_sessions
+from hybridrl.rollout.multiturn import EpisodeBudget, EpisodeRun, make_sessions
 from test_multiturn import TOKENIZER, Endless, assert_same_episodes, both, make_model
 
 
@@ -68,3 +70,39 @@ def test_a_truncated_observation_keeps_the_templates_next_turn_opening():
             assert len(ids) == 100 and ids[-len(opening):] == opening
             assert ids[-len(opening) - len(marker):-len(opening)] == marker
             assert TOKENIZER.decode(ids[:100 - len(opening) - len(marker)]).endswith("x" * 5)  # the observation's start
+
+
+class FixedLatency:
+    """A remote tool of one fixed latency: its answers come back as far apart as its calls were started."""
+
+    def __init__(self, row):
+        self.steps = 0
+
+    async def reset(self):
+        return [{"role": "user", "content": "hi"}]
+
+    async def step(self, text):
+        self.steps += 1
+        await asyncio.sleep(0.03)
+        return StepResult([{"role": "tool", "name": "t", "content": "ok"}], done=self.steps >= 3)
+
+
+def test_a_pause_while_tools_start_does_not_split_the_turns_that_ended_together(monkeypatch):
+    """The host stalls for 15 ms in the middle of recording 8 ended turns (a stand-in for a collection or a slow
+    decode), so the second half's tools start, and answer, 15 ms after the first half's: those answers are expected
+    (each call is as old as the first answer's was) and the 8 still resume as one wave per turn boundary."""
+    record = EpisodeRun.add_turn
+
+    def stalling(self, ids, logprobs, reason):
+        if self.session.sample == 4:
+            time.sleep(0.015)
+        return record(self, ids, logprobs, reason)
+
+    monkeypatch.setattr(EpisodeRun, "add_turn", stalling)
+    monkeypatch.setattr(engine_multiturn, "_START_EVERY", 1)  # each call starts as soon as its turn is recorded
+    engine = BuiltinBackend(make_model("llama"), tokenizer=TOKENIZER, sync_every=16)
+    episodes = engine.generate_episodes(make_sessions(FixedLatency, [{}] * 8, n=1, name="fixed.py:FixedLatency"),
+                                        ObservationRenderer(TOKENIZER),
+                                        SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True), EpisodeBudget())
+    assert [episode.num_turns for episode in episodes] == [3] * 8
+    assert engine.last_stats["resume_waves"] == 2 and engine.last_stats["decode_steps"] == 3 * (5 - 1)

@@ -17,14 +17,15 @@ Where multi-turn time goes besides decoding, and what the loop does about it:
   one after another). Resuming whichever answered first and decoding a block for them makes the rest wait a whole
   block (a decode step costs the same for the batch bucket whatever its live share), and the episodes drift apart
   for good: every later turn ends in two or more waves, each costing extra steps. So when nothing is live, the
-  loop waits for the first answer and then for stragglers until none has come for a tenth of a full decode block
-  (at least `GATHER_QUIET_S`): waiting costs those already back at most that, not waiting costs a straggler a
+  loop waits for the first answer, then for the steps started after it, each expected as long after its own start
+  as the first one took (the calls of one harvest start over its whole length, and the host may stall in the middle
+  of it), at most a full decode block in all; then for stragglers until none has come for a tenth of a block (at
+  least `GATHER_QUIET_S`): waiting costs those already back at most about a block, not waiting costs a straggler a
   whole block. It resumes them as one wave; after a decode block it yields to the event loop twice (a timer's
   callback, then the task it wakes), so answers already due join the next block. `last_stats` reports
   `resume_waves` and `decode_blocks`.
 - Environment steps start while the harvest is still recording the other turns (a yield every `_START_EVERY`
-  ended turns, often enough that the answers of one harvest come back closer together than the quiet gap), so a
-  tool's latency overlaps the host's bookkeeping of the rest.
+  ended turns), so a tool's latency overlaps the host's bookkeeping of the rest.
 - Slots of ended episodes are freed in one call per collection, not one per episode.
 
 Choices:
@@ -85,6 +86,7 @@ class EpisodeLoop:
         # One sequence per episode; its index is the episode's.
         scheduler = Scheduler(self.prompt_of, [len(p) for p in self.prompts], num_slots)
         self.pending: dict[asyncio.Task, int] = {}  # environment step -> slot
+        self.started_at: dict[asyncio.Task, float] = {}  # environment step -> when the harvest started it
         self.ready: list[tuple[int, list[int]]] = []  # slot -> observation ids to prefill
         finished = False
         try:
@@ -123,12 +125,19 @@ class EpisodeLoop:
         return [run.episode for run in self.runs]
 
     async def _gather_answers(self) -> None:
-        """Nothing is live: wait for the first environment answer, then for those that follow it closely (see the
+        """Nothing is live: wait for the first environment answer, then for the steps started after it (until each is
+        as old as the first was when it answered, at most a decode block) and for those that follow closely (see the
         module docstring), so that turns which ended together resume together."""
-        quiet = max(GATHER_QUIET_S, 0.1 * self.step_seconds * self.backend.sync_every)
-        _, waiting = await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
+        block = self.step_seconds * self.backend.sync_every
+        quiet = max(GATHER_QUIET_S, 0.1 * block)
+        answered, waiting = await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
+        now = time.perf_counter()
+        latency = min(now - self.started_at[task] for task in answered)
+        expected = max((self.started_at[task] + latency for task in waiting), default=now)
+        deadline = min(expected + quiet, now + (block or latency))
         while waiting:
-            answered, waiting = await asyncio.wait(waiting, timeout=quiet, return_when=asyncio.FIRST_COMPLETED)
+            timeout = max(deadline - time.perf_counter(), quiet)
+            answered, waiting = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if not answered:
                 return
 
@@ -166,7 +175,8 @@ class EpisodeLoop:
             run = self.runs[item.sequence.index]
             text = run.add_turn(tokens[item.slot, :item.length].tolist(), logprobs[item.slot, :item.length].tolist(),
                                 item.reason)
-            self.pending[asyncio.ensure_future(run.session.step(text))] = item.slot
+            task = asyncio.ensure_future(run.session.step(text))
+            self.pending[task], self.started_at[task] = item.slot, time.perf_counter()
             if count % _START_EVERY == 0:
                 await asyncio.sleep(0)
 
@@ -175,6 +185,7 @@ class EpisodeLoop:
         ended = []
         for task in [t for t in self.pending if t.done()]:
             slot = self.pending.pop(task)
+            del self.started_at[task]
             run = self.runs[scheduler.paused[slot].index]
             ids = run.add_step(task.result())  # an environment error propagates here, as one sentence
             if ids is None:
