@@ -5,6 +5,7 @@ exactly from a checkpoint that holds its queued batches; a failing worker ends t
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -309,3 +310,29 @@ def test_benchmark_script_runs_both_sides_and_prints_its_table(tmp_path, capsys)
                                 "--workers", "thread", "process"])
     assert [(row["side"], row["max_staleness"]) for row in rows] == [("synchronous", 0), ("thread", 1), ("process", 1)]
     assert "less wall-clock per step" in capsys.readouterr().out
+
+
+def test_samples_are_shown_with_the_step_that_trains_on_them(tmp_path):
+    """The worker scores ahead; the samples logged with step s (samples.jsonl) are those of the batch step s trains on,
+    not of the newest one scored. Forced: step 1's update waits until the worker has scored the batch of step 3."""
+    scored, third_scored = [], threading.Event()
+
+    def recording_reward(prompts, completions, **columns):
+        scored.append(list(completions))
+        if len(scored) == 3:
+            third_scored.set()
+        return contains_seven(prompts, completions)
+
+    trainer = make_trainer(tmp_path, reward=recording_reward, trainer__total_steps=3, trainer__max_staleness=2,
+                           logging__num_samples_to_print=2)
+    update = trainer.update
+
+    def update_after_the_third_batch(batch):
+        assert third_scored.wait(60)
+        return update(batch)
+
+    trainer.update = update_after_the_third_batch
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 1, 2, 2, 3, 3]
+    assert [row["completion"] for row in rows] == [text for batch in scored for text in batch[:2]]

@@ -112,6 +112,9 @@ class Trajectories:
     reward_s: float = 0.0
     rollout_metrics: dict[str, float] = field(default_factory=dict)
     """Multi-turn episodes' `rollout/*` metrics (turns, tool calls, ...) and dynamic sampling's counts."""
+    samples: list[list] = field(default_factory=list)
+    """[prompts, completions, rewards] to show with the step that trains on the batch (`logging.num_samples_to_print`
+    of them), not with whichever step the trainer is in when the worker scores it."""
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON (floats round-trip exactly through Python's float repr)."""
@@ -128,7 +131,7 @@ class Trajectories:
         return {"step": self.step, "versions": self.versions.tolist(), "indices": self.indices, "batch": batch,
                 "reward_metrics": {key: float(value) for key, value in self.reward_metrics.items()},
                 "rollout_metrics": {key: float(value) for key, value in self.rollout_metrics.items()},
-                "sampler_state": self.sampler_state}
+                "samples": self.samples, "sampler_state": self.sampler_state}
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> Trajectories:
@@ -145,7 +148,8 @@ class Trajectories:
                 values[name] = value
         return cls(step=record["step"], versions=torch.tensor(record["versions"]), indices=record["indices"],
                    batch=RolloutBatch(**values), reward_metrics=record["reward_metrics"],
-                   sampler_state=record["sampler_state"], rollout_metrics=record.get("rollout_metrics", {}))
+                   sampler_state=record["sampler_state"], rollout_metrics=record.get("rollout_metrics", {}),
+                   samples=record.get("samples", []))
 
 
 class WorkerStopped(Exception):
@@ -274,13 +278,14 @@ def generate_batch(backend: Any, parts: Any, prompt_ids: list[list[int]], params
 def score_batch(trainer: Any, step: int, version: int, indices: list[int], sampler_state: dict[str, int],
                 batch: RolloutBatch, generate_s: float) -> Trajectories:
     """The batch scored by the trainer's rewards (`RLTrainer.score`), as the trainer takes it."""
-    start = time.perf_counter()
-    reward_metrics = {key: float(value) for key, value in
-                      trainer.score(batch, trainer.parts.dataset.batch(indices)).items()}
+    start, samples, shown = time.perf_counter(), [], trainer.logger.num_samples_to_print
+    reward_metrics = {key: float(value) for key, value in trainer.score(
+        batch, trainer.parts.dataset.batch(indices),
+        add_samples=lambda *columns: samples.extend(list(column[:shown]) for column in columns)).items()}
     batch.scores = batch.scores.cpu()
     return Trajectories(step=step, versions=torch.full((len(batch),), version), indices=indices, batch=batch,
                         reward_metrics=reward_metrics, sampler_state=sampler_state, generate_s=generate_s,
-                        reward_s=time.perf_counter() - start)
+                        reward_s=time.perf_counter() - start, samples=samples)
 
 
 def rollout_device(trainer: Any) -> torch.device:
@@ -372,7 +377,8 @@ class RolloutWorker(threading.Thread, BatchQueue):
                             reward_metrics=first.reward_metrics, sampler_state=rounds[-1].sampler_state,
                             generate_s=sum(item.generate_s for item in rounds),
                             reward_s=sum(item.reward_s for item in rounds),
-                            rollout_metrics={**first.rollout_metrics, **counts})
+                            rollout_metrics={**first.rollout_metrics, **counts},
+                            samples=rounds[-1].samples)  # the last round's, as the trainer's step shows
 
     def roll_out_and_score(self, step: int, generation_round: int) -> Trajectories:
         """Fresh prompts from the data, their responses (or multi-turn episodes) and scores."""
@@ -437,6 +443,8 @@ class AsyncPipeline:
             raise RuntimeError(f"the batch of step {step} is {lag} versions old, above trainer.max_staleness="
                                f"{self.max_staleness}; the rollout worker ran ahead of its bound")
         self.last_sampler_state = item.sampler_state
+        if item.samples:
+            self.trainer.logger.add_samples(*item.samples)
         metrics = {**item.rollout_metrics, **staleness_metrics(item.versions, step - 1),
                    "timing/worker_generate_s": item.generate_s, "timing/worker_reward_s": item.reward_s}
         if hasattr(self.worker, "broadcast_s"):  # the process worker: the push's broadcast, done in a thread

@@ -379,7 +379,11 @@ class RLTrainer:
         batch.texts = [generation.text for generation in generations]
         return batch.to(self.device), timings
 
-    def score(self, batch: RolloutBatch, prompts: dict[str, Any]) -> dict[str, float]:
+    def score(self, batch: RolloutBatch, prompts: dict[str, Any],
+              add_samples: Callable[[list[str], list[str], list[float]], None] | None = None) -> dict[str, float]:
+        """The batch's rewards into `batch.scores`; the reward metrics. Its samples go to the console and
+        samples.jsonl with the next logged step, or to `add_samples` (the asynchronous worker scores ahead: its
+        samples travel with the batch to the step that trains on it)."""
         rows = batch.prompt_index.tolist()
         columns = {key: [values[i] for i in rows] for key, values in prompts["columns"].items()}
         columns.update(batch.columns or {})  # episodes: messages, tool_calls, env_reward (`episodes.py`)
@@ -387,7 +391,7 @@ class RLTrainer:
         group = batch.sampling.n
         total, per_function = self._score(prompt_texts, batch.texts, columns, group)
         batch.scores = total.to(self.device)
-        self.logger.add_samples(prompt_texts, batch.texts, total.tolist())
+        (add_samples or self.logger.add_samples)(prompt_texts, batch.texts, total.tolist())
         metrics = {"reward/mean": total.mean(), "reward/std": total.std() if len(total) > 1 else 0.0}
         if group > 1 and len(total) % group == 0:  # groups that teach nothing (all samples scored alike)
             metrics["reward/uniform_group_fraction"] = algorithms.uniform_groups(total, group).float().mean()
