@@ -4,12 +4,14 @@ right `extend_reference`, and both against one HF forward over the whole sequenc
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
 
 from hybridrl.rollout.engine import llama_forward
 from hybridrl.rollout.engine.llama_forward import EAGER_DECODE, extend, extend_reference, prefill, rope_table
+from hybridrl.rollout.engine.runner import resume_chunks
 from hybridrl.rollout.engine.weights import resolve_weights
 from test_multiturn import assert_same_episodes, both, make_model
 
@@ -151,3 +153,19 @@ def test_compiled_engine_episodes_equal_the_hf_reference_on_cpu():
     engine, episodes, reference = both(make_model("qwen2"), compile=True)
     assert engine.last_stats["compiled"] and engine.last_stats["observation_prefills"] > 0
     assert_same_episodes(episodes, reference)
+
+
+def test_a_small_last_chunk_of_resumes_joins_the_one_before():
+    """512 resumes of 33 ids at the default budget are one forward (16,896 padded tokens, within 9/8 of 16,384), not
+    496 + 16 rows; 600 are two; in general every resume once, each chunk within 9/8 of the budget (or one row)."""
+    assert [len(chunk) for chunk in resume_chunks([33] * 512, 16384)] == [512]
+    assert [len(chunk) for chunk in resume_chunks([33] * 600, 16384)] == [496, 104]
+    assert [len(chunk) for chunk in resume_chunks([33] * 496 + [1000], 16384)] == [496, 1]  # a long tail stays apart
+    rng = random.Random(0)
+    for _ in range(300):
+        lengths = [rng.randint(1, 50) for _ in range(rng.randint(1, 40))]
+        budget = rng.randint(1, 400)
+        chunks = resume_chunks(lengths, budget)
+        assert sorted(i for chunk in chunks for i in chunk) == list(range(len(lengths)))
+        assert all(len(chunk) == 1 or 8 * max(lengths[i] for i in chunk) * len(chunk) <= 9 * budget
+                   for chunk in chunks)

@@ -35,7 +35,8 @@ Choices:
 - Each resumed turn draws its uniforms from a CPU generator seeded by (seed, episode, turn), so a seeded run gives
   the same episodes whatever order the environments answer in (on a GPU not the draws a CUDA generator would make:
   hundreds of CUDA generators per wave cost a launch each, on the host, while the device waits).
-- The observations that are back at one point are prefilled together (padded, chunked by `max_prefill_tokens`).
+- The observations that are back at one point are prefilled together (padded, chunked by `max_prefill_tokens`, a
+  small last chunk joining the one before: `runner.resume_chunks`).
 """
 
 from __future__ import annotations
