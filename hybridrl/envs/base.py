@@ -159,6 +159,7 @@ async def _in_thread(method: Callable, *args: Any) -> Any:
         return await asyncio.shield(running)
     except asyncio.CancelledError:
         await asyncio.wait([running])
+        running.exception()  # retrieved, so that a failure nobody waits for any more is not logged as lost
         raise
 
 
