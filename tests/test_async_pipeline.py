@@ -336,3 +336,28 @@ def test_samples_are_shown_with_the_step_that_trains_on_them(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 1, 2, 2, 3, 3]
     assert [row["completion"] for row in rows] == [text for batch in scored for text in batch[:2]]
+
+
+def test_held_out_evaluation_and_the_worker_never_score_at_the_same_time(tmp_path):
+    """The worker scores while the trainer evaluates between steps: the rewards (a judge's engine, their per-call
+    metrics) serve one call at a time. The worker's reward calls are slow, so evaluation after each step would meet
+    one in flight."""
+    inside, overlaps, count = [0], [], threading.Lock()
+
+    def slow_in_the_worker(prompts, completions, **columns):
+        with count:
+            inside[0] += 1
+            overlaps.append(inside[0])
+        if threading.current_thread().name == "hybridrl-rollout-worker":
+            time.sleep(0.5)
+        with count:
+            inside[0] -= 1
+        return contains_seven(prompts, completions)
+
+    actor = tiny_actor()
+    held_out = PromptDataset(toy_prompts(8), actor.tokenizer, max_length=16)
+    RLTrainer(actor=actor, reward_fn=slow_in_the_worker, eval_dataset=held_out,
+              dataset=PromptDataset(toy_prompts(), actor.tokenizer, max_length=16),
+              **{**FAST, "trainer__output_dir": str(tmp_path), "trainer__total_steps": 3,
+                 "trainer__max_staleness": 1, "trainer__eval_every": 1}).train()
+    assert len(overlaps) >= 7 and max(overlaps) == 1, overlaps  # 3 batches and 4 evaluations were scored

@@ -38,7 +38,8 @@ With k = 0 the trainer's own synchronous loop runs and this module is not used. 
   process (`GENERATE_LOCK`, `take_turns`). A worker ends with its run (`AsyncPipeline.close`, when `train()`
   returns or raises): a run stopped early would otherwise leave its worker generating the next batch, reseeding
   that generator in the middle of a later run's `generate` in the same process (a resumed run, a test), which
-  then sampled other tokens.
+  then sampled other tokens. The worker's scoring and the trainer's held-out evaluation's take turns as well (per
+  run): a reward model's or judge's engine serves one call at a time.
 
 - **Rounds and episodes.** The thread worker builds the batch the trainer's own step would: with
   `algorithm.dynamic_sampling` it runs the refill rounds (`dynamic_sampling.keep_informative`, each round's seed as
@@ -279,9 +280,10 @@ def score_batch(trainer: Any, step: int, version: int, indices: list[int], sampl
                 batch: RolloutBatch, generate_s: float) -> Trajectories:
     """The batch scored by the trainer's rewards (`RLTrainer.score`), as the trainer takes it."""
     start, samples, shown = time.perf_counter(), [], trainer.logger.num_samples_to_print
-    reward_metrics = {key: float(value) for key, value in trainer.score(
-        batch, trainer.parts.dataset.batch(indices),
-        add_samples=lambda *columns: samples.extend(list(column[:shown]) for column in columns)).items()}
+    with trainer.pipeline.score_lock:  # the rewards' call and its metrics, not held-out evaluation's in between
+        reward_metrics = {key: float(value) for key, value in trainer.score(
+            batch, trainer.parts.dataset.batch(indices),
+            add_samples=lambda *columns: samples.extend(list(column[:shown]) for column in columns)).items()}
     batch.scores = batch.scores.cpu()
     return Trajectories(step=step, versions=torch.full((len(batch),), version), indices=indices, batch=batch,
                         reward_metrics=reward_metrics, sampler_state=sampler_state, generate_s=generate_s,
@@ -412,6 +414,10 @@ class AsyncPipeline:
                            max_staleness, max_staleness)
         self.lock = GENERATE_LOCK
         take_turns(trainer.parts.rollout, self.lock)  # held-out evaluation takes turns with the worker
+        # Scoring too: a reward model's or judge's engine serves one call at a time, and `RLTrainer.score` reads the
+        # rewards' per-call metrics after its call. Per run, so a reward that hangs blocks only its own run.
+        self.score_lock = threading.RLock()
+        trainer.parts.rewards.score = in_turn(trainer.parts.rewards.score, self.score_lock, None)
         self.mailbox = WeightMailbox()
         self.worker: Any = None
         """The worker of the running `train()`, or the last one's (ended) after it."""
