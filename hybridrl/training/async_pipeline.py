@@ -40,7 +40,6 @@ With k = 0 the trainer's own synchronous loop runs and this module is not used. 
   that generator in the middle of a later run's `generate` in the same process (a resumed run, a test), which
   then sampled other tokens. The worker's scoring and the trainer's held-out evaluation's take turns as well (per
   run): a reward model's or judge's engine serves one call at a time.
-
 - **Rounds and episodes.** The thread worker builds the batch the trainer's own step would: with
   `algorithm.dynamic_sampling` it runs the refill rounds (`dynamic_sampling.keep_informative`, each round's seed as
   the trainer's), and with `env:` it generates multi-turn episodes through the run's `EpisodeRollout`.
@@ -169,6 +168,7 @@ def take_turns(backend: Any, lock: threading.RLock, stopped: threading.Event | N
 
 
 def in_turn(method: Any, lock: threading.RLock, stopped: threading.Event | None) -> Any:
+    """`method`, called under `lock`, refused once `stopped` is set (see `take_turns`)."""
     def call_in_turn(*args: Any, **kwargs: Any) -> Any:
         with lock:
             if stopped is not None and stopped.is_set():
