@@ -197,7 +197,8 @@ def summary(model, args: argparse.Namespace, device: str, single: dict, multi: d
     """The runs, their ratio and both floors: what `print_table` shows and the JSON holds."""
     bandwidth, peak = args.bandwidth_tbs * 1e12, args.peak_tflops * 1e12
     return dict(args=vars(args), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                torch=torch.__version__, single=single, multi=multi, ratio=multi["tokens_per_s"] / single["tokens_per_s"],
+                torch=torch.__version__, single=single, multi=multi,
+                ratio=multi["tokens_per_s"] / single["tokens_per_s"],
                 floor_single=floor(model, args, False, bandwidth, peak),
                 floor_multi=floor(model, args, True, bandwidth, peak))
 

@@ -102,7 +102,8 @@ def test_the_compiled_pieces_are_called_with_dynamic_dimensions_that_exist(monke
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~2 min of C++ compilation)")
+@pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"),
+                    reason="set HYBRIDRL_SLOW_TESTS=1 (~2 min of C++ compilation)")
 def test_compiled_extend_equals_the_reference_on_cpu_and_compiles_once_for_every_shape():
     """torch.compile for real (inductor, C++ on CPU): several seeds, uneven rows, row counts and key lengths; after
     the first shapes no new compilation."""
@@ -147,7 +148,8 @@ def test_compiled_extend_in_bf16_is_as_close_to_float32_as_the_reference_is():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~3 min of C++ compilation)")
+@pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"),
+                    reason="set HYBRIDRL_SLOW_TESTS=1 (~3 min of C++ compilation)")
 def test_compiled_engine_episodes_equal_the_hf_reference_on_cpu():
     """The whole engine compiled (decode and extend pieces) on CPU: greedy episodes equal the HF reference loop."""
     engine, episodes, reference = both(make_model("qwen2"), compile=True)

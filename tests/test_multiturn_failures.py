@@ -103,6 +103,7 @@ def test_a_pause_while_tools_start_does_not_split_the_turns_that_ended_together(
     engine = BuiltinBackend(make_model("llama"), tokenizer=TOKENIZER, sync_every=16)
     episodes = engine.generate_episodes(make_sessions(FixedLatency, [{}] * 8, n=1, name="fixed.py:FixedLatency"),
                                         ObservationRenderer(TOKENIZER),
-                                        SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True), EpisodeBudget())
+                                        SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True),
+                                        EpisodeBudget())
     assert [episode.num_turns for episode in episodes] == [3] * 8
     assert engine.last_stats["resume_waves"] == 2 and engine.last_stats["decode_steps"] == 3 * (5 - 1)

@@ -9,9 +9,9 @@ last timed run of each it prints: wall seconds; GPU seconds inside decode blocks
 prefills (`extend`), and their sum's complement (the GPU waiting for the host: syncs, harvests, tool waits,
 captures); decode steps and blocks, resume waves, and ms per decode step for each (batch, kv_len) bucket; host
 seconds in the loop's harvest, collect and resume and in graph captures; full (generation 2) garbage collections and
-their milliseconds; each observation prefill's forward (`llama_forward.extend`), host and GPU ms side by side. With $OUT set, every decode block and
-extend (host start, sizes, GPU ms) goes to $OUT/multiturn_trace.json. Ends with the benchmark's own table for the
-engine loop's (last) run.
+their milliseconds; each observation prefill's forward (`llama_forward.extend`), host and GPU ms side by side. With
+$OUT set, every decode block and extend (host start, sizes, GPU ms) goes to $OUT/multiturn_trace.json. Ends with
+the benchmark's own table for the engine loop's (last) run.
 """
 
 from __future__ import annotations

@@ -357,9 +357,9 @@ class ModelRunner:
     def extend(self, resumes: list[tuple[int, list[int], int, torch.Tensor]]) -> None:
         """Multi-turn resumes, each (slot, ids, start, generator): feed `ids` at positions start.. onto the slot's
         own KV (per-slot layout), which holds every earlier position, and draw the first token of the slot's next
-        turn from the last logits. Padded batches of `max_prefill_tokens` (`resume_chunks`); each turn's uniforms come from
-        its own `generator` (a CPU one, one per episode and turn, so results do not depend on the order in which
-        environments answer or on which resumes share a batch)."""
+        turn from the last logits. Padded batches of `max_prefill_tokens` (`resume_chunks`); each turn's uniforms
+        come from its own `generator` (a CPU one, one per episode and turn, so results do not depend on the order in
+        which environments answer or on which resumes share a batch)."""
         lengths = [len(ids) for _, ids, _, _ in resumes]
         for chunk in resume_chunks(lengths, self.options.max_prefill_tokens):
             self._extend_chunk([resumes[i] for i in chunk])
