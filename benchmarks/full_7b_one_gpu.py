@@ -28,7 +28,7 @@ Variants (each in a fresh process; step 1 compiles and is left out, the mean of 
 Update MFU: the update phase's FLOPs (`long_update.update_flops`: 6 x parameters outside the embedding and head x
 tokens, the LM head at response positions, causal attention; recompute not counted) over its wall time, at
 `--peak-tflops` (989: the H200's dense bf16 figure) and at DESIGN.md's measured 785. The update floor adds the resident
-optimizer step's HBM traffic; the rollout floor is `grpo_step.floor`'s (weights and KV read per decode step at 4.2
+optimizer step's HBM traffic (not the offloaded variant's PCIe traffic); the rollout floor is `grpo_step.floor`'s (weights and KV read per decode step at 4.2
 TB/s, prefill FLOPs at 785 TFLOP/s).
 
 Prints a table last; writes JSON to $OUT/full_7b_one_gpu.json when $OUT is set.
