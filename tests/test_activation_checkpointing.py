@@ -1,5 +1,6 @@
-"""`model.gradient_checkpointing` recomputes the decoder layers in the update for a model loaded from a directory too:
-transformers' `from_pretrained` returns it in eval mode, where a layer is never checkpointed."""
+"""`model.gradient_checkpointing` recomputes the decoder layers in the update for a model loaded from a directory too
+(transformers' `from_pretrained` returns it in eval mode, where a layer is never checkpointed), and in PPO's critic,
+a copy of the actor made in eval mode."""
 
 from __future__ import annotations
 
@@ -13,15 +14,21 @@ from hybridrl.training.logprobs import response_logprobs
 from hybridrl.training.trainer import RLTrainer
 
 
-def layer_runs_in_one_backward(model) -> int:
-    """How often the first decoder layer's MLP starts in one forward + backward of the update's log-prob pass: twice
-    when the layer is recomputed in the backward (checkpointed), once when its activations were kept. A pre-hook:
-    torch stops a recompute once the last saved tensor is made again, before the MLP's forward returns."""
+def layer_runs_in_one_backward(model, critic: bool = False) -> int:
+    """How often the first decoder layer's MLP starts in one forward + backward of the update's log-prob pass (or the
+    critic's values): twice when the layer is recomputed in the backward (checkpointed), once when its activations
+    were kept. A pre-hook: torch stops a recompute once the last saved tensor is made again, before the MLP's forward
+    returns."""
     runs = []
-    handle = decoder_layers(model)[0].mlp.register_forward_pre_hook(lambda *args: runs.append(1))
+    handle = decoder_layers(model.backbone if critic else model)[0].mlp.register_forward_pre_hook(
+        lambda *args: runs.append(1))
     ids = torch.randint(3, 20, (2, 12), generator=torch.Generator().manual_seed(0))
-    logp, _ = response_logprobs(model, ids, torch.ones_like(ids), torch.arange(12).expand(2, 12), 4, real_tokens=24)
-    logp.sum().backward()
+    positions = torch.arange(12).expand(2, 12)
+    if critic:
+        model(ids, torch.ones_like(ids), positions).sum().backward()
+    else:
+        logp, _ = response_logprobs(model, ids, torch.ones_like(ids), positions, 4, real_tokens=24)
+        logp.sum().backward()
     model.zero_grad(set_to_none=True)
     handle.remove()
     return len(runs)
@@ -34,11 +41,14 @@ def test_a_loaded_model_is_checkpointed_exactly_when_asked(tmp_path, checkpointi
     loaded = load_hf_model(str(tmp_path / "model"))
     assert not loaded.model.training  # what makes the case: transformers hands a loaded model over in eval mode
     trainer = RLTrainer(actor=loaded, reward_fn=contains_seven,
-                        dataset=PromptDataset(toy_prompts(), loaded.tokenizer, max_length=16),
+                        dataset=PromptDataset(toy_prompts(), loaded.tokenizer, max_length=16), algorithm__name="ppo",
                         model__gradient_checkpointing=checkpointing, trainer__device="cpu", trainer__total_steps=1,
                         trainer__prompts_per_step=2, rollout__num_samples_per_prompt=2, rollout__max_new_tokens=4,
                         trainer__save_model=False, trainer__output_dir=str(tmp_path / "run"), logging__sinks=[])
-    model = trainer.parts.actor
-    assert layer_runs_in_one_backward(model) == (2 if checkpointing else 1)
+    model, critic = trainer.parts.actor, trainer.parts.critic
+    expected = 2 if checkpointing else 1
+    assert layer_runs_in_one_backward(model) == expected
+    assert layer_runs_in_one_backward(critic, critic=True) == expected  # PPO's critic: a copy, made in eval mode
     trainer.step()  # a rollout switches the model to generation and back: still checkpointed after it
-    assert layer_runs_in_one_backward(model) == (2 if checkpointing else 1)
+    assert layer_runs_in_one_backward(model) == expected
+    assert layer_runs_in_one_backward(critic, critic=True) == expected

@@ -211,7 +211,11 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
     critic = None
     if config.algorithm.name == "ppo":  # copies are made before sharding
         critic_base = model if not config.critic.path else load_hf_model(config.critic.path, dtype=m.dtype, device=device).model
-        critic = fsdp.parallelize(ValueModel(make_reference(critic_base).requires_grad_(True)).to(device), setup)
+        critic = ValueModel(make_reference(critic_base).requires_grad_(True))
+        if m.gradient_checkpointing:  # the copy comes in eval mode, a critic.path model without it: as for the actor
+            enable_activation_checkpointing(critic.backbone)
+            critic.train()
+        critic = fsdp.parallelize(critic.to(device), setup)
     if reference is not None and not m.lora_rank:
         reference = fsdp.parallelize(reference, setup)
     model = fsdp.parallelize(model, setup)
