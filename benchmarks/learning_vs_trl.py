@@ -4,6 +4,7 @@ reward and settings, several seeds run one after another (interleaved), held-out
     python3 -m venv /tmp/trl-venv && /tmp/trl-venv/bin/pip install torch==2.13.0 trl   # TRL apart from hybridrl
     python -m benchmarks.learning_vs_trl                       # the demo task, seeds 0 1 2, 60 steps
     python -m benchmarks.learning_vs_trl --task clean          # the clean-teacher task (no trailing periods)
+    python -m benchmarks.learning_vs_trl --task carry          # the teacher slips on carries: RL must fix the arithmetic
     python -m benchmarks.learning_vs_trl --dry-run             # print the plan and the worker commands only
     python -m benchmarks.learning_vs_trl --sides hybridrl --hybridrl-overrides algorithm.dynamic_sampling=true
     python -m benchmarks.learning_vs_trl --tiny --sides hybridrl   # a tiny random model, 2 steps: checks the script
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.greedy_accuracy import greedy_accuracy, read_rows, sampled_pass_rates
-from hybridrl.cli import DEMO_CONFIGS, DEMO_PERIOD_RATE
+from hybridrl.cli import DEMO_CONFIGS, DEMO_TEACHERS
 from hybridrl.config.loading import load_config
 from hybridrl.data.tasks import write_arithmetic_task
 from hybridrl.models.loading import build_tiny_model, save_hf_model
@@ -42,9 +43,10 @@ from hybridrl.training.sft import run_sft
 from hybridrl.training.trainer import RLTrainer
 
 ROOT = Path(__file__).resolve().parent.parent
-TASKS = {  # name -> (teacher's period rate, extra SFT overrides)
-    "demo": (DEMO_PERIOD_RATE, []),
-    "clean": (0.0, ["sft.max_steps=2000"]),  # examples/clean_teacher_experiment.sh's SFT
+TASKS = {  # name -> (the teacher's slips: write_arithmetic_task's keyword arguments, extra SFT overrides)
+    "demo": (DEMO_TEACHERS["arithmetic"], []),
+    "clean": ({}, ["sft.max_steps=2000"]),  # examples/clean_teacher_experiment.sh's SFT
+    "carry": (DEMO_TEACHERS["carry"], []),  # the teacher forgets carries and borrows (tasks.slipped_answer)
 }
 SIDES = ("hybridrl", "trl")
 TRL_VENV_HINT = "python3 -m venv /tmp/trl-venv && /tmp/trl-venv/bin/pip install torch==2.13.0 trl"
@@ -77,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the Python of TRL's virtual environment (made by: {TRL_VENV_HINT})")
     parser.add_argument("--sft-model", help="an SFT model directory to start from (default: made by the demo's SFT)")
     parser.add_argument("--out-dir", default="runs/learning_vs_trl")
+    parser.add_argument("--save-models", action="store_true",
+                        help="hybridrl's side saves each seed's final policy under <out-dir>/<task>/hybridrl_seed<N>/model "
+                             "(for benchmarks/skill_task.py)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the worker commands, run nothing")
     parser.add_argument("--tiny", action="store_true",
                         help="a tiny random model, 64 problems, 2 steps: checks the script, measures nothing")
@@ -114,7 +119,7 @@ def spec_for(args: argparse.Namespace, seed: int, model: str, data: dict[str, Pa
             "steps": args.steps, "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
             "lr": args.lr, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
             "eval_every": args.eval_every, "max_eval_samples": args.max_eval_samples, "threads": args.threads,
-            "pass_k": args.pass_k, "hybridrl_overrides": list(args.hybridrl_overrides)}
+            "pass_k": args.pass_k, "hybridrl_overrides": list(args.hybridrl_overrides), "save_model": args.save_models}
 
 
 def worker_command(side: str, spec: dict, out: Path, trl_python: str) -> list[str]:
@@ -166,15 +171,17 @@ def run_hybridrl(spec: dict) -> dict:
         rewards.append(float(metrics["reward/mean"]))
         if due(step, spec["eval_every"], spec["steps"]):
             evaluate(step)
+    if spec.get("save_model"):
+        save_hf_model(model, tokenizer, Path(spec["out_dir"]) / "model")
     return {"side": "hybridrl", "seed": spec["seed"], "accuracy": accuracy, "sampled": sampled,
             "train_seconds": seconds, "reward_per_step": rewards}
 
 
 def prepare(args: argparse.Namespace, out: Path) -> tuple[Path, dict[str, Path]]:
     """The task's data and its SFT model (made once, reused when present)."""
-    period_rate, sft_overrides = TASKS[args.task]
+    teacher, sft_overrides = TASKS[args.task]
     sizes = {"num_train": 64, "num_eval": 16} if args.tiny else {}
-    data = write_arithmetic_task(out / "data", period_rate=period_rate, **sizes)
+    data = write_arithmetic_task(out / "data", **teacher, **sizes)
     if args.sft_model:
         return Path(args.sft_model), data
     model_dir = out / "sft" / "model"

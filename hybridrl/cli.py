@@ -42,7 +42,11 @@ DEMO_CONFIGS = Path(__file__).resolve().parent / "config" / "demo"
 """The demo's SFT, GRPO and PPO configs: package data, so `hybridrl demo` runs from an installed wheel too
 (examples/arithmetic_*.yaml link to them)."""
 DEMO_PERIOD_RATE = 0.5  # see tasks.py: half the SFT answers end with a period the verifier rejects
-DEMO_DIRS = {"arithmetic": "demo", "tools": "demo_tools"}
+DEMO_SLIP_RATE = 0.3  # see tasks.py: the teacher forgets the carry or borrow on this share of the problems needing one
+DEMO_TEACHERS = {"arithmetic": {"period_rate": DEMO_PERIOD_RATE}, "carry": {"slip_rate": DEMO_SLIP_RATE}}
+"""The arithmetic demos' teachers (write_arithmetic_task's keyword arguments): `arithmetic` slips in the answer's
+format, `carry` in the arithmetic itself (docs/benchmarks.md#rl-on-the-arithmetic-skill-the-carry-task)."""
+DEMO_DIRS = {"arithmetic": "demo", "carry": "demo_carry", "tools": "demo_tools"}
 """The demo's tasks and their default output directories under runs/."""
 DEMO_TOOL_RATE = 0.4  # see tool_task.py: the teacher calls calc on this share of problems
 DEMO_TOOL_TRAIN, DEMO_TOOL_EVAL = 4000, 200
@@ -109,7 +113,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def demo_arithmetic(args: argparse.Namespace, out: Path) -> None:
     start = time.time()
-    data = write_arithmetic_task(out / "data", period_rate=DEMO_PERIOD_RATE)
+    data = write_arithmetic_task(out / "data", **DEMO_TEACHERS[args.task])
     data_overrides = [f"data.train_path={data['train']}", f"data.eval_path={data['eval']}"]
     sft_model = out / "sft" / "model"
     if (sft_model / "config.json").is_file():
@@ -201,9 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.set_defaults(fn=cmd_make_data)
     demo = commands.add_parser("demo", help="the CPU demo: SFT a tiny model on arithmetic (or a tool task), then RL it")
     demo.add_argument("--task", choices=list(DEMO_DIRS), default="arithmetic",
-                      help="tools: multiplication with a calc tool, multi-turn episodes")
+                      help="carry: a teacher that forgets carries, so RL must improve the arithmetic itself; "
+                           "tools: multiplication with a calc tool, multi-turn episodes")
     demo.add_argument("--algorithm", choices=["grpo", "ppo"], default="grpo")
-    demo.add_argument("--out-dir", default=None, help="default runs/demo (arithmetic), runs/demo_tools (tools)")
+    demo.add_argument("--out-dir", default=None, help="default runs/demo (arithmetic), runs/demo_carry, runs/demo_tools")
     demo.add_argument("overrides", nargs="*", help="dotted overrides applied to both stages")
     demo.set_defaults(fn=cmd_demo)
     export = commands.add_parser("export", help="write a checkpoint's actor as a Hugging Face model directory")
