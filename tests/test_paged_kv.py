@@ -250,17 +250,3 @@ def test_paged_engine_on_cuda(monkeypatch):
         assert stats["attention"] == "paged-triton" and stats["graphs_captured"] >= 1
         assert_same_samples(paged, contiguous, allowed_boundary_flips=1)  # summation orders differ
     assert stats["preemptions"] > 0
-
-
-def test_multi_turn_is_refused_on_the_paged_layout_in_one_sentence():
-    """Episodes grow by observations, which the paged layout does not prefill yet: refused before anything runs
-    (`build_rollout` keeps `auto` contiguous when an environment is configured)."""
-    from test_multiturn import TOKENIZER, sessions
-
-    from hybridrl.envs.rendering import ObservationRenderer
-    from hybridrl.rollout.multiturn import EpisodeBudget
-
-    engine = BuiltinBackend(make_model("llama"), tokenizer=TOKENIZER, kv_cache="paged")
-    with pytest.raises(ValueError, match="per-slot KV layout.*kv_cache=contiguous"):
-        engine.generate_episodes(sessions(), ObservationRenderer(TOKENIZER),
-                                 SamplingParams(max_new_tokens=4, temperature=0), EpisodeBudget())

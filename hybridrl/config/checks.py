@@ -242,7 +242,3 @@ def validate_env(config: Config) -> None:
     _require(config.rollout.engine.attention != "triton",
              "rollout.engine.attention=triton keeps one response per KV slot and cannot continue an episode with "
              "observations; use rollout.engine.attention=auto or sdpa with env.environment or env.tools.")
-    _require(config.rollout.backend == "hf" or config.rollout.engine.kv_cache != "paged",
-             "rollout.engine.kv_cache=paged cannot yet continue an episode with observation tokens (the built-in "
-             "engine refuses it at the first rollout); use rollout.engine.kv_cache=auto or contiguous with "
-             "env.environment or env.tools.")

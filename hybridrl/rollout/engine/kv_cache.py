@@ -113,6 +113,13 @@ class SlotKVCache:
     def free(self, slots: torch.Tensor) -> None:
         """Nothing to do: a slot's KV is simply overwritten by its next sequence."""
 
+    def begin_sequences(self, slots: torch.Tensor, prompt_lens: torch.Tensor) -> None:
+        """Nothing to record: the per-slot state's `prompt_len` says where each slot's prompt ends."""
+
+    def extend_access(self, slots: torch.Tensor, kv_end: int) -> None:
+        """None: `extend` writes and reads a per-slot cache itself."""
+        return None
+
     def allocator(self) -> None:
         """No blocks to allocate: slots are the unit."""
         return None
@@ -170,6 +177,7 @@ class PrefixSharedKVCache:
 
     prompt_store, free, allocator, write_blocks = (SlotKVCache.prompt_store, SlotKVCache.free, SlotKVCache.allocator,
                                                    SlotKVCache.write_blocks)
+    begin_sequences, extend_access = SlotKVCache.begin_sequences, SlotKVCache.extend_access
 
     def decode(self, w: ModelWeights, cos: torch.Tensor, sin: torch.Tensor, tokens: torch.Tensor,
                prompt_len: torch.Tensor, gen_len: torch.Tensor, prompt_entry: torch.Tensor, kv_len: int,
@@ -205,6 +213,9 @@ class PagedKVCache:
                                 device=device)
         self.block_table = torch.zeros(num_slots, self.prompt_columns + blocks_for(g.max_new_tokens, block_size),
                                        dtype=torch.long, device=device)
+        # Each slot's own prompt length: the per-slot state's `prompt_len` counts every token before the current
+        # turn (multi-turn), but the table's prompt columns hold the prompt only and the rest sits in response ones.
+        self.prompt_lens = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.attention = functools.partial(attention, prompt_columns=self.prompt_columns)
 
     @staticmethod
@@ -246,21 +257,71 @@ class PagedKVCache:
                                                  self.block_table.device)
             self.block_table[slot, column] = block
 
+    def begin_sequences(self, slots: torch.Tensor, prompt_lens: torch.Tensor) -> None:
+        """Record where the prompt of each newly prefilled slot ends (see `decode`)."""
+        self.prompt_lens[slots] = prompt_lens
+
     def decode(self, w: ModelWeights, cos: torch.Tensor, sin: torch.Tensor, tokens: torch.Tensor,
                prompt_len: torch.Tensor, gen_len: torch.Tensor, prompt_entry: torch.Tensor, kv_len: int,
                functions: DecodeFunctions) -> torch.Tensor:
-        """Logits (B, V) of one decode step, attention through the block table (`kv_len`, `prompt_entry` unused)."""
+        """Logits (B, V) of one decode step, attention through the block table (`kv_len`, `prompt_entry` unused).
+        The attention reads [0, prompt) from the prompt columns and the rest (earlier turns and observations, then
+        this turn's tokens) from the response columns: prompt + response = prompt_len + gen_len, as decode's."""
         batch = tokens.shape[0]
+        prompt = self.prompt_lens[:batch]
         return decode_logits_prefix_shared(w, self.pool, self.pool, cos, sin, tokens, self.block_table[:batch],
-                                           prompt_len, gen_len, self.attention, functions)
+                                           prompt, prompt_len + gen_len - prompt, self.attention, functions)
+
+    def extend_access(self, slots: torch.Tensor, kv_end: int) -> Callable:
+        """`extend`'s KV write and read through the block table (multi-turn resumes; see `llama_forward.extend`):
+        given positions (P, L) and lengths (P,), write(layer, kv (2, P, L, Hkv, D)) stores each row's new K/V in the
+        response blocks the scheduler grew for it (padding past a row's length goes to scratch) and read(layer)
+        returns (2, P, Hkv, kv_end, D), the keys of positions [0, kv_end) of each row's slot in order (those past a
+        slot's blocks come from scratch, masked by `extend`). Both index a flat view of the layer's pool."""
+        block_size, width = self.block_size, self.block_table.shape[1]
+        table, prompt = self.block_table[slots], self.prompt_lens[slots][:, None]  # (P, columns), (P, 1)
+        heads = torch.arange(self.pool.shape[3], device=slots.device)
+
+        def flat_index(blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+            return (blocks[..., None] * heads.numel() + heads) * block_size + offsets[..., None]  # (..., Hkv)
+
+        def place(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """Block and row of each position (P, N) of the rows' slots: prompt columns, then response ones."""
+            response = positions - prompt
+            in_prompt = response < 0
+            columns = torch.where(in_prompt, positions // block_size, self.prompt_columns + response // block_size)
+            offsets = torch.where(in_prompt, positions, response) % block_size
+            return table.gather(1, columns.clamp(0, width - 1)), offsets
+
+        keys = torch.arange(kv_end, device=slots.device).expand(len(slots), kv_end)
+        key_blocks, key_offsets = place(keys)
+        source = flat_index(key_blocks, key_offsets).transpose(1, 2)  # (P, Hkv, K)
+
+        def access(positions: torch.Tensor, lengths: torch.Tensor):
+            blocks, offsets = place(positions)
+            padding = torch.arange(positions.shape[1], device=slots.device) >= lengths[:, None]
+            destination = flat_index(blocks.masked_fill(padding, 0), offsets)  # (P, L, Hkv)
+            head_dim = self.pool.shape[-1]
+
+            def write(layer_index: int, kv: torch.Tensor) -> None:
+                self.pool[layer_index].view(2, -1, head_dim)[:, destination] = kv
+
+            def read(layer_index: int) -> torch.Tensor:
+                return self.pool[layer_index].view(2, -1, head_dim)[:, source]
+            return write, read
+        return access
 
     def move(self, source: torch.Tensor, destination: torch.Tensor) -> None:
-        """Compaction moves table rows only: the blocks stay where they are (`free` then resets the sources)."""
+        """Compaction moves table rows (and prompt lengths) only: the blocks stay where they are (`free` then resets
+        the sources)."""
         self.block_table[destination] = self.block_table[source]
+        self.prompt_lens[destination] = self.prompt_lens[source]
 
     def free(self, slots: torch.Tensor) -> None:
-        """Point freed slots' rows at the scratch block: a decode step still writes their (stale) KV."""
+        """Point freed slots' rows at the scratch block: a decode step still writes their (stale) KV (at response
+        row 0: the per-slot state parks them at position 0, and their prompt length is 0 too)."""
         self.block_table.index_fill_(0, slots, 0)
+        self.prompt_lens.index_fill_(0, slots, 0)
 
     @property
     def is_cuda(self) -> bool:

@@ -29,6 +29,7 @@ every resume wave brings new shapes. `extend_reference` is its slow, obviously r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -317,7 +318,7 @@ def compiled_decode_functions() -> DecodeFunctions:
 
 def extend(w: ModelWeights, kv_cache: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
            input_ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
-           kv_end: int, functions: DecodeFunctions = EAGER_DECODE) -> torch.Tensor:
+           kv_end: int, functions: DecodeFunctions = EAGER_DECODE, access: Callable | None = None) -> torch.Tensor:
     """Continue slots of the per-slot cache (the multi-turn resume: only new tokens are computed). Row p feeds
     `input_ids[p, :lengths[p]]` (P, L right-padded) at positions starts[p].., writes their KV into slot slots[p]
     there, and attends to every earlier position the slot holds and causally among its new ids; `kv_end` >= every
@@ -334,25 +335,43 @@ def extend(w: ModelWeights, kv_cache: torch.Tensor, cos_table: torch.Tensor, sin
     kernels, ~5.7 GB of traffic, ~137 GB over 24 layers (~33 ms at 4.2 TB/s before any inefficiency), beside the
     projections' and MLP's ~12 TFLOP (~16 ms at peak). Compiled, those five are one pass (read the bf16 scores,
     write bf16 weights: ~1.1 GB per layer) and norm/RoPE/fold, SiLU-mul and residuals fuse; the gather of the slots'
-    K/V is ~0.3 GB per layer."""
+    K/V is ~0.3 GB per layer.
+
+    `access(positions, lengths)` -> (write(layer, kv), read(layer)) replaces those two indexing ops for another
+    cache layout (the paged one: `PagedKVCache.extend_access`; `kv_cache` is then unused)."""
     num_rows, length = input_ids.shape
     if w.sliding_window is not None and kv_end > w.sliding_window:
         raise ValueError(f"an episode of {kv_end} tokens exceeds the model's sliding window {w.sliding_window}.")
-    num_kv_heads, max_len, head_dim = kv_cache.shape[3], kv_cache.shape[4], kv_cache.shape[5]
+    # Padding positions stay inside the per-slot cache; the RoPE table covers every position of the call.
+    max_len = kv_cache.shape[4] if access is None else cos_table.shape[0]
     positions = (starts[:, None] + torch.arange(length, device=input_ids.device)).clamp_(max=max_len - 1)  # (P, L)
-    heads = torch.arange(num_kv_heads, device=input_ids.device)
-    # Where token (p, l) of KV head j goes in a layer's cache seen as (2, slots * Hkv * max_len, D): (P, L, Hkv).
-    destination = (slots[:, None, None] * num_kv_heads + heads) * max_len + positions[:, :, None]
+    write, read = (access or functools.partial(_per_slot_access, kv_cache, slots, kv_end))(positions, lengths)
     h = F.embedding(input_ids, w.embed)  # (P, L, hidden)
     cos, sin = cos_table[positions], sin_table[positions]  # (P, L, D)
     for layer_index, lw in enumerate(w.layers):
         lw = unpacked(lw)
         q, kv = functions.extend_inputs(w, lw, h, cos, sin)
-        layer_cache = kv_cache[layer_index]  # (2, slots, Hkv, max_len, D)
-        layer_cache.view(2, -1, head_dim)[:, destination] = kv
-        h = functions.extend_attention_and_mlp(w, lw, h, q, layer_cache[:, slots, :, :kv_end], positions)
+        write(layer_index, kv)
+        h = functions.extend_attention_and_mlp(w, lw, h, q, read(layer_index), positions)
     last = h[torch.arange(num_rows, device=h.device), lengths - 1]  # (P, hidden)
     return functions.final_logits(w, last, ()).float()
+
+
+def _per_slot_access(kv_cache: torch.Tensor, slots: torch.Tensor, kv_end: int, positions: torch.Tensor,
+                     lengths: torch.Tensor):
+    """`extend`'s KV write and read on the per-slot cache (layers, 2, slots, Hkv, max_len, D): one `index_put` into a
+    flat view of the layer's cache (index made once per call), one gather of the rows' slots up to kv_end."""
+    num_kv_heads, max_len, head_dim = kv_cache.shape[3], kv_cache.shape[4], kv_cache.shape[5]
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    # Where token (p, l) of KV head j goes in a layer's cache seen as (2, slots * Hkv * max_len, D): (P, L, Hkv).
+    destination = (slots[:, None, None] * num_kv_heads + heads) * max_len + positions[:, :, None]
+
+    def write(layer_index: int, kv: torch.Tensor) -> None:
+        kv_cache[layer_index].view(2, -1, head_dim)[:, destination] = kv
+
+    def read(layer_index: int) -> torch.Tensor:
+        return kv_cache[layer_index, :, slots, :, :kv_end]
+    return write, read
 
 
 def _decode_layers(w: ModelWeights, tokens: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,

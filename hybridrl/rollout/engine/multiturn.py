@@ -30,8 +30,11 @@ Where multi-turn time goes besides decoding, and what the loop does about it:
 
 Choices:
 - The prefix-shared layout (attention="triton") stores one response of `max_new_tokens` per slot after a shared
-  prompt, so a sequence cannot grow by observations there: multi-turn is refused with it, and with the paged
-  layout, whose prefill of observations onto a sequence's blocks is not written yet.
+  prompt, so a sequence cannot grow by observations there: multi-turn is refused with it. The paged layout
+  (kv_cache="paged") keeps an episode's prompt in its shared blocks and the rest in blocks taken as it grows (the
+  observation's prefill writes and reads through the block table). A paused episode keeps its blocks and an
+  episode past its first turn cannot start over from its prompt, so an episode is admitted only while the blocks
+  of every admitted episode at its longest fit (`Scheduler._episode_fits`): no preemption, no refusal mid-run.
 - Each resumed turn draws its uniforms from a CPU generator seeded by (seed, episode, turn), so a seeded run gives
   the same episodes whatever order the environments answer in (on a GPU not the draws a CUDA generator would make:
   hundreds of CUDA generators per wave cost a launch each, on the host, while the device waits).
@@ -49,7 +52,7 @@ import torch
 from hybridrl.envs.episode import Episode
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.kernel_choices import attention_path
-from hybridrl.rollout.engine.kv_cache import SlotKVCache
+from hybridrl.rollout.engine.kv_cache import PrefixSharedKVCache
 from hybridrl.rollout.engine.scheduler import Scheduler
 from hybridrl.rollout.multiturn import EpisodeRun, close_runs
 
@@ -65,11 +68,10 @@ class EpisodeLoop:
 
     def __init__(self, backend, runs: list[EpisodeRun], params: SamplingParams, stop_ids: list[int], budget) -> None:
         device = next(backend.model.parameters()).device
-        if attention_path(backend.options.attention, device, backend.options.kv_cache).layout is not SlotKVCache:
-            raise ValueError("multi-turn episodes need the per-slot KV layout, since the prefix-shared one "
-                             "(attention='triton') keeps a single response per slot and the paged one "
-                             "(kv_cache='paged') does not yet continue a sequence with observation tokens; use "
-                             "rollout.engine.attention=sdpa and rollout.engine.kv_cache=contiguous.")
+        if attention_path(backend.options.attention, device, backend.options.kv_cache).layout is PrefixSharedKVCache:
+            raise ValueError("multi-turn episodes need the per-slot KV layout or the paged one, since the prefix-shared "
+                             "one (attention='triton') keeps a single response per slot; use "
+                             "rollout.engine.attention=sdpa or rollout.engine.kv_cache=paged.")
         self.backend, self.runner, self.runs, self.params = backend, backend.runner, runs, params
         self.stop_ids = stop_ids
         distinct: dict[tuple[int, ...], int] = {}
@@ -84,8 +86,10 @@ class EpisodeLoop:
         runner, params = self.runner, self.params
         num_slots = runner.begin(self.prompts, params, self.stop_ids, num_sequences=len(self.runs),
                                  max_len=self.budget.max_episode_tokens)
-        # One sequence per episode; its index is the episode's.
-        scheduler = Scheduler(self.prompt_of, [len(p) for p in self.prompts], num_slots)
+        # One sequence per episode; its index is the episode's. Paged: blocks are taken as episodes grow.
+        scheduler = Scheduler(self.prompt_of, [len(p) for p in self.prompts], num_slots, runner.block_allocator(),
+                              self.backend.sync_every, params.max_new_tokens,
+                              episode_tokens=self.budget.max_episode_tokens)
         self.pending: dict[asyncio.Task, int] = {}  # environment step -> slot
         self.started_at: dict[asyncio.Task, float] = {}  # environment step -> when the harvest started it
         self.ready: list[tuple[int, list[int]]] = []  # slot -> observation ids to prefill
@@ -96,8 +100,10 @@ class EpisodeLoop:
                 if admitted:
                     for sequence in admitted:
                         sequence.limit = self.runs[sequence.index].turn_limit(params.max_new_tokens)
+                    self._apply_blocks(scheduler, [])
                     runner.prefill(self.prompts, admitted)
                 self._resume(scheduler)  # 3.
+                self._apply_blocks(scheduler, scheduler.reserve())  # paged: blocks for the next window
                 if scheduler.live:
                     steps = scheduler.steps_until_sync(self.backend.sync_every, params.max_new_tokens)  # 4.
                     started = time.perf_counter()
@@ -120,6 +126,7 @@ class EpisodeLoop:
                 task.cancel()
             # An environment step cancelled here may still run in its thread; close() must not start beside it.
             await asyncio.gather(*self.pending, return_exceptions=True)
+            runner.record_blocks(scheduler.blocks, scheduler.preemptions, scheduler.preempted_tokens)
             self.backend.last_stats = runner.end(finished, release=self.backend.release_after_generate)
             self.backend.last_stats.update(resume_waves=self.resume_waves, decode_blocks=self.decode_blocks)
             await close_runs(self.runs)
@@ -142,21 +149,28 @@ class EpisodeLoop:
             if not answered:
                 return
 
+    def _apply_blocks(self, scheduler: Scheduler, preempted: list) -> None:
+        """Paged: write the block-table rows the scheduler changed, then park the preempted sequences' slots (after
+        the writes: one admitted in this pass has writes of its own pending)."""
+        self.runner.write_blocks(scheduler.blocks.take_writes() if scheduler.blocks else [])
+        self.runner.free([sequence.slot for sequence in preempted])
+
     def _resume(self, scheduler: Scheduler) -> None:
-        resumes = []
+        resumes, preempted = [], []
         for slot, ids in self.ready:
             episode_index = scheduler.paused[slot].index
             run = self.runs[episode_index]
             start = run.num_tokens - len(ids) - 1  # the last sampled token's position: its KV is not written yet
             generator = torch.Generator()  # on the host: see `ModelRunner.extend`
             generator.manual_seed(self.seed * _SEED_STRIDE + episode_index * 1009 + run.episode.num_turns)
-            resumes.append((slot, [run.last_turn_ids[-1], *ids], start, generator))
+            fed = [run.last_turn_ids[-1], *ids]
+            resumes.append((slot, fed, start, generator))
+            # Before the prefill: the paged layout takes the blocks it writes here.
+            preempted += scheduler.resume(slot, start + len(fed), run.turn_limit(self.params.max_new_tokens))
+        self._apply_blocks(scheduler, preempted)
         if resumes:
             self.runner.extend(resumes)
             self.resume_waves += 1
-        for slot, fed, start, _ in resumes:
-            scheduler.resume(slot, start + len(fed), self.runs[scheduler.paused[slot].index].turn_limit(
-                self.params.max_new_tokens))
         self.ready = []
 
     async def _harvest(self, scheduler: Scheduler) -> None:

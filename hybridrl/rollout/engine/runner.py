@@ -161,15 +161,20 @@ class ModelRunner:
         timeline = Timeline(next(self.model.parameters()).device)
         weights, dequantized = self._weights()
         device, dtype = weights.lm_head.device, weights.lm_head.dtype
-        longest = max(max(map(len, prompts)), (max_len or 0) - params.max_new_tokens)
+        path = attention_path(self.options.attention, device, self.options.kv_cache)
+        longest, new_tokens = max(map(len, prompts)), params.max_new_tokens
+        if max_len is not None and path.layout is PagedKVCache:
+            # A paged episode keeps its prompt in the prompt columns and everything after it (turns, observations)
+            # in the response columns, which must hold what the shortest prompt leaves of the episode.
+            new_tokens = max(new_tokens, max_len - min(map(len, prompts)))
+        elif max_len is not None:
+            longest = max(longest, max_len - params.max_new_tokens)
         geometry = CacheGeometry(len(weights.layers), weights.num_kv_heads, weights.head_dim,
-                                 torch.empty(0, dtype=dtype).element_size(), longest,
-                                 params.max_new_tokens, len(prompts))
+                                 torch.empty(0, dtype=dtype).element_size(), longest, new_tokens, len(prompts))
         # Both layouts rely on this: within the window no key is ever hidden, so neither applies one.
         if weights.sliding_window is not None and geometry.max_len > weights.sliding_window:
             raise ValueError(f"prompt + max_new_tokens ({geometry.max_len}) exceeds the model's sliding window "
                              f"({weights.sliding_window}); the built-in engine does not implement windowed caches.")
-        path = attention_path(self.options.attention, device, self.options.kv_cache)
         num_sequences = num_sequences or len(prompts) * params.n
         num_slots = self._allocate(geometry, path, num_sequences, device, dtype)
         settings = SamplerSettings(params.temperature, params.top_k, params.top_p, params.min_p)
@@ -348,6 +353,7 @@ class ModelRunner:
         tokens, logprobs = sample(logits[rows_t], run.settings, uniforms[:, 0])
         state.last_token[slots_t] = tokens
         state.prompt_len[slots_t] = lengths[rows_t]
+        run.cache.begin_sequences(slots_t, lengths[rows_t])
         state.prompt_entry[slots_t] = entries
         state.gen_len.index_fill_(0, slots_t, 1)  # not `[slots_t] = 1`: that synchronizes (see `free`)
         state.out_tokens[slots_t, 0] = tokens
@@ -377,9 +383,10 @@ class ModelRunner:
         slots, lengths, starts = on_device
         # Bucketed like decode's key length: keys past a row's own positions are masked anyway, and compiled
         # `extend` pieces then meet a handful of key lengths over a run.
-        kv_end = self.kv_len(max(start + len(ids) for _, ids, start, _ in resumes))
-        logits = extend(run.weights, run.cache.kv, run.cos, run.sin, host_to_device(input_ids, device), lengths,
-                        starts, slots, kv_end, run.functions)
+        kv_end = self._key_bucket(max(start + len(ids) for _, ids, start, _ in resumes))
+        logits = extend(run.weights, getattr(run.cache, "kv", None), run.cos, run.sin,
+                        host_to_device(input_ids, device), lengths, starts, slots, kv_end, run.functions,
+                        access=run.cache.extend_access(slots, kv_end))
         # Drawn on the host while the device runs the forward: the generators are CPU ones (a wave has hundreds,
         # and a CUDA generator costs a launch per draw); one copy takes them over.
         uniforms = host_to_device(torch.stack([torch.rand(state.max_new_tokens, generator=generator)
@@ -402,8 +409,9 @@ class ModelRunner:
         """Key-length bucket of decode steps that reach position `furthest` at most (per-slot layout; 0 for
         prefix-shared, which stops at each slot's own lengths): keys beyond it are never read, and bucketing keeps
         the number of CUDA graphs small."""
-        if not self.run.cache.reads_kv_len:
-            return 0
+        return self._key_bucket(furthest) if self.run.cache.reads_kv_len else 0
+
+    def _key_bucket(self, furthest: int) -> int:
         max_len = self.run.cos.shape[0]  # the RoPE table covers every position of the call
         return min(max_len, -(-furthest // KV_LEN_BUCKET) * KV_LEN_BUCKET)
 

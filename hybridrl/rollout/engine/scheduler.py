@@ -54,6 +54,9 @@ class SequenceSlot:
     forced response lengths)."""
     admitted_at: int = 0
     """Admission order (paged layout: the youngest live sequences are preempted first)."""
+    context: int = 0
+    """Multi-turn: tokens after the prompt and before the current turn (earlier turns and observations), whose KV
+    the paged layout keeps in the sequence's response blocks; 0 in a first turn, which alone may be preempted."""
 
 
 def prompt_entries_needed(num_prompts: int, num_slots: int) -> int:
@@ -100,21 +103,24 @@ class Scheduler:
 
     def __init__(self, prompt_indices: list[int], prompt_lens: list[int], num_slots: int,
                  blocks: BlockAllocator | None = None, window: int = 1, max_new_tokens: int = 1,
-                 limits: Sequence[int] | None = None, limits_at_sync: bool = False) -> None:
+                 limits: Sequence[int] | None = None, limits_at_sync: bool = False,
+                 episode_tokens: int | None = None) -> None:
         """`blocks` (paged layout) with `window`, the decode steps between syncs, and `max_new_tokens`: admission and
         growth by blocks. `limits`: per-sequence caps on response tokens. `limits_at_sync`: a sequence's limit is
         checked at the syncs only, so it may run past it until the next one (the extra tokens are dropped), as a
-        sequence that stops on EOS idles until then; otherwise (multi-turn turns) a sync falls due at every limit."""
+        sequence that stops on EOS idles until then; otherwise (multi-turn turns) a sync falls due at every limit.
+        `episode_tokens` (paged multi-turn): admit an episode only while the blocks every admitted episode could
+        still take to reach this many tokens stay free (see `_blocks_fit`)."""
         self.waiting = deque(SequenceSlot(i, p, prompt_lens[p], limit=None if limits is None else limits[i])
                              for i, p in enumerate(prompt_indices))
-        self.num_slots = num_slots
+        self.num_slots, self.prompt_lens = num_slots, prompt_lens
         self.buckets = batch_buckets(num_slots)
         self.free_slots = list(range(num_slots))  # a min-heap
         self.live: dict[int, SequenceSlot] = {}  # slot -> sequence
         self.paused: dict[int, SequenceSlot] = {}  # slot -> sequence waiting for its observation (multi-turn)
         self.entries = PromptEntries(prompt_entries_needed(len(set(prompt_indices)), num_slots))
         self.blocks, self.window, self.max_new_tokens = blocks, window, max_new_tokens
-        self.limits_at_sync = limits_at_sync
+        self.limits_at_sync, self.episode_tokens = limits_at_sync, episode_tokens
         self.admissions = self.preemptions = self.preempted_tokens = 0
 
     @property
@@ -145,38 +151,75 @@ class Scheduler:
         """Response KV rows the sequence fills by the end of its next decode window: a step writes the KV of the
         token it feeds, so after s steps from `generated` the rows are generated - 1 + s."""
         limit = self._limit(sequence, self.max_new_tokens)
-        return sequence.generated - 1 + min(self.window, limit - sequence.generated)
+        return sequence.context + sequence.generated - 1 + min(self.window, limit - sequence.generated)
 
     def _blocks_fit(self, sequence: SequenceSlot) -> bool:
         """Paged: whether admitting `sequence` leaves its first window and a 1% watermark free (no watermark when
         nothing runs, so one sequence always fits: `begin` refused any longer than the pool)."""
         if self.blocks is None:
             return True
+        if self.episode_tokens is not None:
+            return self._episode_fits(sequence)
         blocks, first_window = self.blocks, min(self.window, self._limit(sequence, self.max_new_tokens) - 1)
         need = blocks.prompt_cost(sequence.prompt_index, sequence.prompt_len) + \
             blocks_for(first_window, blocks.block_size)
         watermark = blocks.num_usable // 100 if self.live else 0
         return need + watermark <= len(blocks.free)
 
+    def _episode_fits(self, sequence: SequenceSlot) -> bool:
+        """Multi-turn: whether the free blocks hold this episode at its longest and what every admitted one could
+        still take. An episode past its first turn cannot start over from its prompt and a paused one's blocks
+        stay with it, so blocks run out for good once admitted episodes hold them all; reserved at admission, they
+        never do (the unused reserve is what the episodes' actual lengths leave for the next admissions)."""
+        blocks = self.blocks
+
+        def longest(s: SequenceSlot) -> int:
+            return blocks_for(self.episode_tokens - self.prompt_lens[s.prompt_index], blocks.block_size)
+
+        admitted = (*self.live.values(), *self.paused.values())
+        outstanding = sum(longest(s) - len(blocks.response[s.index].blocks) for s in admitted)
+        need = blocks.prompt_cost(sequence.prompt_index, sequence.prompt_len) + longest(sequence)
+        return need + outstanding <= len(blocks.free)
+
     def reserve(self) -> list[SequenceSlot]:
         """Paged: give every live sequence, oldest first, the blocks of its next decode window, preempting the
-        youngest live sequences when the pool runs dry; returns the preempted ones (their slots are free now)."""
+        youngest live sequences when the pool runs dry; returns the preempted ones (their slots are free now).
+        Multi-turn: only sequences in their first turn are preempted (see `_make_room`)."""
         if self.blocks is None:
             return []
         queue = sorted(self.live.values(), key=lambda s: s.admitted_at)
-        preempted = []
+        preempted: list[SequenceSlot] = []
         while queue:
             sequence = queue.pop(0)
-            need = self.blocks.response_cost(sequence.index, self._window_rows(sequence))
-            while need > len(self.blocks.free) and queue:
-                preempted.append(self._preempt(queue.pop()))
-            if need > len(self.blocks.free):
-                preempted.append(self._preempt(sequence))
-            else:
+            if self._make_room(sequence, queue, preempted):
                 self.blocks.grow(sequence.index, sequence.slot, self._window_rows(sequence))
+        self._requeue(preempted)
+        return preempted
+
+    def _make_room(self, sequence: SequenceSlot, queue: list[SequenceSlot], preempted: list[SequenceSlot]) -> bool:
+        """Preempt the youngest of `queue` (live, younger than `sequence`) until the blocks of `sequence`'s next
+        window are free; then `sequence` itself if it can start over. Whether it keeps its slot (and may grow).
+        A sequence past its first turn cannot start over from its prompt (its earlier turns came from an
+        environment), and a paused one's blocks are never taken: when those are all that hold blocks, the pool is
+        too small for the episodes in flight, and the call is refused."""
+        need = self.blocks.response_cost(sequence.index, self._window_rows(sequence))
+        candidates = [s for s in queue if s.context == 0]
+        while need > len(self.blocks.free) and candidates:
+            victim = candidates.pop()
+            queue.remove(victim)
+            preempted.append(self._preempt(victim))
+        if need <= len(self.blocks.free):
+            return True
+        if sequence.context > 0:
+            raise ValueError(f"the paged KV cache ran out of blocks for an episode past its first turn "
+                             f"({len(self.blocks.free)} free, {need} needed, {len(self.paused)} paused episodes "
+                             f"holding theirs); raise rollout.engine.kv_cache_memory (or lower max_num_seqs).")
+        preempted.append(self._preempt(sequence))
+        return False
+
+    def _requeue(self, preempted: list[SequenceSlot]) -> None:
         for sequence in sorted(preempted, key=lambda s: s.index, reverse=True):
             self.waiting.appendleft(sequence)  # first in line again, in output order
-        return preempted
 
     def _preempt(self, sequence: SequenceSlot) -> SequenceSlot:
         """Free a live sequence's slot and blocks; it starts over from its prompt when admitted again."""
@@ -202,13 +245,22 @@ class Scheduler:
         self.paused[slot] = sequence
         return sequence
 
-    def resume(self, slot: int, context_len: int, limit: int) -> SequenceSlot:
+    def resume(self, slot: int, context_len: int, limit: int) -> list[SequenceSlot]:
         """A paused sequence is live again: `context_len` tokens precede its new turn, whose first token the
-        observation's prefill drew; the turn may sample `limit` tokens."""
+        observation's prefill draws; the turn may sample `limit` tokens. Paged: it takes the blocks for the
+        observation's prefill and its first window first, preempting live sequences in their first turn if it must
+        (`_make_room`); returns those (their slots are free now)."""
         sequence = self.paused.pop(slot)
         sequence.prompt_len, sequence.limit, sequence.generated = context_len, limit, 1
+        sequence.context = context_len - self.prompt_lens[sequence.prompt_index]
         self.live[slot] = sequence
-        return sequence
+        preempted: list[SequenceSlot] = []
+        if self.blocks is not None:
+            queue = sorted((s for s in self.live.values() if s is not sequence), key=lambda s: s.admitted_at)
+            self._make_room(sequence, queue, preempted)  # never False: a resumed sequence has context > 0
+            self.blocks.grow(sequence.index, slot, self._window_rows(sequence))
+            self._requeue(preempted)
+        return preempted
 
     def _limit(self, sequence: SequenceSlot, max_new_tokens: int) -> int:
         """The most tokens the device may sample for `sequence` before a sync (see `limits_at_sync`)."""

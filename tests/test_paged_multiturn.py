@@ -1,0 +1,154 @@
+"""Multi-turn episodes on the paged KV cache: the observation prefill (`extend`) writes and reads through the block
+table, paused episodes keep their blocks, admission reserves what an episode can grow to. Held to the per-slot
+(contiguous) layout: same tokens, masks and log-probs in float32 over seeds, uneven turns and tight pools, and every
+block back in the free list after the call."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from hybridrl.envs.base import StepResult
+from hybridrl.envs.rendering import ObservationRenderer
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine.backend import BuiltinBackend
+from hybridrl.rollout.engine.blocks import BlockAllocator
+from hybridrl.rollout.engine.kv_cache import CacheGeometry, PagedKVCache
+from hybridrl.rollout.engine.llama_forward import extend, rope_table
+from hybridrl.rollout.engine.scheduler import Scheduler
+from hybridrl.rollout.engine.weights import resolve_weights
+from hybridrl.rollout.kernels.paged_attention import reference_paged_decode_attention
+from hybridrl.rollout.multiturn import EpisodeBudget, make_sessions
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_multiturn import IM_END, TOKENIZER, assert_same_episodes, make_model, one_thread  # noqa: E402,F401
+from test_paged_kv import memory_for_blocks, watch_schedulers  # noqa: E402
+
+
+class Uneven:
+    """Turns per episode and observation lengths differ by row and step, so episodes grow unevenly."""
+
+    def __init__(self, row):
+        self.row, self.steps = row, 0
+
+    def reset(self):
+        return [{"role": "user", "content": self.row["prompt"]}]
+
+    def step(self, text):
+        self.steps += 1
+        if self.steps >= self.row["turns"]:
+            return StepResult(reward=float(self.steps), done=True)
+        return StepResult([{"role": "tool", "name": "t", "content": "x " * (self.row["obs"] * self.steps % 7)}])
+
+
+ROWS = [{"prompt": "p" * (1 + 3 * i), "turns": 2 + i % 3, "obs": 2 + i} for i in range(4)]
+BUDGET = EpisodeBudget(max_turns=4, max_episode_tokens=200)
+
+
+def episodes(model, params, **engine_options):
+    engine = BuiltinBackend(model, tokenizer=TOKENIZER, sync_every=3, **engine_options)
+    result = engine.generate_episodes(make_sessions(Uneven, ROWS, n=2, name="test_paged_multiturn.py:Uneven"),
+                                      ObservationRenderer(TOKENIZER), params, BUDGET)
+    return engine.last_stats, result
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_paged_episodes_equal_the_per_slot_ones_and_return_every_block(seed, monkeypatch):
+    """Sampled (a ninth of the vocabulary stops a turn), uneven turns and observations: a roomy pool, pools so tight
+    that episodes wait for blocks, and fewer slots than episodes (compaction moves table rows) all give the per-slot
+    layout's episodes, with the KV reused across turns (the same prefill tokens), and every block comes back."""
+    model = make_model("qwen2" if seed % 2 else "llama", seed=seed)
+    params = SamplingParams(max_new_tokens=7, temperature=1.0, seed=seed,
+                            stop_token_ids=[IM_END, *range(seed, model.config.vocab_size, 9)])
+    per_slot_stats, per_slot = episodes(model, params, attention="sdpa")
+    assert len({len(e.token_ids) for e in per_slot}) > 3 and len({e.num_turns for e in per_slot}) > 1
+    assert len({s.end - s.start for e in per_slot for s in e.spans if s.kind == "assistant"}) > 2  # uneven turns
+    schedulers = watch_schedulers(monkeypatch)
+    peaks = []
+    for num_blocks, block_size, max_num_seqs in ((1000, 4, 1024), (60, 4, 1024), (30, 8, 1024), (200, 4, 3)):
+        stats, paged = episodes(model, params, kv_cache="paged", kv_block_size=block_size, max_num_seqs=max_num_seqs,
+                                kv_cache_memory=memory_for_blocks(model, num_blocks, block_size))
+        assert stats["kv_cache"] == "paged" and stats["attention"] == "paged-reference"
+        assert_same_episodes(paged, per_slot)
+        if num_blocks == 1000:  # all admitted at once, as per slot (later admissions prefill a prompt again)
+            assert stats["prefill_tokens"] == per_slot_stats["prefill_tokens"]  # no context is computed again
+        assert stats["observation_prefills"] == per_slot_stats["observation_prefills"] > 0
+        assert stats["preemptions"] == 0 and stats["kv_blocks_peak"] <= stats["kv_blocks"] <= num_blocks
+        peaks.append(stats["kv_blocks_peak"])
+        blocks = schedulers[-1].blocks
+        assert len(blocks.free) == blocks.num_usable and not blocks.prompt_blocks and not blocks.response
+    assert peaks[1] < peaks[0] and peaks[2] < peaks[0]  # the tight pools ran fewer episodes at once
+
+
+def test_extend_through_the_block_table_equals_extend_on_the_per_slot_cache():
+    """The same contexts held per slot and in scattered blocks (prompt blocks shared by two slots): the observation
+    prefill gives the same logits, and its K/V lands at the same positions of each sequence."""
+    torch.manual_seed(0)
+    model = make_model("qwen2")
+    w = resolve_weights(model, fuse_qkv=False, fuse_gate_up=False)
+    layers, heads, dim = len(w.layers), w.num_kv_heads, w.head_dim
+    block_size, prompt_lens, contexts = 4, [6, 6, 9], [13, 7, 10]  # slots 0 and 1 share prompt 0
+    geometry = CacheGeometry(layers, heads, dim, 4, max(prompt_lens), 24, 2)
+    paged = PagedKVCache(geometry, 3, 40, block_size, "cpu", torch.float32, reference_paged_decode_attention)
+    per_slot = torch.zeros(layers, 2, 3, heads, 48, dim)
+    per_slot[:, :, :, :, :16] = torch.randn(layers, 2, 3, heads, 16, dim)
+    per_slot[:, :, 1, :, :6] = per_slot[:, :, 0, :, :6]  # the shared prompt
+    order = torch.randperm(39).tolist()
+    rows = {0: [1, 2], 1: [1, 2], 2: [3, 4, 5]}  # prompt blocks (columns 0-2); responses from column 3
+    shuffled = {0: order[:2], 2: order[2:5]}
+    table = torch.zeros(3, paged.block_table.shape[1], dtype=torch.long)
+    for slot, prompt in ((0, 0), (1, 0), (2, 2)):
+        table[slot, :len(rows[slot])] = torch.tensor(shuffled[prompt]) + 1
+        table[slot, paged.prompt_columns:paged.prompt_columns + 6] = torch.tensor(order[5 + 6 * slot:11 + 6 * slot]) + 1
+    paged.block_table.copy_(table)
+    paged.begin_sequences(torch.arange(3), torch.tensor(prompt_lens))
+    access_all = paged.extend_access(torch.arange(3), 48)
+    positions = torch.arange(16).expand(3, 16)
+    write, _ = access_all(positions, torch.tensor([16, 16, 16]))
+    for layer in range(layers):  # fill the blocks with the per-slot contents (slot 1 rewrites the shared prompt)
+        write(layer, per_slot[layer, :, :, :, :16].permute(0, 1, 3, 2, 4))
+    cos, sin = rope_table(model, 48, "cpu", torch.float32)
+    slots, starts = torch.tensor([2, 0, 1]), torch.tensor([contexts[2], contexts[0], contexts[1]])
+    input_ids, lengths = torch.randint(1, 100, (3, 5)), torch.tensor([5, 2, 4])
+    want = extend(w, per_slot, cos, sin, input_ids, lengths, starts, slots, 32)
+    got = extend(w, None, cos, sin, input_ids, lengths, starts, slots, 32, access=paged.extend_access(slots, 32))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    _, read = access_all(positions, torch.tensor([16, 16, 16]))
+    for slot, start, length in zip(slots.tolist(), starts.tolist(), lengths.tolist()):
+        end = start + length
+        for layer in range(layers):
+            torch.testing.assert_close(read(layer)[:, slot, :, :end], per_slot[layer, :, slot, :, :end])
+
+
+def test_admission_reserves_what_admitted_episodes_can_grow_to():
+    """An episode is admitted only while every admitted episode at `episode_tokens` fits: blocks can then never run
+    out for one that cannot start over (paused, or past its first turn)."""
+    allocator = BlockAllocator(num_blocks=1 + 10, block_size=4, prompt_columns=1)
+    scheduler = Scheduler([0, 1, 2], [4, 4, 4], num_slots=3, blocks=allocator, window=4, max_new_tokens=4,
+                          episode_tokens=20)  # each: 1 prompt block + 4 response blocks at its longest
+    assert [s.index for s in scheduler.admit()] == [0, 1]  # 10 blocks: two episodes' worth, not three
+    scheduler.record_progress([4, 4])
+    scheduler.pause(0)
+    assert scheduler.admit() == []  # still reserved for the paused episode
+    scheduler.finish(0)
+    assert [s.index for s in scheduler.admit()] == [2]
+
+
+def test_a_resume_preempts_only_first_turns_and_otherwise_refuses_in_one_sentence():
+    """Without the admission reserve (as for single-turn calls): a resuming episode takes blocks from a live sequence
+    in its first turn (which starts over from its prompt), never from a paused one; when only sequences past their
+    first turn hold blocks, the call is refused with a sentence naming kv_cache_memory."""
+    allocator = BlockAllocator(num_blocks=1 + 8, block_size=4, prompt_columns=1)
+    scheduler = Scheduler([0, 1, 2], [4, 4, 4], num_slots=3, blocks=allocator, window=4, max_new_tokens=4)
+    first, second, third = scheduler.admit()  # 2 blocks each: 6 of 8
+    scheduler.record_progress([4, 4, 4])
+    scheduler.pause(0)
+    scheduler.pause(1)
+    preempted = scheduler.resume(0, context_len=4 + 13, limit=4)  # 13 rows + a window of 3: 4 blocks, 2 free
+    assert preempted == [third] and scheduler.waiting[0] is third and 1 in scheduler.paused
+    assert len(allocator.response[0].blocks) == 4 and first.context == 13 and allocator.in_use == 7
+    with pytest.raises(ValueError, match="ran out of blocks for an episode past its first turn.*kv_cache_memory"):
+        scheduler.resume(1, context_len=4 + 30, limit=4)
