@@ -152,3 +152,26 @@ def test_a_resume_preempts_only_first_turns_and_otherwise_refuses_in_one_sentenc
     assert len(allocator.response[0].blocks) == 4 and first.context == 13 and allocator.in_use == 7
     with pytest.raises(ValueError, match="ran out of blocks for an episode past its first turn.*kv_cache_memory"):
         scheduler.resume(1, context_len=4 + 30, limit=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_paged_episodes_on_cuda_equal_the_per_slot_ones(monkeypatch):
+    """Unrun where this was written (no GPU): the Triton paged kernel, compiled pieces and CUDA graphs read the
+    slots' prompt lengths and the blocks the resumes wrote in place; greedy float32 episodes equal the per-slot
+    layout's, with a roomy pool and one of 40 blocks of 8 (episodes wait for blocks), all blocks returned."""
+    model = make_model("qwen2").cuda()
+    params = SamplingParams(max_new_tokens=7, temperature=0, stop_token_ids=[IM_END])
+    _, per_slot = episodes(model, params, attention="sdpa")
+    config = model.config
+    token_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * (
+        config.hidden_size // config.num_attention_heads) * 4
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    schedulers = watch_schedulers(monkeypatch)
+    for kv_cache_memory in (0.3, (40 * 8 * token_bytes + 1) / free):
+        stats, paged = episodes(model, params, kv_cache="paged", kv_block_size=8, kv_cache_memory=kv_cache_memory)
+        assert stats["attention"] == "paged-triton" and stats["graphs_captured"] >= 1 and stats["compiled"]
+        assert stats["observation_prefills"] > 0
+        assert_same_episodes(paged, per_slot, atol=1e-4)
+        blocks = schedulers[-1].blocks
+        assert len(blocks.free) == blocks.num_usable and not blocks.prompt_blocks and not blocks.response
