@@ -93,10 +93,10 @@ def test_a_pause_while_tools_start_does_not_split_the_turns_that_ended_together(
     (each call is as old as the first answer's was) and the 8 still resume as one wave per turn boundary."""
     record = EpisodeRun.add_turn
 
-    def stalling(self, ids, logprobs, reason):
+    def stalling(self, ids, logprobs, reason, **options):
         if self.session.sample == 4:
             time.sleep(0.015)
-        return record(self, ids, logprobs, reason)
+        return record(self, ids, logprobs, reason, **options)
 
     monkeypatch.setattr(EpisodeRun, "add_turn", stalling)
     monkeypatch.setattr(engine_multiturn, "_START_EVERY", 1)  # each call starts as soon as its turn is recorded

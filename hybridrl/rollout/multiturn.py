@@ -70,6 +70,12 @@ class ObservationTemplateError(EnvironmentCodeError):
     `EnvironmentCodeError`, so the trainer handles it as one (finished steps saved, every rank told)."""
 
 
+def _special_ids(tokenizer: Any) -> set[int]:
+    """The tokenizer's special ids (a Hugging Face tokenizer rebuilds `all_special_ids` on every access, so this is
+    asked only for a turn that ended on a stop id)."""
+    return set(getattr(tokenizer, "all_special_ids", []) or [])
+
+
 def _preview(messages: Sequence[dict[str, Any]], width: int = 60) -> str:
     """The last message's text, shortened: which data row it is, for an error message."""
     text = " ".join(str(messages[-1].get("content", "")).split()) if messages else ""
@@ -102,14 +108,18 @@ class EpisodeRun:
         """Tokens the next assistant turn may sample: the per-turn cap or what the episode budget leaves."""
         return min(max_new_tokens, self.budget.max_episode_tokens - self.num_tokens)
 
-    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float], finish_reason: FinishReason) -> str:
+    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float], finish_reason: FinishReason, *,
+                 as_lists: bool = False) -> str:
         """Append the sampled ids as they are; returns the turn's text for the environment (without a special stop
-        token, which the chat template writes itself)."""
-        ids, logprobs = [int(t) for t in ids], [float(x) for x in logprobs]
+        token, which the chat template writes itself). `as_lists`: `ids` and `logprobs` are already fresh lists of
+        Python ints and floats (a `.tolist()`), taken as they are (converting each element again costs the engine's
+        harvest more host time than the rest of recording a turn)."""
+        if not as_lists:
+            ids, logprobs = [int(t) for t in ids], [float(x) for x in logprobs]
         self.episode.add_sampled(ids, logprobs)
         self.last_turn_ids = ids
-        special = set(getattr(self.renderer.tokenizer, "all_special_ids", []) or [])
-        strip = finish_reason == "stop" and ids and ids[-1] in self.stop_ids and ids[-1] in special
+        strip = (finish_reason == "stop" and ids and ids[-1] in self.stop_ids
+                 and ids[-1] in _special_ids(self.renderer.tokenizer))
         text = self.renderer.tokenizer.decode(ids[:-1] if strip else ids, skip_special_tokens=False)
         self.messages.append({"role": "assistant", "content": text})
         return text

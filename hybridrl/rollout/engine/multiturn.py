@@ -185,11 +185,15 @@ class EpisodeLoop:
             return
         tokens, logprobs = self.runner.read_outputs(rows)
         ended = scheduler.harvest(done, tokens, set(self.stop_ids), cut, pause=True)
-        self.runner.pause([item.slot for item in ended])
-        for count, item in enumerate(ended, 1):
+        slots = [item.slot for item in ended]
+        self.runner.pause(slots)
+        # One conversion of every ended row to Python lists (of ints and floats), not one per row and then one per
+        # element: at 512 turns a boundary that is most of the harvest's own host time.
+        width = max((item.length for item in ended), default=0)
+        token_rows, logprob_rows = tokens[slots, :width].tolist(), logprobs[slots, :width].tolist()
+        for count, (item, ids, row_logprobs) in enumerate(zip(ended, token_rows, logprob_rows), 1):
             run = self.runs[item.sequence.index]
-            text = run.add_turn(tokens[item.slot, :item.length].tolist(), logprobs[item.slot, :item.length].tolist(),
-                                item.reason)
+            text = run.add_turn(ids[:item.length], row_logprobs[:item.length], item.reason, as_lists=True)
             task = asyncio.ensure_future(run.session.step(text))
             self.pending[task], self.started_at[task] = item.slot, time.perf_counter()
             if count % _START_EVERY == 0:
