@@ -32,9 +32,11 @@ Choices:
 - The prefix-shared layout (attention="triton") stores one response of `max_new_tokens` per slot after a shared
   prompt, so a sequence cannot grow by observations there: multi-turn is refused with it. The paged layout
   (kv_cache="paged") keeps an episode's prompt in its shared blocks and the rest in blocks taken as it grows (the
-  observation's prefill writes and reads through the block table). A paused episode keeps its blocks and an
-  episode past its first turn cannot start over from its prompt, so an episode is admitted only while the blocks
-  of every admitted episode at its longest fit (`Scheduler._episode_fits`): no preemption, no refusal mid-run.
+  observation's prefill writes and reads through the block table). Episodes are admitted by the blocks they need
+  now. When blocks run out, live sequences in their first turn start over from their prompt; an episode past it
+  that needs blocks evicts paused episodes (youngest first), whose context after the prompt is prefilled again when
+  they resume (`Scheduler._make_room`); a resume that still does not fit waits, and only when nothing running or
+  pending can give blocks back is the call refused, in one sentence naming kv_cache_memory.
 - Each resumed turn draws its uniforms from a CPU generator seeded by (seed, episode, turn), so a seeded run gives
   the same episodes whatever order the environments answer in (on a GPU not the draws a CUDA generator would make:
   hundreds of CUDA generators per wave cost a launch each, on the host, while the device waits).
@@ -88,8 +90,7 @@ class EpisodeLoop:
                                  max_len=self.budget.max_episode_tokens)
         # One sequence per episode; its index is the episode's. Paged: blocks are taken as episodes grow.
         scheduler = Scheduler(self.prompt_of, [len(p) for p in self.prompts], num_slots, runner.block_allocator(),
-                              self.backend.sync_every, params.max_new_tokens,
-                              episode_tokens=self.budget.max_episode_tokens)
+                              self.backend.sync_every, params.max_new_tokens)
         self.pending: dict[asyncio.Task, int] = {}  # environment step -> slot
         self.started_at: dict[asyncio.Task, float] = {}  # environment step -> when the harvest started it
         self.ready: list[tuple[int, list[int]]] = []  # slot -> observation ids to prefill
@@ -119,6 +120,10 @@ class EpisodeLoop:
                     started = time.perf_counter()
                     await self._gather_answers()
                     runner.run.stats.idle_s += time.perf_counter() - started
+                elif self.ready:  # paged: resumes wait for blocks that nothing running will give back
+                    raise ValueError(f"the paged KV cache holds too few blocks to resume {len(self.ready)} episodes "
+                                     f"with every other one evicted (the distinct prompts' blocks stay); raise "
+                                     f"rollout.engine.kv_cache_memory.")
                 self._collect(scheduler)  # 6.
             finished = True
         finally:
@@ -152,26 +157,36 @@ class EpisodeLoop:
     def _apply_blocks(self, scheduler: Scheduler, preempted: list) -> None:
         """Paged: write the block-table rows the scheduler changed, then park the preempted sequences' slots (after
         the writes: one admitted in this pass has writes of its own pending)."""
-        self.runner.write_blocks(scheduler.blocks.take_writes() if scheduler.blocks else [])
+        if scheduler.blocks:
+            evicted, scheduler.evicted = scheduler.evicted, []
+            self.runner.write_blocks(scheduler.blocks.take_writes(), evicted)
         self.runner.free([sequence.slot for sequence in preempted])
 
     def _resume(self, scheduler: Scheduler) -> None:
-        resumes, preempted = [], []
+        resumes, preempted, deferred = [], [], []
         for slot, ids in self.ready:
-            episode_index = scheduler.paused[slot].index
-            run = self.runs[episode_index]
+            sequence = scheduler.paused[slot]
+            run = self.runs[sequence.index]
             start = run.num_tokens - len(ids) - 1  # the last sampled token's position: its KV is not written yet
-            generator = torch.Generator()  # on the host: see `ModelRunner.extend`
-            generator.manual_seed(self.seed * _SEED_STRIDE + episode_index * 1009 + run.episode.num_turns)
             fed = [run.last_turn_ids[-1], *ids]
+            if sequence.needs_context:  # its blocks were taken while it was paused: everything after the prompt
+                start = len(self.prompts[self.prompt_of[sequence.index]])
+                fed = run.episode.token_ids[start:]
+            # Before the prefill: the paged layout takes the blocks it writes here, or has the resume wait.
+            resumed, taken = scheduler.resume(slot, start + len(fed), run.turn_limit(self.params.max_new_tokens))
+            preempted += taken
+            if not resumed:
+                deferred.append((slot, ids))
+                continue
+            sequence.needs_context = False
+            generator = torch.Generator()  # on the host: see `ModelRunner.extend`
+            generator.manual_seed(self.seed * _SEED_STRIDE + sequence.index * 1009 + run.episode.num_turns)
             resumes.append((slot, fed, start, generator))
-            # Before the prefill: the paged layout takes the blocks it writes here.
-            preempted += scheduler.resume(slot, start + len(fed), run.turn_limit(self.params.max_new_tokens))
         self._apply_blocks(scheduler, preempted)
         if resumes:
             self.runner.extend(resumes)
             self.resume_waves += 1
-        self.ready = []
+        self.ready = deferred
 
     async def _harvest(self, scheduler: Scheduler) -> None:
         """Ended turns: append their sampled ids, pause their slots, start their environment steps (yielding every

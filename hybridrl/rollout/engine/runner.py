@@ -212,8 +212,11 @@ class ModelRunner:
             stats.kv_blocks_peak, stats.preemptions, stats.preempted_tokens = \
                 allocator.peak_in_use + 1, preemptions, preempted_tokens
 
-    def write_blocks(self, writes: list[tuple[int, int, int]]) -> None:
-        """Apply the scheduler's block-table writes before the next prefill or decode step reads the table."""
+    def write_blocks(self, writes: list[tuple[int, int, int]], evicted: list[int] = ()) -> None:
+        """Apply the scheduler's block-table writes before the next prefill or decode step reads the table, after
+        resetting the response columns of the paused slots whose blocks were taken (`evicted`, paged multi-turn)."""
+        if evicted:
+            self.run.cache.clear_responses(host_to_device(torch.tensor(evicted), self.run.state.done.device))
         self.run.cache.write_blocks(writes)
 
     def end(self, finished: bool, release: bool) -> dict:

@@ -21,7 +21,10 @@ For the paged KV layout (`blocks.py`), admission also asks for free blocks (the 
 holds them, plus the first decode window), `reserve` grows each live sequence by the blocks its next window needs,
 oldest first, and when blocks run out preempts the youngest live sequences: their blocks and slots are freed and
 they go back to the front of the queue, to be recomputed from their prompt. Every sequence keeps its own uniforms
-(drawn per sequence index), so a recomputed sequence samples the same tokens.
+(drawn per sequence index), so a recomputed sequence samples the same tokens. Multi-turn on the paged layout: a
+resume takes the blocks of its whole turn up front; sequences past their first turn are never preempted, but paused
+episodes are evicted (response blocks taken, context prefilled again on resume), and a resume that still does not
+fit waits (`resume`, `_make_room`).
 """
 
 from __future__ import annotations
@@ -56,7 +59,10 @@ class SequenceSlot:
     """Admission order (paged layout: the youngest live sequences are preempted first)."""
     context: int = 0
     """Multi-turn: tokens after the prompt and before the current turn (earlier turns and observations), whose KV
-    the paged layout keeps in the sequence's response blocks; 0 in a first turn, which alone may be preempted."""
+    the paged layout keeps in the sequence's response blocks; 0 in a first turn."""
+    needs_context: bool = False
+    """Multi-turn, paged: its blocks were taken while it was paused (`Scheduler._evict`), so its resume must prefill
+    everything after the prompt again; the caller clears it once it has."""
 
 
 def prompt_entries_needed(num_prompts: int, num_slots: int) -> int:
@@ -103,14 +109,11 @@ class Scheduler:
 
     def __init__(self, prompt_indices: list[int], prompt_lens: list[int], num_slots: int,
                  blocks: BlockAllocator | None = None, window: int = 1, max_new_tokens: int = 1,
-                 limits: Sequence[int] | None = None, limits_at_sync: bool = False,
-                 episode_tokens: int | None = None) -> None:
+                 limits: Sequence[int] | None = None, limits_at_sync: bool = False) -> None:
         """`blocks` (paged layout) with `window`, the decode steps between syncs, and `max_new_tokens`: admission and
         growth by blocks. `limits`: per-sequence caps on response tokens. `limits_at_sync`: a sequence's limit is
         checked at the syncs only, so it may run past it until the next one (the extra tokens are dropped), as a
-        sequence that stops on EOS idles until then; otherwise (multi-turn turns) a sync falls due at every limit.
-        `episode_tokens` (paged multi-turn): admit an episode only while the blocks every admitted episode could
-        still take to reach this many tokens stay free (see `_blocks_fit`)."""
+        sequence that stops on EOS idles until then; otherwise (multi-turn turns) a sync falls due at every limit."""
         self.waiting = deque(SequenceSlot(i, p, prompt_lens[p], limit=None if limits is None else limits[i])
                              for i, p in enumerate(prompt_indices))
         self.num_slots, self.prompt_lens = num_slots, prompt_lens
@@ -120,7 +123,8 @@ class Scheduler:
         self.paused: dict[int, SequenceSlot] = {}  # slot -> sequence waiting for its observation (multi-turn)
         self.entries = PromptEntries(prompt_entries_needed(len(set(prompt_indices)), num_slots))
         self.blocks, self.window, self.max_new_tokens = blocks, window, max_new_tokens
-        self.limits_at_sync, self.episode_tokens = limits_at_sync, episode_tokens
+        self.limits_at_sync = limits_at_sync
+        self.evicted: list[int] = []  # paused slots whose response blocks were taken, for the runner to reset
         self.admissions = self.preemptions = self.preempted_tokens = 0
 
     @property
@@ -158,33 +162,16 @@ class Scheduler:
         nothing runs, so one sequence always fits: `begin` refused any longer than the pool)."""
         if self.blocks is None:
             return True
-        if self.episode_tokens is not None:
-            return self._episode_fits(sequence)
         blocks, first_window = self.blocks, min(self.window, self._limit(sequence, self.max_new_tokens) - 1)
         need = blocks.prompt_cost(sequence.prompt_index, sequence.prompt_len) + \
             blocks_for(first_window, blocks.block_size)
         watermark = blocks.num_usable // 100 if self.live else 0
         return need + watermark <= len(blocks.free)
 
-    def _episode_fits(self, sequence: SequenceSlot) -> bool:
-        """Multi-turn: whether the free blocks hold this episode at its longest and what every admitted one could
-        still take. An episode past its first turn cannot start over from its prompt and a paused one's blocks
-        stay with it, so blocks run out for good once admitted episodes hold them all; reserved at admission, they
-        never do (the unused reserve is what the episodes' actual lengths leave for the next admissions)."""
-        blocks = self.blocks
-
-        def longest(s: SequenceSlot) -> int:
-            return blocks_for(self.episode_tokens - self.prompt_lens[s.prompt_index], blocks.block_size)
-
-        admitted = (*self.live.values(), *self.paused.values())
-        outstanding = sum(longest(s) - len(blocks.response[s.index].blocks) for s in admitted)
-        need = blocks.prompt_cost(sequence.prompt_index, sequence.prompt_len) + longest(sequence)
-        return need + outstanding <= len(blocks.free)
-
     def reserve(self) -> list[SequenceSlot]:
         """Paged: give every live sequence, oldest first, the blocks of its next decode window, preempting the
         youngest live sequences when the pool runs dry; returns the preempted ones (their slots are free now).
-        Multi-turn: only sequences in their first turn are preempted (see `_make_room`)."""
+        Multi-turn: see `_make_room`."""
         if self.blocks is None:
             return []
         queue = sorted(self.live.values(), key=lambda s: s.admitted_at)
@@ -193,16 +180,20 @@ class Scheduler:
             sequence = queue.pop(0)
             if self._make_room(sequence, queue, preempted):
                 self.blocks.grow(sequence.index, sequence.slot, self._window_rows(sequence))
+            else:  # a resume took its whole turn's blocks (`resume`), so its turn never grows here
+                assert sequence.slot not in self.live, "a sequence past its first turn outgrew its reserved turn"
         self._requeue(preempted)
         return preempted
 
-    def _make_room(self, sequence: SequenceSlot, queue: list[SequenceSlot], preempted: list[SequenceSlot]) -> bool:
-        """Preempt the youngest of `queue` (live, younger than `sequence`) until the blocks of `sequence`'s next
-        window are free; then `sequence` itself if it can start over. Whether it keeps its slot (and may grow).
-        A sequence past its first turn cannot start over from its prompt (its earlier turns came from an
-        environment), and a paused one's blocks are never taken: when those are all that hold blocks, the pool is
-        too small for the episodes in flight, and the call is refused."""
-        need = self.blocks.response_cost(sequence.index, self._window_rows(sequence))
+    def _make_room(self, sequence: SequenceSlot, queue: list[SequenceSlot], preempted: list[SequenceSlot],
+                   rows: int | None = None) -> bool:
+        """Preempt the youngest of `queue` (live, younger than `sequence`) in their first turn until the blocks of
+        `sequence`'s next window are free; then `sequence` itself if it is in its first turn; past it, evict paused
+        episodes, youngest first (`_evict`). A live sequence past its first turn cannot start over from its prompt
+        (its earlier turns came from an environment) and is never taken. `rows`: the response rows wanted (default:
+        the next window's). Returns whether they are free now (False: `sequence` was preempted, or it is past its
+        first turn and must wait)."""
+        need = self.blocks.response_cost(sequence.index, self._window_rows(sequence) if rows is None else rows)
         candidates = [s for s in queue if s.context == 0]
         while need > len(self.blocks.free) and candidates:
             victim = candidates.pop()
@@ -210,12 +201,23 @@ class Scheduler:
             preempted.append(self._preempt(victim))
         if need <= len(self.blocks.free):
             return True
-        if sequence.context > 0:
-            raise ValueError(f"the paged KV cache ran out of blocks for an episode past its first turn "
-                             f"({len(self.blocks.free)} free, {need} needed, {len(self.paused)} paused episodes "
-                             f"holding theirs); raise rollout.engine.kv_cache_memory (or lower max_num_seqs).")
-        preempted.append(self._preempt(sequence))
-        return False
+        if sequence.context == 0:
+            preempted.append(self._preempt(sequence))
+            return False
+        paused = sorted((s for s in self.paused.values() if self.blocks.response[s.index].blocks),
+                        key=lambda s: s.admitted_at)
+        while need > len(self.blocks.free) and paused:
+            self._evict(paused.pop())
+        return need <= len(self.blocks.free)
+
+    def _evict(self, sequence: SequenceSlot) -> None:
+        """Take a paused episode's response blocks (its prompt's stay shared); it keeps its slot and, when it
+        resumes, its whole context after the prompt is prefilled again (`needs_context`)."""
+        self.blocks.release_response(sequence.index)
+        self.preemptions += 1
+        self.preempted_tokens += sequence.context + sequence.generated
+        sequence.needs_context = True
+        self.evicted.append(sequence.slot)
 
     def _requeue(self, preempted: list[SequenceSlot]) -> None:
         for sequence in sorted(preempted, key=lambda s: s.index, reverse=True):
@@ -245,22 +247,30 @@ class Scheduler:
         self.paused[slot] = sequence
         return sequence
 
-    def resume(self, slot: int, context_len: int, limit: int) -> list[SequenceSlot]:
+    def resume(self, slot: int, context_len: int, limit: int) -> tuple[bool, list[SequenceSlot]]:
         """A paused sequence is live again: `context_len` tokens precede its new turn, whose first token the
-        observation's prefill draws; the turn may sample `limit` tokens. Paged: it takes the blocks for the
-        observation's prefill and its first window first, preempting live sequences in their first turn if it must
-        (`_make_room`); returns those (their slots are free now)."""
+        observation's prefill draws; the turn may sample `limit` tokens. Paged: first it takes the blocks of the
+        observation's prefill and of its whole turn (so its turn never needs blocks a live episode could not give
+        back), from others if it must (`_make_room`); when even that leaves too few, it stays paused for a later
+        try. Returns whether it resumed, and the live sequences preempted (their slots are free now)."""
         sequence = self.paused.pop(slot)
+        saved = (sequence.prompt_len, sequence.limit, sequence.generated, sequence.context)
         sequence.prompt_len, sequence.limit, sequence.generated = context_len, limit, 1
         sequence.context = context_len - self.prompt_lens[sequence.prompt_index]
         self.live[slot] = sequence
         preempted: list[SequenceSlot] = []
         if self.blocks is not None:
             queue = sorted((s for s in self.live.values() if s is not sequence), key=lambda s: s.admitted_at)
-            self._make_room(sequence, queue, preempted)  # never False: a resumed sequence has context > 0
-            self.blocks.grow(sequence.index, slot, self._window_rows(sequence))
+            rows = sequence.context + self._limit(sequence, self.max_new_tokens) - 1
+            fits = self._make_room(sequence, queue, preempted, rows)
             self._requeue(preempted)
-        return preempted
+            if not fits:
+                del self.live[slot]
+                self.paused[slot] = sequence
+                sequence.prompt_len, sequence.limit, sequence.generated, sequence.context = saved
+                return False, preempted
+            self.blocks.grow(sequence.index, slot, rows)
+        return True, preempted
 
     def _limit(self, sequence: SequenceSlot, max_new_tokens: int) -> int:
         """The most tokens the device may sample for `sequence` before a sync (see `limits_at_sync`)."""
