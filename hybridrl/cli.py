@@ -96,7 +96,7 @@ def cmd_make_data(args: argparse.Namespace) -> None:
                                 DEMO_TOOL_EVAL, seed=args.seed, tool_rate=args.tool_rate)
     else:
         paths = write_arithmetic_task(args.out_dir, num_train=args.num_train or 9500, num_eval=args.num_eval or 500,
-                                      seed=args.seed, period_rate=args.period_rate)
+                                      seed=args.seed, period_rate=args.period_rate, slip_rate=args.slip_rate)
     print(" ".join(f"{split}={path}" for split, path in paths.items()))
 
 
@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--num-train", type=int, default=None, help="default 9500 (arithmetic), 4000 (tools)")
     data.add_argument("--period-rate", type=float, default=0.5,
                       help="fraction of SFT targets the teacher ends with a period, which exact match rejects")
+    data.add_argument("--slip-rate", type=float, default=0.0,
+                      help="fraction of the problems needing a carry or borrow on which the teacher forgets it "
+                           f"(`hybridrl demo --task carry`: {DEMO_SLIP_RATE})")
     data.add_argument("--tool-rate", type=float, default=DEMO_TOOL_RATE,
                       help="tools: fraction of problems the teacher solves with the calc tool")
     data.add_argument("--num-eval", type=int, default=None, help="default 500 (arithmetic), 200 (tools)")

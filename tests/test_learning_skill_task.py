@@ -27,3 +27,13 @@ def test_carry_task_is_wired_into_the_demo_and_the_learning_benchmark():
     assert teacher == DEMO_TEACHERS["carry"] and teacher["slip_rate"] > 0
     rows = arithmetic_problems(500, seed=0, **teacher)
     assert any(row["response"] != row["answer"] for row in rows)  # the teacher does slip
+
+
+def test_make_data_writes_the_carry_teacher(tmp_path):
+    from hybridrl.cli import main
+    from hybridrl.data.tasks import write_arithmetic_task
+
+    assert main(["make-data", str(tmp_path / "cli"), "--period-rate", "0", "--slip-rate", "0.3", "--num-train", "50",
+                 "--num-eval", "10"]) in (0, None)
+    expected = write_arithmetic_task(tmp_path / "direct", num_train=50, num_eval=10, slip_rate=0.3)
+    assert (tmp_path / "cli" / "train.jsonl").read_text() == expected["train"].read_text()
