@@ -84,6 +84,24 @@ def test_paged_episodes_equal_the_per_slot_ones_and_return_every_block(seed, mon
     assert preemptions[0] == preemptions[3] == 0 and min(preemptions[1:3]) > 0, preemptions  # evictions too
 
 
+def test_evicted_episodes_give_back_their_prompts_blocks_and_prefill_from_the_start(monkeypatch):
+    """Six distinct long prompts and a pool of 40 blocks (one episode needs 35): paused episodes must give back their
+    prompt's blocks too, and then prefill their whole episode again on resume; the episodes equal the per-slot ones."""
+    model = make_model("llama")
+    rows = [{"prompt": "q" * (20 + 2 * i), "turns": 4, "obs": 3 + i} for i in range(6)]
+    budget = EpisodeBudget(max_turns=4, max_episode_tokens=120)
+    params = SamplingParams(max_new_tokens=7, temperature=0, ignore_eos=True)
+    found = {}
+    for name, options in (("per_slot", dict(attention="sdpa")),
+                          ("paged", dict(kv_cache="paged", kv_block_size=4,
+                                         kv_cache_memory=memory_for_blocks(model, 40, 4)))):
+        engine = BuiltinBackend(model, tokenizer=TOKENIZER, sync_every=3, **options)
+        found[name] = engine.generate_episodes(make_sessions(Uneven, rows, n=1, name="test_paged_multiturn.py:Uneven"),
+                                               ObservationRenderer(TOKENIZER), params, budget)
+    assert_same_episodes(found["paged"], found["per_slot"])
+    assert engine.last_stats["preemptions"] > 0 and min(e.num_turns for e in found["paged"]) >= 2
+
+
 def test_extend_through_the_block_table_equals_extend_on_the_per_slot_cache():
     """The same contexts held per slot and in scattered blocks (prompt blocks shared by two slots): the observation
     prefill gives the same logits, and its K/V lands at the same positions of each sequence."""
@@ -126,8 +144,9 @@ def test_extend_through_the_block_table_equals_extend_on_the_per_slot_cache():
 
 def test_a_resume_preempts_first_turns_then_evicts_paused_episodes_or_waits():
     """A resuming episode takes the blocks of its prefill and whole turn: from live sequences in their first turn
-    (they start over from the prompt), then from paused episodes (evicted: their context is prefilled again when
-    they resume), never from a live one past its first turn; when that is not enough it stays paused, unchanged."""
+    (they start over from the prompt), then from paused episodes (evicted: their blocks, their prompt's too when no
+    sample holds it, are taken and their context is prefilled again when they resume), never from a live one past
+    its first turn; when that is not enough it stays paused, unchanged."""
     allocator = BlockAllocator(num_blocks=1 + 8, block_size=4, prompt_columns=1)
     scheduler = Scheduler([0, 1, 2], [4, 4, 4], num_slots=3, blocks=allocator, window=4, max_new_tokens=4)
     first, second, third = scheduler.admit()  # a prompt block and a window's block each: 6 of 8
@@ -141,8 +160,11 @@ def test_a_resume_preempts_first_turns_then_evicts_paused_episodes_or_waits():
     assert (second.prompt_len, second.generated, second.context) == (4, 4, 0) and 1 in scheduler.paused
     scheduler.pause(0)
     assert scheduler.resume(1, context_len=4 + 13, limit=4) == (True, [])
-    assert first.needs_context and scheduler.evicted == [0] and not allocator.response[0].blocks
-    assert allocator.in_use == 1 + 1 + 4 and scheduler.preemptions == 2
+    assert first.needs_context and scheduler.evicted == [0] and 0 not in allocator.response
+    assert allocator.in_use == 1 + 4 and scheduler.preemptions == 2  # its prompt's block went too (no sample held it)
+    scheduler.pause(1)
+    assert scheduler.resume(0, context_len=4 + 13, limit=4) == (True, [])  # evicts the other paused episode
+    assert first.fills_entry and allocator.in_use == 1 + 4 and scheduler.evicted == [0, 1]  # its prompt taken anew
 
 
 @pytest.mark.gpu

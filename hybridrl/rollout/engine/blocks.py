@@ -94,11 +94,6 @@ class BlockAllocator:
         self.free.extend(sorted(freed, reverse=True))
         return len(freed)
 
-    def release_response(self, index: int) -> None:
-        """Give back sequence `index`'s response blocks only (an evicted paused episode: its prompt's stay shared)."""
-        self.free.extend(sorted(self.response[index].blocks, reverse=True))
-        self.response[index] = SequenceBlocks()
-
     def take_writes(self) -> list[tuple[int, int, int]]:
         writes, self.writes = self.writes, []
         return writes

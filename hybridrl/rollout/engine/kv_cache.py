@@ -317,10 +317,10 @@ class PagedKVCache:
         self.block_table[destination] = self.block_table[source]
         self.prompt_lens[destination] = self.prompt_lens[source]
 
-    def clear_responses(self, slots: torch.Tensor) -> None:
-        """Point evicted slots' response columns at scratch (their blocks went to others; a decode step still writes
-        the paused slot's KV at its last position)."""
-        self.block_table[slots, self.prompt_columns:] = 0
+    def clear_rows(self, slots: torch.Tensor) -> None:
+        """Point evicted slots' rows at scratch, keeping their prompt lengths (their blocks went to others; a decode
+        step still writes the paused slot's KV at its last position)."""
+        self.block_table.index_fill_(0, slots, 0)
 
     def free(self, slots: torch.Tensor) -> None:
         """Point freed slots' rows at the scratch block: a decode step still writes their (stale) KV (at response

@@ -34,8 +34,8 @@ Choices:
   (kv_cache="paged") keeps an episode's prompt in its shared blocks and the rest in blocks taken as it grows (the
   observation's prefill writes and reads through the block table). Episodes are admitted by the blocks they need
   now. When blocks run out, live sequences in their first turn start over from their prompt; an episode past it
-  that needs blocks evicts paused episodes (youngest first), whose context after the prompt is prefilled again when
-  they resume (`Scheduler._make_room`); a resume that still does not fit waits, and only when nothing running or
+  that needs blocks evicts paused episodes (youngest first; their prompt's blocks too when no sample holds them),
+  whose context is prefilled again when they resume (`Scheduler._make_room`); a resume that still does not fit waits, and only when nothing running or
   pending can give blocks back is the call refused, in one sentence naming kv_cache_memory.
 - Each resumed turn draws its uniforms from a CPU generator seeded by (seed, episode, turn), so a seeded run gives
   the same episodes whatever order the environments answer in (on a GPU not the draws a CUDA generator would make:
@@ -167,24 +167,27 @@ class EpisodeLoop:
         for slot, ids in self.ready:
             sequence = scheduler.paused[slot]
             run = self.runs[sequence.index]
-            start = run.num_tokens - len(ids) - 1  # the last sampled token's position: its KV is not written yet
-            fed = [run.last_turn_ids[-1], *ids]
-            if sequence.needs_context:  # its blocks were taken while it was paused: everything after the prompt
-                start = len(self.prompts[self.prompt_of[sequence.index]])
-                fed = run.episode.token_ids[start:]
             # Before the prefill: the paged layout takes the blocks it writes here, or has the resume wait.
-            resumed, taken = scheduler.resume(slot, start + len(fed), run.turn_limit(self.params.max_new_tokens))
+            resumed, taken = scheduler.resume(slot, run.num_tokens, run.turn_limit(self.params.max_new_tokens))
             preempted += taken
             if not resumed:
                 deferred.append((slot, ids))
                 continue
-            sequence.needs_context = False
+            start = run.num_tokens - len(ids) - 1  # the last sampled token's position: its KV is not written yet
+            if sequence.needs_context:  # its blocks were taken while it was paused: from the prompt's end, or all
+                start = 0 if sequence.fills_entry else len(self.prompts[self.prompt_of[sequence.index]])
+                sequence.needs_context = False
+            fed = run.episode.token_ids[start:]
             generator = torch.Generator()  # on the host: see `ModelRunner.extend`
             generator.manual_seed(self.seed * _SEED_STRIDE + sequence.index * 1009 + run.episode.num_turns)
             resumes.append((slot, fed, start, generator))
         self._apply_blocks(scheduler, preempted)
         if resumes:
-            self.runner.extend(resumes)
+            # Evicted episodes that took their prompt's blocks anew write its KV first: another sample of the prompt
+            # resumed in this wave reads it (in one forward, each layer writes before it reads; chunks may split).
+            for part in ([r for r in resumes if r[2] == 0], [r for r in resumes if r[2] > 0]):
+                if part:
+                    self.runner.extend(part)
             self.resume_waves += 1
         self.ready = deferred
 
@@ -208,7 +211,7 @@ class EpisodeLoop:
         token_rows, logprob_rows = tokens[slots, :width].tolist(), logprobs[slots, :width].tolist()
         for count, (item, ids, row_logprobs) in enumerate(zip(ended, token_rows, logprob_rows), 1):
             run = self.runs[item.sequence.index]
-            text = run.add_turn(ids[:item.length], row_logprobs[:item.length], item.reason, as_lists=True)
+            text = run.add_turn(ids[:item.length], row_logprobs[1:item.length + 1], item.reason, as_lists=True)
             task = asyncio.ensure_future(run.session.step(text))
             self.pending[task], self.started_at[task] = item.slot, time.perf_counter()
             if count % _START_EVERY == 0:

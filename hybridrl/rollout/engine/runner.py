@@ -214,9 +214,9 @@ class ModelRunner:
 
     def write_blocks(self, writes: list[tuple[int, int, int]], evicted: list[int] = ()) -> None:
         """Apply the scheduler's block-table writes before the next prefill or decode step reads the table, after
-        resetting the response columns of the paused slots whose blocks were taken (`evicted`, paged multi-turn)."""
+        resetting the rows of the paused slots whose blocks were taken (`evicted`, paged multi-turn)."""
         if evicted:
-            self.run.cache.clear_responses(host_to_device(torch.tensor(evicted), self.run.state.done.device))
+            self.run.cache.clear_rows(host_to_device(torch.tensor(evicted), self.run.state.done.device))
         self.run.cache.write_blocks(writes)
 
     def end(self, finished: bool, release: bool) -> dict:

@@ -23,8 +23,8 @@ oldest first, and when blocks run out preempts the youngest live sequences: thei
 they go back to the front of the queue, to be recomputed from their prompt. Every sequence keeps its own uniforms
 (drawn per sequence index), so a recomputed sequence samples the same tokens. Multi-turn on the paged layout: a
 resume takes the blocks of its whole turn up front; sequences past their first turn are never preempted, but paused
-episodes are evicted (response blocks taken, context prefilled again on resume), and a resume that still does not
-fit waits (`resume`, `_make_room`).
+episodes are evicted (blocks taken, context prefilled again on resume), and a resume that still does not fit waits
+(`resume`, `_make_room`).
 """
 
 from __future__ import annotations
@@ -186,14 +186,14 @@ class Scheduler:
         return preempted
 
     def _make_room(self, sequence: SequenceSlot, queue: list[SequenceSlot], preempted: list[SequenceSlot],
-                   rows: int | None = None) -> bool:
+                   rows: int | None = None, extra: int = 0) -> bool:
         """Preempt the youngest of `queue` (live, younger than `sequence`) in their first turn until the blocks of
         `sequence`'s next window are free; then `sequence` itself if it is in its first turn; past it, evict paused
         episodes, youngest first (`_evict`). A live sequence past its first turn cannot start over from its prompt
         (its earlier turns came from an environment) and is never taken. `rows`: the response rows wanted (default:
-        the next window's). Returns whether they are free now (False: `sequence` was preempted, or it is past its
+        the next window's), and `extra` blocks besides. Returns whether they are free now (False: `sequence` was preempted, or it is past its
         first turn and must wait)."""
-        need = self.blocks.response_cost(sequence.index, self._window_rows(sequence) if rows is None else rows)
+        need = extra + self.blocks.response_cost(sequence.index, self._window_rows(sequence) if rows is None else rows)
         candidates = [s for s in queue if s.context == 0]
         while need > len(self.blocks.free) and candidates:
             victim = candidates.pop()
@@ -204,16 +204,16 @@ class Scheduler:
         if sequence.context == 0:
             preempted.append(self._preempt(sequence))
             return False
-        paused = sorted((s for s in self.paused.values() if self.blocks.response[s.index].blocks),
-                        key=lambda s: s.admitted_at)
+        paused = sorted((s for s in self.paused.values() if not s.needs_context), key=lambda s: s.admitted_at)
         while need > len(self.blocks.free) and paused:
             self._evict(paused.pop())
         return need <= len(self.blocks.free)
 
     def _evict(self, sequence: SequenceSlot) -> None:
-        """Take a paused episode's response blocks (its prompt's stay shared); it keeps its slot and, when it
-        resumes, its whole context after the prompt is prefilled again (`needs_context`)."""
-        self.blocks.release_response(sequence.index)
+        """Take a paused episode's blocks (its prompt's only if no other sample holds them); it keeps its slot and,
+        when it resumes, its context is prefilled again (`needs_context`): from the prompt's end, or from position 0
+        when its prompt's blocks had to be taken again (`fills_entry`)."""
+        self.blocks.release(sequence.index, sequence.prompt_index)
         self.preemptions += 1
         self.preempted_tokens += sequence.context + sequence.generated
         sequence.needs_context = True
@@ -237,7 +237,7 @@ class Scheduler:
         heapq.heappush(self.free_slots, slot)
         if self.blocks is None:
             self.entries.release(sequence.prompt_index)
-        else:
+        elif not sequence.needs_context:  # an evicted episode holds no blocks
             self.blocks.release(sequence.index, sequence.prompt_index)
         return sequence
 
@@ -262,13 +262,18 @@ class Scheduler:
         if self.blocks is not None:
             queue = sorted((s for s in self.live.values() if s is not sequence), key=lambda s: s.admitted_at)
             rows = sequence.context + self._limit(sequence, self.max_new_tokens) - 1
-            fits = self._make_room(sequence, queue, preempted, rows)
+            prompt = self.prompt_lens[sequence.prompt_index]
+            # Evicted: room for its prompt's blocks too, even if a sample holds them now (evicting it may free them).
+            extra = blocks_for(prompt, self.blocks.block_size) if sequence.needs_context else 0
+            fits = self._make_room(sequence, queue, preempted, rows, extra)
             self._requeue(preempted)
             if not fits:
                 del self.live[slot]
                 self.paused[slot] = sequence
                 sequence.prompt_len, sequence.limit, sequence.generated, sequence.context = saved
                 return False, preempted
+            if sequence.needs_context:  # evicted: its prompt's blocks again (taken anew if no sample kept them)
+                sequence.fills_entry = self.blocks.admit(sequence.index, sequence.prompt_index, prompt, slot)
             self.blocks.grow(sequence.index, slot, rows)
         return True, preempted
 
