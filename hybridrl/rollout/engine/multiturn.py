@@ -211,7 +211,7 @@ class EpisodeLoop:
         token_rows, logprob_rows = tokens[slots, :width].tolist(), logprobs[slots, :width].tolist()
         for count, (item, ids, row_logprobs) in enumerate(zip(ended, token_rows, logprob_rows), 1):
             run = self.runs[item.sequence.index]
-            text = run.add_turn(ids[:item.length], row_logprobs[1:item.length + 1], item.reason, as_lists=True)
+            text = run.add_turn(ids[:item.length], row_logprobs[:item.length], item.reason, as_lists=True)
             task = asyncio.ensure_future(run.session.step(text))
             self.pending[task], self.started_at[task] = item.slot, time.perf_counter()
             if count % _START_EVERY == 0:
