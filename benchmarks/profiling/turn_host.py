@@ -2,9 +2,10 @@
 256, 3 turns x 85 forced tokens, a 50 ms asyncio tool returning 32 ids) on the tiny 2-layer model, whose forward is
 cheap, so what the episode loop's phases cost is mostly Python.
 
-    python -m benchmarks.profiling.turn_host [--calls 2] [--profile] [--top 25] [benchmark flags, e.g. --prompts 16]
+    python -m benchmarks.profiling.turn_host [--calls 2] [--loop FILE] [--profile] [--top 25] [benchmark flags]
 
-For the best of `--calls` warm calls it prints the host milliseconds of the loop's boundary phases (`_harvest` when
+For the best of `--calls` warm calls (with `--loop`, of the engine's loop and the file's, in alternation) it prints, each
+phase's least over the calls, the host milliseconds of the loop's boundary phases (`_harvest` when
 it records ended turns, `_collect`, `_resume`, and the runner's `extend` inside `_resume`), in all and per turn
 boundary (a boundary: the turns of a batch end, their tools start, their answers are collected and resumed; a
 3-turn episode has 3, the last one ending the episode). `--profile` adds one more call with cProfile on inside those
@@ -24,6 +25,7 @@ import pstats
 import time
 
 from benchmarks import multiturn as bench
+from benchmarks.profiling.multiturn_trace import load_loop
 from hybridrl.rollout.engine import backend as backend_module
 from hybridrl.rollout.engine import runner as runner_module
 from hybridrl.rollout.engine.runner import ModelRunner
@@ -80,10 +82,10 @@ class Phases:
         return call
 
 
-def instrument(engine, phases: Phases) -> None:
-    loop = backend_module.EpisodeLoop
-    for name in PHASES:
-        setattr(loop, name, phases.timed(getattr(loop, name), name))
+def instrument(engine, phases: Phases, loops: list[type]) -> None:
+    for loop in loops:
+        for name in PHASES:
+            setattr(loop, name, phases.timed(getattr(loop, name), name))
     engine.runner.extend = phases.timed(engine.runner.extend, "runner.extend")
     engine.runner.decode = phases.timed(engine.runner.decode, "runner.decode")
     runner_module.extend = phases.timed(runner_module.extend, FORWARD)
@@ -91,31 +93,43 @@ def instrument(engine, phases: Phases) -> None:
         setattr(owner, name, phases.timed(getattr(owner, name), f"  {owner.__name__}.{name}"))
 
 
+def print_phases(title: str, seconds: float, totals: dict, boundaries: int) -> None:
+    totals = dict(totals, **{"boundary host": sum(totals.get(name, 0.0) for name in PHASES) - totals.get(FORWARD, 0.0)})
+    print(f"{title}: {seconds:.3f} s")
+    for name, value in sorted(totals.items(), key=lambda item: -item[1]):
+        print(f"  {name:32s} {1e3 * value:9.1f} ms  {1e3 * value / boundaries:8.1f} ms per boundary")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--loop", help="a file whose EpisodeLoop runs in alternation with the engine's own (before "
+                                       "and after a change)")
     own, rest = parser.parse_known_args()
     args = bench.parse_args(["--tiny", *rest])
     args.repeats = 1
     _, _, prompts, engine = bench.set_up(args)
+    loops = {"engine loop": backend_module.EpisodeLoop}
+    if own.loop:
+        loops["--loop"] = load_loop(own.loop)
     phases = Phases()
-    instrument(engine, phases)
-    best: tuple[float, dict] | None = None
-    for _ in range(own.calls):
-        phases.totals.clear()
-        run = bench.run_multiturn(engine, prompts, args)
-        if best is None or run["seconds"] < best[0]:
-            best = (run["seconds"], dict(phases.totals))
-    seconds, totals = best
-    totals["boundary host"] = sum(totals.get(name, 0.0) for name in PHASES) - totals.get(FORWARD, 0.0)
-    print(f"{args.prompts} x {args.n} episodes, {args.turns} turns x {args.turn_len} tokens, tool "
-          f"{args.tool_latency_ms:g} ms, observation {args.observation_len} ids; best of {own.calls} calls: "
-          f"{seconds:.3f} s")
-    for name, value in sorted(totals.items(), key=lambda item: -item[1]):
-        print(f"  {name:16s} {1e3 * value:9.1f} ms  {1e3 * value / args.turns:8.1f} ms per boundary")
-    print("(boundary host: _harvest + _collect + _resume less the observation prefill's forward)")
+    instrument(engine, phases, list(loops.values()))
+    best: dict[str, tuple[float, dict]] = {}
+    for _ in range(own.calls):  # the loops in alternation, so that the shared machine's load hits both alike
+        for name, loop in loops.items():
+            backend_module.EpisodeLoop = loop
+            run = bench.run_multiturn(engine, prompts, args, before=phases.totals.clear)  # after the warm-up
+            seconds, totals = best.get(name, (run["seconds"], dict(phases.totals)))
+            best[name] = (min(seconds, run["seconds"]), {k: min(v, totals.get(k, v)) for k, v in phases.totals.items()})
+    print(f"{args.prompts} x {args.n} episodes, prompt {args.prompt_len}, {args.turns} turns x {args.turn_len} tokens, "
+          f"tool {args.tool_latency_ms:g} ms, observation {args.observation_len} ids; the best of {own.calls} calls")
+    for name, (seconds, totals) in best.items():
+        print_phases(name, seconds, totals, args.turns)
+    print("(boundary host: _harvest + _collect + _resume less the observation prefill's forward; indented: parts of "
+          "those phases)")
+    backend_module.EpisodeLoop = loops["engine loop"]
     if own.profile:
         phases.profiler = cProfile.Profile()
         bench.run_multiturn(engine, prompts, args)
