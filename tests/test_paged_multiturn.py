@@ -1,7 +1,7 @@
 """Multi-turn episodes on the paged KV cache: the observation prefill (`extend`) writes and reads through the block
-table; when blocks run out, first turns start over and paused episodes are evicted and prefilled again on resume. Held to the per-slot
-(contiguous) layout: same tokens, masks and log-probs in float32 over seeds, uneven turns and tight pools, and every
-block back in the free list after the call."""
+table; when blocks run out, first turns start over and paused episodes are evicted and prefilled again on resume.
+Held to the per-slot (contiguous) layout: same tokens, masks and log-probs in float32 over seeds, uneven turns and
+tight pools, and every block back in the free list after the call."""
 
 from __future__ import annotations
 

@@ -35,8 +35,9 @@ Choices:
   observation's prefill writes and reads through the block table). Episodes are admitted by the blocks they need
   now. When blocks run out, live sequences in their first turn start over from their prompt; an episode past it
   that needs blocks evicts paused episodes (youngest first; their prompt's blocks too when no sample holds them),
-  whose context is prefilled again when they resume (`Scheduler._make_room`); a resume that still does not fit waits, and only when nothing running or
-  pending can give blocks back is the call refused, in one sentence naming kv_cache_memory.
+  whose context is prefilled again when they resume (`Scheduler._make_room`); a resume that still does not fit
+  waits for the live ones to pause (with nothing live, every other episode can be evicted, and `begin` refused a
+  pool smaller than one episode).
 - Each resumed turn draws its uniforms from a CPU generator seeded by (seed, episode, turn), so a seeded run gives
   the same episodes whatever order the environments answer in (on a GPU not the draws a CUDA generator would make:
   hundreds of CUDA generators per wave cost a launch each, on the host, while the device waits).
@@ -71,8 +72,8 @@ class EpisodeLoop:
     def __init__(self, backend, runs: list[EpisodeRun], params: SamplingParams, stop_ids: list[int], budget) -> None:
         device = next(backend.model.parameters()).device
         if attention_path(backend.options.attention, device, backend.options.kv_cache).layout is PrefixSharedKVCache:
-            raise ValueError("multi-turn episodes need the per-slot KV layout or the paged one, since the prefix-shared "
-                             "one (attention='triton') keeps a single response per slot; use "
+            raise ValueError("multi-turn episodes need the per-slot KV layout or the paged one, since the "
+                             "prefix-shared one (attention='triton') keeps a single response per slot; use "
                              "rollout.engine.attention=sdpa or rollout.engine.kv_cache=paged.")
         self.backend, self.runner, self.runs, self.params = backend, backend.runner, runs, params
         self.stop_ids = stop_ids
@@ -120,10 +121,8 @@ class EpisodeLoop:
                     started = time.perf_counter()
                     await self._gather_answers()
                     runner.run.stats.idle_s += time.perf_counter() - started
-                elif self.ready:  # paged: resumes wait for blocks that nothing running will give back
-                    raise ValueError(f"the paged KV cache holds too few blocks to resume {len(self.ready)} episodes "
-                                     f"with every other one evicted (the distinct prompts' blocks stay); raise "
-                                     f"rollout.engine.kv_cache_memory.")
+                else:  # paged: with nothing live every other episode can be evicted, and `begin` fitted one
+                    assert not self.ready, "a resume found too few blocks with nothing running or pending"
                 self._collect(scheduler)  # 6.
             finished = True
         finally:

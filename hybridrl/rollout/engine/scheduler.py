@@ -191,8 +191,8 @@ class Scheduler:
         `sequence`'s next window are free; then `sequence` itself if it is in its first turn; past it, evict paused
         episodes, youngest first (`_evict`). A live sequence past its first turn cannot start over from its prompt
         (its earlier turns came from an environment) and is never taken. `rows`: the response rows wanted (default:
-        the next window's), and `extra` blocks besides. Returns whether they are free now (False: `sequence` was preempted, or it is past its
-        first turn and must wait)."""
+        the next window's), and `extra` blocks besides. Returns whether they are free now (False: `sequence` was
+        preempted, or it is past its first turn and must wait)."""
         need = extra + self.blocks.response_cost(sequence.index, self._window_rows(sequence) if rows is None else rows)
         candidates = [s for s in queue if s.context == 0]
         while need > len(self.blocks.free) and candidates:
