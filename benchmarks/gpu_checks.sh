@@ -15,6 +15,11 @@
 #   rollout    the rollout table (benchmarks/rollout.py: engine variants, HF generate, greedy agreement) 190
 #   paged      the paged KV cache's GPU tests (`pytest -m gpu tests/test_paged_kv.py`, 240) and the long-tail rollout,
 #              paged against contiguous (benchmarks/long_tail.py)                                 300
+#   new        the GPU tests written but never run on a GPU: the thread worker on CUDA (tests/test_async_gpu.py), paged
+#              multi-turn episodes (tests/test_paged_multiturn.py) and the paged engine with forced preemption   240
+#   splitkv    split-KV against one program per (slot, head) (benchmarks/kernels/split_kv.py, 80) and the long-tail
+#              rollout, paged against contiguous now that both split (benchmarks/long_tail.py, 220)           300
+#   7b         full-parameter GRPO of the 7B shape on one GPU (benchmarks/full_7b_one_gpu.py)                  330
 #   grpo       the GRPO step table (benchmarks/grpo_step.py) with TRL beside it, TRL first; 6 steps, the 6th
 #              profiled and left out of the mean, its Chrome trace saved to $OUT as trace_<mode>.json.gz
 #              (read it with benchmarks/profiling/trace_report.py); modes from $MODES     what the call has left
@@ -59,6 +64,18 @@ for part in "${PARTS[@]}"; do
         echo "== paged KV gpu tests: exit $? after $(elapsed)"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/paged_gpu_tests.log" | tail -8
         timeout -k 20 300 python3 -m benchmarks.long_tail > "$OUT/long_tail.log" 2>&1
         echo "== long_tail: exit $? after $(elapsed)"; tail -7 "$OUT/long_tail.log" ;;
+    new)
+        timeout -k 20 240 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_async_gpu.py \
+            tests/test_paged_multiturn.py "tests/test_paged_kv.py::test_paged_engine_on_cuda" > "$OUT/new_gpu_tests.log" 2>&1
+        echo "== new gpu tests: exit $? after $(elapsed)"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/new_gpu_tests.log" | tail -8 ;;
+    splitkv)
+        timeout -k 20 80 python3 -m benchmarks.kernels.split_kv > "$OUT/split_kv.log" 2>&1
+        echo "== split_kv: exit $? after $(elapsed)"; tail -10 "$OUT/split_kv.log"
+        timeout -k 20 220 python3 -m benchmarks.long_tail > "$OUT/long_tail.log" 2>&1
+        echo "== long_tail: exit $? after $(elapsed)"; tail -7 "$OUT/long_tail.log" ;;
+    7b)
+        timeout -k 20 330 python3 -m benchmarks.full_7b_one_gpu --budget 300 > "$OUT/full_7b_one_gpu.log" 2>&1
+        echo "== full_7b_one_gpu: exit $? after $(elapsed)"; tail -12 "$OUT/full_7b_one_gpu.log" ;;
     grpo)
         modes=$MODES
         if ls .bench/trl-*.whl > /dev/null 2>&1 && [ -f .bench/trl_grpo_gpu.py ]; then
@@ -72,6 +89,6 @@ for part in "${PARTS[@]}"; do
         timeout -k 20 $left python3 -m benchmarks.grpo_step --modes "$modes" --steps 6 --profile \
             --trl-script .bench/trl_grpo_gpu.py --timeout 200 > "$OUT/grpo_step.log" 2>&1
         echo "== grpo_step: exit $? after $(elapsed)"; tail -8 "$OUT/grpo_step.log" ;;
-    *) echo "unknown part $part: tests, engine, optimizer, flex, rollout, paged or grpo"; exit 2 ;;
+    *) echo "unknown part $part: tests, engine, optimizer, flex, rollout, paged, new, splitkv, 7b or grpo"; exit 2 ;;
     esac
 done
