@@ -12,6 +12,7 @@ from hybridrl.config.loading import load_config
 from hybridrl.data.conversations import ConversationSFTDataset, conversation_item, sft_dataset
 from hybridrl.data.datasets import IGNORE_INDEX, DataError, SFTDataset
 from hybridrl.data.tool_task import multiplication_problems, teacher_messages, tool_call_text, write_tool_task
+from hybridrl.envs import StepResult  # the public name the environment errors point users to
 from hybridrl.envs.builtin_tools import BUILTIN_TOOLS, calc
 from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.envs.tools import ToolBox, ToolCall, ToolCallFormat, parse_tool_calls
@@ -215,3 +216,41 @@ def test_make_data_and_demo_command_lines(tmp_path, capsys):
     assert [sum(1 for _ in (tmp_path / name).open()) for name in ("sft.jsonl", "eval.jsonl")] == [20, 5]
     assert main(["demo", "--task", "tools", "--algorithm", "ppo", "--out-dir", str(tmp_path / "demo")]) == 2
     assert "runs GRPO only" in capsys.readouterr().err and not (tmp_path / "demo").exists()
+
+
+class FollowUpEnvironment:
+    """Asks a question, then a follow-up once the first answer comes: a conversation with a user turn mid-way."""
+
+    def __init__(self, row):
+        self.row, self.steps = row, 0
+
+    def reset(self):
+        return [{"role": "user", "content": self.row["prompt"]}]
+
+    def step(self, text):
+        self.steps += 1
+        if self.steps == 1:
+            return StepResult(observation=[{"role": "user", "content": "and +1?"}])
+        return StepResult(reward=1.0, done=True)
+
+
+@pytest.mark.parametrize("make_tokenizer", [lambda: build_char_tokenizer(chat_template=CHAR_CHAT_TEMPLATE),
+                                            qwen_style_tokenizer])
+def test_sft_conversation_with_a_user_follow_up_teaches_the_stop_the_rollout_samples(make_tokenizer):
+    """A turn a user message answers ended on the stop id in the rollout, so the SFT ids and labels carry that stop
+    id in the loss (it failed before: SFT left it out, so no model learnt to hand a turn back to the user)."""
+    tokenizer = make_tokenizer()
+    conversation = [{"role": "user", "content": "12*3"}, {"role": "assistant", "content": "36"},
+                    {"role": "user", "content": "and +1?"}, {"role": "assistant", "content": "37"}]
+    renderer = ObservationRenderer(tokenizer)
+    backend = ScriptedBackend(tokenizer, [["36", "37"]])
+    params = SamplingParams(max_new_tokens=20, temperature=0.0)
+    sessions = make_sessions(FollowUpEnvironment, [{"prompt": "12*3"}], n=1, name="follow-up")
+    episode, = generate_episodes_reference(backend, sessions, renderer, params, EpisodeBudget(max_turns=3),
+                                           {tokenizer.eos_token_id})
+    assert episode.messages == conversation
+    item = conversation_item(renderer, conversation, tokenizer.eos_token_id)
+    assert item["input_ids"] == episode.token_ids
+    assert [int(label != IGNORE_INDEX) for label in item["labels"]] == episode.loss_mask
+    trained = [label for label in item["labels"] if label != IGNORE_INDEX]
+    assert trained.count(tokenizer.eos_token_id) == 2  # both turns end on the stop id, both in the loss

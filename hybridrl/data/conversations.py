@@ -5,12 +5,14 @@ assistant's answer. The ids are built exactly as a multi-turn rollout builds an 
 so that SFT teaches the very sequences RL will sample and train on:
 
     prompt ids      = renderer.prompt_ids(messages before the first assistant turn)
-    assistant turn  = tokenize(content)                  (+ the end-of-sequence id for the last turn: the model's stop)
+    assistant turn  = tokenize(content)                  (+ the end-of-sequence id where the model stops: the last
+                                                          turn, and a turn a user message answers)
     observation ids = renderer.observation_ids(...)      (the chat template's difference, as in a rollout)
 
 Labels are the assistant turns' ids only (the loss mask of an episode); prompt and observations are
 IGNORE_INDEX. A turn followed by tool results ended at the tool call's closing tag (a stop string), so it gets
-no stop id: its closing is part of the observation ids, as in a rollout.
+no stop id: its closing is part of the observation ids, as in a rollout. A turn followed by a user message ended on
+the stop id, so SFT teaches the model to stop there (without it, the model never learns to hand the turn back).
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ def conversation_item(renderer: ObservationRenderer, messages: Sequence[Message]
     turn = first
     while turn < len(messages):
         following = next((i for i in range(turn + 1, len(messages)) if roles[i] == "assistant"), len(messages))
-        sampled = renderer.encode(messages[turn]["content"]) + ([stop_id] if following == len(messages) else [])
+        # A turn ends on the stop id unless tool results follow it (that turn ended at the call's closing tag, a stop
+        # string, and its closing belongs to the observation): the last turn, and one a user message answers.
+        stops = following == len(messages) or roles[turn + 1] != "tool"
+        sampled = renderer.encode(messages[turn]["content"]) + ([stop_id] if stops else [])
         input_ids += sampled
         labels += sampled
         if following < len(messages):

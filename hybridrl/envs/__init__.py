@@ -5,3 +5,7 @@ This layer is standalone: the rollout engine and the trainer call it, it calls n
 assistant turns (sampled) with observations from an environment (rendered by the chat template); see
 docs/environments.md.
 """
+
+from hybridrl.envs.base import StepResult
+
+__all__ = ["StepResult"]
