@@ -14,7 +14,7 @@ Choices:
 - Generation is greedy through the built-in engine where it supports the judge (`BuiltinBackend.supports`), else
   the Hugging Face backend; the judge lives on the reward device (the actor's unless `trainer.device_mesh` places
   `reward` elsewhere), so by default it is colocated with the actor; `offload` (`reward.judge_offload`) keeps its
-  weights in host memory between calls (`models/host_offload.py`).
+  weights in host memory between calls (`HostOffloadedWeights`, as `model.reference_offload` does for the reference).
 - A text the parser cannot read scores `failure_score` and is counted: each call leaves `last_metrics`
   (`reward/judge_parse_failures`, the count in that call, and `timing/judge_s`), which the trainer logs.
 """
@@ -33,8 +33,7 @@ import torch
 
 from hybridrl.config.checks import judge_template_problem
 from hybridrl.config.schema import RewardConfig
-from hybridrl.models.host_offload import HostOffload
-from hybridrl.models.loading import load_hf_model
+from hybridrl.models.loading import HostOffloadedWeights, load_hf_model
 from hybridrl.rewards import extract_number
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.backend import BuiltinBackend
@@ -101,7 +100,7 @@ class JudgeReward:
         self.last_metrics: dict[str, float] = {}
         # Between calls the judge's weights wait in host memory (`reward.judge_offload`), leaving the device to the
         # actor's update and rollout; each call copies them back first.
-        self.offload = HostOffload(model) if offload else None
+        self.offload = HostOffloadedWeights(model, next(model.parameters()).device) if offload else None
         if "{reference}" in template:  # the composer's column check then sees the column this judge reads
             parameters = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
                           for name in ("prompts", "completions")]

@@ -52,3 +52,26 @@ def test_a_loaded_model_is_checkpointed_exactly_when_asked(tmp_path, checkpointi
     trainer.step()  # a rollout switches the model to generation and back: still checkpointed after it
     assert layer_runs_in_one_backward(model) == expected
     assert layer_runs_in_one_backward(critic, critic=True) == expected
+
+
+def test_a_policy_with_dropout_in_its_config_runs_without_it(tmp_path):
+    """Train mode (which checkpointing needs) would switch on a loaded model's dropout, and an on-policy PPO ratio
+    would then differ from 1 (two forwards, two masks): the actor and the critic run with every dropout at 0, and two
+    log-prob passes agree exactly (with attention dropout 0.5 in the config they differed before)."""
+    actor = tiny_actor()
+    actor.model.config.attention_dropout = 0.5
+    save_hf_model(actor.model, actor.tokenizer, tmp_path / "model")
+    loaded = load_hf_model(str(tmp_path / "model"))
+    trainer = RLTrainer(actor=loaded, reward_fn=contains_seven,
+                        dataset=PromptDataset(toy_prompts(), loaded.tokenizer, max_length=16), algorithm__name="ppo",
+                        model__gradient_checkpointing=True, trainer__device="cpu", trainer__total_steps=1,
+                        trainer__prompts_per_step=2, rollout__num_samples_per_prompt=2, rollout__max_new_tokens=4,
+                        trainer__save_model=False, trainer__output_dir=str(tmp_path / "run"), logging__sinks=[])
+    model = trainer.parts.actor
+    assert model.training and decoder_layers(model)[0].self_attn.attention_dropout == 0.0
+    assert decoder_layers(trainer.parts.critic.backbone)[0].self_attn.attention_dropout == 0.0
+    ids = torch.randint(3, 20, (2, 12), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(12).expand(2, 12)
+    first, _ = response_logprobs(model, ids, torch.ones_like(ids), positions, 4, real_tokens=24)
+    second, _ = response_logprobs(model, ids, torch.ones_like(ids), positions, 4, real_tokens=24)
+    assert torch.equal(first, second)

@@ -180,26 +180,27 @@ def test_the_judge_benchmark_runs_every_mode_on_tiny_shapes(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("parse, backend", [("number", "auto"), ("number", "hf"), ("yes_no", "auto")])
-def test_an_offloaded_judge_scores_as_a_resident_one_and_holds_no_device_memory_between_calls(parse, backend):
-    """`reward.judge_offload`: the weights' storage is empty between calls (tied weights included) and refilled
-    for each call; scores over two calls equal a judge that never left the device."""
+def test_an_offloaded_judge_scores_as_a_resident_one_and_waits_in_host_memory_between_calls(parse, backend):
+    """`reward.judge_offload`: between calls every parameter (the tied head included) is its host copy; scores over
+    two calls equal a judge that never left the device (each call copies the weights in anew)."""
     resident = JudgeReward(*copier_judge(), "{prompt} -> {response}", parse=parse, max_new_tokens=3,
                            answer_words=("5", "7"), backend=backend)
     model, tokenizer = copier_judge()
-    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as many judges are: one storage, freed once
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as many judges are
     offloaded = JudgeReward(model, tokenizer, "{prompt} -> {response}", parse=parse, max_new_tokens=3,
                             answer_words=("5", "7"), backend=backend, offload=True)
-    assert offloaded.offload.device_bytes == 0
-    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+
+    def on_host() -> bool:
+        return all(p.data_ptr() == offloaded.offload.host[p].data_ptr() for p in model.parameters())
+
+    assert on_host()
     for completions in (["5", "?", "7"], ["75", "5", "x"]):
         assert offloaded(["a", "b", "c"], completions) == resident(["a", "b", "c"], completions)
-        assert offloaded.offload.device_bytes == 0
-    # One storage per distinct tensor: the tied head (one Parameter object with the embedding) is not counted twice.
-    assert len(offloaded.offload.storages) == len(list(model.parameters())) + len(list(model.buffers()))
+        assert on_host()
 
 
 def test_judge_offload_is_a_config_key_that_reaches_the_judge():
     config = RewardConfig(judge_model="tiny:llama", judge_offload=True)
     judge = JudgeReward.from_config(config)
-    assert judge.offload is not None and judge.offload.device_bytes == 0
+    assert judge.offload is not None
     assert len(judge(["1+1="], ["2"], answer=["2"])) == 1

@@ -222,6 +222,19 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     enable()
 
 
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout off in a policy, whatever mode it is in: PPO's ratio, the old log-probs and the rollout's behaviour
+    log-probs all compare evaluations of one function, and a random mask per forward would make an on-policy ratio
+    differ from 1 (the actor runs in train mode for activation checkpointing). Sets every `nn.Dropout`'s p and every
+    attention module's `attention_dropout` (how Hugging Face attention reads it) to 0. Call it before LoRA is
+    applied, so an adapter's own `lora_dropout`, which the user sets, is left as asked."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
 def make_reference(model: nn.Module) -> nn.Module:
     """A frozen copy of the policy for the KL term (LoRA runs use the adapter-disabled base instead)."""
     reference = copy.deepcopy(model)

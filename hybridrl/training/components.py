@@ -24,6 +24,7 @@ from hybridrl.models.loading import (
     HostOffloadedWeights,
     ValueModel,
     compile_layers,
+    disable_dropout,
     enable_activation_checkpointing,
     load_hf_model,
     make_reference,
@@ -195,13 +196,14 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
         dataset = PromptDataset.from_config(config.data, tokenizer, config.data.train_path, seed=config.trainer.seed)
     if eval_dataset is None and config.data.eval_path:
         eval_dataset = PromptDataset.from_config(config.data, tokenizer, config.data.eval_path, seed=config.trainer.seed)
+    disable_dropout(model)
     if m.lora_rank:
         model = apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules)
     if m.gradient_checkpointing:
         enable_activation_checkpointing(model)  # non-reentrant in transformers 5: LoRA needs no input grads
         # transformers recomputes a layer only in train mode, and `from_pretrained` returns a model in eval mode: left
         # so, a loaded model would keep every activation. (A model built from a config, as in the tests, was always in
-        # train mode; the Llama/Qwen families have no dropout to switch on.)
+        # train mode; dropout is off, `disable_dropout` above.)
         model.train()
     model.config.use_cache = False
     reference = None
