@@ -47,7 +47,7 @@ from benchmarks.long_tail import QWEN25_15B, apply_tiny_defaults
 from benchmarks.rollout import TINY
 
 H200_DENSE_BF16_TFLOPS = 989.0
-"""The H200's dense bf16 tensor-core peak (NVIDIA's data sheet): the MFU denominator the brief asks for."""
+"""The H200's dense bf16 tensor-core peak (NVIDIA's data sheet): the MFU denominator of the goals."""
 MEASURED_MATMUL_TFLOPS = 785.0
 """The bf16 matmul rate measured on the lent H200 (DESIGN.md), the denominator of the older benchmarks."""
 OPTIMIZER_BYTES_PER_PARAMETER = 22

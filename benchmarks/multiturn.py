@@ -12,7 +12,7 @@ samples `turns x turn_len` tokens per sequence from the same prompts with `gener
 path a single-turn GRPO step takes. Both are timed after a warm-up call (compilation, CUDA graphs), the best of
 `--repeats`; after the warm-up, as the trainer after its first step, the objects alive are collected and frozen
 (`freeze_warm_up_objects`): otherwise a full garbage collection that walks everything compiling made can land in a
-timed call (~0.5 s on the H200 machine) and the figure depends on where it lands.
+timed call (a large share of a call after compiling has made many objects) and the figure depends on where it lands.
 
 Reported: sampled tokens/s of each and their ratio (the goal is >= 0.8; the seconds include each call's
 CUDA-graph capture, `warm-up s`, as in `rollout.py`), the engine's idle time (waiting with
