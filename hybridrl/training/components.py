@@ -214,6 +214,7 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
     if config.algorithm.name == "ppo":  # copies are made before sharding
         critic_base = model if not config.critic.path else load_hf_model(config.critic.path, dtype=m.dtype, device=device).model
         critic = ValueModel(make_reference(critic_base).requires_grad_(True))
+        disable_dropout(critic.backbone)  # a critic.path model has its own config; values stay one function too
         if m.gradient_checkpointing:  # the copy comes in eval mode, a critic.path model without it: as for the actor
             enable_activation_checkpointing(critic.backbone)
             critic.train()
