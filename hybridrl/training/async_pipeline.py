@@ -291,8 +291,12 @@ def score_batch(trainer: Any, step: int, version: int, indices: list[int], sampl
 
 
 def rollout_device(trainer: Any) -> torch.device:
-    """Where the thread worker's copy of the actor lives: `trainer.rollout_device`, or the trainer's own device."""
-    return torch.device(trainer.config.trainer.rollout_device or trainer.parts.device)
+    """Where the thread worker's copy of the actor lives: `trainer.rollout_device`, or the trainer's own device;
+    a bare "cuda" gets the current GPU's index (the worker thread sets its current device from it)."""
+    device = torch.device(trainer.config.trainer.rollout_device or trainer.parts.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def current_device(device: torch.device) -> Any:
