@@ -20,6 +20,9 @@
 #   splitkv    split-KV against one program per (slot, head) (benchmarks/kernels/split_kv.py, 80) and the long-tail
 #              rollout, paged against contiguous now that both split (benchmarks/long_tail.py, 220)           300
 #   7b         full-parameter GRPO of the 7B shape on one GPU (benchmarks/full_7b_one_gpu.py)                  330
+#   tta        time to accuracy against TRL (benchmarks/time_to_accuracy.py: a 0.5B-shape model taught the demo task by
+#              SFT, TRL for a budget, then hybridrl until TRL's final accuracy); TRL from .bench/ as in grpo;
+#              $TTA_BUDGET seconds (default 480) and more arguments from $TTA_ARGS                 TTA_BUDGET + 25
 #   grpo       the GRPO step table (benchmarks/grpo_step.py) with TRL beside it, TRL first; 6 steps, the 6th
 #              profiled and left out of the mean, its Chrome trace saved to $OUT as trace_<mode>.json.gz
 #              (read it with benchmarks/profiling/trace_report.py); modes from $MODES     what the call has left
@@ -35,6 +38,11 @@ PARTS=("$@"); [ ${#PARTS[@]} -gt 0 ] || PARTS=(optimizer grpo)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 start=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - start )) s"; }
+with_trl() {  # TRL's wheels from .bench/ importable (returns 1 when they are not here)
+    ls .bench/trl-*.whl > /dev/null 2>&1 || return 1
+    python3 -m pip install -q --no-index --no-deps --target /tmp/hybridrl-site .bench/*.whl > /dev/null 2>&1
+    export PYTHONPATH=$PWD:/tmp/hybridrl-site
+}
 
 for part in "${PARTS[@]}"; do
     case "$part" in
@@ -76,11 +84,16 @@ for part in "${PARTS[@]}"; do
     7b)
         timeout -k 20 330 python3 -m benchmarks.full_7b_one_gpu --budget 300 > "$OUT/full_7b_one_gpu.log" 2>&1
         echo "== full_7b_one_gpu: exit $? after $(elapsed)"; tail -12 "$OUT/full_7b_one_gpu.log" ;;
+    tta)
+        with_trl || echo "== TRL skipped: no .bench/trl-*.whl here (git-ignored: carry .bench)"
+        budget=${TTA_BUDGET:-480}
+        timeout -k 20 $(( budget + 25 )) python3 -m benchmarks.time_to_accuracy --budget "$budget" ${TTA_ARGS:-} \
+            > "$OUT/time_to_accuracy.log" 2>&1
+        echo "== time_to_accuracy: exit $? after $(elapsed)"
+        grep -E "^\[|^trl|^hybridrl|^to |^median|^TRL|^no TRL" "$OUT/time_to_accuracy.log" | tail -30 ;;
     grpo)
         modes=$MODES
-        if ls .bench/trl-*.whl > /dev/null 2>&1 && [ -f .bench/trl_grpo_gpu.py ]; then
-            python3 -m pip install -q --no-index --no-deps --target /tmp/hybridrl-site .bench/*.whl > /dev/null 2>&1
-            export PYTHONPATH=$PWD:/tmp/hybridrl-site
+        if [ -f .bench/trl_grpo_gpu.py ] && with_trl; then
             modes="trl,$modes"
         else
             echo "== TRL skipped: no .bench/trl-*.whl or .bench/trl_grpo_gpu.py here (git-ignored: carry .bench)"
@@ -89,6 +102,6 @@ for part in "${PARTS[@]}"; do
         timeout -k 20 $left python3 -m benchmarks.grpo_step --modes "$modes" --steps 6 --profile \
             --trl-script .bench/trl_grpo_gpu.py --timeout 200 > "$OUT/grpo_step.log" 2>&1
         echo "== grpo_step: exit $? after $(elapsed)"; tail -8 "$OUT/grpo_step.log" ;;
-    *) echo "unknown part $part: tests, engine, optimizer, flex, rollout, paged, new, splitkv, 7b or grpo"; exit 2 ;;
+    *) echo "unknown part $part: tests, engine, optimizer, flex, rollout, paged, new, splitkv, 7b, tta or grpo"; exit 2 ;;
     esac
 done

@@ -1,12 +1,14 @@
 """Held-out accuracy for `learning_vs_trl.py`: one evaluator for both trainers, so the comparison measures the
 policies and not two evaluation codes.
 
-`greedy_accuracy`: greedy decoding with Hugging Face `generate` (left-padded batches, float32 on CPU), the completion decoded without
-special tokens, and exact match of the stripped text against the stripped answer, as hybridrl's `eval/accuracy`
-and the `exact_match` reward define it. `sampled_pass_rates`: k samples per problem at the training temperature,
-pass@1 (the share of samples right: what the RL reward averages) and pass@k (the share of problems with at least one
-right: the headroom that RL on that reward can turn into pass@1). It imports only torch (its caller passes a model and a tokenizer), so the
-TRL worker runs it in TRL's own virtual environment, where hybridrl is not installed.
+`greedy_accuracy`: greedy decoding with Hugging Face `generate` (left-padded batches; float32 on CPU, on a GPU
+under bf16 autocast, the compute dtype of both trainers there, so TRL's float32 master weights and hybridrl's bf16
+weights are read alike), the completion decoded without special tokens, and exact match of the stripped text
+against the stripped answer, as hybridrl's `eval/accuracy` and the `exact_match` reward define it.
+`sampled_pass_rates`: k samples per problem at the training temperature, pass@1 (the share of samples right: what
+the RL reward averages) and pass@k (the share of problems with at least one right: the headroom that RL on that
+reward can turn into pass@1). It imports only torch (its caller passes a model and a tokenizer), so the TRL worker
+runs it in TRL's own virtual environment, where hybridrl is not installed.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def completions(model, tokenizer, rows: list[dict], max_new_tokens: int, **sampl
             part = rows[start:start + BATCH]
             inputs = tokenizer([row["prompt"] for row in part], return_tensors="pt", padding=True,
                                add_special_tokens=False).to(model.device)
-            output = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                    eos_token_id=tokenizer.eos_token_id, **sampling)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
+                output = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                        eos_token_id=tokenizer.eos_token_id, **sampling)
             texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
             for i, row in enumerate(part):
                 yield row, texts[i * per_row:(i + 1) * per_row]

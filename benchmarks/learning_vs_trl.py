@@ -141,40 +141,54 @@ def hybridrl_trainer(spec: dict) -> RLTrainer:
                  f"trainer.prompts_per_step={spec['prompts_per_step']}",
                  f"rollout.num_samples_per_prompt={spec['group_size']}", f"actor.lr={spec['lr']}",
                  f"rollout.temperature={spec['temperature']}", f"rollout.max_new_tokens={spec['max_new_tokens']}",
-                 f"actor.micro_batch_size={batch}", "trainer.eval_every=0", "trainer.device=cpu", "trainer.resume=off",
+                 f"actor.micro_batch_size={batch}", "trainer.eval_every=0", f"trainer.device={spec.get('device', 'cpu')}", "trainer.resume=off",
                  "trainer.save_model=false", "logging.sinks=[jsonl]",
                  f"trainer.output_dir={Path(spec['out_dir']) / 'hybridrl_run'}", *spec.get("hybridrl_overrides", [])]
     return RLTrainer(load_config(DEMO_CONFIGS / "arithmetic_grpo.yaml", overrides))
 
 
+def synchronize() -> None:
+    """Wait for the GPU's queued work, so a step's wall-clock includes it (nothing on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def run_hybridrl(spec: dict) -> dict:
-    """hybridrl's side, stepped here so the shared evaluator runs at the same points as on TRL's side."""
+    """hybridrl's side, stepped here so the shared evaluator runs at the same points as on TRL's side. Optional spec
+    keys (time_to_accuracy.py): `max_seconds` stops after that much training wall-clock, `target_accuracy` at the
+    first evaluation that reaches it; either way the last step is evaluated."""
     torch.set_num_threads(spec["threads"])
     trainer = hybridrl_trainer(spec)
     model, tokenizer = trainer.parts.actor, trainer.parts.tokenizer
     rows = read_rows(spec["eval_path"])[:spec["max_eval_samples"]]
-    accuracy, sampled, rewards, seconds = {}, {}, [], 0.0
+    accuracy, sampled, rewards, seconds, seconds_at_eval, step_seconds = {}, {}, [], 0.0, {}, []
 
-    def evaluate(step: int) -> None:
-        accuracy[step] = greedy_accuracy(model, tokenizer, rows, spec["max_new_tokens"])
-        if step in (0, spec["steps"]) and spec["pass_k"]:
+    def evaluate(step: int, last: bool = False) -> None:
+        accuracy[step], seconds_at_eval[step] = greedy_accuracy(model, tokenizer, rows, spec["max_new_tokens"]), seconds
+        if (step == 0 or last) and spec["pass_k"]:
             sampled[step] = sampled_pass_rates(model, tokenizer, rows, spec["max_new_tokens"], spec["pass_k"],
                                                spec["temperature"], spec["seed"])
-        print(f"hybridrl seed {spec['seed']} step {step}: held-out accuracy {accuracy[step]:.3f} "
+        print(f"hybridrl seed {spec['seed']} step {step} ({seconds:.1f} s): held-out accuracy {accuracy[step]:.3f} "
               f"{sampled.get(step, '')}", flush=True)
 
     evaluate(0)
     for step in range(1, spec["steps"] + 1):
         start = time.perf_counter()
         metrics = trainer.step()
-        seconds += time.perf_counter() - start
+        synchronize()
+        step_seconds.append(time.perf_counter() - start)
+        seconds += step_seconds[-1]
         rewards.append(float(metrics["reward/mean"]))
-        if due(step, spec["eval_every"], spec["steps"]):
-            evaluate(step)
+        last = step == spec["steps"] or seconds >= spec.get("max_seconds", float("inf"))
+        if due(step, spec["eval_every"], spec["steps"]) or last:
+            evaluate(step, last)
+            if last or accuracy[step] >= spec.get("target_accuracy", float("inf")):
+                break
     if spec.get("save_model"):
         save_hf_model(model, tokenizer, Path(spec["out_dir"]) / "model")
     return {"side": "hybridrl", "seed": spec["seed"], "accuracy": accuracy, "sampled": sampled,
-            "train_seconds": seconds, "reward_per_step": rewards}
+            "train_seconds": seconds, "reward_per_step": rewards, "seconds_at_eval": seconds_at_eval,
+            "step_seconds": step_seconds}
 
 
 def prepare(args: argparse.Namespace, out: Path) -> tuple[Path, dict[str, Path]]:

@@ -7,8 +7,9 @@ The spec (JSON, written by the driver) holds the same settings the hybridrl side
 hybridrl's GRPO: one optimizer step per rollout (per_device_train_batch_size = prompts x group, one accumulation
 step, one generation per step), loss_type "dapo" (token mean over the batch, as hybridrl's token-mean), rewards
 scaled by the group std, clip 0.2, no KL (beta 0), constant learning rate without warm-up, AdamW with no weight
-decay, gradient norm clipped at 1, float32 on CPU. Differences left: TRL divides by std + 1e-4 where hybridrl
-adds 1e-6, and its prompt order and sampling noise come from its own seeded sampler.
+decay, gradient norm clipped at 1, float32 on CPU (with `"device": "cuda"` in the spec, TRL's GPU default: float32
+master weights under bf16 autocast, where hybridrl's GPU default keeps bf16 weights). Differences left: TRL divides
+by std + 1e-4 where hybridrl adds 1e-6, and its prompt order and sampling noise come from its own seeded sampler.
 """
 
 from __future__ import annotations
@@ -34,36 +35,51 @@ def exact_match(prompts, completions, answer, **columns):
     return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
 
 
+def synchronize() -> None:
+    """Wait for the GPU's queued work, so a step's wall-clock includes it (nothing on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class Evaluate(TrainerCallback):
     """Held-out accuracy before the first step and every `eval_every` steps (and after the last); the training
-    wall-clock counts the steps only, not these evaluations."""
+    wall-clock counts the steps only, not these evaluations. With `max_seconds` in the spec (time_to_accuracy.py),
+    training stops after that much training wall-clock, the last step evaluated."""
 
     def __init__(self, spec: dict, tokenizer, rows: list[dict]):
         self.spec, self.tokenizer, self.rows = spec, tokenizer, rows
         self.accuracy: dict[int, float] = {}
         self.sampled: dict[int, dict[str, float]] = {}  # at the first and last evaluation
         self.train_seconds, self.started = 0.0, 0.0
+        self.seconds_at_eval: dict[int, float] = {}
+        self.step_seconds: list[float] = []
         self.rewards: list[float] = []
 
-    def evaluate(self, model, step: int) -> None:
+    def evaluate(self, model, step: int, last: bool = False) -> None:
         self.accuracy[step] = greedy_accuracy(model, self.tokenizer, self.rows, self.spec["max_new_tokens"])
-        if step in (0, self.spec["steps"]) and self.spec["pass_k"]:
+        self.seconds_at_eval[step] = self.train_seconds
+        if (step == 0 or last) and self.spec["pass_k"]:
             self.sampled[step] = sampled_pass_rates(model, self.tokenizer, self.rows, self.spec["max_new_tokens"],
                                                     self.spec["pass_k"], self.spec["temperature"], self.spec["seed"])
-        print(f"trl seed {self.spec['seed']} step {step}: held-out accuracy {self.accuracy[step]:.3f} "
-              f"{self.sampled.get(step, '')}", flush=True)
+        print(f"trl seed {self.spec['seed']} step {step} ({self.train_seconds:.1f} s): held-out accuracy "
+              f"{self.accuracy[step]:.3f} {self.sampled.get(step, '')}", flush=True)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.evaluate(model, 0)
 
     def on_step_begin(self, args, state, control, **kwargs):
+        synchronize()
         self.started = time.perf_counter()
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        self.train_seconds += time.perf_counter() - self.started
+        synchronize()
+        self.step_seconds.append(time.perf_counter() - self.started)
+        self.train_seconds += self.step_seconds[-1]
         step, every = state.global_step, self.spec["eval_every"]
-        if (every and step % every == 0) or step == self.spec["steps"]:
-            self.evaluate(model, step)
+        last = step == self.spec["steps"] or self.train_seconds >= self.spec.get("max_seconds", float("inf"))
+        if (every and step % every == 0) or last:
+            self.evaluate(model, step, last)
+        control.should_training_stop = control.should_training_stop or last
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "reward" in logs:
@@ -72,6 +88,7 @@ class Evaluate(TrainerCallback):
 
 def grpo_trainer(spec: dict, tokenizer, callbacks: list) -> GRPOTrainer:
     """TRL's trainer on the spec's model and data, with the settings matched to hybridrl's (module docstring)."""
+    cuda = spec.get("device", "cpu") == "cuda"  # on a GPU TRL's own default: float32 master weights, bf16 autocast
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     rows = read_rows(spec["train_path"])
     train = Dataset.from_dict({"prompt": [row["prompt"] for row in rows], "answer": [row["answer"] for row in rows]})
@@ -82,7 +99,7 @@ def grpo_trainer(spec: dict, tokenizer, callbacks: list) -> GRPOTrainer:
         max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2, num_iterations=1, loss_type="dapo",
         scale_rewards="group", temperature=spec["temperature"], top_p=1.0, top_k=0, seed=spec["seed"],
-        data_seed=spec["seed"], use_cpu=True, bf16=False, logging_steps=1, report_to="none", save_strategy="no",
+        data_seed=spec["seed"], use_cpu=not cuda, bf16=cuda, logging_steps=1, report_to="none", save_strategy="no",
         use_vllm=False, dataloader_num_workers=0, disable_tqdm=True)
     return GRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=train,
                        processing_class=tokenizer, callbacks=callbacks)
@@ -94,7 +111,8 @@ def run(spec: dict) -> dict:
     callback = Evaluate(spec, tokenizer, read_rows(spec["eval_path"])[:spec["max_eval_samples"]])
     grpo_trainer(spec, tokenizer, [callback]).train()
     return {"side": "trl", "seed": spec["seed"], "accuracy": callback.accuracy, "sampled": callback.sampled,
-            "train_seconds": callback.train_seconds, "reward_per_step": callback.rewards}
+            "train_seconds": callback.train_seconds, "reward_per_step": callback.rewards,
+            "seconds_at_eval": callback.seconds_at_eval, "step_seconds": callback.step_seconds}
 
 
 def step_check(spec: dict, batch_path: str) -> dict:

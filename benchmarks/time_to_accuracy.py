@@ -1,0 +1,293 @@
+"""Time to accuracy: the training wall-clock hybridrl needs to reach the held-out accuracy that TRL's `GRPOTrainer`
+reaches, on the same model, task and settings, on one GPU.
+
+    python -m benchmarks.time_to_accuracy               # one GPU: model, SFT, TRL, hybridrl within --budget seconds
+    python -m benchmarks.time_to_accuracy --tiny        # CPU, a tiny model, a few steps: checks the script only
+
+1. **Model**: the Qwen2.5-0.5B body (hidden 896, 24 layers, 14 heads / 2 KV heads, intermediate 4864, tied head)
+   with the demo's character tokenizer (a vocabulary of ~100, so the body and not the head sets the step cost),
+   random init on the device.
+2. **SFT** on the demo task (two-digit arithmetic from a teacher that ends half its answers with a period, which
+   exact match rejects): the demo's SFT config at this model's learning rate, on the device. The periods hold its
+   held-out accuracy near half of what it gets right, which leaves room for RL. Saved once; both trainers start
+   from it.
+3. **TRL** 1.16 `GRPOTrainer` for `--trl-seconds` of training (its GPU default: float32 master weights, bf16
+   autocast, HF generate), then **hybridrl** (its GPU default: bf16 weights, the built-in engine) until it reaches
+   TRL's final accuracy or `--hybridrl-seconds`. Settings are learning_vs_trl.py's matched ones (prompts x group
+   size per optimizer step, lr, temperature, no KL, token-mean loss, clip 0.2); each side runs in its own process
+   through that script's workers.
+
+Both sides are evaluated by one evaluator (`greedy_accuracy.py`: greedy exact match on held-out problems) every
+`--eval-every` steps. Training wall-clock counts the steps only (each ended by a device sync), not the evaluations
+nor model loading, and includes the first steps (hybridrl's engine capturing its CUDA graphs, TRL's warm-up): it is
+what a user waits. Printed: each side's curve (accuracy against training seconds and samples), the seconds each
+needs to reach TRL's final accuracy and half / 90% of TRL's gain, their ratios, and the step times (first, median
+of the rest). One seed: the budget of one device call allows no more, and the demo's spread between seeds is large
+(docs/benchmarks.md, master weights), so the curves matter more than the last digit of a ratio. JSON goes to
+$OUT/time_to_accuracy.json (else <out-dir>/time_to_accuracy.json), rewritten after each phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.grpo_step import SHAPES
+from benchmarks.learning_vs_trl import ROOT, TRL_VENV_HINT, spec_for, worker_command
+from hybridrl.cli import DEMO_CONFIGS, DEMO_TEACHERS
+from hybridrl.config.loading import load_config
+from hybridrl.data.tasks import write_arithmetic_task
+from hybridrl.models.loading import build_char_tokenizer, save_hf_model, tiny_config
+from hybridrl.training.sft import run_sft
+
+BODIES = {"0.5b": {k: v for k, v in SHAPES["0.5b"].items() if k != "vocab_size"},  # the character vocabulary instead
+          "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, tie_word_embeddings=True)}
+LOAD_SECONDS, EVAL_SHARE = 20.0, 0.3  # per side: start, load and first evaluation; evaluations per training second
+GAIN_FRACTIONS = (0.5, 0.9, 1.0)  # targets: the SFT start plus this share of TRL's gain (1.0: TRL's final accuracy)
+TINY = dict(body="tiny", device="cpu", sft_steps=4, sft_batch_size=8, sft_eval_every=2, steps=3, eval_every=1,
+            prompts_per_step=2, group_size=2, max_eval_samples=16, threads=1, hybridrl_overrides=[])
+
+
+def training_seconds(left: float, sides: int) -> float:
+    """The training wall-clock that `sides` worker runs can share in `left` seconds (loads and evaluations aside)."""
+    return (left - 5 - sides * LOAD_SECONDS) / (1 + EVAL_SHARE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=480, help="seconds for the whole run; phases shrink to fit")
+    parser.add_argument("--body", choices=sorted(BODIES), default="0.5b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--sft-steps", type=int, default=800)
+    parser.add_argument("--sft-lr", type=float, default=3e-4)
+    parser.add_argument("--sft-batch-size", type=int, default=128)
+    parser.add_argument("--sft-eval-every", type=int, default=200, help="SFT steps between held-out evaluations")
+    parser.add_argument("--trl-seconds", type=float, default=120, help="TRL's training wall-clock")
+    parser.add_argument("--hybridrl-seconds", type=float, default=100,
+                        help="hybridrl's training wall-clock at most (it stops at TRL's final accuracy)")
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps at most, each side")
+    parser.add_argument("--prompts-per-step", type=int, default=32)
+    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-new-tokens", type=int, default=6)
+    parser.add_argument("--eval-every", type=int, default=5, help="optimizer steps between evaluations, each side")
+    parser.add_argument("--max-eval-samples", type=int, default=500)
+    parser.add_argument("--threads", type=int, default=4, help="torch CPU threads of each process")
+    parser.add_argument("--hybridrl-overrides", nargs="*", default=["rollout.kv_cache_memory=2"], metavar="KEY=VALUE",
+                        help="config overrides for hybridrl's side (default: a 2 GiB KV cache, ample for 256 x 22 "
+                             "tokens)")
+    trl_default = sys.executable if importlib.util.find_spec("trl") else "/tmp/trl-venv/bin/python"
+    parser.add_argument("--trl-python", default=trl_default,
+                        help=f"a Python that imports trl (default: this one if it does, else TRL's venv: {TRL_VENV_HINT})")
+    parser.add_argument("--out-dir", default="runs/time_to_accuracy")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU, a few steps: checks the script")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.tiny:
+        vars(args).update(TINY)
+    for name in ("sft_steps", "sft_batch_size", "steps", "prompts_per_step", "max_new_tokens", "eval_every",
+                 "max_eval_samples", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1.")
+    if args.group_size < 2:
+        parser.error("--group-size must be at least 2 (GRPO compares the samples of a prompt).")
+    args.pass_k, args.save_models = 0, False  # what learning_vs_trl.spec_for reads beside the settings above
+    return args
+
+
+def build_model(body: str, device: str, path: Path) -> int:
+    """A random model of `body` with the character tokenizer, initialized on `device`, saved to `path`; returns
+    its parameter count."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_char_tokenizer()
+    config = tiny_config("qwen2", vocab_size=len(tokenizer), max_position_embeddings=512, **BODIES[body])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+                                                 attn_implementation="sdpa")
+    save_hf_model(model, tokenizer, path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def sft(args: argparse.Namespace, data: dict[str, Path], init: Path, out: Path) -> tuple[Path, list[dict]]:
+    """The demo's SFT config on the random model; returns the saved model and its held-out curve (step, training
+    seconds, accuracy)."""
+    model = run_sft(load_config(DEMO_CONFIGS / "arithmetic_sft.yaml", [
+        f"model.path={init}", f"data.train_path={data['train']}", f"data.eval_path={data['eval']}",
+        f"data.max_eval_samples={args.max_eval_samples}", f"trainer.output_dir={out}", f"trainer.device={args.device}",
+        f"trainer.eval_every={args.sft_eval_every}", f"sft.max_steps={args.sft_steps}", "sft.num_epochs=100000",
+        f"sft.lr={args.sft_lr}", f"sft.batch_size={args.sft_batch_size}", "logging.sinks=[jsonl]"]))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    elapsed = {row["step"]: row["timing/elapsed_s"] for row in rows if "timing/elapsed_s" in row}
+    curve = [{"step": row["step"], "seconds": elapsed.get(row["step"], 0.0), "accuracy": row["eval/accuracy"]}
+             for row in rows if "eval/accuracy" in row]
+    return model, curve
+
+
+def run_side(side: str, spec: dict, out: Path, trl_python: str, timeout: float) -> dict:
+    """One side in its own process (learning_vs_trl.py's workers); a failure or a timeout becomes an `error`."""
+    result_path = out / f"{side}.json"
+    threads = str(spec["threads"])
+    try:
+        done = subprocess.run(worker_command(side, spec, result_path, trl_python), cwd=ROOT, timeout=max(1, timeout),
+                              env={**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
+    except subprocess.TimeoutExpired:
+        return {"side": side, "error": f"cut after {timeout:.0f} s (the run's --budget)"}
+    if done.returncode or not result_path.is_file():
+        return {"side": side, "error": f"exit status {done.returncode} (its output is above)"}
+    return json.loads(result_path.read_text())
+
+
+def curve(result: dict, samples_per_step: int) -> list[tuple[int, int, float, float]]:
+    """(step, samples, training seconds, accuracy) at each evaluation, in step order."""
+    return [(int(step), int(step) * samples_per_step, result["seconds_at_eval"][step], result["accuracy"][step])
+            for step in sorted(result["accuracy"], key=int)]
+
+
+def first_reach(points: list[tuple[int, int, float, float]], target: float) -> tuple[int, float] | None:
+    """(step, training seconds) of the first evaluation at or above `target`, or None if none reached it."""
+    return next(((step, seconds) for step, _, seconds, accuracy in points if accuracy >= target - 1e-9), None)
+
+
+def targets(trl_points: list[tuple[int, int, float, float]]) -> dict[str, float]:
+    """Accuracies to reach: TRL's start plus each GAIN_FRACTIONS share of its gain; none when TRL gained nothing."""
+    start, final = trl_points[0][3], trl_points[-1][3]
+    if final <= start:
+        return {}
+    return {f"{round(100 * f)}% of TRL's gain": start + f * (final - start) for f in GAIN_FRACTIONS}
+
+
+def step_facts(result: dict) -> dict:
+    seconds = result.get("step_seconds", [])
+    return {"steps": len(seconds), "first_step_s": seconds[0] if seconds else None,
+            "median_step_s": statistics.median(seconds[1:]) if len(seconds) > 1 else None}
+
+
+def summary(results: dict, samples_per_step: int) -> tuple[list[str], dict]:
+    """Lines to print (curves, times to each target, ratios, step times) and the same figures as a dict."""
+    lines, figures = [], {"targets": {}, "steps": {}}
+    points = {side: curve(r, samples_per_step) for side, r in results.items() if "accuracy" in r}
+    for side, side_points in points.items():
+        figures["steps"][side] = step_facts(results[side])
+        lines.append(f"{side}: " + ", ".join(f"step {step} ({samples} samples, {seconds:.1f} s) {100 * accuracy:.1f}%"
+                                            for step, samples, seconds, accuracy in side_points))
+        facts = figures["steps"][side]
+        if facts["median_step_s"] is not None:
+            lines.append(f"{side}: {facts['steps']} steps of {samples_per_step} samples; first step "
+                         f"{facts['first_step_s']:.2f} s, median of the rest {facts['median_step_s']:.3f} s")
+    if "trl" not in points:
+        lines.append("no TRL curve: no target accuracy, so no time-to-accuracy ratio")
+        return lines, figures
+    goals = targets(points["trl"])
+    if not goals:
+        lines.append("TRL did not gain over the SFT start within its budget: no target accuracy, no ratio")
+    for name, target in goals.items():
+        reached = {side: first_reach(side_points, target) for side, side_points in points.items()}
+        figures["targets"][name] = {"accuracy": target, **{side: reach for side, reach in reached.items()}}
+        cells = [f"{side} {'not reached' if reach is None else f'{reach[1]:.1f} s (step {reach[0]})'}"
+                 for side, reach in reached.items()]
+        line = f"to {100 * target:.1f}% ({name}): " + ", ".join(cells)
+        if reached.get("trl") and reached.get("hybridrl") and reached["hybridrl"][1] > 0:
+            figures["targets"][name]["ratio"] = reached["trl"][1] / reached["hybridrl"][1]
+            line += f": hybridrl {figures['targets'][name]['ratio']:.2f}x faster (goal >= 5x)"
+        lines.append(line)
+    steps = figures["steps"]
+    if all(steps.get(side, {}).get("median_step_s") for side in ("trl", "hybridrl")):
+        ratio = steps["trl"]["median_step_s"] / steps["hybridrl"]["median_step_s"]
+        lines.append(f"median step: TRL / hybridrl = {ratio:.2f}x (same samples per step)")
+    return lines, figures
+
+
+class Run:
+    """The run's clock, its progress lines and its JSON report, written after each phase so a cut run keeps what
+    finished."""
+
+    def __init__(self, args: argparse.Namespace, out: Path):
+        self.start, self.budget = time.time(), args.budget
+        self.path = Path(os.environ["OUT"]) / "time_to_accuracy.json" if os.environ.get("OUT") else \
+            out / "time_to_accuracy.json"
+        self.report = {"args": vars(args), "date": time.strftime("%Y-%m-%d"), "phases": {}}
+
+    def left(self) -> float:
+        return self.budget - (time.time() - self.start)
+
+    def say(self, text: str) -> None:
+        print(f"[{time.time() - self.start:6.1f} s] {text}", flush=True)
+
+    def save(self, phase: str, value) -> None:
+        self.report["phases"][phase] = value
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.report, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    out = Path(args.out_dir).resolve() / ("tiny" if args.tiny else args.body)
+    run = Run(args, out)
+    has_trl = Path(args.trl_python).exists() and subprocess.run(
+        [args.trl_python, "-c", "import trl"], capture_output=True).returncode == 0
+    if not has_trl:
+        run.say(f"TRL skipped: {args.trl_python} cannot import trl (make its environment with: {TRL_VENV_HINT}, or "
+                "on the GPU machine install .bench/'s wheels); hybridrl runs for its budget alone")
+    torch.set_num_threads(args.threads)
+    sizes = {"num_train": 64, "num_eval": 16} if args.tiny else {}
+    data = write_arithmetic_task(out / "data", **DEMO_TEACHERS["arithmetic"], **sizes)
+    params = build_model(args.body, args.device, out / "init")
+    run.say(f"model: {args.body} body, {params / 1e6:.1f}M parameters, random init on {args.device}, saved")
+    run.save("model", {"body": args.body, "params": params, "seconds": time.time() - run.start})
+    sft_start = time.time()
+    shutil.rmtree(out / "sft", ignore_errors=True)  # its metrics file would keep an earlier run's curve
+    model, sft_curve = sft(args, data, out / "init", out / "sft")
+    run.say(f"SFT: {args.sft_steps} steps in {time.time() - sft_start:.1f} s; held-out accuracy "
+            + ", ".join(f"step {p['step']} ({p['seconds']:.0f} s) {100 * p['accuracy']:.1f}%" for p in sft_curve))
+    run.save("sft", {"seconds": time.time() - sft_start, "curve": sft_curve})
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the workers get the GPU; this process keeps only its context
+    results = {}
+    spec = {**spec_for(args, 0, model, data), "device": args.device}
+    if has_trl:
+        share = args.trl_seconds / (args.trl_seconds + args.hybridrl_seconds)
+        budget = min(args.trl_seconds, max(5.0, share * training_seconds(run.left(), sides=2)))
+        run.say(f"TRL: {budget:.0f} s of training")
+        results["trl"] = run_side("trl", {**spec, "max_seconds": budget, "out_dir": str(out / "trl_run")}, out,
+                                  args.trl_python, run.left() - LOAD_SECONDS - 15)
+        run.save("trl", results["trl"])
+    goals = targets(curve(results["trl"], 1)) if "accuracy" in results.get("trl", {}) else {}
+    target = goals.get(f"{round(100 * GAIN_FRACTIONS[-1])}% of TRL's gain")  # TRL's final accuracy, if it gained
+    budget = min(args.hybridrl_seconds, max(5.0, training_seconds(run.left(), sides=1)))
+    run.say(f"hybridrl: up to {budget:.0f} s of training"
+            + (f", stopping at TRL's final accuracy {100 * target:.1f}%" if target is not None else ""))
+    hybridrl_spec = {**spec, "max_seconds": budget, "out_dir": str(out / "hybridrl_run"),
+                     **({"target_accuracy": target} if target is not None else {})}
+    results["hybridrl"] = run_side("hybridrl", hybridrl_spec, out, args.trl_python, run.left() - 5)
+    run.save("hybridrl", results["hybridrl"])
+    for side, result in results.items():
+        if "error" in result:
+            run.say(f"{side} failed: {result['error']}")
+    lines, figures = summary(results, args.prompts_per_step * args.group_size)
+    run.save("summary", figures)
+    print(f"\ntime to accuracy ({args.body} body, demo task, {args.prompts_per_step} prompts x {args.group_size} "
+          f"samples per step, lr {args.lr}, one seed; training seconds exclude evaluations):")
+    print("\n".join(lines))
+    run.say(f"done; JSON in {run.path}")
+
+
+if __name__ == "__main__":
+    main()
