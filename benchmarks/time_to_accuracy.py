@@ -128,7 +128,7 @@ def build_model(body: str, device: str, path: Path) -> int:
 
 def sft(args: argparse.Namespace, data: dict[str, Path], init: Path, out: Path) -> tuple[Path, list[dict]]:
     """The demo's SFT config on the random model; returns the saved model and its held-out curve (step, training
-    seconds, accuracy)."""
+    seconds, accuracy, loss)."""
     model = run_sft(load_config(DEMO_CONFIGS / "arithmetic_sft.yaml", [
         f"model.path={init}", f"data.train_path={data['train']}", f"data.eval_path={data['eval']}",
         f"data.max_eval_samples={args.max_eval_samples}", f"trainer.output_dir={out}", f"trainer.device={args.device}",
@@ -136,8 +136,8 @@ def sft(args: argparse.Namespace, data: dict[str, Path], init: Path, out: Path) 
         f"sft.lr={args.sft_lr}", f"sft.batch_size={args.sft_batch_size}", "logging.sinks=[jsonl]"]))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     elapsed = {row["step"]: row["timing/elapsed_s"] for row in rows if "timing/elapsed_s" in row}
-    curve = [{"step": row["step"], "seconds": elapsed.get(row["step"], 0.0), "accuracy": row["eval/accuracy"]}
-             for row in rows if "eval/accuracy" in row]
+    curve = [{"step": row["step"], "seconds": elapsed.get(row["step"], 0.0), "accuracy": row["eval/accuracy"],
+              "loss": row.get("eval/loss")} for row in rows if "eval/accuracy" in row]
     return model, curve
 
 
@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     shutil.rmtree(out / "sft", ignore_errors=True)  # its metrics file would keep an earlier run's curve
     model, sft_curve = sft(args, data, out / "init", out / "sft")
     run.say(f"SFT: {args.sft_steps} steps in {time.time() - sft_start:.1f} s; held-out accuracy "
-            + ", ".join(f"step {p['step']} ({p['seconds']:.0f} s) {100 * p['accuracy']:.1f}%" for p in sft_curve))
+            + ", ".join(f"step {p['step']} ({p['seconds']:.0f} s) {100 * p['accuracy']:.1f}% (loss {p['loss']:.3f})"
+                        for p in sft_curve))
     run.save("sft", {"seconds": time.time() - sft_start, "curve": sft_curve})
     if args.device == "cuda":
         torch.cuda.empty_cache()  # the workers get the GPU; this process keeps only its context
