@@ -81,9 +81,14 @@ def test_admission_waits_for_blocks_and_preemption_takes_the_youngest():
     scheduler.record_progress([5, 5, 5])  # each now needs a second response block, and none is free
     preempted = scheduler.reserve()
     assert [s.index for s in preempted] == [2]  # the youngest gives its two blocks to the two older ones
-    assert [s.index for s in scheduler.waiting] == [2, 3] and scheduler.waiting[0].generated == 0
+    assert [s.index for s in scheduler.waiting] == [2, 3] and scheduler.waiting[0].kept == 5  # it keeps its tokens
     assert scheduler.preemptions == 1 and scheduler.preempted_tokens == 5
     assert sorted(scheduler.live) == [0, 1] and allocator.in_use == 6
+    scheduler.finish(0)  # 3 blocks back: the kept sequence needs its prompt's and 5 - 1 + 4 response rows' (2)
+    assert [s.index for s in scheduler.admit()] == [2] and [s.index for s in scheduler.waiting] == [3]
+    assert scheduler.live[0].generated == 5 and len(allocator.response[2].blocks) == 2 and not allocator.free
+    scheduler.record_progress([5, 9])  # slot 0 (the kept one) is back at 5, as the runner restores it
+    assert scheduler.decoded_tokens == 3 * 4 + 4  # three sequences 1 -> 5, then sequence 1 5 -> 9
 
 
 # ---- the engine -----------------------------------------------------------------------------------
@@ -118,9 +123,14 @@ def test_paged_gives_the_contiguous_tokens_and_logprobs_with_and_without_preempt
         assert_same_generations(paged, per_slot)
         preemptions.append(stats["preemptions"])
         assert stats["kv_blocks"] <= num_blocks and stats["kv_blocks_peak"] <= stats["kv_blocks"]
+        # Recompute preemption: no token is sampled twice (decode samples all but each first token, as without
+        # preemption), and each preempted sequence's kept tokens but the last are prefilled again, once.
+        assert stats["decoded_tokens"] == sum(len(g.token_ids) for g in paged) - len(paged)
+        assert stats["refilled_tokens"] == stats["preempted_tokens"] - stats["preemptions"]
         blocks = schedulers[-1].blocks
         assert len(blocks.free) == blocks.num_usable and not blocks.prompt_blocks and not blocks.response
     assert preemptions[0] == 0 and min(preemptions[1:]) > 0, preemptions
+    assert stats["refilled_tokens"] > 0
     for generation in paged[::5]:  # and against the HF forward pass
         want = hf_logprobs(model, prompts[generation.prompt_index], generation.token_ids)
         assert generation.logprobs == pytest.approx(want.tolist(), abs=1e-4)

@@ -59,8 +59,9 @@ class BuiltinBackend:
     graphs included); "auto" copies as many layers as fit in half of the free GPU memory
     (`auto_dequantized_layers`), the rest are dequantized as they run. kv_cache: "paged" keeps KV in blocks of
     `kv_block_size` tokens that sequences take as they grow and give back as they finish (prompt blocks shared by
-    the n samples; admission by free blocks; when blocks run out the youngest sequences are preempted and computed
-    again, counted in `last_stats["preemptions"]`), read by its own attention (`kernels/paged_attention.py`);
+    the n samples; admission by free blocks; when blocks run out the youngest sequences are preempted: they keep
+    the tokens they sampled, and re-admitted, their context is prefilled again and decoding continues after them;
+    `last_stats` counts `preemptions` and `refilled_tokens`), read by its own attention (`kernels/paged_attention.py`);
     "contiguous" the layouts above (room for the longest response in every slot); "auto" is contiguous.
     """
 
@@ -140,7 +141,7 @@ class BuiltinBackend:
         finished = False
         try:
             while scheduler.has_work:
-                self.runner.free([s.slot for s in scheduler.reserve()])  # paged: blocks for the next window
+                self.runner.preempt(scheduler.reserve())  # paged: blocks for the next window
                 admitted = scheduler.admit()  # 2. admit and prefill
                 self.runner.write_blocks(scheduler.blocks.take_writes() if scheduler.blocks else [])
                 if admitted:
@@ -152,7 +153,7 @@ class BuiltinBackend:
                 self.runner.move(scheduler.compaction_moves())
             finished = True
         finally:
-            self.runner.record_blocks(scheduler.blocks, scheduler.preemptions, scheduler.preempted_tokens)
+            self.runner.record_scheduling(scheduler)
             self.last_stats = self.runner.end(finished, release=self.release_after_generate)  # 5.
         return results
 

@@ -33,7 +33,8 @@ Choices:
   prompt, so a sequence cannot grow by observations there: multi-turn is refused with it. The paged layout
   (kv_cache="paged") keeps an episode's prompt in its shared blocks and the rest in blocks taken as it grows (the
   observation's prefill writes and reads through the block table). Episodes are admitted by the blocks they need
-  now. When blocks run out, live sequences in their first turn start over from their prompt; an episode past it
+  now. When blocks run out, live sequences in their first turn are preempted (they keep what they sampled and
+  continue after it when re-admitted: `engine/preemption.py`); an episode past it
   that needs blocks evicts paused episodes (youngest first; their prompt's blocks too when no sample holds them),
   whose context is prefilled again when they resume (`Scheduler._make_room`); a resume that still does not fit
   waits for the live ones to pause (with nothing live, every other episode can be evicted, and `begin` refused a
@@ -130,7 +131,7 @@ class EpisodeLoop:
                 task.cancel()
             # An environment step cancelled here may still run in its thread; close() must not start beside it.
             await asyncio.gather(*self.pending, return_exceptions=True)
-            runner.record_blocks(scheduler.blocks, scheduler.preemptions, scheduler.preempted_tokens)
+            runner.record_scheduling(scheduler)
             self.backend.last_stats = runner.end(finished, release=self.backend.release_after_generate)
             self.backend.last_stats.update(resume_waves=self.resume_waves, decode_blocks=self.decode_blocks)
             await close_runs(self.runs)
@@ -159,7 +160,7 @@ class EpisodeLoop:
         if scheduler.blocks:
             evicted, scheduler.evicted = scheduler.evicted, []
             self.runner.write_blocks(scheduler.blocks.take_writes(), evicted)
-        self.runner.free([sequence.slot for sequence in preempted])
+        self.runner.preempt(preempted)
 
     def _resume(self, scheduler: Scheduler) -> None:
         resumes, preempted, deferred = [], [], []

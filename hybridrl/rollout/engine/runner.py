@@ -43,8 +43,9 @@ from hybridrl.rollout.engine.llama_forward import (
     rope_table,
     rotates_projections,
 )
+from hybridrl.rollout.engine.preemption import KeptResponse, keep_sampled, refill
 from hybridrl.rollout.engine.sampling import SamplerSettings, sample
-from hybridrl.rollout.engine.scheduler import SequenceSlot, prefill_chunks
+from hybridrl.rollout.engine.scheduler import Scheduler, SequenceSlot, prefill_chunks
 from hybridrl.rollout.engine.weights import MATRICES, ModelWeights, is_packed_4bit, resolve_weights
 from hybridrl.rollout.timeline import Timeline
 
@@ -117,8 +118,15 @@ class GenerateStats:
     kv_blocks_peak: int = 0
     preemptions: int = 0
     """Paged layout: sequences whose blocks were taken back when the pool ran dry, and the response tokens they had
-    sampled (computed again after their re-admission)."""
+    sampled (kept: their KV is prefilled again at re-admission, they are not sampled again)."""
     preempted_tokens: int = 0
+    refilled_tokens: int = 0
+    """Paged layout: kept response tokens whose KV a re-admission after preemption prefilled again: every kept token
+    but the last of each (whose KV the next decode step writes), so preempted_tokens - preemptions in a single-turn
+    call. A prompt whose blocks were given back too is prefilled again as well, counted in `prefill_tokens`."""
+    decoded_tokens: int = 0
+    """Response tokens the decode steps sampled (each sequence's first comes from its prefill), counted at the syncs:
+    as many with preemption as without, since kept tokens are not sampled again."""
 
 
 @dataclass
@@ -141,6 +149,8 @@ class RunState:
     timeline: Timeline
     stats: GenerateStats
     counts: CaptureCounts = field(default_factory=CaptureCounts)
+    kept: dict[int, KeptResponse] = field(default_factory=dict)
+    """Paged: what preempted sequences had sampled, by sequence index, until their re-admission (`preemption.py`)."""
 
 
 class ModelRunner:
@@ -206,11 +216,13 @@ class ModelRunner:
         """The block bookkeeping of this call's paged cache (None for the contiguous layouts)."""
         return self.run.cache.allocator()
 
-    def record_blocks(self, allocator: BlockAllocator | None, preemptions: int, preempted_tokens: int) -> None:
-        if allocator is not None:
-            stats = self.run.stats
+    def record_scheduling(self, scheduler: Scheduler) -> None:
+        """The scheduler's counts in this call's stats: decoded tokens; blocks and preemptions (paged layout)."""
+        stats = self.run.stats
+        stats.decoded_tokens = scheduler.decoded_tokens
+        if scheduler.blocks is not None:
             stats.kv_blocks_peak, stats.preemptions, stats.preempted_tokens = \
-                allocator.peak_in_use + 1, preemptions, preempted_tokens
+                scheduler.blocks.peak_in_use + 1, scheduler.preemptions, scheduler.preempted_tokens
 
     def write_blocks(self, writes: list[tuple[int, int, int]], evicted: list[int] = ()) -> None:
         """Apply the scheduler's block-table writes before the next prefill or decode step reads the table, after
@@ -316,14 +328,20 @@ class ModelRunner:
 
     # ---- phases -------------------------------------------------------------------------------------
     def prefill(self, prompts: list[list[int]], admitted: list[SequenceSlot]) -> None:
-        """Prefill each distinct admitted prompt once (chunked by token budget), then draw first tokens."""
+        """Prefill each distinct admitted prompt once (chunked by token budget), then draw first tokens. Sequences
+        re-admitted after a preemption (`kept`) get their context prefilled again and their tokens back instead
+        (`preemption.refill`), after the new ones, whose prefill may write prompt blocks they read."""
         self.run.timeline.mark("prefill")
         by_prompt: dict[int, list[SequenceSlot]] = {}
         for sequence in admitted:
-            by_prompt.setdefault(sequence.prompt_index, []).append(sequence)
+            if not sequence.kept:
+                by_prompt.setdefault(sequence.prompt_index, []).append(sequence)
         for chunk in prefill_chunks([len(p) for p in prompts], list(by_prompt), self.options.max_prefill_tokens):
             self._prefill_chunk(prompts, chunk, by_prompt)
             self.run.stats.prefill_tokens += sum(len(prompts[p]) for p in chunk)
+        refills = [sequence for sequence in admitted if sequence.kept]
+        if refills:
+            refill(self.run, prompts, refills, self.options.max_prefill_tokens, self._key_bucket)
         self.run.timeline.mark("decode")
         self.run.stats.prefill_waves += 1
 
@@ -479,3 +497,11 @@ class ModelRunner:
         for tensor in state.per_slot():
             tensor[destination] = tensor[source]
         self.free([s for s, _ in moves])
+
+    # ---- preemption (paged layout) ------------------------------------------------------------------
+    def preempt(self, sequences: list[SequenceSlot]) -> None:
+        """Keep what the preempted `sequences` sampled (read from their slots now, before others take them; see
+        `preemption.py`) and park their slots."""
+        if sequences:
+            self.run.kept.update(keep_sampled(self.run.state, sequences))
+            self.free([sequence.slot for sequence in sequences])

@@ -20,8 +20,10 @@ onto that KV; `prompt_len` then counts every token before the current turn, and 
 For the paged KV layout (`blocks.py`), admission also asks for free blocks (the prompt's unless a sample already
 holds them, plus the first decode window), `reserve` grows each live sequence by the blocks its next window needs,
 oldest first, and when blocks run out preempts the youngest live sequences: their blocks and slots are freed and
-they go back to the front of the queue, to be recomputed from their prompt. Every sequence keeps its own uniforms
-(drawn per sequence index), so a recomputed sequence samples the same tokens. Multi-turn on the paged layout: a
+they go back to the front of the queue. A preempted sequence keeps what it sampled (`kept`; the runner keeps the
+tokens and log-probs): re-admitted, it needs the blocks of its prompt (none when a sample still holds them) and of
+its kept response plus a window, the runner prefills that context again and decoding continues after the kept
+tokens (vLLM's "recompute" preemption: no token is sampled twice). Multi-turn on the paged layout: a
 resume takes the blocks of its whole turn up front; sequences past their first turn are never preempted, but paused
 episodes are evicted (blocks taken, context prefilled again on resume), and a resume that still does not fit waits
 (`resume`, `_make_room`).
@@ -63,6 +65,9 @@ class SequenceSlot:
     needs_context: bool = False
     """Multi-turn, paged: its blocks were taken while it was paused (`Scheduler._evict`), so its resume must prefill
     everything after the prompt again; the caller clears it once it has."""
+    kept: int = 0
+    """Paged: response tokens it had sampled when it was last preempted (`Scheduler._preempt`), which its re-admission
+    keeps: it starts at `generated = kept`, its context is prefilled again and none of them is sampled again."""
 
 
 def prompt_entries_needed(num_prompts: int, num_slots: int) -> int:
@@ -126,6 +131,7 @@ class Scheduler:
         self.limits_at_sync = limits_at_sync
         self.evicted: list[int] = []  # paused slots whose response blocks were taken, for the runner to reset
         self.admissions = self.preemptions = self.preempted_tokens = 0
+        self.decoded_tokens = 0  # response tokens the decode steps sampled, counted at the syncs
 
     @property
     def has_work(self) -> bool:
@@ -137,7 +143,7 @@ class Scheduler:
         while self.waiting and self.free_slots and self._blocks_fit(self.waiting[0]):
             sequence = self.waiting.popleft()
             sequence.slot = heapq.heappop(self.free_slots)
-            sequence.generated = 1  # its prefill draws the first token
+            sequence.generated = sequence.kept or 1  # a new sequence's prefill draws its first token
             sequence.admitted_at, self.admissions = self.admissions, self.admissions + 1
             if self.blocks is None:
                 sequence.entry, sequence.fills_entry = self.entries.acquire(sequence.prompt_index)
@@ -154,17 +160,19 @@ class Scheduler:
     def _window_rows(self, sequence: SequenceSlot) -> int:
         """Response KV rows the sequence fills by the end of its next decode window: a step writes the KV of the
         token it feeds, so after s steps from `generated` the rows are generated - 1 + s."""
-        limit = self._limit(sequence, self.max_new_tokens)
-        return sequence.context + sequence.generated - 1 + min(self.window, limit - sequence.generated)
+        return sequence.context + self._rows_after_window(sequence, sequence.generated)
+
+    def _rows_after_window(self, sequence: SequenceSlot, generated: int) -> int:
+        return generated - 1 + min(self.window, self._limit(sequence, self.max_new_tokens) - generated)
 
     def _blocks_fit(self, sequence: SequenceSlot) -> bool:
-        """Paged: whether admitting `sequence` leaves its first window and a 1% watermark free (no watermark when
-        nothing runs, so one sequence always fits: `begin` refused any longer than the pool)."""
+        """Paged: whether admitting `sequence` leaves its first window (after its kept tokens, if it was preempted)
+        and a 1% watermark free (no watermark when nothing runs, so one sequence always fits: `begin` refused any
+        longer than the pool, and kept tokens plus a window never pass `max_new_tokens`)."""
         if self.blocks is None:
             return True
-        blocks, first_window = self.blocks, min(self.window, self._limit(sequence, self.max_new_tokens) - 1)
-        need = blocks.prompt_cost(sequence.prompt_index, sequence.prompt_len) + \
-            blocks_for(first_window, blocks.block_size)
+        blocks, rows = self.blocks, self._rows_after_window(sequence, sequence.kept or 1)
+        need = blocks.prompt_cost(sequence.prompt_index, sequence.prompt_len) + blocks_for(rows, blocks.block_size)
         watermark = blocks.num_usable // 100 if self.live else 0
         return need + watermark <= len(blocks.free)
 
@@ -224,12 +232,13 @@ class Scheduler:
             self.waiting.appendleft(sequence)  # first in line again, in output order
 
     def _preempt(self, sequence: SequenceSlot) -> SequenceSlot:
-        """Free a live sequence's slot and blocks; it starts over from its prompt when admitted again."""
+        """Free a live sequence's slot and blocks; it keeps its sampled tokens (`kept`; the caller hands it to
+        `ModelRunner.preempt`, which reads them from `slot` before the slot is used again)."""
         slot = sequence.slot
         self.finish(slot)
         self.preemptions += 1
         self.preempted_tokens += sequence.generated
-        sequence.generated, sequence.slot, sequence.fills_entry = 0, slot, False
+        sequence.kept, sequence.slot, sequence.fills_entry = sequence.generated, slot, False
         return sequence
 
     def finish(self, slot: int) -> SequenceSlot:
@@ -300,6 +309,7 @@ class Scheduler:
     def record_progress(self, gen_len: Sequence[int]) -> None:
         """Response lengths read at a sync point, indexed by slot."""
         for slot, sequence in self.live.items():
+            self.decoded_tokens += gen_len[slot] - sequence.generated
             sequence.generated = gen_len[slot]
 
     def harvest(self, done: Sequence[int], tokens, stop_ids: set[int],
