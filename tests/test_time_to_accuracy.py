@@ -31,6 +31,8 @@ def test_targets_times_and_ratios_by_hand():
     assert goals["50% of TRL's gain"]["trl"] == (5, 5.0) and goals["50% of TRL's gain"]["hybridrl"] == (5, 1.0)
     assert goals["90% of TRL's gain"]["trl"] == (10, 10.0) and goals["90% of TRL's gain"]["hybridrl"] == (5, 1.0)
     assert [g["ratio"] for g in goals.values()] == [5.0, 10.0, 5.0]
+    # without the first steps (TRL 1.5 s, hybridrl 0.6 s): (5 - 1.5) / (1 - 0.6), (10 - 1.5) / 0.4, 8.5 / (2 - 0.6)
+    assert [g["ratio_without_first_step"] for g in goals.values()] == pytest.approx([8.75, 21.25, 8.5 / 1.4])
     assert figures["steps"]["trl"] == {"steps": 10, "first_step_s": 1.5, "median_step_s": 1.0}
     assert "to 40.0% (100% of TRL's gain): trl 10.0 s (step 10), hybridrl 2.0 s (step 10): hybridrl 5.00x faster" \
         in "\n".join(lines)
