@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.grpo_step import SHAPES
+from benchmarks.grpo_step import SHAPES, floor
 from benchmarks.learning_vs_trl import ROOT, TRL_VENV_HINT, spec_for, worker_command
 from hybridrl.cli import DEMO_CONFIGS, DEMO_TEACHERS
 from hybridrl.config.loading import load_config
@@ -111,9 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_model(body: str, device: str, path: Path) -> int:
+def build_model(body: str, device: str, path: Path, args: argparse.Namespace, prompt_tokens: int) -> tuple[int, dict]:
     """A random model of `body` with the character tokenizer, initialized on `device`, saved to `path`; returns
-    its parameter count."""
+    its parameter count and the floor of one GRPO step of `args`' sizes (grpo_step.py's: decode reads the weights
+    and KV once per token, prefill and 6 x parameters x tokens of training at the H200's rates)."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_char_tokenizer()
@@ -123,7 +124,12 @@ def build_model(body: str, device: str, path: Path) -> int:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
                                                  attn_implementation="sdpa")
     save_hf_model(model, tokenizer, path)
-    return sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
+    sequences = args.prompts_per_step * args.group_size
+    train_flops = 6 * params * sequences * (prompt_tokens + args.max_new_tokens)
+    step_floor = floor(model, config, {"prompts": args.prompts_per_step, "n": args.group_size}, prompt_tokens,
+                       args.max_new_tokens, train_flops)
+    return params, step_floor
 
 
 def sft(args: argparse.Namespace, data: dict[str, Path], init: Path, out: Path) -> tuple[Path, list[dict]]:
@@ -260,9 +266,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     sizes = {"num_train": 64, "num_eval": 16} if args.tiny else {}
     data = write_arithmetic_task(out / "data", **DEMO_TEACHERS["arithmetic"], **sizes)
-    params = build_model(args.body, args.device, out / "init")
-    run.say(f"model: {args.body} body, {params / 1e6:.1f}M parameters, random init on {args.device}, saved")
-    run.save("model", {"body": args.body, "params": params, "seconds": time.time() - run.start})
+    prompts = [json.loads(line)["prompt"] for line in data["train"].read_text().splitlines()]
+    params, step_floor = build_model(args.body, args.device, out / "init", args, round(statistics.mean(map(len, prompts))))
+    run.say(f"model: {args.body} body, {params / 1e6:.1f}M parameters, random init on {args.device}, saved; floor of "
+            f"one GRPO step {1000 * step_floor['step_s']:.1f} ms")
+    run.save("model", {"body": args.body, "params": params, "seconds": time.time() - run.start, "floor": step_floor})
     sft_start = time.time()
     shutil.rmtree(out / "sft", ignore_errors=True)  # its metrics file would keep an earlier run's curve
     model, sft_curve = sft(args, data, out / "init", out / "sft")
@@ -298,6 +306,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\ntime to accuracy ({args.body} body, demo task, {args.prompts_per_step} prompts x {args.group_size} "
           f"samples per step, lr {args.lr}, one seed; training seconds exclude evaluations):")
     print("\n".join(lines))
+    for side, facts in figures["steps"].items():
+        if facts["median_step_s"]:
+            print(f"{side}'s median step is {facts['median_step_s'] / step_floor['step_s']:.1f}x the floor of one step "
+                  f"({1000 * step_floor['step_s']:.1f} ms at the H200's rates)")
     run.say(f"done; JSON in {run.path}")
 
 
