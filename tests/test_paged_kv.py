@@ -240,23 +240,28 @@ def test_paged_kernel_on_cuda(monkeypatch, split_keys, dtype):
 @on_gpu
 def test_paged_engine_on_cuda(monkeypatch):
     """The engine with CUDA graphs and compiled pieces (float32): paged equals contiguous, with split-KV (8-key
-    splits) and with preemption forced (12 blocks of 8)."""
+    splits) on uneven lengths, and with preemption forced by 12 blocks of 8 on full-length responses (27 x 20 tokens
+    need 27 x 3 response blocks; lengths do not depend on the sampled ids, so the schedule, and with it the
+    preemptions, is the CPU's: 23 there), which keep their tokens and continue after them."""
     from hybridrl.rollout.kernels import decode_launch
     from test_decode_attention import assert_same_samples
 
     model = make_model("qwen2").cuda()
     prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(9)]
-    params = SamplingParams(max_new_tokens=20, temperature=0.9, n=3, seed=5, ignore_eos=True,
+    uneven = SamplingParams(max_new_tokens=20, temperature=0.9, n=3, seed=5, ignore_eos=True,
                             stop_token_ids=list(range(0, 128, 5)))
-    contiguous = BuiltinBackend(model, max_num_seqs=6, sync_every=3).generate(prompts, params)
-    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    # 12 blocks of 8 (512 bytes a token): fewer than the 9 prompts and 27 responses hold at once, even though a
-    # fifth of the vocabulary stops a sequence early, so preemption must happen.
-    for kv_cache_memory, split_keys in ((0.3, 8), ((12 * 8 * 512 + 1) / free, 512)):
+    full_length = SamplingParams(max_new_tokens=20, temperature=0.9, n=3, seed=5, ignore_eos=True)
+    for params, kv_cache_memory, split_keys in ((uneven, 0.3, 8), (full_length, None, 512)):
+        contiguous = BuiltinBackend(model, max_num_seqs=6, sync_every=3).generate(prompts, params)
+        if kv_cache_memory is None:  # 12 blocks of 8 tokens at 512 bytes a token, a fraction of what the engine finds
+            free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+            kv_cache_memory = (12 * 8 * 512 + 1) / free
         monkeypatch.setattr(decode_launch, "SPLIT_KEYS", split_keys)
         engine = BuiltinBackend(model, kv_cache="paged", kv_block_size=8, sync_every=3, kv_cache_memory=kv_cache_memory)
         paged = engine.generate(prompts, params)
         stats = engine.last_stats
         assert stats["attention"] == "paged-triton" and stats["graphs_captured"] >= 1
         assert_same_samples(paged, contiguous, allowed_boundary_flips=1)  # summation orders differ
-    assert stats["preemptions"] > 0
+        assert stats["decoded_tokens"] == sum(len(g.token_ids) for g in paged) - len(paged)
+    assert stats["kv_blocks"] <= 12 and stats["preemptions"] > 0, stats
+    assert stats["refilled_tokens"] == stats["preempted_tokens"] - stats["preemptions"] > 0
