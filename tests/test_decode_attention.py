@@ -128,6 +128,18 @@ def test_split_kv_kernel_matches_reference_in_interpret_mode():
                                                                    timeout=900)
 
 
+def test_split_count_gives_wide_batches_few_splits_and_narrow_tails_many():
+    """Worked by hand at capacity 8,192 and 512-key splits, 2 KV heads: 4 slots -> 8 programs, 2048 // 8 = 256
+    wanted, capped at 16; 180 slots -> 360 programs, 2048 // 360 = 5 -> 4 (a power of two); 512 slots -> 2 wanted,
+    raised to the floor of 4; 40 slots -> 80 programs, 25 wanted -> 16; a capacity of 1,000 asks only 2 splits."""
+    plans = {slots: decode_launch.launch_plan(6, 128, 8192, paged=False, slot_heads=2 * slots) for slots in
+             (4, 40, 180, 512)}
+    assert {slots: (plan.num_splits, plan.split_len) for slots, plan in plans.items()} == {
+        4: (16, 512), 40: (16, 512), 180: (4, 2048), 512: (4, 2048)}
+    assert decode_launch.launch_plan(6, 128, 1000, paged=True, slot_heads=1024).num_splits == 2
+    assert decode_launch.launch_plan(6, 128, 512, paged=False, slot_heads=8).num_splits == 1  # fits one split
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
 @pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~10 s: the engine "

@@ -1,7 +1,8 @@
-"""Split-KV in the decode-attention kernel: the default launch plan against one program per (slot, KV head).
+"""Split-KV in the decode-attention kernel: the default launch plan against fixed split counts.
 
 The default plan (`hybridrl/rollout/kernels/decode_launch.py`) cuts responses of a capacity above `SPLIT_KEYS` into
-up to `MAX_SPLITS` splits, one program each, merged by a second kernel; the same rule for the contiguous
+splits, one program each, merged by a second kernel: as many as the capacity asks, at most `split_count(batch x KV
+heads)` (4 for wide batches, up to `MAX_SPLITS` for narrow tails); the same rule for the contiguous
 (prefix-shared) and the paged layout. This script times the contiguous kernel both ways on batches shaped like the
 long-tail rollout (`benchmarks/long_tail.py`): Qwen2.5-1.5B's heads (2 KV heads, group 6, head_dim 128), bf16, prompt
 512 shared by 8 samples, response capacity `--cap` (8,192), the engine's call (raw q and K/V, RoPE and the q/k/v bias
@@ -16,8 +17,7 @@ Batches (response keys per slot):
 - `tail-16`, `tail-4`: the last few long sequences of a rollout (4,096-8,192 keys), where one program per (slot,
   head) leaves most SMs idle.
 
-Besides one program and the default (16 splits at cap 8,192), 4 and 8 splits are timed, so a rule that picks fewer
-splits for full batches can be judged. The floor is the bytes a layer must read once (each prompt entry's KV, each
+Besides the default, fixed counts are timed (1, 4, 8 and 16 splits at cap 8,192), so the rule can be judged. The floor is the bytes a layer must read once (each prompt entry's KV, each
 slot's response KV) at `--bandwidth-tbs`.
 
     python -m benchmarks.kernels.split_kv [--cap 8192] [--layers 4] [--bandwidth-tbs 4.2]
@@ -75,13 +75,15 @@ def layer_case(seed: int, lengths: list[int], cap: int) -> tuple[dict, tuple]:
 
 
 @contextlib.contextmanager
-def split_keys(value: int):
-    """The launch plan with `value` keys per split while inside (a value at or above the capacity: no split-KV)."""
-    saved, decode_launch.SPLIT_KEYS = decode_launch.SPLIT_KEYS, value
+def forced_splits(count: int, cap: int):
+    """Every launch inside runs `count` splits at capacity `cap` whatever the batch (1: one program per slot)."""
+    saved = decode_launch.SPLIT_KEYS, decode_launch.split_count
+    decode_launch.SPLIT_KEYS = -(-cap // count) if count > 1 else cap
+    decode_launch.split_count = lambda slot_heads: decode_launch.MAX_SPLITS
     try:
         yield
     finally:
-        decode_launch.SPLIT_KEYS = saved
+        decode_launch.SPLIT_KEYS, decode_launch.split_count = saved
 
 
 def check(case: dict, extras: tuple) -> None:
@@ -120,37 +122,36 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels/split_kv.py needs a CUDA GPU (it times Triton kernels).")
-    default_keys = decode_launch.SPLIT_KEYS
-    keys_per_split = sorted({args.cap, args.cap // 4, args.cap // 8, default_keys}, reverse=True)
-    num_splits = {}
-    for keys in keys_per_split:
-        with split_keys(keys):
-            num_splits[keys] = decode_launch.launch_plan(GROUP, HEAD_DIM, args.cap, paged=False).num_splits
-    print(f"{torch.cuda.get_device_name()}: capacity {args.cap}; the default plan ({default_keys}-key splits) runs "
-          f"{num_splits[default_keys]} splits", flush=True)
-    columns = "".join(f"{f'{num_splits[keys]} split(s) us':>15}" for keys in keys_per_split)
-    print(f"{'batch':>10} {'slots':>6} {'mean keys':>10} {'floor us':>9}{columns} {'default vs 1':>13} "
-          f"{'default % floor':>16}", flush=True)
+    counts = [1, 4, 8, 16]
+    print(f"{torch.cuda.get_device_name()}: capacity {args.cap}, {decode_launch.SPLIT_KEYS}-key splits, at most "
+          f"split_count(batch x {KV_HEADS} KV heads) of them", flush=True)
+    columns = "".join(f"{f'{count} split(s) us':>15}" for count in counts)
+    print(f"{'batch':>10} {'slots':>6} {'mean keys':>10} {'floor us':>9}{columns} {'default':>8} {'default us':>11} "
+          f"{'default vs 1':>13} {'vs best':>8} {'default % floor':>16}", flush=True)
     rows = []
     for name, lengths in batches(args.cap).items():
         cases = [layer_case(layer, lengths, args.cap) for layer in range(args.layers)]
         micros = {}
-        for keys in keys_per_split:
-            with split_keys(keys):
+        for count in counts:
+            with forced_splits(count, args.cap):
                 check(*cases[0])
-                micros[num_splits[keys]] = time_layers(cases)
+                micros[count] = time_layers(cases)
+        default_splits = decode_launch.launch_plan(GROUP, HEAD_DIM, args.cap, paged=False,
+                                                   slot_heads=len(lengths) * KV_HEADS).num_splits
+        check(*cases[0])
+        default_us = time_layers(cases)
         floor = floor_us(lengths, args.bandwidth_tbs)
-        default_us = micros[num_splits[default_keys]]
         rows.append(dict(batch=name, slots=len(lengths), mean_keys=float(np.mean(lengths)), floor_us=floor,
-                         us_by_splits=micros))
-        timings = "".join(f"{micros[num_splits[keys]]:>15.1f}" for keys in keys_per_split)
-        print(f"{name:>10} {len(lengths):>6} {np.mean(lengths):>10.0f} {floor:>9.1f}{timings} "
-              f"{micros[1] / default_us:>12.2f}x {100 * floor / default_us:>15.0f}%", flush=True)
+                         us_by_splits=micros, default_splits=default_splits, default_us=default_us))
+        timings = "".join(f"{micros[count]:>15.1f}" for count in counts)
+        print(f"{name:>10} {len(lengths):>6} {np.mean(lengths):>10.0f} {floor:>9.1f}{timings} {default_splits:>8} "
+              f"{default_us:>11.1f} {micros[1] / default_us:>12.2f}x {min(micros.values()) / default_us:>7.2f}x "
+              f"{100 * floor / default_us:>15.0f}%", flush=True)
         del cases
         torch.cuda.empty_cache()
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "split_kv.json"), "w") as handle:
-            json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), default_split_keys=default_keys,
+            json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), split_keys=decode_launch.SPLIT_KEYS,
                            rows=rows), handle, indent=2)
 
 

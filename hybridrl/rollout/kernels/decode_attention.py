@@ -158,7 +158,7 @@ def triton_decode_attention(
     batch, num_kv_heads, group, head_dim = q.shape
     block_size, prompt_columns = paged or (1, 0)
     capacity = (prompt_index.shape[1] - prompt_columns) * block_size if paged else response_k.shape[2]
-    plan = launch_plan(group, head_dim, capacity, paged is not None)
+    plan = launch_plan(group, head_dim, capacity, paged is not None, slot_heads=batch * num_kv_heads)
     q, out, fused, cos, sin, bias, strides = launch_arguments(q, prompt_k, prompt_v, response_k, response_v,
                                                               new_kv, rope, qkv_bias)
     table_stride = prompt_index.stride(0) if paged else 0

@@ -11,10 +11,11 @@ and the plan made when a CUDA graph is captured holds for every replay. Nothing 
 
 Split-KV ("flash decoding"): one program per (slot, KV head) walks that slot's whole context alone, so at the tail
 of an uneven batch a few long sequences leave all but a few SMs idle. When the response capacity (the most response
-keys a slot can hold) exceeds `SPLIT_KEYS`, the response keys are cut into `num_splits` partitions (at most
-`MAX_SPLITS`) of `split_len` keys, one program each; split 0 also takes the prompt and this step's new key. Each
-program leaves its partial softmax state (running max, sum, accumulator, float32) in a buffer and a second kernel
-merges them (log-sum-exp). The grid depends on the capacity only, so splits past a slot's own length do no work.
+keys a slot can hold) exceeds `SPLIT_KEYS`, the response keys are cut into `num_splits` partitions of `split_len`
+keys, one program each (at most `split_count` of them: fewer for a wide batch, which already fills the GPU); split 0
+also takes the prompt and this step's new key. Each program leaves its partial softmax state (running max, sum,
+accumulator, float32) in a buffer and a second kernel merges them (log-sum-exp). The grid depends on the capacity
+and the batch (shapes) only, so splits past a slot's own length do no work.
 """
 
 from __future__ import annotations
@@ -35,9 +36,14 @@ would need more than 255 registers a thread and spill (the no-spill test reads p
 MIN_DOT_ROWS = 16
 """`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
 SPLIT_KEYS = 512
-"""Response keys per split program (at most `MAX_SPLITS` splits; see `response_splits`); responses of at most this
-many keys run unsplit."""
+"""Response keys per split program, at the least (the count is capped; see `response_splits`); responses of at most
+this many keys run unsplit."""
 MAX_SPLITS = 16
+MIN_SPLITS = 4
+SPLIT_PROGRAMS = 2048
+"""Programs the split grid aims at (`split_count`): on an H200 at the 1.5B shape (2 KV heads, capacity 8,192),
+180 slots ran fastest at 4-8 splits and 512 slots at 4, 16 slots and fewer at 16 (`benchmarks/kernels/split_kv.py`;
+figures in docs/benchmarks.md)."""
 
 
 def default_num_warps(head_dim: int, paged: bool = False) -> int:
@@ -51,14 +57,27 @@ def padded_tile(size: int) -> int:
     return max(MIN_DOT_ROWS, 1 << (max(size, 1) - 1).bit_length())
 
 
-def response_splits(response_capacity: int, split_keys: int | None = None) -> tuple[int, int] | None:
+def split_count(slot_heads: int) -> int:
+    """The most splits worth launching for `slot_heads` (slot, KV head) pairs: enough programs to reach about
+    `SPLIT_PROGRAMS`, at least `MIN_SPLITS` (uneven lengths still gain from balancing), at most `MAX_SPLITS`, a power
+    of two."""
+    wanted = max(1, SPLIT_PROGRAMS // max(1, slot_heads))
+    return max(MIN_SPLITS, min(MAX_SPLITS, 1 << (wanted.bit_length() - 1)))
+
+
+def response_splits(response_capacity: int, split_keys: int | None = None,
+                    slot_heads: int = 1) -> tuple[int, int] | None:
     """(num_splits, split_len) for responses of up to `response_capacity` keys, or None (one program per slot and
     head) when they fit one split: short responses gain nothing from a second kernel. split_len is a whole number of
-    `BLOCK_N` key blocks, so no loop iteration straddles two splits."""
+    `BLOCK_N` key blocks, so no loop iteration straddles two splits.
+
+    `slot_heads` (batch x KV heads, the programs one split would run) bounds the count further: a wide batch already
+    fills the GPU and pays for every extra split (splits past a slot's length still launch and are merged), so
+    it gets `MIN_SPLITS`, a narrow tail up to `MAX_SPLITS` (`split_count`)."""
     split_keys = split_keys or SPLIT_KEYS
     if response_capacity <= split_keys:
         return None
-    num_splits = min(MAX_SPLITS, -(-response_capacity // split_keys))
+    num_splits = min(-(-response_capacity // split_keys), split_count(slot_heads))
     split_len = -(-response_capacity // num_splits)
     return num_splits, -(-split_len // BLOCK_N) * BLOCK_N
 
@@ -80,10 +99,11 @@ class LaunchPlan:
     """Response keys per split program (0 without split-KV)."""
 
 
-def launch_plan(group: int, head_dim: int, response_capacity: int, paged: bool) -> LaunchPlan:
-    """The plan for query groups of `group` rows of `head_dim`, over responses of up to `response_capacity` keys
-    (the same rule for both layouts; see the module docstring)."""
-    num_splits, split_len = response_splits(response_capacity) or (1, 0)
+def launch_plan(group: int, head_dim: int, response_capacity: int, paged: bool, slot_heads: int = 1) -> LaunchPlan:
+    """The plan for query groups of `group` rows of `head_dim`, over responses of up to `response_capacity` keys,
+    for `slot_heads` (batch x KV heads) programs per split (the same rule for both layouts; see the module
+    docstring)."""
+    num_splits, split_len = response_splits(response_capacity, slot_heads=slot_heads) or (1, 0)
     return LaunchPlan(group_pad=padded_tile(group), block_d=padded_tile(head_dim), block_n=BLOCK_N,
                       num_warps=default_num_warps(head_dim, paged), num_splits=num_splits, split_len=split_len)
 
