@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     trl_default = sys.executable if importlib.util.find_spec("trl") else "/tmp/trl-venv/bin/python"
     parser.add_argument("--trl-python", default=trl_default,
                         help=f"a Python that imports trl (default: this one if it does, else TRL's venv: {TRL_VENV_HINT})")
+    parser.add_argument("--sft-model", help="start both sides from this SFT model (skips building and SFT; its "
+                                            "tokenizer must be the character one)")
     parser.add_argument("--out-dir", default="runs/time_to_accuracy")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU, a few steps: checks the script")
     return parser
@@ -111,10 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_model(body: str, device: str, path: Path, args: argparse.Namespace, prompt_tokens: int) -> tuple[int, dict]:
+def build_model(body: str, device: str, path: Path) -> int:
     """A random model of `body` with the character tokenizer, initialized on `device`, saved to `path`; returns
-    its parameter count and the floor of one GRPO step of `args`' sizes (grpo_step.py's: decode reads the weights
-    and KV once per token, prefill and 6 x parameters x tokens of training at the H200's rates)."""
+    its parameter count."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_char_tokenizer()
@@ -124,12 +125,21 @@ def build_model(body: str, device: str, path: Path, args: argparse.Namespace, pr
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
                                                  attn_implementation="sdpa")
     save_hf_model(model, tokenizer, path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def step_floor(model_dir: Path, args: argparse.Namespace, prompt_tokens: int) -> dict:
+    """The floor of one GRPO step of `args`' sizes on the model in `model_dir` (grpo_step.py's: decode reads the
+    weights and KV once per token, prefill and 6 x parameters x tokens of training at the H200's rates)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):  # shapes only
+        model = AutoModelForCausalLM.from_config(config)
     params = sum(p.numel() for p in model.parameters())
-    sequences = args.prompts_per_step * args.group_size
-    train_flops = 6 * params * sequences * (prompt_tokens + args.max_new_tokens)
-    step_floor = floor(model, config, {"prompts": args.prompts_per_step, "n": args.group_size}, prompt_tokens,
-                       args.max_new_tokens, train_flops)
-    return params, step_floor
+    train_flops = 6 * params * args.prompts_per_step * args.group_size * (prompt_tokens + args.max_new_tokens)
+    return floor(model, config, {"prompts": args.prompts_per_step, "n": args.group_size}, prompt_tokens,
+                 args.max_new_tokens, train_flops)
 
 
 def sft(args: argparse.Namespace, data: dict[str, Path], init: Path, out: Path) -> tuple[Path, list[dict]]:
@@ -254,34 +264,31 @@ class Run:
         self.path.write_text(json.dumps(self.report, indent=1))
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    out = Path(args.out_dir).resolve() / ("tiny" if args.tiny else args.body)
-    run = Run(args, out)
-    has_trl = Path(args.trl_python).exists() and subprocess.run(
-        [args.trl_python, "-c", "import trl"], capture_output=True).returncode == 0
-    if not has_trl:
-        run.say(f"TRL skipped: {args.trl_python} cannot import trl (make its environment with: {TRL_VENV_HINT}, or "
-                "on the GPU machine install .bench/'s wheels); hybridrl runs for its budget alone")
-    torch.set_num_threads(args.threads)
+def prepare(args: argparse.Namespace, out: Path, run: Run) -> tuple[Path, dict[str, Path]]:
+    """The task's data and the SFT model both sides start from: built and trained here unless --sft-model gives it."""
     sizes = {"num_train": 64, "num_eval": 16} if args.tiny else {}
     data = write_arithmetic_task(out / "data", **DEMO_TEACHERS["arithmetic"], **sizes)
-    prompts = [json.loads(line)["prompt"] for line in data["train"].read_text().splitlines()]
-    params, step_floor = build_model(args.body, args.device, out / "init", args, round(statistics.mean(map(len, prompts))))
-    run.say(f"model: {args.body} body, {params / 1e6:.1f}M parameters, random init on {args.device}, saved; floor of "
-            f"one GRPO step {1000 * step_floor['step_s']:.1f} ms")
-    run.save("model", {"body": args.body, "params": params, "seconds": time.time() - run.start, "floor": step_floor})
-    sft_start = time.time()
+    if args.sft_model:
+        run.say(f"SFT model given: {args.sft_model}")
+        return Path(args.sft_model).resolve(), data
+    params = build_model(args.body, args.device, out / "init")
+    run.say(f"model: {args.body} body, {params / 1e6:.1f}M parameters, random init on {args.device}, saved")
+    run.save("model", {"body": args.body, "params": params, "seconds": time.time() - run.start})
+    started = time.time()
     shutil.rmtree(out / "sft", ignore_errors=True)  # its metrics file would keep an earlier run's curve
     model, sft_curve = sft(args, data, out / "init", out / "sft")
-    run.say(f"SFT: {args.sft_steps} steps in {time.time() - sft_start:.1f} s; held-out accuracy "
+    run.say(f"SFT: {args.sft_steps} steps in {time.time() - started:.1f} s; held-out accuracy "
             + ", ".join(f"step {p['step']} ({p['seconds']:.0f} s) {100 * p['accuracy']:.1f}% (loss {p['loss']:.3f})"
                         for p in sft_curve))
-    run.save("sft", {"seconds": time.time() - sft_start, "curve": sft_curve})
+    run.save("sft", {"seconds": time.time() - started, "curve": sft_curve})
     if args.device == "cuda":
         torch.cuda.empty_cache()  # the workers get the GPU; this process keeps only its context
+    return model, data
+
+
+def race(args: argparse.Namespace, spec: dict, out: Path, run: Run, has_trl: bool) -> dict:
+    """TRL for its budget, then hybridrl until TRL's final accuracy (when TRL gained) or its own budget."""
     results = {}
-    spec = {**spec_for(args, 0, model, data), "device": args.device}
     if has_trl:
         share = args.trl_seconds / (args.trl_seconds + args.hybridrl_seconds)
         budget = min(args.trl_seconds, max(5.0, share * training_seconds(run.left(), sides=2)))
@@ -301,15 +308,32 @@ def main(argv: list[str] | None = None) -> None:
     for side, result in results.items():
         if "error" in result:
             run.say(f"{side} failed: {result['error']}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    out = Path(args.out_dir).resolve() / ("tiny" if args.tiny else args.body)
+    run = Run(args, out)
+    has_trl = Path(args.trl_python).exists() and subprocess.run(
+        [args.trl_python, "-c", "import trl"], capture_output=True).returncode == 0
+    if not has_trl:
+        run.say(f"TRL skipped: {args.trl_python} cannot import trl (make its environment with: {TRL_VENV_HINT}, or "
+                "on the GPU machine install .bench/'s wheels); hybridrl runs for its budget alone")
+    torch.set_num_threads(args.threads)
+    model, data = prepare(args, out, run)
+    results = race(args, {**spec_for(args, 0, model, data), "device": args.device}, out, run, has_trl)
     lines, figures = summary(results, args.prompts_per_step * args.group_size)
+    prompts = [json.loads(line)["prompt"] for line in data["train"].read_text().splitlines()]
+    figures["floor"] = step_floor(model, args, round(statistics.mean(map(len, prompts))))  # a character is a token
     run.save("summary", figures)
     print(f"\ntime to accuracy ({args.body} body, demo task, {args.prompts_per_step} prompts x {args.group_size} "
           f"samples per step, lr {args.lr}, one seed; training seconds exclude evaluations):")
     print("\n".join(lines))
     for side, facts in figures["steps"].items():
         if facts["median_step_s"]:
-            print(f"{side}'s median step is {facts['median_step_s'] / step_floor['step_s']:.1f}x the floor of one step "
-                  f"({1000 * step_floor['step_s']:.1f} ms at the H200's rates)")
+            print(f"{side}'s median step is {facts['median_step_s'] / figures['floor']['step_s']:.1f}x the floor of "
+                  f"one step ({1000 * figures['floor']['step_s']:.1f} ms at the H200's rates)")
     run.say(f"done; JSON in {run.path}")
 
 
