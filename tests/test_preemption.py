@@ -1,0 +1,65 @@
+"""Recompute preemption on the paged KV cache (`engine/preemption.py`): which context a re-admitted sequence prefills
+again, and multi-turn first turns preempted mid-turn that continue after their kept tokens, equal to the per-slot
+layout's episodes. (Single-turn engine runs with forced preemption are in test_paged_kv.py.)"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from hybridrl.envs.rendering import ObservationRenderer
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine import runner as runner_module
+from hybridrl.rollout.engine.backend import BuiltinBackend
+from hybridrl.rollout.engine.preemption import KeptResponse, refill_rows
+from hybridrl.rollout.engine.scheduler import SequenceSlot
+from hybridrl.rollout.multiturn import EpisodeBudget, make_sessions
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_multiturn import IM_END, TOKENIZER, assert_same_episodes, make_model, one_thread  # noqa: E402,F401
+from test_paged_kv import memory_for_blocks  # noqa: E402
+from test_paged_multiturn import ROWS, Uneven  # noqa: E402
+
+
+def kept(tokens: list[int]) -> KeptResponse:
+    return KeptResponse(torch.tensor(tokens), torch.zeros(len(tokens)))
+
+
+def test_refill_rows_feed_the_prompt_only_when_its_blocks_were_taken_anew_and_never_the_last_kept_token():
+    prompts = [[11, 12, 13], [21, 22]]
+    sequences = [SequenceSlot(0, 0, 3, slot=4, kept=3, fills_entry=False),  # prompt held by a sample: response only
+                 SequenceSlot(1, 1, 2, slot=2, kept=2, fills_entry=True),  # prompt taken anew: from position 0
+                 SequenceSlot(2, 0, 3, slot=5, kept=1, fills_entry=False),  # nothing to feed
+                 SequenceSlot(3, 1, 2, slot=0, kept=1, fills_entry=True)]
+    responses = {0: kept([7, 8, 9]), 1: kept([5, 6]), 2: kept([3]), 3: kept([4])}
+    writers, readers = refill_rows(sequences, prompts, responses)
+    assert writers == [(2, [21, 22, 5], 0), (0, [21, 22], 0)]  # writers first: the readers may read their prompt
+    assert readers == [(4, [7, 8], 3)]
+    assert refill_rows(sequences[2:3], prompts, responses) == []
+
+
+def test_preempted_first_turns_continue_after_their_kept_tokens_in_multiturn_episodes(monkeypatch):
+    """Turns of up to 16 tokens and a pool of 80 blocks of 4 for 12 episodes: first turns are preempted mid-turn and
+    re-admitted with their tokens (the refill runs), and the episodes equal the per-slot layout's."""
+    refilled, refill = [], runner_module.refill
+
+    def watched_refill(run, prompts, sequences, *rest):
+        refilled.extend(sequences)
+        refill(run, prompts, sequences, *rest)
+    monkeypatch.setattr(runner_module, "refill", watched_refill)
+    model = make_model("llama", seed=0)
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=0,
+                            stop_token_ids=[IM_END, *range(0, model.config.vocab_size, 29)])
+    budget = EpisodeBudget(max_turns=4, max_episode_tokens=200)
+    found = {}
+    for name, options in (("per_slot", dict(attention="sdpa")),
+                          ("paged", dict(kv_cache="paged", kv_block_size=4,
+                                         kv_cache_memory=memory_for_blocks(model, 80, 4)))):
+        engine = BuiltinBackend(model, tokenizer=TOKENIZER, sync_every=3, **options)
+        found[name] = engine.generate_episodes(make_sessions(Uneven, ROWS, n=3, name="test_paged_multiturn.py:Uneven"),
+                                               ObservationRenderer(TOKENIZER), params, budget)
+    assert_same_episodes(found["paged"], found["per_slot"])
+    assert refilled and any(sequence.kept > 1 for sequence in refilled)
+    assert engine.last_stats["decoded_tokens"] > 0 and engine.last_stats["refilled_tokens"] > 0
