@@ -54,6 +54,7 @@ BODIES = {"0.5b": {k: v for k, v in SHAPES["0.5b"].items() if k != "vocab_size"}
           "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, tie_word_embeddings=True)}
 LOAD_SECONDS, EVAL_SHARE = 20.0, 0.3  # per side: start, load and first evaluation; evaluations per training second
+FINAL_EVALUATIONS = 3
 GAIN_FRACTIONS = (0.5, 0.9, 1.0)  # targets: the SFT start plus this share of TRL's gain (1.0: TRL's final accuracy)
 TINY = dict(body="tiny", device="cpu", sft_steps=4, sft_batch_size=8, sft_eval_every=2, steps=3, eval_every=1,
             prompts_per_step=2, group_size=2, max_eval_samples=16, threads=1, hybridrl_overrides=[])
@@ -183,8 +184,10 @@ def first_reach(points: list[tuple[int, int, float, float]], target: float) -> t
 
 
 def targets(trl_points: list[tuple[int, int, float, float]]) -> dict[str, float]:
-    """Accuracies to reach: TRL's start plus each GAIN_FRACTIONS share of its gain; none when TRL gained nothing."""
-    start, final = trl_points[0][3], trl_points[-1][3]
+    """Accuracies to reach: TRL's start plus each GAIN_FRACTIONS share of its gain up to its final accuracy (the
+    mean of its last FINAL_EVALUATIONS evaluations: a plateau's level, not one evaluation's luck); none when TRL
+    gained nothing."""
+    start, final = trl_points[0][3], statistics.mean(point[3] for point in trl_points[1:][-FINAL_EVALUATIONS:])
     if final <= start:
         return {}
     return {f"{round(100 * f)}% of TRL's gain": start + f * (final - start) for f in GAIN_FRACTIONS}
@@ -299,8 +302,9 @@ def race(args: argparse.Namespace, spec: dict, out: Path, run: Run, has_trl: boo
     goals = targets(curve(results["trl"], 1)) if "accuracy" in results.get("trl", {}) else {}
     target = goals.get(f"{round(100 * GAIN_FRACTIONS[-1])}% of TRL's gain")  # TRL's final accuracy, if it gained
     budget = min(args.hybridrl_seconds, max(5.0, training_seconds(run.left(), sides=1)))
-    run.say(f"hybridrl: up to {budget:.0f} s of training"
-            + (f", stopping at TRL's final accuracy {100 * target:.1f}%" if target is not None else ""))
+    run.say(f"hybridrl: up to {budget:.0f} s of training" + (
+        f", stopping at TRL's final accuracy {100 * target:.1f}% (mean of its last {FINAL_EVALUATIONS} evaluations)"
+        if target is not None else ""))
     hybridrl_spec = {**spec, "max_seconds": budget, "out_dir": str(out / "hybridrl_run"),
                      **({"target_accuracy": target} if target is not None else {})}
     results["hybridrl"] = run_side("hybridrl", hybridrl_spec, out, args.trl_python, run.left() - 5)
@@ -327,7 +331,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [json.loads(line)["prompt"] for line in data["train"].read_text().splitlines()]
     figures["floor"] = step_floor(model, args, round(statistics.mean(map(len, prompts))))  # a character is a token
     run.save("summary", figures)
-    print(f"\ntime to accuracy ({args.body} body, demo task, {args.prompts_per_step} prompts x {args.group_size} "
+    model_name = f"the SFT model {args.sft_model}" if args.sft_model else f"{args.body} body"
+    print(f"\ntime to accuracy ({model_name}, demo task, {args.prompts_per_step} prompts x {args.group_size} "
           f"samples per step, lr {args.lr}, one seed; training seconds exclude evaluations):")
     print("\n".join(lines))
     for side, facts in figures["steps"].items():

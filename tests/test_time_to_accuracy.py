@@ -22,18 +22,19 @@ def side(accuracy: dict[int, float], seconds: dict[int, float], step_seconds: li
 
 
 def test_targets_times_and_ratios_by_hand():
-    trl = side({0: 0.20, 5: 0.30, 10: 0.40}, {0: 0.0, 5: 5.0, 10: 10.0}, [1.5] + [1.0] * 9)
+    trl = side({0: 0.20, 5: 0.30, 10: 0.40, 15: 0.38, 20: 0.42}, {0: 0.0, 5: 5.0, 10: 10.0, 15: 15.0, 20: 20.0},
+               [1.5] + [1.0] * 19)
     ours = side({0: 0.20, 5: 0.39, 10: 0.41}, {0: 0.0, 5: 1.0, 10: 2.0}, [0.6] + [0.2] * 9)
     lines, figures = tta.summary({"trl": trl, "hybridrl": ours}, samples_per_step=256)
     goals = figures["targets"]
-    # TRL gains 20 points: half is 30%, 90% is 38%, all of it 40% (its final accuracy)
+    # TRL's final accuracy is the mean of its last 3 evaluations, 40%: a gain of 20 points, half of it at 30%, 90% at 38%
     assert [round(g["accuracy"], 6) for g in goals.values()] == [0.30, 0.38, 0.40]
     assert goals["50% of TRL's gain"]["trl"] == (5, 5.0) and goals["50% of TRL's gain"]["hybridrl"] == (5, 1.0)
     assert goals["90% of TRL's gain"]["trl"] == (10, 10.0) and goals["90% of TRL's gain"]["hybridrl"] == (5, 1.0)
     assert [g["ratio"] for g in goals.values()] == [5.0, 10.0, 5.0]
     # without the first steps (TRL 1.5 s, hybridrl 0.6 s): (5 - 1.5) / (1 - 0.6), (10 - 1.5) / 0.4, 8.5 / (2 - 0.6)
     assert [g["ratio_without_first_step"] for g in goals.values()] == pytest.approx([8.75, 21.25, 8.5 / 1.4])
-    assert figures["steps"]["trl"] == {"steps": 10, "first_step_s": 1.5, "median_step_s": 1.0}
+    assert figures["steps"]["trl"] == {"steps": 20, "first_step_s": 1.5, "median_step_s": 1.0}
     assert "to 40.0% (100% of TRL's gain): trl 10.0 s (step 10), hybridrl 2.0 s (step 10): hybridrl 5.00x faster" \
         in "\n".join(lines)
     assert "step 5 (1280 samples, 1.0 s) 39.0%" in lines[2]
