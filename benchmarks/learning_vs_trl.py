@@ -161,7 +161,7 @@ def run_hybridrl(spec: dict) -> dict:
     trainer = hybridrl_trainer(spec)
     model, tokenizer = trainer.parts.actor, trainer.parts.tokenizer
     rows = read_rows(spec["eval_path"])[:spec["max_eval_samples"]]
-    accuracy, sampled, rewards, seconds, seconds_at_eval, step_seconds = {}, {}, [], 0.0, {}, []
+    accuracy, sampled, rewards, seconds, seconds_at_eval, step_seconds, phases = {}, {}, [], 0.0, {}, [], []
 
     def evaluate(step: int, last: bool = False) -> None:
         accuracy[step], seconds_at_eval[step] = greedy_accuracy(model, tokenizer, rows, spec["max_new_tokens"]), seconds
@@ -179,6 +179,7 @@ def run_hybridrl(spec: dict) -> dict:
         step_seconds.append(time.perf_counter() - start)
         seconds += step_seconds[-1]
         rewards.append(float(metrics["reward/mean"]))
+        phases.append({key: float(value) for key, value in metrics.items() if key.startswith("timing/")})
         last = step == spec["steps"] or seconds >= spec.get("max_seconds", float("inf"))
         if due(step, spec["eval_every"], spec["steps"]) or last:
             evaluate(step, last)
@@ -188,7 +189,7 @@ def run_hybridrl(spec: dict) -> dict:
         save_hf_model(model, tokenizer, Path(spec["out_dir"]) / "model")
     return {"side": "hybridrl", "seed": spec["seed"], "accuracy": accuracy, "sampled": sampled,
             "train_seconds": seconds, "reward_per_step": rewards, "seconds_at_eval": seconds_at_eval,
-            "step_seconds": step_seconds}
+            "step_seconds": step_seconds, "phase_seconds": phases}
 
 
 def prepare(args: argparse.Namespace, out: Path) -> tuple[Path, dict[str, Path]]:

@@ -199,6 +199,14 @@ def step_facts(result: dict) -> dict:
             "median_step_s": statistics.median(seconds[1:]) if len(seconds) > 1 else None}
 
 
+def phase_text(phases: list[dict[str, float]]) -> str:
+    """The median of each `timing/` phase over the steps after the first (hybridrl's side reports them)."""
+    if len(phases) < 2:
+        return ""
+    return " (" + ", ".join(f"{key[len('timing/'):]} {statistics.median(p.get(key, 0.0) for p in phases[1:]):.3f} s"
+                            for key in phases[1]) + ")"
+
+
 def target_line(name: str, target: float, points: dict[str, list], steps: dict[str, dict]) -> tuple[str, dict]:
     """One target: when each side first reached it and hybridrl's speed-up, counting every training second (what a
     user waits) and without each side's first step (hybridrl's captures its CUDA graphs)."""
@@ -228,7 +236,8 @@ def summary(results: dict, samples_per_step: int) -> tuple[list[str], dict]:
                                             for step, samples, seconds, accuracy in side_points))
         if facts["median_step_s"] is not None:
             lines.append(f"{side}: {facts['steps']} steps of {samples_per_step} samples; first step "
-                         f"{facts['first_step_s']:.2f} s, median of the rest {facts['median_step_s']:.3f} s")
+                         f"{facts['first_step_s']:.2f} s, median of the rest {facts['median_step_s']:.3f} s"
+                         + phase_text(results[side].get("phase_seconds", [])))
     if "trl" not in points:
         lines.append("no TRL curve: no target accuracy, so no time-to-accuracy ratio")
         return lines, figures
