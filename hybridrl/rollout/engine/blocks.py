@@ -78,9 +78,11 @@ class BlockAllocator:
 
     def grow(self, index: int, slot: int, tokens: int) -> None:
         """Make sequence `index` hold blocks for `tokens` response rows (the caller checked `response_cost`)."""
-        held = self.response[index].blocks
+        held, count = self.response[index].blocks, self.response_cost(index, tokens)
+        if count == 0:  # most calls: a block holds several decode windows
+            return
         start = len(held)
-        held.extend(self._take(self.response_cost(index, tokens)))
+        held.extend(self._take(count))
         self.writes.extend((slot, self.prompt_columns + column, held[column]) for column in range(start, len(held)))
 
     def release(self, index: int, prompt_index: int) -> int:
