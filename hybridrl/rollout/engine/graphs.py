@@ -110,7 +110,9 @@ class DecodeGraphs:
             torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self._capture_stream):
-            graph.capture_begin(pool=self.pool)
+            # thread_local: a thread rollout worker captures while the trainer's thread goes on with its own
+            # CUDA work (a host sync there would otherwise invalidate this capture)
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 run_step()
             finally:
