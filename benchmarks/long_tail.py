@@ -2,12 +2,17 @@
 
     python -m benchmarks.long_tail                     # Qwen2.5-1.5B shape, 64 prompts x 8, prompt 512, GPU
     python -m benchmarks.long_tail --tiny              # CPU: a 2-layer model and short lengths; checks the script
+    python -m benchmarks.long_tail --shape grpo-0.5b --prompt-len 256 --median 256 --sigma 0 --cap 256 \
+        --kv-cache-memory 3.2 --repeats 3                  # the grpo-0.5b rollout (every response 256 tokens)
 
-The model is Qwen2.5-1.5B-shaped (hidden 1536, intermediate 8960, 28 layers, 12 heads, 2 KV heads, vocab 151936,
+The model is (`--shape 1.5b`, the default) Qwen2.5-1.5B-shaped (hidden 1536, intermediate 8960, 28 layers, 12 heads, 2 KV heads, vocab 151936,
 tied embeddings), random init, bf16. Each of the 512 responses gets its own length, drawn once (seeded) from a
 log-normal with median `--median` (1,024) and shape `--sigma` (1.0), clipped to [`--min-len`, `--cap`] (8,192),
 and is forced to exactly that length (`ignore_eos` + `generate(response_lengths=)`), sampled at temperature 1.
 That is the shape of reasoning RL: most responses around a thousand tokens, a few running to the cap.
+`--shape grpo-0.5b` is the reference benchmark's model (Qwen2-0.5B-shaped, `benchmarks/rollout.py`); with
+`--sigma 0` every response is `--median` tokens long, so the line above times the grpo-0.5b rollout on both layouts
+(its KV budget, 3.2 GiB, is the GRPO step's: `benchmarks/grpo_step.py`).
 
 Both layouts get the same KV budget (`--kv-cache-memory`, a fraction of free GPU memory) and the engine's other
 defaults (compiled, CUDA graphs, prefix-shared Triton attention for `contiguous`, which is today's GPU default).
@@ -40,13 +45,14 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.rollout import TINY, build_model, sync
+from benchmarks.rollout import GRPO_05B, TINY, build_model, sync
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.backend import BuiltinBackend
 
 QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=151936)
 """Qwen2.5-1.5B's shape (tied embeddings)."""
+SHAPES = {"1.5b": QWEN25_15B, "grpo-0.5b": GRPO_05B}
 LAYOUTS = ("contiguous", "paged")
 
 
@@ -72,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.long_tail", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_batch_arguments(parser)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1.5b", help="the model's shape")
     parser.add_argument("--kv-cache-memory", type=float, default=0.3)
     parser.add_argument("--block-size", type=int, default=64, help="tokens per block of the paged cache")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls per layout (alternating)")
@@ -174,6 +181,7 @@ def timed_call(engine: BuiltinBackend, prompts, params, lengths, sampler: BusySa
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     stats = {key: engine.last_stats[key] for key in ("num_slots", "decode_steps", "prefill_waves", "kv_blocks",
                                                       "kv_blocks_peak", "preemptions", "preempted_tokens",
+                                                      "refilled_tokens", "decoded_tokens",
                                                       "attention", "warmup_s")}
     return dict(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds, peak_gib=peak,
                 busy_quarters=sampler.quarters(), stats=stats)
@@ -181,7 +189,7 @@ def timed_call(engine: BuiltinBackend, prompts, params, lengths, sampler: BusySa
 
 def run(args) -> dict:
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
-    model = build_model(device, TINY if args.tiny else QWEN25_15B)
+    model = build_model(device, TINY if args.tiny else SHAPES[args.shape])
     if args.tiny:
         model = model.float()
     generator = torch.Generator().manual_seed(0)
@@ -217,7 +225,8 @@ def run(args) -> dict:
 
 def print_table(result: dict) -> None:
     lengths, bound = result["lengths"], result["floor"]
-    print(f"\nlong-tail on {result['device']}: {result['args']['prompts']} prompts x {result['args']['n']}, prompt "
+    shape = "tiny" if result["args"]["tiny"] else result["args"]["shape"]
+    print(f"\nlong-tail ({shape} shape) on {result['device']}: {result['args']['prompts']} prompts x {result['args']['n']}, prompt "
           f"{result['args']['prompt_len']}; response lengths median {lengths['median']:.0f}, mean {lengths['mean']:.0f}, "
           f"max {lengths['max']} ({lengths['at_cap']} at the cap), {lengths['total']:,} tokens")
     header = ("layout", "seconds", "tokens/s", "% of floor", "peak GiB", "slots", "blocks peak/all", "preempted",
@@ -243,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     result = run(parse_args(argv))
     print_table(result)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "long_tail.json"), "w") as handle:
+        suffix = "" if result["args"]["shape"] == "1.5b" else f"_{result['args']['shape']}"
+        with open(os.path.join(os.environ["OUT"], f"long_tail{suffix}.json"), "w") as handle:
             json.dump(result, handle, indent=1)
 
 
