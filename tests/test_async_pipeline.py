@@ -2,6 +2,7 @@
 bitwise; k = 1 trains on batches exactly one version old, overlaps a slow reward with the update, and resumes
 exactly from a checkpoint that holds its queued batches; a failing worker ends the run naming it."""
 
+import copy
 import json
 import os
 import signal
@@ -75,13 +76,9 @@ def test_the_worker_in_its_own_process_gives_the_thread_workers_metrics(tmp_path
     process = make_trainer(tmp_path / "process", trainer__rollout_worker="process", **settings).train()
     assert [row["rollout/staleness_max"] for row in process] == [0.0, 1.0, 1.0, 1.0]
     assert process[-1]["perf/weight_broadcast_s"] > 0  # versions 1 and 2 were broadcast (steps 3 and 4 need them)
-    # The same tokens are sampled (rewards and lengths equal); the sampler's log-probs, computed in another process,
-    # differ in their last bits (measured: 3e-7 relative), and with them what is computed from them.
-    for ours, theirs in zip(learning_metrics(process), learning_metrics(thread), strict=True):
-        assert ours.keys() == theirs.keys()
-        assert {k: v for k, v in ours.items() if k.startswith(("reward/", "rollout/response", "rollout/stale"))} == \
-            {k: v for k, v in theirs.items() if k.startswith(("reward/", "rollout/response", "rollout/stale"))}
-        assert all(ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-9) for key in ours), (ours, theirs)
+    # Bitwise: the same tokens and the same sampler log-probs (the worker's parameters keep `requires_grad`, without
+    # which some log-probs were rounded differently).
+    assert learning_metrics(process) == learning_metrics(thread)
 
 
 def test_a_slow_reward_overlaps_with_the_update(tmp_path):
@@ -288,7 +285,7 @@ def test_a_push_leaves_the_workers_weights_equal_to_the_trainers_in_its_own_tens
     trainer = make_trainer(tmp_path, trainer__total_steps=5, trainer__max_staleness=1)
     pipeline = trainer.pipeline
     worker = RolloutWorker(trainer, 1, first_step=1, last_step=5, version=0, lock=pipeline.lock,
-                           mailbox=pipeline.mailbox)  # not started: loaded by hand below
+                           mailbox=pipeline.mailbox, model=copy.deepcopy(trainer.parts.actor))  # loaded by hand below
     storages = [tensor.data_ptr() for tensor in push_tensors(worker.model)]
     assert weights_checksum(worker.model) == weights_checksum(trainer.parts.actor)
     with torch.no_grad():

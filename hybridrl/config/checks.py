@@ -141,9 +141,13 @@ def validate(config: Config) -> None:
     _require(t.hang_timeout_s > 0, "trainer.hang_timeout_s must be > 0.")
     _require(t.max_staleness >= 0, "trainer.max_staleness must be >= 0 (0: synchronous; k: rollout runs up to k "
              "updates behind the trainer).")
-    _require(t.max_staleness == 0 or t.num_gpus == 1,
-             "trainer.max_staleness > 0 runs its rollout worker beside one training process for now; set "
-             "trainer.num_gpus=1 or trainer.max_staleness=0.")
+    _require(t.max_staleness == 0 or t.num_gpus == 1 or t.rollout_worker == "process",
+             f"trainer.max_staleness > 0 with trainer.num_gpus={t.num_gpus} needs the rollout worker in a process of "
+             "its own beside the training processes; set trainer.rollout_worker=process (or trainer.num_gpus=1).")
+    _require(t.max_staleness == 0 or t.num_gpus == 1 or not config.model.lora_rank,
+             "trainer.max_staleness > 0 with several training processes gives the rollout process a plain copy of "
+             "the model, which is not built for LoRA adapters; set model.lora_rank=0, trainer.num_gpus=1 or "
+             "trainer.max_staleness=0.")
     _require(t.max_staleness == 0 or t.rollout_worker == "thread" or not a.dynamic_sampling,
              "algorithm.dynamic_sampling re-samples within a step by the step's scores, which the rollout process "
              "(trainer.rollout_worker=process) does not do; set trainer.rollout_worker=thread, "

@@ -448,7 +448,8 @@ class TrainerConfig:
     """With max_staleness > 0, where the rollout worker runs: a thread of the training process with a copy of the
     actor, or a process of its own (`training/rollout_process.py`) that gets each new version in bucketed
     broadcasts (gloo on CPU) and sends its batches back; both give the same metrics. Dynamic sampling and `env:`
-    episodes need the thread."""
+    episodes need the thread; several training processes (trainer.num_gpus > 1) need the process, which makes
+    each rank's share of the batch with that rank's seed and gets the weights gathered from their shards."""
     rollout_device: str = ""
     """With max_staleness > 0 and rollout_worker=thread: where the worker's copy of the actor and its rollout
     backend live, e.g. `cuda:0` while the trainer trains on `cuda:1` (rollout and training on two GPUs); each

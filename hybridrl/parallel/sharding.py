@@ -98,6 +98,15 @@ def gather_rows(values: torch.Tensor, rows: torch.Tensor, num_rows: int, setup: 
     return full
 
 
+def rank_share(num_prompts: int, params: Any, rank: int, world_size: int) -> tuple[int, int, Any]:
+    """The prompts [start, stop) that rank `rank` of `world_size` samples for in `generate_sharded`, and its sampling
+    settings (its own seed); the asynchronous rollout worker makes every rank's share with these, so that its
+    batch is the one the ranks would have made."""
+    start, stop = (num_prompts * r // world_size for r in (rank, rank + 1))
+    seed = None if params.seed is None else params.seed + 1_000_003 * rank
+    return start, stop, dataclasses.replace(params, seed=seed)
+
+
 def generate_sharded(backend: Any, prompts: list[list[int]], params: Any, setup: DistributedSetup,
                      decode: Callable[[list[Any]], list[str]] | None = None) -> list[Any]:
     """Each rank samples for a contiguous share of `prompts`; every rank returns all generations,
@@ -116,11 +125,8 @@ def generate_sharded(backend: Any, prompts: list[list[int]], params: Any, setup:
 
     if not setup.is_distributed:
         return with_texts(backend.generate(prompts, params))
-    bounds = [len(prompts) * r // setup.world_size for r in range(setup.world_size + 1)]
-    start, stop = bounds[setup.rank], bounds[setup.rank + 1]
-    seed = None if params.seed is None else params.seed + 1_000_003 * setup.rank
-    local = with_texts(backend.generate(prompts[start:stop], dataclasses.replace(params, seed=seed))
-                       if stop > start else [])
+    start, stop, share_params = rank_share(len(prompts), params, setup.rank, setup.world_size)
+    local = with_texts(backend.generate(prompts[start:stop], share_params) if stop > start else [])
     for generation in local:
         generation.prompt_index += start
     gathered: list[Any] = [None] * setup.world_size

@@ -10,16 +10,28 @@ Both sides walk the same model structure in the same order (`push_tensors`), and
 Batches go the other way as pickled objects (`send_object` / `receive_object`). A worker that died makes the
 trainer's receive fail at once (the connection closes); one that hangs is caught by the watchdog, which names
 its rank (`parallel/watchdog.py`). `RolloutPeerError` names the worker's rank either way.
+
+Where: over torch.distributed's default group (`group=None`, or one made by `dist.new_group`), or over a `Link`:
+gloo groups of their own between the rollout process and one training process, made from a store on a port of
+their own. A run with several training processes already uses the default group for its ranks (FSDP), and a
+process has only one default group, so the link to the rollout worker is a group apart from it; the trainer's
+other ranks never take part in it. A link stages through the CPU (gloo).
 """
 
 from __future__ import annotations
 
+import copy
+import datetime
 import hashlib
+import pickle
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from hybridrl.parallel import fsdp
+from hybridrl.parallel.process_group import DistributedSetup
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 """Bytes per broadcast: large enough that the count of collectives does not matter, small next to a model."""
@@ -27,6 +39,88 @@ DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 class RolloutPeerError(RuntimeError):
     """The other side of a split trainer/rollout run failed or went away; the message names its rank."""
+
+
+class Link:
+    """One two-rank gloo group outside torch.distributed's default group (see the module docstring): `rank` is this
+    side's (0 or 1). Build with `connect`."""
+
+    def __init__(self, group: Any, rank: int):
+        self.group, self.rank = group, rank
+
+    def broadcast(self, tensor: torch.Tensor, source: int) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = source
+        self.group.broadcast([tensor], options).wait()
+
+    def send(self, tensor: torch.Tensor, destination: int) -> None:
+        self.group.send([tensor], destination, 0).wait()
+
+    def receive(self, tensor: torch.Tensor, source: int) -> None:
+        self.group.recv([tensor], source, 0).wait()
+
+    def barrier(self) -> None:
+        self.group.barrier(dist.BarrierOptions()).wait()
+
+
+class DefaultGroup(Link):
+    """The same calls over torch.distributed's default group or a group of it (`group=None` everywhere here)."""
+
+    def __init__(self, group: Any = None):
+        super().__init__(group, dist.get_rank(group))
+
+    def broadcast(self, tensor: torch.Tensor, source: int) -> None:
+        dist.broadcast(tensor, src=source, group=self.group)
+
+    def send(self, tensor: torch.Tensor, destination: int) -> None:
+        dist.send(tensor, dst=destination, group=self.group)
+
+    def receive(self, tensor: torch.Tensor, source: int) -> None:
+        dist.recv(tensor, src=source, group=self.group)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+
+def connect(port: int, rank: int, timeout_s: float, names: tuple[str, ...]) -> dict[str, Link]:
+    """Links between rank 0 (which hosts the store on `port` of 127.0.0.1) and rank 1, one per name, so that traffic
+    on one (weights) never waits behind another's (batches)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timeout)
+    return {name: Link(dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, 2, timeout), rank) for name in names}
+
+
+def as_link(group: Any) -> Link:
+    return group if isinstance(group, Link) else DefaultGroup(group)
+
+
+def full_weights(model: torch.nn.Module, setup: DistributedSetup) -> dict[str, torch.Tensor] | None:
+    """What a push sends: the model's whole `state_dict` on rank 0 (its own tensors with one process; gathered from
+    the FSDP shards, on the CPU, with several, where every rank must call it), None on the other ranks."""
+    return fsdp.full_state_dict(model, setup)
+
+
+def unsharded_copy(model: torch.nn.Module, setup: DistributedSetup) -> torch.nn.Module | None:
+    """A plain copy of `model` on rank 0 (None elsewhere; every rank must call it), for a rollout worker to own: a
+    deep copy with one process; with several, the model's Hugging Face class built from its config and given
+    the gathered weights (a deep copy of an FSDP model would be sharded too) and the model's own buffers (not
+    sharded; non-persistent ones such as rotary frequencies are in no state_dict)."""
+    weights = full_weights(model, setup)
+    if not setup.is_distributed:
+        return copy.deepcopy(model)
+    if weights is None:
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    plain_class = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # FSDP2 subclasses it
+    plain = plain_class(model.config)
+    plain.load_state_dict(weights, assign=True)  # the gathered tensors themselves, dtypes kept
+    if getattr(model.config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    for name, buffer in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        plain.get_submodule(owner)._buffers[leaf] = buffer.detach().to("cpu", copy=True)
+    return plain
 
 
 def push_names(model: torch.nn.Module) -> list[str]:
@@ -75,15 +169,17 @@ def broadcast_tensors(tensors: list[torch.Tensor], source: int, bucket_bytes: in
                       group: Any = None) -> dict[str, float]:
     """`push_weights` over a list of tensors (the sender may pass a snapshot of its model's, in push order)."""
     start = time.perf_counter()
-    sending = dist.get_rank() == source
+    link = as_link(group)
+    sending = link.rank == source
     total, device = 0, tensors[0].device if tensors else torch.device("cpu")
+    staging = device if type(link) is DefaultGroup else torch.device("cpu")  # a link is gloo: it stages on the CPU
     for indices in buckets([t.numel() * t.element_size() for t in tensors], [t.dtype for t in tensors], bucket_bytes):
         parts = [tensors[i] for i in indices]
         if sending:
-            flat = torch.cat([part.reshape(-1) for part in parts])
+            flat = torch.cat([part.reshape(-1).to(staging) for part in parts])
         else:
-            flat = torch.empty(sum(part.numel() for part in parts), dtype=parts[0].dtype, device=parts[0].device)
-        dist.broadcast(flat, src=source, group=group)
+            flat = torch.empty(sum(part.numel() for part in parts), dtype=parts[0].dtype, device=staging)
+        link.broadcast(flat, source)
         if not sending:
             offset = 0
             for part in parts:
@@ -104,16 +200,28 @@ def weights_checksum(model: torch.nn.Module) -> str:
 
 
 def send_object(value: Any, destination: int, group: Any = None) -> None:
-    """A picklable object (a scored batch) to rank `destination`."""
-    dist.send_object_list([value], dst=destination, group=group)
+    """A picklable object (a scored batch) to rank `destination`: its length, then its bytes."""
+    if not isinstance(group, Link):
+        dist.send_object_list([value], dst=destination, group=group)
+        return
+    link = group
+    payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+    link.send(torch.tensor([payload.numel()], dtype=torch.long), destination)
+    link.send(payload, destination)
 
 
 def receive_object(source: int, what: str, group: Any = None) -> Any:
     """The next object rank `source` sends; a peer that died raises `RolloutPeerError` naming it and `what`."""
-    box = [None]
+    box: list[Any] = [None]
     try:
-        dist.recv_object_list(box, src=source, group=group)
+        if not isinstance(group, Link):
+            dist.recv_object_list(box, src=source, group=group)
+            return box[0]
+        size = torch.zeros(1, dtype=torch.long)
+        group.receive(size, source)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        group.receive(payload, source)
     except RuntimeError as error:
         raise RolloutPeerError(f"the rollout worker (rank {source}) went away while the trainer waited for {what}: "
                                f"{error}; stopping the run") from error
-    return box[0]
+    return pickle.loads(payload.numpy().tobytes())

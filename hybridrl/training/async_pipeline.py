@@ -52,7 +52,6 @@ this schedule does not need: weights change only between batches.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import threading
 import time
@@ -63,7 +62,8 @@ import torch
 
 from hybridrl.envs.base import EnvironmentCodeError
 from hybridrl.parallel import sharding
-from hybridrl.parallel.process_group import DistributedSetup
+from hybridrl.parallel.process_group import DistributedSetup, broadcast_object
+from hybridrl.parallel.weight_push import full_weights, unsharded_copy
 from hybridrl.rewards import RewardError
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_responses
@@ -186,12 +186,11 @@ class WeightMailbox:
         self.published: dict[int, dict[str, torch.Tensor]] = {}
         self.closed = False
 
-    def publish(self, version: int, model: torch.nn.Module, device: torch.device) -> None:
-        """A copy of `model`'s weights on `device` (the worker's): across GPUs the copies are queued without
-        waiting (non_blocking) and waited for once, so the worker never reads a tensor still in flight."""
-        state = {name: tensor.detach().to(device, non_blocking=True, copy=True)
-                 for name, tensor in model.state_dict().items()}
-        for used in {tensor.device for tensor in model.state_dict().values()} | {device}:
+    def publish(self, version: int, weights: dict[str, torch.Tensor], device: torch.device) -> None:
+        """A copy of `weights` (a model's state_dict) on `device` (the worker's): across GPUs the copies are queued
+        without waiting (non_blocking) and waited for once, so the worker never reads a tensor still in flight."""
+        state = {name: tensor.detach().to(device, non_blocking=True, copy=True) for name, tensor in weights.items()}
+        for used in {tensor.device for tensor in weights.values()} | {device}:
             if used.type == "cuda":
                 torch.cuda.synchronize(used)
         with self.condition:
@@ -266,10 +265,19 @@ class BatchQueue:
         return item
 
 
-def generate_batch(backend: Any, parts: Any, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutBatch:
-    """One step's responses as a batch on the CPU, with their texts: what `RLTrainer.rollout` builds."""
-    generations = sharding.generate_sharded(backend, prompt_ids, params, DistributedSetup(),
-                                            decode=lambda share: decode_responses(parts.tokenizer, share))
+def generate_batch(backend: Any, parts: Any, prompt_ids: list[list[int]], params: SamplingParams,
+                   num_ranks: int = 1) -> RolloutBatch:
+    """One step's responses as a batch on the CPU, with their texts: what `RLTrainer.rollout` builds on `num_ranks`
+    training processes (each rank's share of the prompts with that rank's seed, `sharding.rank_share`)."""
+    generations = []
+    for rank in range(num_ranks):
+        start, stop, share_params = sharding.rank_share(len(prompt_ids), params, rank, num_ranks)
+        share = sharding.generate_sharded(backend, prompt_ids[start:stop], share_params, DistributedSetup(),
+                                          decode=lambda part: decode_responses(parts.tokenizer, part)) \
+            if stop > start else []
+        for generation in share:
+            generation.prompt_index += start
+        generations += share
     backend.release_memory()
     batch = build_rollout_batch(prompt_ids, generations, parts.pad_token_id, params.max_new_tokens, sampling=params)
     batch.texts = [generation.text for generation in generations]
@@ -281,8 +289,8 @@ def score_batch(trainer: Any, step: int, version: int, indices: list[int], sampl
     """The batch scored by the trainer's rewards (`RLTrainer.score`), as the trainer takes it."""
     start, samples, shown = time.perf_counter(), [], trainer.logger.num_samples_to_print
     with trainer.pipeline.score_lock:  # the rewards' call and its metrics, not held-out evaluation's in between
-        reward_metrics = {key: float(value) for key, value in trainer.score(
-            batch, trainer.parts.dataset.batch(indices),
+        reward_metrics = {key: float(value) for key, value in trainer.score(  # the whole batch in this process
+            batch, trainer.parts.dataset.batch(indices), whole_batch=True,
             add_samples=lambda *columns: samples.extend(list(column[:shown]) for column in columns)).items()}
     batch.scores = batch.scores.cpu()
     return Trajectories(step=step, versions=torch.full((len(batch),), version), indices=indices, batch=batch,
@@ -309,7 +317,7 @@ class RolloutWorker(threading.Thread, BatchQueue):
     process with a copy of the actor (see the module docstring)."""
 
     def __init__(self, trainer: Any, max_staleness: int, first_step: int, last_step: int, version: int,
-                 lock: threading.Lock, mailbox: WeightMailbox):
+                 lock: threading.Lock, mailbox: WeightMailbox, model: torch.nn.Module):
         threading.Thread.__init__(self, name="hybridrl-rollout-worker", daemon=True)
         BatchQueue.__init__(self)
         self.label = "rollout worker (thread 'hybridrl-rollout-worker')"
@@ -318,7 +326,7 @@ class RolloutWorker(threading.Thread, BatchQueue):
         self.mailbox, self.lock, self.stopped = mailbox, lock, threading.Event()
         parts = trainer.parts
         self.device = rollout_device(trainer)
-        self.model = copy.deepcopy(parts.actor).to(self.device)  # version `version`: the trainer's weights now
+        self.model = model.to(self.device)  # a copy of version `version`: the trainer's weights now
         with current_device(self.device):  # the engine sizes its KV cache and builds kernels on the current GPU
             self.backend = take_turns(build_rollout(trainer.config, self.model, parts.tokenizer, self.device), lock,
                                       self.stopped)
@@ -405,14 +413,20 @@ class RolloutWorker(threading.Thread, BatchQueue):
 
 
 class AsyncPipeline:
-    """The trainer's side: `take` the step's batch, `push` weights after the update, and the checkpoint state."""
+    """The trainer's side: `take` the step's batch, `push` weights after the update, and the checkpoint state.
+
+    With several training processes the worker belongs to rank 0, which hands each batch (or the error that
+    stopped the worker) to the other ranks (`share`); every rank takes part in gathering the weights the worker
+    gets (`weight_push.unsharded_copy`, `full_weights`)."""
 
     def __init__(self, trainer: Any, max_staleness: int, worker_class: Any = None):
         self.trainer, self.max_staleness = trainer, max_staleness
+        self.setup = trainer.parts.setup
         self.worker_class = worker_class or RolloutWorker
         """The thread worker, or `rollout_process.ProcessWorker` (the same interface)."""
         a = trainer.config.algorithm
-        if max_staleness and a.rollout_correction_cap is None and a.rollout_sequence_mask_threshold is None:
+        if max_staleness and a.rollout_correction_cap is None and a.rollout_sequence_mask_threshold is None \
+                and self.setup.is_main:
             logger.warning("trainer.max_staleness=%d trains on batches up to %d updates old with no off-policy "
                            "correction; set algorithm.rollout_correction_cap=2.0 (docs/training.md)",
                            max_staleness, max_staleness)
@@ -424,7 +438,7 @@ class AsyncPipeline:
         trainer.parts.rewards.score = in_turn(trainer.parts.rewards.score, self.score_lock, None)
         self.mailbox = WeightMailbox()
         self.worker: Any = None
-        """The worker of the running `train()`, or the last one's (ended) after it."""
+        """The worker of the running `train()`, or the last one's (ended) after it; None on ranks other than 0."""
         self.running = False
         self.restored: list[Trajectories] = []
         self.last_sampler_state: dict[str, int] | None = None
@@ -433,50 +447,81 @@ class AsyncPipeline:
         """Start the worker before the trainer's `step`, with the trainer's weights as they are now (version
         step - 1); it begins at the first step whose batch was not restored from a checkpoint."""
         trainer = self.trainer
-        self.worker = self.worker_class(trainer, self.max_staleness, step + len(self.restored),
-                                    trainer.config.trainer.total_steps, version=step - 1, lock=self.lock,
-                                    mailbox=self.mailbox)
-        for item in self.restored:
-            self.worker.ready[item.step] = item
+        model = unsharded_copy(trainer.parts.actor, self.setup)  # every rank: the shards are gathered
+        if self.setup.is_main:
+            self.worker = self.worker_class(trainer, self.max_staleness, step + len(self.restored),
+                                            trainer.config.trainer.total_steps, version=step - 1, lock=self.lock,
+                                            mailbox=self.mailbox, model=model)
+            for item in self.restored:
+                self.worker.ready[item.step] = item
         self.restored = []
         self.last_sampler_state = trainer.sampler.state_dict()  # after the restored batches' prompts
-        self.worker.start()
+        if self.worker is not None:
+            self.worker.start()
         self.running = True
 
     def take(self, step: int, device: torch.device) -> tuple[RolloutBatch, dict[str, float], dict[str, float]]:
         """The scored batch of `step` on `device`, its reward metrics, and the pipeline's metrics."""
         if not self.running:
             self.start(step)
+        item, metrics = self.share(lambda: self.await_batch(step))
+        self.last_sampler_state = item.sampler_state
+        if item.samples:
+            self.trainer.logger.add_samples(*item.samples)
+        return item.batch.to(device), item.reward_metrics, metrics
+
+    def await_batch(self, step: int) -> tuple[Trajectories, dict[str, float]]:
+        """Rank 0: the worker's batch of `step`, checked against the bound, and the pipeline's metrics."""
         item = self.worker.wait_for(step, self.trainer.config.trainer.hang_timeout_s)
         lag = step - 1 - int(item.versions.min())
         if lag > self.max_staleness:
             raise RuntimeError(f"the batch of step {step} is {lag} versions old, above trainer.max_staleness="
                                f"{self.max_staleness}; the rollout worker ran ahead of its bound")
-        self.last_sampler_state = item.sampler_state
-        if item.samples:
-            self.trainer.logger.add_samples(*item.samples)
         metrics = {**item.rollout_metrics, **staleness_metrics(item.versions, step - 1),
                    "timing/worker_generate_s": item.generate_s, "timing/worker_reward_s": item.reward_s}
         if hasattr(self.worker, "broadcast_s"):  # the process worker: the push's broadcast, done in a thread
             metrics["perf/weight_broadcast_s"] = self.worker.broadcast_s
-        return item.batch.to(device), item.reward_metrics, metrics
+        return item, metrics
+
+    def share(self, produce: Any) -> Any:
+        """`produce()` on rank 0, its result on every rank; an error there is raised on every rank (a reward's as
+        a `RewardError`, so that every rank saves the finished steps together, as in the synchronous loop)."""
+        if not self.setup.is_distributed:
+            return produce()
+        outcome: Any = None
+        if self.setup.is_main:
+            try:
+                outcome = ("ok", produce())
+            except BaseException as error:
+                broadcast_object(("error", isinstance(error, USER_CODE_ERRORS), str(error)), self.setup)
+                raise
+        outcome = broadcast_object(outcome, self.setup)
+        if outcome[0] == "error":
+            user_code, message = outcome[1:]
+            raise (RewardError if user_code else RuntimeError)(f"{message} (on training rank 0)")
+        return outcome[1]
 
     def push(self, version: int) -> dict[str, float]:
-        """After update `version`: publish the weights if a later batch is generated with them."""
+        """After update `version`: publish the weights if a later batch is generated with them (every rank calls
+        this: with several, the shards are gathered)."""
         start = time.perf_counter()
         if version + 1 + self.max_staleness <= self.trainer.config.trainer.total_steps:
-            self.mailbox.publish(version, self.trainer.parts.actor, rollout_device(self.trainer))
+            weights = full_weights(self.trainer.parts.actor, self.setup)
+            if weights is not None:
+                self.mailbox.publish(version, weights, rollout_device(self.trainer))
         return {"perf/weight_push_s": time.perf_counter() - start}
 
     def close(self) -> None:
         """End the worker with the run (see the module's Determinism note). What it had ready for the next steps
-        stays, as a checkpoint would restore it, so a later `train()` of this trainer continues where this ended."""
+        stays, as a checkpoint would restore it, so a later `train()` of this trainer continues where this ended
+        (one process; with several, rank 0 keeps them)."""
         self.mailbox.close()
         if not self.running:
             return
         self.running = False
-        self.worker.stop()
-        self.restored = self.ready_batches()
+        if self.worker is not None:
+            self.worker.stop()
+            self.restored = self.ready_batches()
         sampler = self.restored[-1].sampler_state if self.restored else self.last_sampler_state
         if sampler is not None:  # the worker drew prompts for batches it will not deliver
             self.trainer.sampler.load_state_dict(sampler)
@@ -494,10 +539,13 @@ class AsyncPipeline:
     def state_dict(self) -> dict[str, Any]:
         """The queued batches (steps s+1..s+k, waited for) and the data position after the last of them. After
         the worker failed (the trainer saves the finished steps of a run whose reward or environment code raised),
-        those that are ready: the resumed worker generates the rest with the checkpoint's weights."""
+        those that are ready: the resumed worker generates the rest with the checkpoint's weights. Rank 0's
+        (the one saved); the other ranks hold no batches ahead."""
         step, total = self.trainer.step_count, self.trainer.config.trainer.total_steps
         queued = self.restored
-        if self.running and self.worker.error is not None:
+        if self.running and self.worker is None:
+            queued = []
+        elif self.running and self.worker.error is not None:
             queued = self.ready_batches()
         elif self.running:
             timeout = self.trainer.config.trainer.hang_timeout_s

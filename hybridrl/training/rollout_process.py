@@ -1,36 +1,40 @@
 """The rollout worker in a process of its own (`trainer.rollout_worker=process`): split placement on one machine.
 
-The trainer's process spawns one rollout process and forms a two-rank gloo group with it (trainer rank 0, worker
-rank 1; the trainer's own setup stays one process), with two sub-groups so that weights and batches never wait
-for each other: a thread of the trainer broadcasts each published version (`parallel/weight_push.py`, in
-buckets, into the worker model's own tensors), and another receives the generated batches and scores them with
-the trainer's rewards (`RLTrainer.score`) while the trainer updates. The worker process only generates: it holds
-the data set and the sampler (its position travels with each batch, for checkpoints), and generates the batch of
-step b with version `needed_version(b, k)` (`async_pipeline.py`), receiving versions in order as it needs them.
+The trainer's process (rank 0 of the training processes, when there are several) spawns one rollout process and
+links to it with two gloo groups of their own (`weight_push.connect`: trainer 0, worker 1), apart from the
+training processes' own group, so that weights and batches never wait for each other: a thread of the trainer
+broadcasts each published version (`parallel/weight_push.py`, in buckets, into the worker model's own tensors),
+and another receives the generated batches and scores them with the trainer's rewards (`RLTrainer.score`, the
+whole batch in that process) while the trainer updates. The worker process only generates: it holds the data set
+and the sampler (its position travels with each batch, for checkpoints), and generates the batch of step b with
+version `needed_version(b, k)` (`async_pipeline.py`), receiving versions in order as it needs them.
+
+With several training processes the worker makes each rank's share of the prompts with that rank's seed
+(`sharding.rank_share`), the batch the ranks would have generated themselves; rank 0 hands the scored batch to
+the other ranks (`AsyncPipeline.take`), and each trains on its rows as in the synchronous loop. The weights it
+pushes are the full ones, gathered from the FSDP shards by every rank after the update (`AsyncPipeline.push`).
 
 The same schedule as the thread worker, so a run gives the same metrics with either worker. A worker process that
 dies makes the trainer's receive fail at once, naming rank 1; one that hangs is named after
-`trainer.hang_timeout_s` (the group's timeout and the trainer's wait). On one machine, on the trainer's device;
-a rollout device apart (`trainer.device_mesh`) and a worker on another node are not built.
+`trainer.hang_timeout_s` (the links' timeout and the trainer's wait). On one machine, on the rollout device
+(`trainer.device_mesh.rollout`, else the trainer's); a worker on another node is not built.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import datetime
 import socket
 import threading
 import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridrl.parallel.weight_push import (
     RolloutPeerError,
     broadcast_tensors,
+    connect,
     push_names,
     push_weights,
     receive_object,
@@ -43,6 +47,7 @@ from hybridrl.training.async_pipeline import (
     WeightMailbox,
     generate_batch,
     needed_version,
+    rollout_device,
     score_batch,
 )
 from hybridrl.training.components import build_rollout
@@ -56,37 +61,38 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def join_group(port: int, rank: int, timeout_s: float) -> tuple[Any, Any]:
-    """The two-rank group and its two sub-groups: (weights, batches)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    return dist.new_group([TRAINER_RANK, WORKER_RANK]), dist.new_group([TRAINER_RANK, WORKER_RANK])
+def join_links(port: int, rank: int, timeout_s: float) -> tuple[Any, Any]:
+    """The two links between the trainer and the worker: (weights, batches)."""
+    links = connect(port, rank, timeout_s, ("weights", "batches"))
+    return links["weights"], links["batches"]
 
 
 def serve_rollouts(port: int, job: dict[str, Any]) -> None:
     """The rollout process: generate the batches of `first_step`..`last_step` and send them to the trainer."""
     torch.set_num_threads(job["threads"])  # as the trainer's process was set (a fresh process has torch's default)
-    weights_group, batches_group = join_group(port, WORKER_RANK, job["timeout_s"])
+    weights_link, batches_link = join_links(port, WORKER_RANK, job["timeout_s"])
     config, parts = job["config"], job["parts"]
-    model = parts.actor
+    model = parts.actor.to(parts.device)  # sent on the CPU
+    if parts.device.type == "cuda":
+        torch.cuda.set_device(parts.device)
     backend = build_rollout(config, model, parts.tokenizer, parts.device)
     sampler = parts.dataset.sampler(config.trainer.prompts_per_step)
     sampler.load_state_dict(job["sampler_state"])
     version, base = job["version"], job["sampling"]
     for step in range(job["first_step"], job["last_step"] + 1):
         while version < needed_version(step, job["max_staleness"]):  # versions arrive in order, one per update
-            push_weights(model, TRAINER_RANK, group=weights_group)
+            push_weights(model, TRAINER_RANK, group=weights_link)
             version += 1
         indices = next(sampler)
         start = time.perf_counter()
         # RLTrainer.sampling_params's seed grows by one per step (first generation round)
         params = dataclasses.replace(base, seed=base.seed + step)
         with torch.no_grad():
-            batch = generate_batch(backend, parts, parts.dataset.batch(indices)["prompt_ids"], params)
+            batch = generate_batch(backend, parts, parts.dataset.batch(indices)["prompt_ids"], params,
+                                   job["num_ranks"])
         send_object({"step": step, "version": version, "indices": indices, "sampler_state": sampler.state_dict(),
-                     "batch": batch, "generate_s": time.perf_counter() - start}, TRAINER_RANK, group=batches_group)
-    dist.barrier(group=batches_group)  # the trainer has received everything before the group goes away
-    dist.destroy_process_group()
+                     "batch": batch, "generate_s": time.perf_counter() - start}, TRAINER_RANK, group=batches_link)
+    batches_link.barrier()  # the trainer has received everything before the links go away
 
 
 @dataclasses.dataclass
@@ -103,10 +109,17 @@ class WorkerParts:
 class ProcessWorker(BatchQueue):
     """The trainer's side of the rollout process: the same interface as the thread worker (`RolloutWorker`)."""
 
+    serve = staticmethod(serve_rollouts)
+    """What the rollout process runs (`serve_rollouts(port, job)`; a test may wrap it to look inside)."""
+
     def __init__(self, trainer: Any, max_staleness: int, first_step: int, last_step: int, version: int,
-                 lock: threading.Lock, mailbox: WeightMailbox):
+                 lock: threading.Lock, mailbox: WeightMailbox, model: torch.nn.Module):
         super().__init__()
         self.trainer, self.max_staleness, self.mailbox = trainer, max_staleness, mailbox
+        self.model = model
+        """The worker's copy of the actor (version `version`), sent to the rollout process when it starts. Its
+        parameters keep `requires_grad` as the trainer's: on the CPU, generating with parameters that do not
+        require gradients (even under no_grad) rounded some log-probs differently from the trainer's own rollout."""
         self.first_step, self.last_step, self.version = first_step, last_step, version
         self.process: Any = None
         self.threads: list[threading.Thread] = []
@@ -119,18 +132,19 @@ class ProcessWorker(BatchQueue):
         trainer, parts = self.trainer, self.trainer.parts
         timeout_s = trainer.config.trainer.hang_timeout_s
         sampler_state = trainer.sampler.state_dict()
-        job = {"config": trainer.config, "timeout_s": timeout_s, "threads": torch.get_num_threads(), "max_staleness": self.max_staleness,
-               "first_step": self.first_step, "last_step": self.last_step, "version": self.version,
-               "sampler_state": sampler_state, "sampling": trainer.sampling_params(step=0),
-               "parts": WorkerParts(copy.deepcopy(parts.actor).requires_grad_(False), parts.tokenizer,
-                                    parts.pad_token_id, parts.dataset, parts.device)}
-        if dist.is_initialized():  # left by an earlier run of this process that stopped early
-            dist.destroy_process_group()
+        job = {"config": trainer.config, "timeout_s": timeout_s, "threads": torch.get_num_threads(),
+               "max_staleness": self.max_staleness, "first_step": self.first_step, "last_step": self.last_step,
+               "version": self.version, "sampler_state": sampler_state, "sampling": trainer.sampling_params(step=0),
+               "num_ranks": parts.setup.world_size,
+               "parts": WorkerParts(self.model.cpu(), parts.tokenizer, parts.pad_token_id, parts.dataset,
+                                    rollout_device(trainer))}
+        self.names = push_names(self.model)
         port = free_port()
-        self.process = mp.get_context("spawn").Process(target=serve_rollouts, args=(port, job), daemon=True,
+        self.process = mp.get_context("spawn").Process(target=self.serve, args=(port, job), daemon=True,
                                                        name="hybridrl-rollout-process")
         self.process.start()
-        self.weights_group, self.batches_group = join_group(port, TRAINER_RANK, timeout_s)
+        self.model = None  # the process has its own copy now
+        self.weights_link, self.batches_link = join_links(port, TRAINER_RANK, timeout_s)
         self.label = f"rollout worker (process {self.process.pid}, rank {WORKER_RANK})"
         self.threads = [threading.Thread(target=self.receive_batches, daemon=True),
                         threading.Thread(target=self.push_versions, daemon=True)]
@@ -148,30 +162,27 @@ class ProcessWorker(BatchQueue):
             self.process.join(STOP_WAIT_S)
         for thread in self.threads:
             thread.join(STOP_WAIT_S)
-        if dist.is_initialized() and not any(thread.is_alive() for thread in self.threads):
-            dist.destroy_process_group()
 
     def receive_batches(self) -> None:
         try:
             for step in range(self.first_step, self.last_step + 1):
-                record = receive_object(WORKER_RANK, f"the batch of step {step}", group=self.batches_group)
+                record = receive_object(WORKER_RANK, f"the batch of step {step}", group=self.batches_link)
                 self.deliver(step, score_batch(self.trainer, step, record["version"], record["indices"],
                                                record["sampler_state"], record["batch"], record["generate_s"]))
-            dist.barrier(group=self.batches_group)
-            dist.destroy_process_group()  # every version was pushed before the last batch was generated
+            self.batches_link.barrier()  # every version was pushed before the last batch was generated
         except BaseException as error:
             self.fail(error)
 
     def push_versions(self) -> None:
         """Broadcast versions version+1, version+2, ... as the trainer publishes them, while the worker needs them."""
-        names = push_names(self.trainer.parts.actor)
+        names = self.names
         last_needed = needed_version(self.last_step, self.max_staleness)
         try:
             for version in range(self.version + 1, last_needed + 1):
                 state = self.mailbox.take(version)
                 if state is None:
                     return
-                pushed = broadcast_tensors([state[name] for name in names], TRAINER_RANK, group=self.weights_group)
+                pushed = broadcast_tensors([state[name] for name in names], TRAINER_RANK, group=self.weights_link)
                 self.broadcast_s = pushed["perf/weight_push_s"]  # from the worker's call to its last byte
         except RuntimeError as error:
             self.fail(RolloutPeerError(f"the rollout worker (rank {WORKER_RANK}) went away while the trainer pushed "

@@ -380,16 +380,19 @@ class RLTrainer:
         return batch.to(self.device), timings
 
     def score(self, batch: RolloutBatch, prompts: dict[str, Any],
-              add_samples: Callable[[list[str], list[str], list[float]], None] | None = None) -> dict[str, float]:
+              add_samples: Callable[[list[str], list[str], list[float]], None] | None = None,
+              whole_batch: bool = False) -> dict[str, float]:
         """The batch's rewards into `batch.scores`; the reward metrics. Its samples go to the console and
         samples.jsonl with the next logged step, or to `add_samples` (the asynchronous worker scores ahead: its
-        samples travel with the batch to the step that trains on it)."""
+        samples travel with the batch to the step that trains on it). `whole_batch`: scored in this process alone,
+        even with several (the asynchronous pipeline scores in a thread of rank 0)."""
         rows = batch.prompt_index.tolist()
         columns = {key: [values[i] for i in rows] for key, values in prompts["columns"].items()}
         columns.update(batch.columns or {})  # episodes: messages, tool_calls, env_reward (`episodes.py`)
         prompt_texts = [prompts["raw_prompts"][i] for i in rows]
         group = batch.sampling.n
-        total, per_function = self._score(prompt_texts, batch.texts, columns, group)
+        total, per_function = (self.parts.rewards.score(prompt_texts, batch.texts, columns) if whole_batch else
+                               self._score(prompt_texts, batch.texts, columns, group))
         batch.scores = total.to(self.device)
         (add_samples or self.logger.add_samples)(prompt_texts, batch.texts, total.tolist())
         metrics = {"reward/mean": total.mean(), "reward/std": total.std() if len(total) > 1 else 0.0}

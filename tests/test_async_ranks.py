@@ -1,0 +1,119 @@
+"""One rollout process beside two training processes (FSDP over gloo, `trainer.num_gpus=2`,
+`trainer.rollout_worker=process`): with max_staleness=0 the pipeline gives the synchronous two-process run's metrics
+bitwise (the worker makes each rank's share of the prompts with that rank's seed, rank 0 hands the scored batch to
+rank 1); with k=1 every version the worker generates with has the checksum of the trainer's gathered weights of
+that version (the worker reports its own after each push)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import contains_seven, tiny_actor, toy_prompts
+
+from hybridrl.config.schema import ConfigError
+from hybridrl.data.datasets import PromptDataset
+from hybridrl.parallel import weight_push
+from hybridrl.training import rollout_process
+from hybridrl.training.async_pipeline import AsyncPipeline
+from hybridrl.training.trainer import RLTrainer
+
+SETTINGS = dict(rollout__max_new_tokens=4, rollout__num_samples_per_prompt=4, trainer__prompts_per_step=4,
+                actor__micro_batch_size=8, trainer__device="cpu", logging__sinks=["jsonl"], trainer__save_model=False,
+                actor__lr=1e-3, trainer__hang_timeout_s=120, trainer__num_gpus=2, trainer__total_steps=3,
+                trainer__rollout_worker="process")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def learning_metrics(history):
+    return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in history]
+
+
+def make_trainer(out: str, **overrides) -> RLTrainer:
+    actor = tiny_actor()
+    dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
+    return RLTrainer(actor=actor, reward_fn=contains_seven, dataset=dataset,
+                     **{**SETTINGS, "trainer__output_dir": out, **overrides})
+
+
+def serve_and_record(port: int, job: dict) -> None:
+    """The rollout process, reporting the checksum of its weights after each version it receives."""
+    push, received = rollout_process.push_weights, [job["version"]]
+
+    def push_and_record(model, source, group=None):
+        metrics = push(model, source, group=group)
+        received[0] += 1
+        with open(os.path.join(job["config"].trainer.output_dir, f"worker_v{received[0]}.sha256"), "w") as file:
+            file.write(weight_push.weights_checksum(model))
+        return metrics
+
+    rollout_process.push_weights = push_and_record
+    rollout_process.serve_rollouts(port, job)
+
+
+class RecordingWorker(rollout_process.ProcessWorker):
+    serve = staticmethod(serve_and_record)
+
+
+def run_rank(rank: int, port: int, out: str, mode: str) -> None:
+    """One training rank: `sync` (the synchronous loop), `k0` (the pipeline with max_staleness=0) or `k1`."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), HYBRIDRL_WATCHDOG="0")
+    torch.set_num_threads(1)
+    trainer = make_trainer(out, **({"trainer__max_staleness": 1} if mode == "k1" else {}))
+    if mode == "k0":
+        trainer.pipeline = AsyncPipeline(trainer, 0, rollout_process.ProcessWorker)
+    if mode == "k1":
+        trainer.pipeline = AsyncPipeline(trainer, 1, RecordingWorker)
+        push = trainer.pipeline.push
+
+        def push_and_record(version):  # the trainer's gathered weights of each version it publishes
+            metrics = push(version)
+            copy = weight_push.unsharded_copy(trainer.parts.actor, trainer.parts.setup)
+            if copy is not None:
+                with open(os.path.join(out, f"trainer_v{version}.sha256"), "w") as file:
+                    file.write(weight_push.weights_checksum(copy))
+            return metrics
+
+        trainer.pipeline.push = push_and_record
+    trainer.train()
+
+
+def train_two_ranks(out, mode: str) -> list[dict]:
+    mp.start_processes(run_rank, args=(free_port(), str(out), mode), nprocs=2, join=True, start_method="fork")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_one_worker_beside_two_training_processes_equals_the_synchronous_two_process_run_bitwise(tmp_path):
+    synchronous = train_two_ranks(tmp_path / "sync", "sync")
+    through_pipeline = train_two_ranks(tmp_path / "k0", "k0")
+    assert [row["step"] for row in through_pipeline] == [1, 2, 3]
+    assert any(row["reward/mean"] > 0 for row in synchronous)  # something was learned from
+    expected = [{**row, "rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0}
+                for row in learning_metrics(synchronous)]
+    assert learning_metrics(through_pipeline) == expected
+
+
+def test_after_each_push_the_rollout_process_holds_the_trainers_gathered_weights(tmp_path):
+    history = train_two_ranks(tmp_path, "k1")
+    assert [row["rollout/staleness_max"] for row in history] == [0.0, 1.0, 1.0]
+    pushed = sorted(path.name for path in tmp_path.glob("worker_v*.sha256"))
+    assert pushed == ["worker_v1.sha256"]  # steps 1-3 need versions 0, 0, 1
+    for name in pushed:
+        version = name.removeprefix("worker_v").removesuffix(".sha256")
+        assert (tmp_path / name).read_text() == (tmp_path / f"trainer_v{version}.sha256").read_text()
+    assert (tmp_path / "trainer_v1.sha256").read_text() != (tmp_path / "trainer_v2.sha256").read_text()
+
+
+def test_several_training_processes_need_the_process_worker(tmp_path):
+    with pytest.raises(ConfigError, match="trainer.rollout_worker=process"):
+        make_trainer(str(tmp_path), trainer__max_staleness=1, trainer__rollout_worker="thread")
