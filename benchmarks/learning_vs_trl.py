@@ -156,7 +156,8 @@ def synchronize() -> None:
 def run_hybridrl(spec: dict) -> dict:
     """hybridrl's side, stepped here so the shared evaluator runs at the same points as on TRL's side. Optional spec
     keys (time_to_accuracy.py): `max_seconds` stops after that much training wall-clock, `target_accuracy` at the
-    first evaluation that reaches it; either way the last step is evaluated."""
+    first evaluation that reaches it; either way the last step is evaluated; `partial_path` gets the result so far
+    after each evaluation (a run cut short keeps its curve)."""
     torch.set_num_threads(spec["threads"])
     trainer = hybridrl_trainer(spec)
     model, tokenizer = trainer.parts.actor, trainer.parts.tokenizer
@@ -170,6 +171,13 @@ def run_hybridrl(spec: dict) -> dict:
                                                spec["temperature"], spec["seed"])
         print(f"hybridrl seed {spec['seed']} step {step} ({seconds:.1f} s): held-out accuracy {accuracy[step]:.3f} "
               f"{sampled.get(step, '')}", flush=True)
+        if spec.get("partial_path"):
+            Path(spec["partial_path"]).write_text(json.dumps(result()))
+
+    def result() -> dict:
+        return {"side": "hybridrl", "seed": spec["seed"], "accuracy": accuracy, "sampled": sampled,
+                "train_seconds": seconds, "reward_per_step": rewards, "seconds_at_eval": seconds_at_eval,
+                "step_seconds": step_seconds, "phase_seconds": phases}
 
     evaluate(0)
     for step in range(1, spec["steps"] + 1):
@@ -187,9 +195,7 @@ def run_hybridrl(spec: dict) -> dict:
                 break
     if spec.get("save_model"):
         save_hf_model(model, tokenizer, Path(spec["out_dir"]) / "model")
-    return {"side": "hybridrl", "seed": spec["seed"], "accuracy": accuracy, "sampled": sampled,
-            "train_seconds": seconds, "reward_per_step": rewards, "seconds_at_eval": seconds_at_eval,
-            "step_seconds": step_seconds, "phase_seconds": phases}
+    return result()
 
 
 def prepare(args: argparse.Namespace, out: Path) -> tuple[Path, dict[str, Path]]:

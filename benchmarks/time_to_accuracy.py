@@ -159,17 +159,23 @@ def sft(args: argparse.Namespace, data: dict[str, Path], init: Path, out: Path) 
 
 
 def run_side(side: str, spec: dict, out: Path, trl_python: str, timeout: float) -> dict:
-    """One side in its own process (learning_vs_trl.py's workers); a failure or a timeout becomes an `error`."""
-    result_path = out / f"{side}.json"
+    """One side in its own process (learning_vs_trl.py's workers); a failure or a timeout becomes an `error`, beside
+    the curve up to the worker's last evaluation."""
+    result_path, partial_path = out / f"{side}.json", out / f"{side}.partial.json"
+    for path in (result_path, partial_path):
+        path.unlink(missing_ok=True)
     threads = str(spec["threads"])
+    command = worker_command(side, {**spec, "partial_path": str(partial_path)}, result_path, trl_python)
     try:
-        done = subprocess.run(worker_command(side, spec, result_path, trl_python), cwd=ROOT, timeout=max(1, timeout),
+        done = subprocess.run(command, cwd=ROOT, timeout=max(1, timeout),
                               env={**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
+        error = f"exit status {done.returncode} (its output is above)" if done.returncode else None
     except subprocess.TimeoutExpired:
-        return {"side": side, "error": f"cut after {timeout:.0f} s (the run's --budget)"}
-    if done.returncode or not result_path.is_file():
-        return {"side": side, "error": f"exit status {done.returncode} (its output is above)"}
-    return json.loads(result_path.read_text())
+        error = f"cut after {timeout:.0f} s (the run's --budget)"
+    if error is None and result_path.is_file():
+        return json.loads(result_path.read_text())
+    partial = json.loads(partial_path.read_text()) if partial_path.is_file() else {}
+    return {**partial, "side": side, "error": error or "no result file"}
 
 
 def curve(result: dict, samples_per_step: int) -> list[tuple[int, int, float, float]]:

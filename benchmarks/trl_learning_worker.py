@@ -44,7 +44,8 @@ def synchronize() -> None:
 class Evaluate(TrainerCallback):
     """Held-out accuracy before the first step and every `eval_every` steps (and after the last); the training
     wall-clock counts the steps only, not these evaluations. With `max_seconds` in the spec (time_to_accuracy.py),
-    training stops after that much training wall-clock, the last step evaluated."""
+    training stops after that much training wall-clock, the last step evaluated; with `partial_path`, the result so
+    far is written there after each evaluation (a run cut short keeps its curve)."""
 
     def __init__(self, spec: dict, tokenizer, rows: list[dict]):
         self.spec, self.tokenizer, self.rows = spec, tokenizer, rows
@@ -63,6 +64,14 @@ class Evaluate(TrainerCallback):
                                                     self.spec["pass_k"], self.spec["temperature"], self.spec["seed"])
         print(f"trl seed {self.spec['seed']} step {step} ({self.train_seconds:.1f} s): held-out accuracy "
               f"{self.accuracy[step]:.3f} {self.sampled.get(step, '')}", flush=True)
+        if self.spec.get("partial_path"):
+            with open(self.spec["partial_path"], "w") as file:
+                json.dump(self.result(), file)
+
+    def result(self) -> dict:
+        return {"side": "trl", "seed": self.spec["seed"], "accuracy": self.accuracy, "sampled": self.sampled,
+                "train_seconds": self.train_seconds, "reward_per_step": self.rewards,
+                "seconds_at_eval": self.seconds_at_eval, "step_seconds": self.step_seconds}
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.evaluate(model, 0)
@@ -110,9 +119,7 @@ def run(spec: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     callback = Evaluate(spec, tokenizer, read_rows(spec["eval_path"])[:spec["max_eval_samples"]])
     grpo_trainer(spec, tokenizer, [callback]).train()
-    return {"side": "trl", "seed": spec["seed"], "accuracy": callback.accuracy, "sampled": callback.sampled,
-            "train_seconds": callback.train_seconds, "reward_per_step": callback.rewards,
-            "seconds_at_eval": callback.seconds_at_eval, "step_seconds": callback.step_seconds}
+    return callback.result()
 
 
 def step_check(spec: dict, batch_path: str) -> dict:

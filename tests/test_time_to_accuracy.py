@@ -84,3 +84,15 @@ def test_tiny_run_with_trl_gives_both_curves(tmp_path):
     assert list(report["phases"]) == ["model", "sft", "trl", "hybridrl", "summary"]
     assert set(report["phases"]["trl"]["accuracy"]) == {"0", "1", "2", "3"}
     assert "trl: 3 steps of 4 samples" in stdout and "median step: TRL / hybridrl" in stdout
+
+
+def test_a_worker_cut_by_the_budget_keeps_its_curve_up_to_its_last_evaluation(tmp_path, monkeypatch):
+    """run_side passes the worker a partial_path; a worker killed at its timeout leaves the curve it wrote there."""
+    def fake_worker(side, spec, out, trl_python):
+        partial = {"side": side, "accuracy": {"0": 0.25}, "seconds_at_eval": {"0": 0.0}, "step_seconds": []}
+        return [sys.executable, "-c", f"import json, time; open({spec['partial_path']!r}, 'w').write("
+                                      f"json.dumps({partial!r})); time.sleep(60)"]
+
+    monkeypatch.setattr(tta, "worker_command", fake_worker)
+    result = tta.run_side("trl", {"threads": 1}, tmp_path, "python", timeout=3)
+    assert result["error"] == "cut after 3 s (the run's --budget)" and result["accuracy"] == {"0": 0.25}
