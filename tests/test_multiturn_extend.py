@@ -11,7 +11,7 @@ import torch
 
 from hybridrl.rollout.engine import llama_forward
 from hybridrl.rollout.engine.llama_forward import EAGER_DECODE, extend, extend_reference, prefill, rope_table
-from hybridrl.rollout.engine.runner import resume_chunks
+from hybridrl.rollout.engine.resume import resume_chunks
 from hybridrl.rollout.engine.weights import resolve_weights
 from test_multiturn import assert_same_episodes, both, make_model
 
@@ -56,6 +56,17 @@ def real_positions(kv, contexts, slots, new):
     return [kv[:, :, s, :, :len(contexts[s]) + len(ids)] for s, ids in zip(slots, new)]
 
 
+def assert_extended_alike(got, want, kv, reference_kv, before, contexts, slots, new):
+    """Logits equal the reference's; the KV at every real position of the resumed slots too; every other slot is as
+    it was `before`."""
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for mine, theirs in zip(real_positions(kv, contexts, slots, new),
+                            real_positions(reference_kv, contexts, slots, new)):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
+    untouched = [s for s in range(kv.shape[2]) if s not in slots]
+    torch.testing.assert_close(kv[:, :, untouched], before[:, :, untouched], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_extend_equals_the_reference_and_a_full_forward(family, seed):
@@ -70,12 +81,7 @@ def test_extend_equals_the_reference_and_a_full_forward(family, seed):
     for bucket in (kv_end, min(MAX_LEN, kv_end + 17)):
         fast_kv = kv.clone()
         got = extend(w, fast_kv, cos, sin, input_ids, lengths, starts, slots_t, bucket)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-        for mine, theirs in zip(real_positions(fast_kv, contexts, slots, new),
-                                real_positions(reference_kv, contexts, slots, new)):
-            torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
-        untouched = [s for s in range(kv.shape[2]) if s not in slots]
-        torch.testing.assert_close(fast_kv[:, :, untouched], kv[:, :, untouched], atol=0, rtol=0)
+        assert_extended_alike(got, want, fast_kv, reference_kv, kv, contexts, slots, new)
     with torch.no_grad():
         for row, (slot, ids) in enumerate(zip(slots, new)):
             full = model(torch.tensor([contexts[slot] + ids])).logits[0, -1].float()

@@ -1,13 +1,15 @@
-"""CUDA graphs of the built-in engine's decode step, and the bookkeeping that decides when a step must be warmed up.
+"""CUDA graphs of the built-in engine's decode step (and of small observation prefills, `resume.py`), and the
+bookkeeping that decides when a step must be warmed up.
 
-A decode step is captured once per (batch bucket, key-length bucket) and replayed after that. Capturing records
-kernels without running them, so anything that is not ready by then fails inside the capture: a `torch.compile`d
+A decode step is captured once per (batch bucket, key-length bucket) and replayed after that; a small multi-turn resume
+wave once per (rows, ids, key length) bucket, its inputs copied into a static buffer kept here (`inputs`). Capturing
+records kernels without running them, so anything that is not ready by then fails inside the capture: a `torch.compile`d
 piece that has not compiled for these shapes and settings, a Triton kernel not yet built, cuBLAS choosing a new
-algorithm. So the first step of every new *signature* runs for real on a side stream first (the warm-up the CUDA
-graph docs ask for), and only then is captured. A signature is everything a compiled or Triton piece specialises
-on: the step's sizes, the shapes, strides and dtypes of every tensor it reads, and the sampler (its settings and
-whether the Triton sampling kernels run). Two calls with the same tensor shapes but a different sampler (a greedy
-call after a sampled one) are different signatures: without that, the new sampler compiled inside the capture.
+algorithm. So the first step of every new *signature* runs for real on a side stream first (the warm-up the CUDA graph
+docs ask for), and only then is captured. A signature is everything a compiled or Triton piece specialises on: the
+step's sizes, the shapes, strides and dtypes of every tensor it reads, and the sampler (its settings and whether the
+Triton sampling kernels run). Two calls with the same tensor shapes but a different sampler (a greedy call after a
+sampled one) are different signatures: without that, the new sampler compiled inside the capture.
 
 Graphs point at the tensors of one `generate` call (its KV cache, its per-slot state), so they are dropped when
 those are freed; the set of warmed signatures lives as long as the engine, so a later call of the same shapes and
@@ -52,10 +54,12 @@ class CaptureCounts:
 
 
 class DecodeGraphs:
-    """The captured decode steps of the current call, keyed by (batch, kv_len), and the signatures warmed so far."""
+    """The captured steps of the current call, keyed by (batch, kv_len) for decode and ("extend", rows, ids, kv_end)
+    for observation prefills, the static inputs of the latter (`inputs`), and the signatures warmed so far."""
 
     def __init__(self) -> None:
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self.inputs: dict[Hashable, object] = {}
         self.pool = None
         self.warmed: set[tuple] = set()
         # One warm-up and one capture stream for the engine's life: cuBLAS keeps a workspace per stream it has run
@@ -63,10 +67,11 @@ class DecodeGraphs:
         self._warmup_stream = self._capture_stream = None
 
     def drop(self) -> None:
-        """Forget the captured graphs (their tensors are freed or replaced); warmed signatures stay."""
-        self.graphs, self.pool = {}, None
+        """Forget the captured graphs and their static inputs (their tensors are freed or replaced); warmed signatures
+        stay."""
+        self.graphs, self.inputs, self.pool = {}, {}, None
 
-    def step(self, key: tuple[int, int], signature: Callable[[], tuple], run_step: Callable[[], None],
+    def step(self, key: Hashable, signature: Callable[[], tuple], run_step: Callable[[], None],
              counts: CaptureCounts, before_replay: Callable[[], None] = lambda: None) -> None:
         """Run one decode step of shape `key`: replay its graph, or warm up (if `signature()` is new) and capture
         it. A step that warmed up has run for real, so its graph is not replayed this time. `signature` is called
@@ -98,7 +103,7 @@ class DecodeGraphs:
             run_step()
         torch.cuda.current_stream().wait_stream(side)
 
-    def capture(self, key: tuple[int, int], run_step: Callable[[], None], synchronize: bool):
+    def capture(self, key: Hashable, run_step: Callable[[], None], synchronize: bool):
         """Record one decode step into a new graph on the engine's capture stream. Not `torch.cuda.graph`: it
         synchronizes, runs gc.collect and empties the allocator's cache on entry, which leaves an idle GPU every
         rollout. A signature warmed before (an earlier rollout) is captured without synchronizing: recording

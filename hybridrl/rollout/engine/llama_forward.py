@@ -23,8 +23,9 @@ prefix-shared kernel, which stores the new K/V itself. The caller's CUDA graph t
 compiled kernels included.
 
 `extend` (a multi-turn resume: new tokens onto a slot's per-slot cache) is split the same way, into two compiled
-pieces per layer around its KV write and read, with rows, length and key length dynamic; it runs uncaptured, since
-every resume wave brings new shapes. `extend_reference` is its slow, obviously right form.
+pieces per layer around its KV write and read, with rows, length and key length dynamic; `extend_hidden`, all of it but
+the LM head, is what `engine/resume.py` captures in a CUDA graph for small waves (padded to a few buckets); larger
+ones run uncaptured. `extend_reference` is its slow, obviously right form.
 """
 
 from __future__ import annotations
@@ -339,6 +340,18 @@ def extend(w: ModelWeights, kv_cache: torch.Tensor, cos_table: torch.Tensor, sin
 
     `access(positions, lengths)` -> (write(layer, kv), read(layer)) replaces those two indexing ops for another
     cache layout (the paged one: `PagedKVCache.extend_access`; `kv_cache` is then unused)."""
+    last = extend_hidden(w, kv_cache, cos_table, sin_table, input_ids, lengths, starts, slots, kv_end, functions,
+                         access)
+    return functions.final_logits(w, last, ()).float()
+
+
+def extend_hidden(w: ModelWeights, kv_cache: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                  input_ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
+                  kv_end: int, functions: DecodeFunctions = EAGER_DECODE,
+                  access: Callable | None = None) -> torch.Tensor:
+    """`extend` up to the last layer: the hidden state (P, hidden) at each row's last new id, before the final norm
+    and the LM head. Static shapes and no host synchronisation, so a CUDA graph can take it whole (`engine/resume.py`
+    captures it for small waves; the logits of the real rows are then computed outside the graph)."""
     num_rows, length = input_ids.shape
     if w.sliding_window is not None and kv_end > w.sliding_window:
         raise ValueError(f"an episode of {kv_end} tokens exceeds the model's sliding window {w.sliding_window}.")
@@ -353,8 +366,7 @@ def extend(w: ModelWeights, kv_cache: torch.Tensor, cos_table: torch.Tensor, sin
         q, kv = functions.extend_inputs(w, lw, h, cos, sin)
         write(layer_index, kv)
         h = functions.extend_attention_and_mlp(w, lw, h, q, read(layer_index), positions)
-    last = h[torch.arange(num_rows, device=h.device), lengths - 1]  # (P, hidden)
-    return functions.final_logits(w, last, ()).float()
+    return h[torch.arange(num_rows, device=h.device), lengths - 1]  # (P, hidden)
 
 
 def _per_slot_access(kv_cache: torch.Tensor, slots: torch.Tensor, kv_end: int, positions: torch.Tensor,

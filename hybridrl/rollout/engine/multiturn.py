@@ -39,11 +39,10 @@ Choices:
   whose context is prefilled again when they resume (`Scheduler._make_room`); a resume that still does not fit
   waits for the live ones to pause (with nothing live, every other episode can be evicted, and `begin` refused a
   pool smaller than one episode).
-- Each resumed turn draws its uniforms from a CPU generator seeded by (seed, episode, turn), so a seeded run gives
-  the same episodes whatever order the environments answer in (on a GPU not the draws a CUDA generator would make:
-  hundreds of CUDA generators per wave cost a launch each, on the host, while the device waits).
+- Each resumed turn's uniforms are a hash of (seed, episode, turn) (`resume.resume_uniforms`, on the device for a
+  whole wave), so a seeded run gives the same episodes whatever order the environments answer in.
 - The observations that are back at one point are prefilled together (padded, chunked by `max_prefill_tokens`, a
-  small last chunk joining the one before: `runner.resume_chunks`).
+  small last chunk joining the one before: `resume.resume_chunks`).
 """
 
 from __future__ import annotations
@@ -177,10 +176,8 @@ class EpisodeLoop:
             if sequence.needs_context:  # its blocks were taken while it was paused: from the prompt's end, or all
                 start = 0 if sequence.fills_entry else len(self.prompts[self.prompt_of[sequence.index]])
                 sequence.needs_context = False
-            fed = run.episode.token_ids[start:]
-            generator = torch.Generator()  # on the host: see `ModelRunner.extend`
-            generator.manual_seed(self.seed * _SEED_STRIDE + sequence.index * 1009 + run.episode.num_turns)
-            resumes.append((slot, fed, start, generator))
+            key = self.seed * _SEED_STRIDE + sequence.index * 1009 + run.episode.num_turns  # the turn's uniforms
+            resumes.append((slot, run.episode.token_ids[start:], start, key))
         self._apply_blocks(scheduler, preempted)
         if resumes:
             # Evicted episodes that took their prompt's blocks anew write its KV first: another sample of the prompt

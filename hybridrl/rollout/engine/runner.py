@@ -38,12 +38,12 @@ from hybridrl.rollout.engine.llama_forward import (
     EAGER_DECODE,
     DecodeFunctions,
     compiled_decode_functions,
-    extend,
     prefill,
     rope_table,
     rotates_projections,
 )
 from hybridrl.rollout.engine.preemption import KeptResponse, keep_sampled, refill
+from hybridrl.rollout.engine.resume import Resume, extend_resumes
 from hybridrl.rollout.engine.sampling import SamplerSettings, sample
 from hybridrl.rollout.engine.scheduler import Scheduler, SequenceSlot, prefill_chunks
 from hybridrl.rollout.engine.weights import MATRICES, ModelWeights, is_packed_4bit, resolve_weights
@@ -54,20 +54,6 @@ KV_LEN_BUCKET = 128
 """Per-slot decode attention reads keys up to the next multiple of this past the furthest live position."""
 CPU_MEMORY_REFERENCE_GIB = 4.0
 """On CPU a fractional `kv_cache_memory` is a fraction of this fixed size (free RAM is not a safe guide)."""
-
-
-def resume_chunks(lengths: list[int], budget: int) -> list[list[int]]:
-    """A wave of resumes (their lengths) in padded chunks of `budget` tokens, as `prefill_chunks` makes them, except
-    that the last two chunks are one when together they stay within 9/8 of the budget: an observation prefill costs
-    tens of milliseconds of host time whatever its rows (two compiled pieces and two indexing ops per layer to
-    launch), so a tail of a few rows costs as much as the hundreds before it (512 resumes of 33 ids: 16,896 tokens,
-    496 + 16 rows at the default 16,384)."""
-    chunks = prefill_chunks(lengths, list(range(len(lengths))), budget)
-    if len(chunks) > 1:
-        merged = chunks[-2] + chunks[-1]
-        if max(lengths[i] for i in merged) * len(merged) * 8 <= budget * 9:
-            chunks[-2:] = [merged]
-    return chunks
 
 
 @dataclass(frozen=True)
@@ -381,45 +367,11 @@ class ModelRunner:
         state.out_logprobs[slots_t, 0] = logprobs
         state.done[slots_t] = state.is_stop(tokens) | (state.max_new_tokens <= 1)
 
-    def extend(self, resumes: list[tuple[int, list[int], int, torch.Tensor]]) -> None:
-        """Multi-turn resumes, each (slot, ids, start, generator): feed `ids` at positions start.. onto the slot's
-        own KV (per-slot layout), which holds every earlier position, and draw the first token of the slot's next
-        turn from the last logits. Padded batches of `max_prefill_tokens` (`resume_chunks`); each turn's uniforms
-        come from its own `generator` (a CPU one, one per episode and turn, so results do not depend on the order in
-        which environments answer or on which resumes share a batch)."""
-        lengths = [len(ids) for _, ids, _, _ in resumes]
-        for chunk in resume_chunks(lengths, self.options.max_prefill_tokens):
-            self._extend_chunk([resumes[i] for i in chunk])
-            self.run.stats.prefill_tokens += sum(lengths[i] for i in chunk)
-        self.run.stats.observation_prefills += len(resumes)
-
-    def _extend_chunk(self, resumes: list[tuple[int, list[int], int, torch.Tensor]]) -> None:
-        run, state = self.run, self.run.state
-        device = state.done.device
-        width = max(len(ids) for _, ids, _, _ in resumes)
-        input_ids = torch.tensor([ids + [0] * (width - len(ids)) for _, ids, _, _ in resumes], dtype=torch.long)
-        index_lists = [[slot for slot, _, _, _ in resumes], [len(ids) for _, ids, _, _ in resumes],
-                       [start for _, _, start, _ in resumes]]
-        on_device = host_to_device(torch.tensor(index_lists, dtype=torch.long), device)
-        slots, lengths, starts = on_device
-        # Bucketed like decode's key length: keys past a row's own positions are masked anyway, and compiled
-        # `extend` pieces then meet a handful of key lengths over a run.
-        kv_end = self._key_bucket(max(start + len(ids) for _, ids, start, _ in resumes))
-        logits = extend(run.weights, getattr(run.cache, "kv", None), run.cos, run.sin,
-                        host_to_device(input_ids, device), lengths, starts, slots, kv_end, run.functions,
-                        access=run.cache.extend_access(slots, kv_end))
-        # Drawn on the host while the device runs the forward: the generators are CPU ones (a wave has hundreds,
-        # and a CUDA generator costs a launch per draw); one copy takes them over.
-        uniforms = host_to_device(torch.stack([torch.rand(state.max_new_tokens, generator=generator)
-                                               for _, _, _, generator in resumes]), device)
-        tokens, logprobs = sample(logits, run.settings, uniforms[:, 0])
-        state.uniform_table[slots] = uniforms
-        state.last_token[slots] = tokens
-        state.prompt_len[slots] = starts + lengths
-        state.gen_len.index_fill_(0, slots, 1)
-        state.out_tokens[slots, 0] = tokens
-        state.out_logprobs[slots, 0] = logprobs
-        state.done[slots] = state.is_stop(tokens) | (state.max_new_tokens <= 1)
+    def extend(self, resumes: list[Resume]) -> None:
+        """Multi-turn resumes, each (slot, ids, start, key): feed `ids` at positions start.. onto the slot's own KV,
+        which holds every earlier position, and draw the first token of the slot's next turn, from uniforms hashed
+        from `key` (`resume.py`: chunks, uniforms, CUDA graphs for small waves)."""
+        extend_resumes(self.run, resumes, self.options.max_prefill_tokens, self.graphs, self._key_bucket)
 
     def pause(self, slots: list[int]) -> None:
         """Mark paused slots finished on the device, so decode steps leave their state (and KV) alone."""
