@@ -226,7 +226,7 @@ def test_rollout_device_cpu_is_the_run_without_it_bitwise(tmp_path):
     (dict(trainer__rollout_device="cuda:7"), "is not a device this process can see"),
     (dict(trainer__rollout_device="gpu0"), "is not a device this process can see"),
     (dict(trainer__rollout_device="cpu", trainer__max_staleness=0), "trainer.max_staleness > 0"),
-    (dict(trainer__rollout_device="cpu", trainer__rollout_worker="process"), "rollout_worker=thread"),
+    (dict(trainer__rollout_device="cpu", trainer__device_mesh={"rollout": [1]}), "keep trainer.device_mesh.rollout"),
 ])
 def test_a_rollout_device_that_cannot_work_is_refused_in_one_sentence(tmp_path, overrides, words):
     settings = {"trainer__max_staleness": 1, **overrides}

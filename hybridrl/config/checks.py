@@ -180,15 +180,24 @@ def validate(config: Config) -> None:
 
 
 def validate_rollout_device(config: Config) -> None:
-    """`trainer.rollout_device`: the thread worker's device, which this process must see."""
+    """Where the asynchronous rollout worker runs: `trainer.device_mesh.rollout` (its indices are checked with the
+    other roles', `parallel/placement.py`) or `trainer.rollout_device` (a device name, `cpu` included), which this
+    process must see."""
     t = config.trainer
+    in_mesh = "rollout" in (t.device_mesh or {})
+    _require(not (in_mesh and t.rollout_device),
+             f"trainer.rollout_device={t.rollout_device!r} and trainer.device_mesh.rollout both place the rollout "
+             "worker; keep trainer.device_mesh.rollout and set trainer.rollout_device=\"\".")
+    _require(not in_mesh or t.max_staleness > 0,
+             "trainer.device_mesh.rollout gives generation a device of its own, which only the asynchronous pipeline "
+             "does (the synchronous loop generates with the actor's weights in place); set trainer.max_staleness > 0 "
+             "(e.g. 1) or remove trainer.device_mesh.rollout.")
     device = t.rollout_device
     if not device:
         return
-    _require(t.max_staleness > 0 and t.rollout_worker == "thread",
-             f"trainer.rollout_device={device!r} places the thread rollout worker, which runs only with "
-             f"trainer.max_staleness > 0 and trainer.rollout_worker=thread (got max_staleness={t.max_staleness}, "
-             f"rollout_worker={t.rollout_worker}); set those or trainer.rollout_device=\"\".")
+    _require(t.max_staleness > 0,
+             f"trainer.rollout_device={device!r} places the rollout worker, which runs only with trainer.max_staleness "
+             f"> 0 (got {t.max_staleness}); set trainer.max_staleness=1 or trainer.rollout_device=\"\".")
     try:
         parsed = torch.device(device)
     except RuntimeError:

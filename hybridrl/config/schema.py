@@ -426,7 +426,9 @@ class TrainerConfig:
     Ray cluster that RAY_ADDRESS names (`pip install 'hybridrl[ray]'`)."""
     device_mesh: dict[str, Any] = field(default_factory=dict)
     """CUDA devices per role, e.g. {actor: [0], reward: [1]}; roles not listed share the actor's devices, and
-    the actor defaults to devices 0..num_gpus-1. Checked by `placement.resolve_placement`."""
+    the actor defaults to devices 0..num_gpus-1. With max_staleness > 0, `rollout` gives the rollout worker a
+    device of its own: {actor: [0], rollout: [1]} trains on GPU 0 while GPU 1 generates (one device; not one of
+    the actor's, critic's or reference's). Checked by `placement.resolve_placement`."""
     fsdp_shard_size: int = 0
     """With several GPUs: how many share one copy of the weights and optimizer state. 0 shards over all of
     them (FSDP, least memory); 1 keeps a full copy on each (replicated, like DDP: no weight gathers before
@@ -451,10 +453,10 @@ class TrainerConfig:
     episodes need the thread; several training processes (trainer.num_gpus > 1) need the process, which makes
     each rank's share of the batch with that rank's seed and gets the weights gathered from their shards."""
     rollout_device: str = ""
-    """With max_staleness > 0 and rollout_worker=thread: where the worker's copy of the actor and its rollout
-    backend live, e.g. `cuda:0` while the trainer trains on `cuda:1` (rollout and training on two GPUs); each
-    pushed version is copied across into the copy's own tensors, and its batches come back to the trainer's
-    device. "" keeps the copy on the trainer's device."""
+    """With max_staleness > 0: the rollout worker's device by name (`cuda:1`, or `cpu`); `device_mesh.rollout` is
+    the usual way to say it (set one of the two). The worker's copy of the actor and its rollout backend live
+    there; each pushed version is copied across into the copy's own tensors, and its batches come back to the
+    trainer's device. "" keeps the copy on the trainer's device."""
     divergence_check: bool = True
     """Stop the run before its checkpoint when a step shows it blowing up (`training/divergence.py`): non-finite
     losses, gradient norms, entropy or weights, or one of the bounds below; nothing is saved over the last good step."""

@@ -1,4 +1,5 @@
-"""Where each role runs: `device_mesh` maps actor, critic, ref and reward to CUDA device indices.
+"""Where each role runs: `device_mesh` maps actor, critic, ref and reward (and the asynchronous pipeline's rollout
+worker) to CUDA device indices.
 
 Checked before any model loads (`resolve_placement`), with messages naming the key:
 - indices must be visible; the message lists the visible devices and `CUDA_VISIBLE_DEVICES`, which
@@ -15,6 +16,12 @@ Checked before any model loads (`resolve_placement`), with messages naming the k
   sharded with the actor, may have devices of their own only in a one-process run (the actor on one
   device). Separate process groups per role are not built.
 
+- `rollout` places the rollout worker of the asynchronous pipeline (`trainer.max_staleness` > 0): one device,
+  apart from the training processes' (e.g. {actor: [0], rollout: [1]}: generation on GPU 1 while GPU 0 trains),
+  or shared with the reward model's. Left out, the worker's copy of the actor lives on the trainer's device. The
+  synchronous loop generates with the actor's own weights, in place, so it has no rollout role (`config/checks.py`
+  refuses one there).
+
 Default: every role on the actor's devices, and the actor on devices 0..num_gpus-1.
 """
 
@@ -29,6 +36,7 @@ import torch
 from hybridrl.config.schema import ConfigError
 
 ROLES = ("actor", "critic", "ref", "reward")
+"""The roles of the training processes' models; `rollout` (the asynchronous worker's) is placed apart from them."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,8 @@ class Placement:
     critic: tuple[int, ...]
     ref: tuple[int, ...]
     reward: tuple[int, ...]
+    rollout: tuple[int, ...] = ()
+    """The asynchronous rollout worker's device; () when not given: the trainer's own."""
     device_type: str = "cuda"
 
     def device(self, role: str, local_rank: int = 0) -> torch.device:
@@ -82,9 +92,10 @@ def resolve_placement(device_mesh: Mapping[str, Any] | None, num_gpus: int = 1, 
     """Validate `device_mesh` (None or {} means colocated on devices 0..num_gpus-1) against the devices
     this process can see; `num_visible` defaults to `torch.cuda.device_count()`."""
     device_mesh = dict(device_mesh or {})
-    unknown = sorted(set(device_mesh) - set(ROLES))
+    unknown = sorted(set(device_mesh) - {*ROLES, "rollout"})
     if unknown:
-        raise ConfigError(f"trainer.device_mesh has unknown role {unknown[0]!r}; the roles are {', '.join(ROLES)}.")
+        raise ConfigError(f"trainer.device_mesh has unknown role {unknown[0]!r}; the roles are {', '.join(ROLES)} "
+                          "and rollout.")
     if device_type != "cuda":
         if device_mesh:
             raise ConfigError(f"trainer.device_mesh places roles on CUDA devices, but trainer.device is "
@@ -94,7 +105,8 @@ def resolve_placement(device_mesh: Mapping[str, Any] | None, num_gpus: int = 1, 
     groups = {role: _indices(role, device_mesh[role]) for role in ROLES if role in device_mesh}
     actor = groups.get("actor", tuple(range(num_gpus)))
     groups = {role: groups.get(role, actor) for role in ROLES}
-    for role, group in groups.items():
+    rollout = _indices("rollout", device_mesh["rollout"]) if "rollout" in device_mesh else ()
+    for role, group in {**groups, "rollout": rollout}.items():
         bad = [index for index in group if index >= visible]
         if bad:
             key = f"trainer.device_mesh.{role}" if role in device_mesh else (
@@ -106,7 +118,30 @@ def resolve_placement(device_mesh: Mapping[str, Any] | None, num_gpus: int = 1, 
                           f"{num_gpus}; the actor's devices are the training processes, so set trainer.num_gpus="
                           f"{len(actor)}.")
     _check_sharing(groups, device_mesh)
-    return Placement(**groups, device_type="cuda")
+    if rollout:
+        _check_rollout(rollout, groups)
+    return Placement(**groups, rollout=rollout, device_type="cuda")
+
+
+def _check_rollout(rollout: tuple[int, ...], groups: dict[str, tuple[int, ...]]) -> None:
+    if len(rollout) != 1:
+        raise ConfigError(f"trainer.device_mesh.rollout lists {len(rollout)} devices {list(rollout)}; the rollout "
+                          "worker runs on one device. List one index, e.g. rollout: [1].")
+    for role in ("actor", "critic", "ref"):
+        if set(rollout) & set(groups[role]):
+            raise ConfigError(f"trainer.device_mesh.rollout={list(rollout)} shares a device with {role}="
+                              f"{list(groups[role])}; the rollout worker keeps a copy of the actor and generates "
+                              "while the training processes update, so give it a device of its own (or leave "
+                              "rollout out to keep the copy on the trainer's device).")
+
+
+def rollout_device(device_mesh: Mapping[str, Any] | None) -> str:
+    """`trainer.device_mesh.rollout` as a device name ("cuda:1"), or "" when it is not given (checked by
+    `resolve_placement`)."""
+    index = (device_mesh or {}).get("rollout")
+    if index is None:
+        return ""
+    return f"cuda:{index[0] if isinstance(index, (list, tuple)) else index}"
 
 
 def _check_sharing(groups: dict[str, tuple[int, ...]], given: Mapping[str, Any]) -> None:

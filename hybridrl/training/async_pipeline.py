@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 from hybridrl.envs.base import EnvironmentCodeError
-from hybridrl.parallel import sharding
+from hybridrl.parallel import placement, sharding
 from hybridrl.parallel.process_group import DistributedSetup, broadcast_object
 from hybridrl.parallel.weight_push import full_weights, unsharded_copy
 from hybridrl.rewards import RewardError
@@ -299,9 +299,11 @@ def score_batch(trainer: Any, step: int, version: int, indices: list[int], sampl
 
 
 def rollout_device(trainer: Any) -> torch.device:
-    """Where the thread worker's copy of the actor lives: `trainer.rollout_device`, or the trainer's own device;
-    a bare "cuda" gets the current GPU's index (the worker thread sets its current device from it)."""
-    device = torch.device(trainer.config.trainer.rollout_device or trainer.parts.device)
+    """Where the worker's copy of the actor lives: `trainer.device_mesh.rollout`, `trainer.rollout_device`, or the
+    trainer's own device; a bare "cuda" gets the current GPU's index (the worker thread sets its current device
+    from it)."""
+    t = trainer.config.trainer
+    device = torch.device(placement.rollout_device(t.device_mesh) or t.rollout_device or trainer.parts.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
