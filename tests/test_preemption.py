@@ -63,3 +63,22 @@ def test_preempted_first_turns_continue_after_their_kept_tokens_in_multiturn_epi
     assert_same_episodes(found["paged"], found["per_slot"])
     assert refilled and any(sequence.kept > 1 for sequence in refilled)
     assert engine.last_stats["decoded_tokens"] > 0 and engine.last_stats["refilled_tokens"] > 0
+
+
+def test_forced_lengths_survive_preemption():
+    """Forced response lengths (noticed at the syncs, as benchmarks force them) in a pool of 12 blocks of 4: sequences
+    are preempted and re-admitted, every response still has its length, and tokens and log-probs equal the contiguous
+    cache's."""
+    from test_paged_kv import assert_same_generations
+
+    model = make_model("qwen2", seed=3)
+    prompts = [[i + 1, 2 * i + 3, 5][: 1 + i % 3] for i in range(6)]
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, n=2, seed=3, ignore_eos=True)
+    lengths = [16, 3, 9, 14, 1, 16, 7, 12, 5, 16, 10, 2]
+    contiguous = BuiltinBackend(model, sync_every=3).generate(prompts, params, response_lengths=lengths)
+    engine = BuiltinBackend(model, kv_cache="paged", kv_block_size=4, sync_every=3,
+                            kv_cache_memory=memory_for_blocks(model, 12, 4))
+    paged = engine.generate(prompts, params, response_lengths=lengths)
+    assert [len(g.token_ids) for g in paged] == lengths
+    assert_same_generations(paged, contiguous)
+    assert engine.last_stats["preemptions"] > 0
