@@ -29,13 +29,14 @@ import torch
 
 from benchmarks import multiturn as bench
 from hybridrl.rollout.engine import backend as backend_module
-from hybridrl.rollout.engine import runner as runner_module
+from hybridrl.rollout.engine import resume as resume_module
 from hybridrl.rollout.engine.backend import BuiltinBackend
 
 RUNNER_PHASES = ("prefill", "extend", "decode")
 FORWARD = "extend forward"
-"""`llama_forward.extend` alone, inside the runner's `extend` (whose rest is sampling and bookkeeping): its host
-and GPU milliseconds side by side say whether the observation prefill is bound by the host's launches."""
+"""The observation prefill's forward alone (`resume.forward`, or `resume.replay` for a small wave's CUDA graph), inside
+the runner's `extend` (whose rest is sampling and bookkeeping): its host and GPU milliseconds side by side say whether
+it is bound by the host's launches."""
 LOOP_PHASES = ("_harvest", "_collect", "_resume")
 
 
@@ -116,8 +117,7 @@ def instrument(engine: BuiltinBackend, recorder: Recorder, loops: list[type]) ->
     runner = engine.runner
     runner.decode = recorder.timed("decode", runner.decode, lambda b, k, s: dict(batch=b, kv_len=k, steps=s))
     runner.extend = recorder.timed("extend", runner.extend, lambda r: dict(rows=len(r)))
-    runner_module.extend = recorder.timed(FORWARD, runner_module.extend, lambda w, kv, c, s, ids, *rest: dict(
-        rows=ids.shape[0], length=ids.shape[1], kv_end=rest[-2]))
+    instrument_forwards(lambda function, name: recorder.timed(name, function, describe_forward))
     runner.prefill = recorder.timed("prefill", runner.prefill, lambda p, a: dict(rows=len(a)))
     runner.graphs.capture = recorder.timed("capture", runner.graphs.capture)
     for loop in loops:
@@ -132,13 +132,41 @@ def load_loop(path: str) -> type:
     return module.EpisodeLoop
 
 
+def parse_and_set_up(parser: argparse.ArgumentParser, fixed: list[str] = ()) -> tuple:
+    """This script's own flags (`parser`, with --loop added), the benchmark's from the rest (after `fixed`), its
+    device, model, prompts and engine, and the episode loops to run: the engine's own, and with --loop another
+    file's (in alternation, so that both share the process, the machine's load and the GPU's clocks)."""
+    parser.add_argument("--loop", help="a file whose EpisodeLoop runs in alternation with the engine's own (before "
+                                       "and after a change)")
+    own, rest = parser.parse_known_args()
+    args = bench.parse_args([*fixed, *rest])
+    device, model, prompts, engine = bench.set_up(args)
+    loops = {"engine loop": backend_module.EpisodeLoop}
+    if own.loop:
+        loops["--loop"] = load_loop(own.loop)
+    return own, args, device, model, prompts, engine, loops
+
+
+def describe_forward(run, batch, kv_end, *rest) -> dict:
+    """What the trace records of an observation prefill's forward (`resume.forward`, or `resume.replay` of a graph)."""
+    rows, length = batch.input_ids.shape
+    return dict(rows=rows, length=length, kv_end=kv_end, graph=bool(rest))
+
+
+def instrument_forwards(wrap) -> None:
+    """`wrap(function, name)` around the observation prefill's forward, uncaptured and replayed (the rest of the
+    runner's `extend` is sampling and bookkeeping)."""
+    resume_module.forward = wrap(resume_module.forward, FORWARD)
+    resume_module.replay = wrap(resume_module.replay, FORWARD)
+
+
 def summary_line(name: str, run: dict, report: dict) -> str:
     stats = run["stats"]
     keys = ("decode_steps", "decode_blocks", "resume_waves", "observation_prefills", "prefill_tokens", "idle_s")
     counts = ", ".join(f"{k} {stats.get(k)}" for k in keys if k in stats)
     gpu = ", ".join(f"{k} {v:.3f}" for k, v in report["gpu_s"].items())
-    forwards = [f"{c['rows']}x{c['length']} (kv {c['kv_end']}): host {c['host_call_ms']:.1f} GPU {c['gpu_ms']:.1f}"
-                for c in report["calls"] if c["name"] == FORWARD]
+    forwards = [f"{c['rows']}x{c['length']} (kv {c['kv_end']}{', graph' if c['graph'] else ''}): host "
+                f"{c['host_call_ms']:.1f} GPU {c['gpu_ms']:.1f}" for c in report["calls"] if c["name"] == FORWARD]
     return (f"{name}: wall {report['wall_s']:.3f} s ({run['tokens_per_s']:,.0f} tok/s); GPU busy: {gpu}; GPU waiting "
             f"{report['gpu_waiting_s']:.3f} s; {counts}\n    host s {report['host_s']}\n    ms/step by batch x "
             f"kv_len {report['ms_per_step']}\n    full GC: {report['gc_full_collections']} collections, "
@@ -147,13 +175,7 @@ def summary_line(name: str, run: dict, report: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--loop", help="a file whose EpisodeLoop runs in alternation with the engine's own")
-    own, rest = parser.parse_known_args()
-    args = bench.parse_args(rest)
-    device, model, prompts, engine = bench.set_up(args)
-    loops = {"engine loop": backend_module.EpisodeLoop}
-    if own.loop:
-        loops["--loop"] = load_loop(own.loop)
+    own, args, device, model, prompts, engine, loops = parse_and_set_up(parser)
     recorder = Recorder()
     instrument(engine, recorder, list(loops.values()))
     reports = []  # the trace of each timed run; the last one of each call is kept

@@ -25,9 +25,8 @@ import pstats
 import time
 
 from benchmarks import multiturn as bench
-from benchmarks.profiling.multiturn_trace import load_loop
+from benchmarks.profiling.multiturn_trace import instrument_forwards, parse_and_set_up
 from hybridrl.rollout.engine import backend as backend_module
-from hybridrl.rollout.engine import runner as runner_module
 from hybridrl.rollout.engine.runner import ModelRunner
 from hybridrl.rollout.engine.scheduler import Scheduler
 from hybridrl.rollout.multiturn import EpisodeRun
@@ -37,7 +36,8 @@ PARTS = ((ModelRunner, "read_progress"), (ModelRunner, "read_outputs"), (ModelRu
          (Scheduler, "harvest"), (Scheduler, "resume"), (EpisodeRun, "add_turn"), (EpisodeRun, "add_step"))
 """What the boundary phases call, timed inside them (indented in the table)."""
 FORWARD = "extend forward"
-"""`llama_forward.extend` inside the runner's `extend`: the model's work, taken out of the boundary's host time."""
+"""The observation prefill's forward inside the runner's `extend` (`multiturn_trace.instrument_forwards`): the model's
+work, taken out of the boundary's host time."""
 
 
 class Phases:
@@ -88,7 +88,7 @@ def instrument(engine, phases: Phases, loops: list[type]) -> None:
             setattr(loop, name, phases.timed(getattr(loop, name), name))
     engine.runner.extend = phases.timed(engine.runner.extend, "runner.extend")
     engine.runner.decode = phases.timed(engine.runner.decode, "runner.decode")
-    runner_module.extend = phases.timed(runner_module.extend, FORWARD)
+    instrument_forwards(phases.timed)
     for owner, name in PARTS:
         setattr(owner, name, phases.timed(getattr(owner, name), f"  {owner.__name__}.{name}"))
 
@@ -105,15 +105,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--loop", help="a file whose EpisodeLoop runs in alternation with the engine's own (before "
-                                       "and after a change)")
-    own, rest = parser.parse_known_args()
-    args = bench.parse_args(["--tiny", *rest])
-    args.repeats = 1
-    _, _, prompts, engine = bench.set_up(args)
-    loops = {"engine loop": backend_module.EpisodeLoop}
-    if own.loop:
-        loops["--loop"] = load_loop(own.loop)
+    own, args, _, _, prompts, engine, loops = parse_and_set_up(parser, ["--tiny", "--repeats", "1"])
     phases = Phases()
     instrument(engine, phases, list(loops.values()))
     best: dict[str, tuple[float, dict]] = {}
