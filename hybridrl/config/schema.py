@@ -115,8 +115,8 @@ class EngineConfig:
     memory, the others are dequantized as they run; false keeps the rollout's memory at the 4-bit size."""
     kv_cache: Literal["auto", "paged", "contiguous"] = "auto"
     """KV cache layout. `paged`: fixed-size blocks that sequences take as they grow and give back as they finish
-    (prompt blocks shared by the samples; sequences are admitted by free blocks, and the youngest are preempted and
-    recomputed when blocks run out), so uneven response lengths fit many more sequences in `rollout.kv_cache_memory`;
+    (prompt blocks shared by the samples; sequences are admitted by free blocks, and the youngest are preempted when
+    blocks run out: they keep their tokens, and their context is prefilled again when re-admitted), so uneven response lengths fit many more sequences in `rollout.kv_cache_memory`;
     `contiguous`: room for the longest response in every slot; `auto`: contiguous (see docs/rollout.md)."""
     kv_block_size: int = 64
     """Tokens per block of the paged KV cache."""
@@ -457,6 +457,12 @@ class TrainerConfig:
     the usual way to say it (set one of the two). The worker's copy of the actor and its rollout backend live
     there; each pushed version is copied across into the copy's own tensors, and its batches come back to the
     trainer's device. "" keeps the copy on the trainer's device."""
+    partial_rollout: Literal["off", "continue", "requeue"] = "off"
+    """With max_staleness > 0 and the thread worker: what a batch in flight does when the trainer publishes newer
+    weights. `off`: finishes with the version it started with. `continue`: its sequences go on under the new weights
+    (each token records its version, `rollout/staleness_token_mean`); `requeue`: its unfinished sequences are cut
+    and generated again from their prompts. Either generates in 4 segments per response to take weights over
+    between them (`training/partial_rollout.py`); runs are then not bitwise reproducible."""
     divergence_check: bool = True
     """Stop the run before its checkpoint when a step shows it blowing up (`training/divergence.py`): non-finite
     losses, gradient norms, entropy or weights, or one of the bounds below; nothing is saved over the last good step."""
