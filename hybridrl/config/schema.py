@@ -116,8 +116,9 @@ class EngineConfig:
     kv_cache: Literal["auto", "paged", "contiguous"] = "auto"
     """KV cache layout. `paged`: fixed-size blocks that sequences take as they grow and give back as they finish
     (prompt blocks shared by the samples; sequences are admitted by free blocks, and the youngest are preempted when
-    blocks run out: they keep their tokens, and their context is prefilled again when re-admitted), so uneven response lengths fit many more sequences in `rollout.kv_cache_memory`;
-    `contiguous`: room for the longest response in every slot; `auto`: contiguous (see docs/rollout.md)."""
+    blocks run out: they keep their tokens, and their context is prefilled again when re-admitted), so uneven
+    response lengths fit many more sequences in `rollout.kv_cache_memory`; `contiguous`: room for the longest
+    response in every slot; `auto`: contiguous (see docs/rollout.md)."""
     kv_block_size: int = 64
     """Tokens per block of the paged KV cache."""
 
