@@ -5,14 +5,14 @@
     python -m benchmarks.long_tail --shape grpo-0.5b --prompt-len 256 --median 256 --sigma 0 --cap 256 \
         --kv-cache-memory 3.2 --repeats 3                  # the grpo-0.5b rollout (every response 256 tokens)
 
-The model is (`--shape 1.5b`, the default) Qwen2.5-1.5B-shaped (hidden 1536, intermediate 8960, 28 layers, 12 heads, 2 KV heads, vocab 151936,
-tied embeddings), random init, bf16. Each of the 512 responses gets its own length, drawn once (seeded) from a
-log-normal with median `--median` (1,024) and shape `--sigma` (1.0), clipped to [`--min-len`, `--cap`] (8,192),
-and is forced to exactly that length (`ignore_eos` + `generate(response_lengths=)`), sampled at temperature 1.
-That is the shape of reasoning RL: most responses around a thousand tokens, a few running to the cap.
-`--shape grpo-0.5b` is the reference benchmark's model (Qwen2-0.5B-shaped, `benchmarks/rollout.py`); with
-`--sigma 0` every response is `--median` tokens long, so the line above times the grpo-0.5b rollout on both layouts
-(its KV budget, 3.2 GiB, is the GRPO step's: `benchmarks/grpo_step.py`).
+The model is (`--shape 1.5b`, the default) Qwen2.5-1.5B-shaped (hidden 1536, intermediate 8960, 28 layers, 12 heads,
+2 KV heads, vocab 151936, tied embeddings), random init, bf16. Each of the 512 responses gets its own length, drawn
+once (seeded) from a log-normal with median `--median` (1,024) and shape `--sigma` (1.0), clipped to [`--min-len`,
+`--cap`] (8,192), and is forced to exactly that length (`ignore_eos` + `generate(response_lengths=)`), sampled at
+temperature 1. That is the shape of reasoning RL: most responses around a thousand tokens, a few running to the cap.
+`--shape grpo-0.5b` is the reference benchmark's model (Qwen2-0.5B-shaped, `benchmarks/rollout.py`); with `--sigma
+0` every response is `--median` tokens long, so the line above times the grpo-0.5b rollout on both layouts (its KV
+budget, 3.2 GiB, is the GRPO step's: `benchmarks/grpo_step.py`).
 
 Both layouts get the same KV budget (`--kv-cache-memory`, a fraction of free GPU memory) and the engine's other
 defaults (compiled, CUDA graphs, prefix-shared Triton attention for `contiguous`, which is today's GPU default).
@@ -226,9 +226,9 @@ def run(args) -> dict:
 def print_table(result: dict) -> None:
     lengths, bound = result["lengths"], result["floor"]
     shape = "tiny" if result["args"]["tiny"] else result["args"]["shape"]
-    print(f"\nlong-tail ({shape} shape) on {result['device']}: {result['args']['prompts']} prompts x {result['args']['n']}, prompt "
-          f"{result['args']['prompt_len']}; response lengths median {lengths['median']:.0f}, mean {lengths['mean']:.0f}, "
-          f"max {lengths['max']} ({lengths['at_cap']} at the cap), {lengths['total']:,} tokens")
+    print(f"\nlong-tail ({shape} shape) on {result['device']}: {result['args']['prompts']} prompts x "
+          f"{result['args']['n']}, prompt {result['args']['prompt_len']}; response lengths median "
+          f"{lengths['median']:.0f}, mean {lengths['mean']:.0f}, max {lengths['max']} ({lengths['at_cap']} at the cap), {lengths['total']:,} tokens")
     header = ("layout", "seconds", "tokens/s", "% of floor", "peak GiB", "slots", "blocks peak/all", "preempted",
               "GPU busy % by quarter")
     rows = [header]

@@ -199,9 +199,9 @@ class Scheduler:
         """Preempt the youngest of `queue` (live, younger than `sequence`) in their first turn until the blocks of
         `sequence`'s next window are free; then `sequence` itself if it is in its first turn; past it, evict paused
         episodes, youngest first (`_evict`). A live sequence past its first turn is never taken (a re-admission
-        prefills a prompt and kept tokens, not the earlier turns and observations). `rows`: the response rows wanted (default:
-        the next window's), and `extra` blocks besides. Returns whether they are free now (False: `sequence` was
-        preempted, or it is past its first turn and must wait)."""
+        prefills a prompt and kept tokens, not the earlier turns and observations). `rows`: the response rows wanted
+        (default: the next window's), and `extra` blocks besides. Returns whether they are free now (False:
+        `sequence` was preempted, or it is past its first turn and must wait)."""
         need = extra + self.blocks.response_cost(sequence.index, self._window_rows(sequence) if rows is None else rows)
         # The common case, checked before the scan below: `reserve` asks for every live sequence at every sync, and
         # a scan each made that quadratic (128 ms per 512 x 256-token rollout on the CPU).
