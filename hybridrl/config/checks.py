@@ -153,6 +153,7 @@ def validate(config: Config) -> None:
              "(trainer.rollout_worker=process) does not do; set trainer.rollout_worker=thread, "
              "algorithm.dynamic_sampling=false or trainer.max_staleness=0.")
     validate_rollout_device(config)
+    validate_partial_rollout(config)
     _require(mini % t.num_gpus == 0,
              f"trainer.num_gpus={t.num_gpus} must divide actor.mini_batch_size={mini} (each process takes an equal "
              "share of every mini-batch); change actor.mini_batch_size or trainer.prompts_per_step.")
@@ -207,6 +208,22 @@ def validate_rollout_device(config: Config) -> None:
              f"trainer.rollout_device={device!r} is not a device this process can see ({visible} CUDA device(s) "
              f"visible, CUDA_VISIBLE_DEVICES renumbers them); use cpu or cuda:N with N below {visible}, or \"\" "
              "for the trainer's device.")
+
+
+def validate_partial_rollout(config: Config) -> None:
+    """`trainer.partial_rollout`: built for the thread worker's single-turn, one-round batches."""
+    t = config.trainer
+    if t.partial_rollout == "off":
+        return
+    key = f"trainer.partial_rollout={t.partial_rollout}"
+    _require(t.max_staleness > 0, f"{key} takes newer weights over in the middle of a batch, which only happens with "
+             "trainer.max_staleness > 0; set trainer.max_staleness=1 or trainer.partial_rollout=off.")
+    problems = {"trainer.rollout_worker=process": t.rollout_worker == "process",
+                "env: episodes": config.env.enabled, "algorithm.dynamic_sampling": config.algorithm.dynamic_sampling,
+                "rollout.stop_strings (a stop string may span two segments)": bool(config.rollout.stop_strings)}
+    for what, present in problems.items():
+        _require(not present, f"{key} is built for the thread worker's single-turn batches, not with {what}; set "
+                 "trainer.partial_rollout=off or leave that setting out.")
 
 
 def validate_4bit(config: Config) -> None:

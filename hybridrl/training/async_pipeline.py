@@ -9,9 +9,10 @@ With k = 0 the trainer's own synchronous loop runs and this module is not used. 
   instead of stopping it. The trainer meanwhile computes log-probs, advantages and the update of an earlier step.
 - **Versions.** Version v is the policy after v optimizer updates. The batch of step b is always generated with
   version `max(0, b - 1 - k)`: exactly k versions behind the trainer that consumes it (k = 0 is on-policy), a
-  fixed schedule rather than "whatever was newest", so a run is reproducible and resumes exactly. Weights do
-  not change under a running sequence (no partial rollouts), so every sequence has one version; the batch
-  carries it per sequence (`Trajectories.versions`, (B,)) for the metrics and for a later per-token scheme.
+  fixed schedule rather than "whatever was newest", so a run is reproducible and resumes exactly. By default
+  weights do not change under a running sequence, so every sequence has one version (`Trajectories.versions`,
+  (B,)); with `trainer.partial_rollout` the thread worker takes newer published weights over between segments of
+  a batch and records each token's version (`partial_rollout.py`; no longer bitwise reproducible).
 - **The bound.** The worker waits for the version its next batch needs (pushed by the trainer after its update),
   so it runs at most k + 1 batches ahead; the trainer takes batches in step order and refuses one whose lag
   (its version - the batch's) is above k.
@@ -45,8 +46,7 @@ With k = 0 the trainer's own synchronous loop runs and this module is not used. 
   the trainer's), and with `env:` it generates multi-turn episodes through the run's `EpisodeRollout`.
 
 Where the worker runs: here, a thread (`RolloutWorker`); `rollout_process.py` puts the same schedule in a process of
-its own (single-turn, one round). Not built: partial rollouts (sequences that continue under new weights), which
-this schedule does not need: weights change only between batches.
+its own (single-turn, one round), beside one or several training processes.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -69,6 +68,8 @@ from hybridrl.rollout.base import SamplingParams
 from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_responses
 from hybridrl.training.components import build_rollout
 from hybridrl.training.dynamic_sampling import keep_informative
+from hybridrl.training.partial_rollout import generate_in_segments, token_versions_tensor
+from hybridrl.training.trajectories import Trajectories, staleness_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -85,71 +86,6 @@ GENERATE_LOCK = threading.RLock()
 def needed_version(step: int, max_staleness: int) -> int:
     """The policy version that generates the batch of `step` (1-based): k versions behind its consumer."""
     return max(0, step - 1 - max_staleness)
-
-
-def staleness_metrics(versions: torch.Tensor, trainer_version: int) -> dict[str, float]:
-    """Lag of each sequence behind the weights that train on it (versions, (B,))."""
-    lag = (trainer_version - versions).float()
-    return {"rollout/staleness_mean": lag.mean().item(), "rollout/staleness_max": lag.max().item()}
-
-
-@dataclass
-class Trajectories:
-    """One step's scored rollout, as the worker hands it to the trainer."""
-
-    step: int
-    """The trainer step that consumes it."""
-    versions: torch.Tensor
-    """(B,) policy version that sampled each sequence."""
-    indices: list[int]
-    """The prompts' positions in the training data set."""
-    batch: RolloutBatch
-    """On the CPU, with `scores`, `texts` and the behaviour log-probs (`sampler_logp`)."""
-    reward_metrics: dict[str, float]
-    sampler_state: dict[str, int]
-    """The data sampler's position after these prompts were drawn."""
-    generate_s: float = 0.0
-    reward_s: float = 0.0
-    rollout_metrics: dict[str, float] = field(default_factory=dict)
-    """Multi-turn episodes' `rollout/*` metrics (turns, tool calls, ...) and dynamic sampling's counts."""
-    samples: list[list] = field(default_factory=list)
-    """[prompts, completions, rewards] to show with the step that trains on the batch (`logging.num_samples_to_print`
-    of them), not with whichever step the trainer is in when the worker scores it."""
-
-    def to_json(self) -> dict[str, Any]:
-        """Plain JSON (floats round-trip exactly through Python's float repr)."""
-        batch = {}
-        for f in fields(self.batch):
-            value = getattr(self.batch, f.name)
-            if isinstance(value, torch.Tensor):
-                batch[f.name] = {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
-                                 "values": value.flatten().tolist()}
-            elif f.name == "sampling":
-                batch[f.name] = asdict(value)
-            elif value is not None:
-                batch[f.name] = value
-        return {"step": self.step, "versions": self.versions.tolist(), "indices": self.indices, "batch": batch,
-                "reward_metrics": {key: float(value) for key, value in self.reward_metrics.items()},
-                "rollout_metrics": {key: float(value) for key, value in self.rollout_metrics.items()},
-                "samples": self.samples, "sampler_state": self.sampler_state}
-
-    @classmethod
-    def from_json(cls, record: dict[str, Any]) -> Trajectories:
-        values: dict[str, Any] = {}
-        for name, value in record["batch"].items():
-            if name == "sampling":
-                values[name] = SamplingParams(**value)
-            elif name == "columns":  # episodes' trajectory columns: plain JSON already
-                values[name] = value
-            elif isinstance(value, dict):
-                dtype = getattr(torch, value["dtype"])
-                values[name] = torch.tensor(value["values"], dtype=dtype).reshape(value["shape"])
-            else:
-                values[name] = value
-        return cls(step=record["step"], versions=torch.tensor(record["versions"]), indices=record["indices"],
-                   batch=RolloutBatch(**values), reward_metrics=record["reward_metrics"],
-                   sampler_state=record["sampler_state"], rollout_metrics=record.get("rollout_metrics", {}),
-                   samples=record.get("samples", []))
 
 
 class WorkerStopped(Exception):
@@ -207,6 +143,17 @@ class WeightMailbox:
             for older in [v for v in self.published if v < version]:
                 del self.published[older]
             return self.published.pop(version)
+
+    def newest(self, after: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest published version above `after` (it and older ones leave the box), or None: without waiting."""
+        with self.condition:
+            newer = [version for version in self.published if version > after]
+            if not newer:
+                return None
+            version = max(newer)
+            for older in [v for v in self.published if v < version]:
+                del self.published[older]
+            return version, self.published.pop(version)
 
     def close(self) -> None:
         with self.condition:
@@ -269,7 +216,7 @@ def generate_batch(backend: Any, parts: Any, prompt_ids: list[list[int]], params
                    num_ranks: int = 1) -> RolloutBatch:
     """One step's responses as a batch on the CPU, with their texts: what `RLTrainer.rollout` builds on `num_ranks`
     training processes (each rank's share of the prompts with that rank's seed, `sharding.rank_share`)."""
-    generations = []
+    generations: list[Any] = []
     for rank in range(num_ranks):
         start, stop, share_params = sharding.rank_share(len(prompt_ids), params, rank, num_ranks)
         share = sharding.generate_sharded(backend, prompt_ids[start:stop], share_params, DistributedSetup(),
@@ -278,6 +225,12 @@ def generate_batch(backend: Any, parts: Any, prompt_ids: list[list[int]], params
         for generation in share:
             generation.prompt_index += start
         generations += share
+    return batch_of(backend, parts, prompt_ids, generations, params)
+
+
+def batch_of(backend: Any, parts: Any, prompt_ids: list[list[int]], generations: list[Any],
+             params: SamplingParams) -> RolloutBatch:
+    """Generations (with their texts) as a batch on the CPU, after the backend has freed its cache."""
     backend.release_memory()
     batch = build_rollout_batch(prompt_ids, generations, parts.pad_token_id, params.max_new_tokens, sampling=params)
     batch.texts = [generation.text for generation in generations]
@@ -326,6 +279,7 @@ class RolloutWorker(threading.Thread, BatchQueue):
         self.trainer, self.max_staleness = trainer, max_staleness
         self.first_step, self.last_step, self.version = first_step, last_step, version
         self.mailbox, self.lock, self.stopped = mailbox, lock, threading.Event()
+        self.partial = trainer.config.trainer.partial_rollout
         parts = trainer.parts
         self.device = rollout_device(trainer)
         self.model = model.to(self.device)  # a copy of version `version`: the trainer's weights now
@@ -388,7 +342,9 @@ class RolloutWorker(threading.Thread, BatchQueue):
             batch, counts = keep_informative(batch, next_round, config.trainer.prompts_per_step,
                                              config.algorithm.dynamic_sampling_max_rounds, trainer.parts.pad_token_id)
         first = rounds[0]  # `reward/*` and the episodes' metrics: the first round's, as in the trainer's step
-        return Trajectories(step=step, versions=torch.full((len(batch),), self.version),
+        whole = batch is first.batch  # one round, as made (partial rollouts: the version may change within it)
+        return Trajectories(step=step, versions=first.versions if whole else torch.full((len(batch),), self.version),
+                            token_versions=first.token_versions if whole else None,
                             indices=[index for item in rounds for index in item.indices], batch=batch,
                             reward_metrics=first.reward_metrics, sampler_state=rounds[-1].sampler_state,
                             generate_s=sum(item.generate_s for item in rounds),
@@ -404,14 +360,39 @@ class RolloutWorker(threading.Thread, BatchQueue):
         prompts = trainer.parts.dataset.batch(indices)
         params = trainer.sampling_params(step=step, generation_round=generation_round)
         start = time.perf_counter()
+        versions, episode_metrics = None, {}
         if trainer.parts.episodes is not None:  # multi-turn: the batch is the episodes' ids (`episodes.py`)
             batch, episode_metrics = trainer.parts.episodes.generate(self.backend, prompts, params)
             self.backend.release_memory()
+        elif self.partial != "off" and self.max_staleness > 0:  # k = 0: no version can land during a batch
+            batch, versions, episode_metrics = self.generate_partial(prompts["prompt_ids"], params)
         else:
-            batch, episode_metrics = generate_batch(self.backend, trainer.parts, prompts["prompt_ids"], params), {}
+            batch = generate_batch(self.backend, trainer.parts, prompts["prompt_ids"], params)
         item = score_batch(trainer, step, self.version, indices, sampler_state, batch, time.perf_counter() - start)
         item.rollout_metrics = episode_metrics
+        if versions is not None:
+            item.token_versions = token_versions_tensor(versions, batch.response_length)
+            item.versions = torch.tensor([min(own, default=self.version) for own in versions])
         return item
+
+    def generate_partial(self, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[Any, list, dict]:
+        """The batch in segments, taking over newer weights between them (`partial_rollout.py`)."""
+        generations, versions, counts = generate_in_segments(self.backend, prompt_ids, params, self.version,
+                                                             self.take_newer, self.partial)
+        for generation, text in zip(generations, decode_responses(self.trainer.parts.tokenizer, generations)):
+            generation.text = text
+        metrics = {"rollout/partial_takeovers": float(counts.takeovers),
+                   "rollout/partial_requeued": float(counts.requeued)}
+        return batch_of(self.backend, self.trainer.parts, prompt_ids, generations, params), versions, metrics
+
+    def take_newer(self) -> int | None:
+        """Load the newest version the trainer has published, if newer than the one held; between segments."""
+        newest = self.mailbox.newest(self.version)
+        if newest is None:
+            return None
+        self.version, state = newest
+        self.model.load_state_dict(state)
+        return self.version
 
 
 class AsyncPipeline:
@@ -479,7 +460,8 @@ class AsyncPipeline:
         if lag > self.max_staleness:
             raise RuntimeError(f"the batch of step {step} is {lag} versions old, above trainer.max_staleness="
                                f"{self.max_staleness}; the rollout worker ran ahead of its bound")
-        metrics = {**item.rollout_metrics, **staleness_metrics(item.versions, step - 1),
+        mask = item.batch.response_mask
+        metrics = {**item.rollout_metrics, **staleness_metrics(item.versions, step - 1, item.token_versions, mask),
                    "timing/worker_generate_s": item.generate_s, "timing/worker_reward_s": item.reward_s}
         if hasattr(self.worker, "broadcast_s"):  # the process worker: the push's broadcast, done in a thread
             metrics["perf/weight_broadcast_s"] = self.worker.broadcast_s
