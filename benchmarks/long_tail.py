@@ -228,7 +228,8 @@ def print_table(result: dict) -> None:
     shape = "tiny" if result["args"]["tiny"] else result["args"]["shape"]
     print(f"\nlong-tail ({shape} shape) on {result['device']}: {result['args']['prompts']} prompts x "
           f"{result['args']['n']}, prompt {result['args']['prompt_len']}; response lengths median "
-          f"{lengths['median']:.0f}, mean {lengths['mean']:.0f}, max {lengths['max']} ({lengths['at_cap']} at the cap), {lengths['total']:,} tokens")
+          f"{lengths['median']:.0f}, mean {lengths['mean']:.0f}, max {lengths['max']} ({lengths['at_cap']} at the cap), "
+          f"{lengths['total']:,} tokens")
     header = ("layout", "seconds", "tokens/s", "% of floor", "peak GiB", "slots", "blocks peak/all", "preempted",
               "GPU busy % by quarter")
     rows = [header]
