@@ -82,3 +82,31 @@ def test_forced_lengths_survive_preemption():
     assert [len(g.token_ids) for g in paged] == lengths
     assert_same_generations(paged, contiguous)
     assert engine.last_stats["preemptions"] > 0
+
+
+def test_grpo_steps_on_a_preempting_paged_cache_equal_the_contiguous_ones(tmp_path):
+    """Readiness for `auto`: two GRPO steps whose rollouts are preempted (24-token responses, a sync every 16 steps,
+    a pool of 40 blocks of 4 for 32 sequences) log the same responses and rewards as on the contiguous cache, and
+    losses equal to float32 rounding."""
+    from conftest import contains_seven, tiny_actor, toy_prompts
+
+    from hybridrl.data.datasets import PromptDataset
+    from hybridrl.training.trainer import RLTrainer
+
+    settings = dict(rollout__max_new_tokens=24, rollout__num_samples_per_prompt=4, trainer__prompts_per_step=8,
+                    actor__micro_batch_size=32, trainer__device="cpu", logging__sinks=["jsonl"], trainer__save_model=False,
+                    trainer__total_steps=2, actor__lr=1e-3, rollout__backend="builtin", rollout__temperature=1.0)
+    histories, engines = {}, {}
+    for layout in ("contiguous", "paged"):
+        actor = tiny_actor()
+        memory = memory_for_blocks(actor.model, 40, 4) if layout == "paged" else 0.3
+        trainer = RLTrainer(actor=actor, reward_fn=contains_seven,
+                            dataset=PromptDataset(toy_prompts(), actor.tokenizer, max_length=16),
+                            trainer__output_dir=str(tmp_path / layout), rollout__engine__kv_cache=layout,
+                            rollout__engine__kv_block_size=4, rollout__kv_cache_memory=memory, **settings)
+        histories[layout], engines[layout] = trainer.train(), trainer.parts.rollout
+    assert engines["paged"].last_stats["kv_cache"] == "paged" and engines["paged"].last_stats["preemptions"] > 0
+    for contiguous, paged in zip(histories["contiguous"], histories["paged"]):
+        for key in ("rollout/response_length_mean", "reward/mean"):
+            assert paged[key] == contiguous[key], key
+        assert abs(paged["actor/policy_loss"] - contiguous["actor/policy_loss"]) < 1e-5
