@@ -94,8 +94,8 @@ def test_grpo_steps_on_a_preempting_paged_cache_equal_the_contiguous_ones(tmp_pa
     from hybridrl.training.trainer import RLTrainer
 
     settings = dict(rollout__max_new_tokens=24, rollout__num_samples_per_prompt=4, trainer__prompts_per_step=8,
-                    actor__micro_batch_size=32, trainer__device="cpu", logging__sinks=["jsonl"], trainer__save_model=False,
-                    trainer__total_steps=2, actor__lr=1e-3, rollout__backend="builtin", rollout__temperature=1.0)
+                    actor__micro_batch_size=32, trainer__device="cpu", logging__sinks=["jsonl"],
+                    trainer__save_model=False, trainer__total_steps=2, actor__lr=1e-3, rollout__backend="builtin", rollout__temperature=1.0)
     histories, engines = {}, {}
     for layout in ("contiguous", "paged"):
         actor = tiny_actor()
