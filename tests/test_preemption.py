@@ -1,6 +1,8 @@
 """Recompute preemption on the paged KV cache (`engine/preemption.py`): which context a re-admitted sequence prefills
-again, and multi-turn first turns preempted mid-turn that continue after their kept tokens, equal to the per-slot
-layout's episodes. (Single-turn engine runs with forced preemption are in test_paged_kv.py.)"""
+again; multi-turn first turns preempted mid-turn that continue after their kept tokens, equal to the per-slot
+layout's episodes; forced response lengths through preemption; GRPO steps on a preempting paged cache equal to the
+contiguous ones. (Single-turn engine runs over seeds and pools, with the decoded-token count, are in
+test_paged_kv.py.)"""
 
 from __future__ import annotations
 
@@ -9,18 +11,16 @@ import sys
 
 import torch
 
-from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine import runner as runner_module
 from hybridrl.rollout.engine.backend import BuiltinBackend
 from hybridrl.rollout.engine.preemption import KeptResponse, refill_rows
 from hybridrl.rollout.engine.scheduler import SequenceSlot
-from hybridrl.rollout.multiturn import EpisodeBudget, make_sessions
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_multiturn import IM_END, TOKENIZER, assert_same_episodes, make_model, one_thread  # noqa: E402,F401
+from test_multiturn import IM_END, assert_same_episodes, make_model, one_thread  # noqa: E402,F401
 from test_paged_kv import memory_for_blocks  # noqa: E402
-from test_paged_multiturn import ROWS, Uneven  # noqa: E402
+from test_paged_multiturn import episodes  # noqa: E402
 
 
 def kept(tokens: list[int]) -> KeptResponse:
@@ -41,7 +41,7 @@ def test_refill_rows_feed_the_prompt_only_when_its_blocks_were_taken_anew_and_ne
 
 
 def test_preempted_first_turns_continue_after_their_kept_tokens_in_multiturn_episodes(monkeypatch):
-    """Turns of up to 16 tokens and a pool of 80 blocks of 4 for 12 episodes: first turns are preempted mid-turn and
+    """Turns of up to 16 tokens and a pool of 60 blocks of 4 for 8 episodes: first turns are preempted mid-turn and
     re-admitted with their tokens (the refill runs), and the episodes equal the per-slot layout's."""
     refilled, refill = [], runner_module.refill
 
@@ -52,17 +52,12 @@ def test_preempted_first_turns_continue_after_their_kept_tokens_in_multiturn_epi
     model = make_model("llama", seed=0)
     params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=0,
                             stop_token_ids=[IM_END, *range(0, model.config.vocab_size, 29)])
-    budget = EpisodeBudget(max_turns=4, max_episode_tokens=200)
-    found = {}
-    for name, options in (("per_slot", dict(attention="sdpa")),
-                          ("paged", dict(kv_cache="paged", kv_block_size=4,
-                                         kv_cache_memory=memory_for_blocks(model, 80, 4)))):
-        engine = BuiltinBackend(model, tokenizer=TOKENIZER, sync_every=3, **options)
-        found[name] = engine.generate_episodes(make_sessions(Uneven, ROWS, n=3, name="test_paged_multiturn.py:Uneven"),
-                                               ObservationRenderer(TOKENIZER), params, budget)
-    assert_same_episodes(found["paged"], found["per_slot"])
+    _, per_slot = episodes(model, params, attention="sdpa")
+    stats, paged = episodes(model, params, kv_cache="paged", kv_block_size=4,
+                            kv_cache_memory=memory_for_blocks(model, 60, 4))
+    assert_same_episodes(paged, per_slot)
     assert refilled and any(sequence.kept > 1 for sequence in refilled)
-    assert engine.last_stats["decoded_tokens"] > 0 and engine.last_stats["refilled_tokens"] > 0
+    assert stats["decoded_tokens"] > 0 and stats["refilled_tokens"] > 0
 
 
 def test_forced_lengths_survive_preemption():
