@@ -147,10 +147,10 @@ def parse_and_set_up(parser: argparse.ArgumentParser, fixed: list[str] = ()) -> 
     return own, args, device, model, prompts, engine, loops
 
 
-def describe_forward(run, batch, kv_end, *rest) -> dict:
-    """What the trace records of an observation prefill's forward (`resume.forward`, or `resume.replay` of a graph)."""
-    rows, length = batch.input_ids.shape
-    return dict(rows=rows, length=length, kv_end=kv_end, graph=bool(rest))
+def describe_forward(run, batch, kv_end, count, *graphs) -> dict:
+    """What the trace records of an observation prefill's forward (`resume.forward`, or `resume.replay` of a graph):
+    its real rows, its (padded) ids per row, its key length."""
+    return dict(rows=count, length=batch.input_ids.shape[1], kv_end=kv_end, graph=bool(graphs))
 
 
 def instrument_forwards(wrap) -> None:

@@ -33,7 +33,8 @@ from hybridrl.rollout.multiturn import EpisodeRun
 
 PHASES = ("_harvest", "_collect", "_resume")
 PARTS = ((ModelRunner, "read_progress"), (ModelRunner, "read_outputs"), (ModelRunner, "pause"), (ModelRunner, "free"),
-         (Scheduler, "harvest"), (Scheduler, "resume"), (EpisodeRun, "add_turn"), (EpisodeRun, "add_step"))
+         (Scheduler, "harvest"), (Scheduler, "resume"), (EpisodeRun, "turn_text"), (EpisodeRun, "record_turn"),
+         (EpisodeRun, "add_step"))
 """What the boundary phases call, timed inside them (indented in the table)."""
 FORWARD = "extend forward"
 """The observation prefill's forward inside the runner's `extend` (`multiturn_trace.instrument_forwards`): the model's

@@ -93,6 +93,8 @@ class EnvironmentSession:
             if not callable(getattr(self.env, method, None)):
                 raise EnvironmentCodeError(f"environment {name!r} made {type(self.env).__name__} for sample {sample}, "
                                        f"which has no {method}() method; give it reset() and step(assistant_text).")
+        # Asked once, not at every step: an engine starts hundreds of steps at each turn boundary.
+        self._async_step = inspect.iscoroutinefunction(self.env.step)
 
     async def reset(self) -> list[Message]:
         messages = await self._call("reset()", self.env.reset)
@@ -101,7 +103,7 @@ class EnvironmentSession:
     async def step(self, assistant_text: str) -> StepResult:
         self.num_steps += 1
         call = f"step {self.num_steps}"
-        result = await self._call(call, self.env.step, assistant_text)
+        result = await self._call(call, self.env.step, assistant_text, is_async=self._async_step)
         if not isinstance(result, StepResult):
             raise self._error(call, f"returned {type(result).__name__}; step() must return "
                                     f"hybridrl.envs.StepResult(observation, reward, done){defined_at(self.env.step)}")
@@ -119,9 +121,9 @@ class EnvironmentSession:
         if callable(close):
             await self._call("close()", close)
 
-    async def _call(self, call: str, method: Callable, *args: Any) -> Any:
+    async def _call(self, call: str, method: Callable, *args: Any, is_async: bool | None = None) -> Any:
         try:
-            if inspect.iscoroutinefunction(method):
+            if inspect.iscoroutinefunction(method) if is_async is None else is_async:
                 return await method(*args)
             value = await _in_thread(method, *args)
             return await value if inspect.isawaitable(value) else value

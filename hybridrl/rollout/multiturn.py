@@ -116,13 +116,23 @@ class EpisodeRun:
         harvest more host time than the rest of recording a turn)."""
         if not as_lists:
             ids, logprobs = [int(t) for t in ids], [float(x) for x in logprobs]
-        self.episode.add_sampled(ids, logprobs)
-        self.last_turn_ids = ids
+        text = self.turn_text(ids, finish_reason)
+        self.record_turn(ids, logprobs, text)
+        return text
+
+    def turn_text(self, ids: list[int], finish_reason: FinishReason) -> str:
+        """The text of sampled `ids` for the environment, without a special stop token (the template writes it)."""
         strip = (finish_reason == "stop" and ids and ids[-1] in self.stop_ids
                  and ids[-1] in _special_ids(self.renderer.tokenizer))
-        text = self.renderer.tokenizer.decode(ids[:-1] if strip else ids, skip_special_tokens=False)
+        return self.renderer.tokenizer.decode(ids[:-1] if strip else ids, skip_special_tokens=False)
+
+    def record_turn(self, ids: list[int], logprobs: list[float], text: str) -> None:
+        """Append a turn whose `text` is `turn_text(ids, ...)`: the ids and log-probs as they are (lists of Python ints
+        and floats), and the assistant message. The engine's harvest does this after it has started every ended turn's
+        environment step, which needs only the text."""
+        self.episode.add_sampled(ids, logprobs)
+        self.last_turn_ids = ids
         self.messages.append({"role": "assistant", "content": text})
-        return text
 
     def add_step(self, result: StepResult) -> list[int] | None:
         """Record the environment's answer; the observation ids to feed next, or None when the episode is over."""

@@ -24,8 +24,9 @@ Where multi-turn time goes besides decoding, and what the loop does about it:
   whole block. It resumes them as one wave; after a decode block it yields to the event loop twice (a timer's
   callback, then the task it wakes), so answers already due join the next block. `last_stats` reports
   `resume_waves` and `decode_blocks`.
-- Environment steps start while the harvest is still recording the other turns (a yield every `_START_EVERY`
-  ended turns), so a tool's latency overlaps the host's bookkeeping of the rest.
+- Environment steps start while the harvest is still decoding the other turns' texts (a yield every `_START_EVERY`
+  ended turns), and the turns are recorded in their episodes only after the last step has started, so a tool's
+  latency overlaps the host's bookkeeping.
 - Slots of ended episodes are freed in one call per collection, not one per episode.
 
 Choices:
@@ -189,8 +190,8 @@ class EpisodeLoop:
         self.ready = deferred
 
     async def _harvest(self, scheduler: Scheduler) -> None:
-        """Ended turns: append their sampled ids, pause their slots, start their environment steps (yielding every
-        `_START_EVERY` turns, so the steps started so far run while the rest are recorded)."""
+        """Ended turns: pause their slots, start their environment steps (yielding every `_START_EVERY` turns, so the
+        steps started so far run while the other texts are decoded), then append their sampled ids to the episodes."""
         rows = scheduler.rows_in_use()
         done, gen_len = self.runner.read_progress(rows)
         scheduler.record_progress(gen_len)
@@ -205,14 +206,18 @@ class EpisodeLoop:
         # One conversion of every ended row to Python lists (of ints and floats), not one per row and then one per
         # element: at 512 turns a boundary that is most of the harvest's own host time.
         width = max((item.length for item in ended), default=0)
-        token_rows, logprob_rows = tokens[slots, :width].tolist(), logprobs[slots, :width].tolist()
-        for count, (item, ids, row_logprobs) in enumerate(zip(ended, token_rows, logprob_rows), 1):
+        token_rows = tokens[slots, :width].tolist()
+        texts = []
+        for count, (item, ids) in enumerate(zip(ended, token_rows), 1):
             run = self.runs[item.sequence.index]
-            text = run.add_turn(ids[:item.length], row_logprobs[:item.length], item.reason, as_lists=True)
-            task = asyncio.ensure_future(run.session.step(text))
+            texts.append(run.turn_text(ids[:item.length], item.reason))
+            task = asyncio.ensure_future(run.session.step(texts[-1]))
             self.pending[task], self.started_at[task] = item.slot, time.perf_counter()
             if count % _START_EVERY == 0:
                 await asyncio.sleep(0)
+        # Recorded once every step has started: the steps need only the text, and the tools' latency hides this.
+        for item, ids, row_logprobs, text in zip(ended, token_rows, logprobs[slots, :width].tolist(), texts):
+            self.runs[item.sequence.index].record_turn(ids[:item.length], row_logprobs[:item.length], text)
 
     def _collect(self, scheduler: Scheduler) -> None:
         """Finished environment steps: end the episode (free its slot) or queue its observation."""

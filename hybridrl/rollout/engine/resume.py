@@ -146,8 +146,7 @@ def _extend_chunk(run, resumes: list[Resume], graphs: DecodeGraphs, key_bucket: 
     kv_end = key_bucket(max(start + len(ids) for _, ids, start, _ in resumes))
     bucket = graph_bucket(count, width) if run.use_graphs else None
     batch = host_batch(resumes, *(bucket or (count, width)), state.done.device)
-    last = forward(run, batch, kv_end) if bucket is None else replay(run, batch, kv_end, graphs)
-    logits = run.functions.final_logits(run.weights, last[:count], ()).float()
+    logits = forward(run, batch, kv_end, count) if bucket is None else replay(run, batch, kv_end, count, graphs)
     slots, lengths, starts = batch.slots[:count], batch.lengths[:count], batch.starts[:count]
     uniforms = resume_uniforms(batch.keys[:count], state.max_new_tokens)
     tokens, logprobs = sample(logits, run.settings, uniforms[:, 0])
@@ -160,9 +159,14 @@ def _extend_chunk(run, resumes: list[Resume], graphs: DecodeGraphs, key_bucket: 
     state.done[slots] = state.is_stop(tokens) | (state.max_new_tokens <= 1)
 
 
-def forward(run, batch: HostBatch, kv_end: int) -> torch.Tensor:
-    """`extend_hidden` over the batch, uncaptured: (rows, hidden) at each row's last new id."""
-    return _hidden(run, batch, kv_end)
+def forward(run, batch: HostBatch, kv_end: int, count: int) -> torch.Tensor:
+    """`extend_hidden` over the batch, uncaptured, then the LM head on its first `count` rows: float32 logits (count,
+    vocabulary) at each row's last new id."""
+    return _logits(run, _hidden(run, batch, kv_end), count)
+
+
+def _logits(run, hidden: torch.Tensor, count: int) -> torch.Tensor:
+    return run.functions.final_logits(run.weights, hidden[:count], ()).float()
 
 
 def _hidden(run, batch: HostBatch, kv_end: int) -> torch.Tensor:
@@ -171,9 +175,10 @@ def _hidden(run, batch: HostBatch, kv_end: int) -> torch.Tensor:
                          access=run.cache.extend_access(batch.slots, kv_end))
 
 
-def replay(run, batch: HostBatch, kv_end: int, graphs: DecodeGraphs) -> torch.Tensor:
-    """`forward` through the CUDA graph of the batch's bucket: its inputs copied into the graph's static buffer (one
-    copy), then replayed; captured first when the call has none for the bucket (`DecodeGraphs.step`)."""
+def replay(run, batch: HostBatch, kv_end: int, count: int, graphs: DecodeGraphs) -> torch.Tensor:
+    """`forward` with `extend_hidden` through the CUDA graph of the batch's bucket: its inputs copied into the graph's
+    static buffer (one copy), then replayed; captured first when the call has none for the bucket
+    (`DecodeGraphs.step`). The LM head runs on the real rows only, outside the graph."""
     rows, width = batch.input_ids.shape
     key = ("extend", rows, width, kv_end)
     static = graphs.inputs.get(key)
@@ -187,4 +192,4 @@ def replay(run, batch: HostBatch, kv_end: int, graphs: DecodeGraphs) -> torch.Te
     graphs.step(key, lambda: step_signature(rows, kv_end, ("extend", width),
                                             (run.weights, run.cache, run.cos, run.sin, inputs.packed)),
                 lambda: out.copy_(_hidden(run, inputs, kv_end)), run.counts)
-    return out
+    return _logits(run, out, count)
