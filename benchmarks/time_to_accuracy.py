@@ -166,8 +166,9 @@ def run_side(side: str, spec: dict, out: Path, trl_python: str, timeout: float) 
         path.unlink(missing_ok=True)
     threads = str(spec["threads"])
     command = worker_command(side, {**spec, "partial_path": str(partial_path)}, result_path, trl_python)
+    timeout = max(1.0, timeout)
     try:
-        done = subprocess.run(command, cwd=ROOT, timeout=max(1, timeout),
+        done = subprocess.run(command, cwd=ROOT, timeout=timeout,
                               env={**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
         error = f"exit status {done.returncode} (its output is above)" if done.returncode else None
     except subprocess.TimeoutExpired:
