@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "tokens)")
     trl_default = sys.executable if importlib.util.find_spec("trl") else "/tmp/trl-venv/bin/python"
     parser.add_argument("--trl-python", default=trl_default,
-                        help=f"a Python that imports trl (default: this one if it does, else TRL's venv: {TRL_VENV_HINT})")
+                        help=f"a Python that imports trl (default: this one if it does, else TRL's venv: "
+                             f"{TRL_VENV_HINT})")
     parser.add_argument("--sft-model", help="start both sides from this SFT model (skips building and SFT; its "
                                             "tokenizer must be the character one)")
     parser.add_argument("--out-dir", default="runs/time_to_accuracy")

@@ -27,7 +27,7 @@ def test_targets_times_and_ratios_by_hand():
     ours = side({0: 0.20, 5: 0.39, 10: 0.41}, {0: 0.0, 5: 1.0, 10: 2.0}, [0.6] + [0.2] * 9)
     lines, figures = tta.summary({"trl": trl, "hybridrl": ours}, samples_per_step=256)
     goals = figures["targets"]
-    # TRL's final accuracy is the mean of its last 3 evaluations, 40%: a gain of 20 points, half of it at 30%, 90% at 38%
+    # TRL's final accuracy is the mean of its last 3 evaluations, 40%: a gain of 20 points, half at 30%, 90% at 38%
     assert [round(g["accuracy"], 6) for g in goals.values()] == [0.30, 0.38, 0.40]
     assert goals["50% of TRL's gain"]["trl"] == (5, 5.0) and goals["50% of TRL's gain"]["hybridrl"] == (5, 1.0)
     assert goals["90% of TRL's gain"]["trl"] == (10, 10.0) and goals["90% of TRL's gain"]["hybridrl"] == (5, 1.0)
