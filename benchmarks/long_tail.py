@@ -17,9 +17,12 @@ budget, 3.2 GiB, is the GRPO step's: `benchmarks/grpo_step.py`).
 Both layouts get the same KV budget (`--kv-cache-memory`, a fraction of free GPU memory) and the engine's other
 defaults (compiled, CUDA graphs, prefix-shared Triton attention for `contiguous`, which is today's GPU default).
 `contiguous` sizes every slot for the longest possible response, so the budget holds far fewer sequences at once;
-`paged` holds blocks only for the tokens sequences have actually produced. Each layout first runs a small call
-(compilation, kernel builds); the timed calls then alternate between the layouts (`--repeats` each), so a shared
-machine's load hits both alike; the best of each is reported.
+`paged` holds blocks only for the tokens sequences have actually produced. Each layout first runs a warm-up call
+on the same batch and response capacity whose forced lengths halve the live sequences at every sync
+(`warm_up_lengths`), so it visits every batch-size bucket: the compilations, CUDA graphs and split-KV kernel variants
+(their split count depends on the batch) that the timed call needs are made there, as a trainer's first step makes
+them for the rest (`warmup_s` in the table: what the timed call still spent on them). The timed calls then alternate
+between the layouts (`--repeats` each), so a shared machine's load hits both alike; the best of each is reported.
 
 The floor is computed, not measured, as in `benchmarks/rollout.py`: a decode step must read the weights once and
 each live sequence's KV for its context (prompt KV counted per sequence), and do 2 * params FLOPs per live sequence;
@@ -101,6 +104,13 @@ def response_lengths(num_sequences: int, median: int, sigma: float, low: int, ca
     """Log-normal lengths with the given median, clipped to [low, cap]; one draw per sequence, seeded."""
     draws = median * np.exp(sigma * np.random.default_rng(seed).standard_normal(num_sequences))
     return np.clip(np.round(draws), low, cap).astype(int).tolist()
+
+
+def warm_up_lengths(num_sequences: int, sync_every: int, cap: int) -> list[int]:
+    """Forced lengths that halve the live sequences at every sync: sequence i of n runs 2 + sync_every *
+    floor(log2(n / (i + 1))) tokens (at most `cap`), so a call with them passes through every batch-size bucket in a
+    few hundred steps."""
+    return [min(cap, 2 + sync_every * ((num_sequences // (i + 1)).bit_length() - 1)) for i in range(num_sequences)]
 
 
 def floor(model, num_prompts: int, prompt_len: int, lengths: list[int], bandwidth: float, peak: float) -> dict:
@@ -201,10 +211,10 @@ def run(args) -> dict:
     engines = {layout: make_engine(model, layout, args) for layout in layouts}
     sampler = BusySampler()
     first_call_s = {}
-    for layout, engine in engines.items():  # compile, build kernels
+    for layout, engine in engines.items():  # compile, capture, build kernels
         sync()
         start = time.perf_counter()
-        engine.generate(prompts[:4], SamplingParams(max_new_tokens=8, n=2, ignore_eos=True, temperature=1.0))
+        engine.generate(prompts, params, response_lengths=warm_up_lengths(len(lengths), engine.sync_every, args.cap))
         sync()
         first_call_s[layout] = time.perf_counter() - start
     runs: dict[str, list[dict]] = {layout: [] for layout in layouts}
@@ -230,17 +240,17 @@ def print_table(result: dict) -> None:
           f"{result['args']['n']}, prompt {result['args']['prompt_len']}; response lengths median "
           f"{lengths['median']:.0f}, mean {lengths['mean']:.0f}, max {lengths['max']} ({lengths['at_cap']} at the cap), "
           f"{lengths['total']:,} tokens")
-    header = ("layout", "seconds", "tokens/s", "% of floor", "peak GiB", "slots", "blocks peak/all", "preempted",
-              "GPU busy % by quarter")
+    header = ("layout", "seconds", "tokens/s", "% of floor", "warmup_s", "peak GiB", "slots", "blocks peak/all",
+              "preempted", "GPU busy % by quarter")
     rows = [header]
     for layout, run in result["layouts"].items():
         stats, busy = run["stats"], run["busy_quarters"]
         rows.append((layout, f"{run['seconds']:.2f}", f"{run['tokens_per_s']:,.0f}", f"{run['percent_of_floor']:.1f}",
-                     f"{run['peak_gib']:.1f}", str(stats["num_slots"]),
+                     f"{stats['warmup_s']:.2f}", f"{run['peak_gib']:.1f}", str(stats["num_slots"]),
                      f"{stats['kv_blocks_peak']}/{stats['kv_blocks']}" if stats["kv_blocks"] else "-",
                      str(stats["preemptions"]), " ".join(f"{b:.0f}" for b in busy) if busy else "n/a"))
     rows.append(("floor (computed)", f"{bound['seconds']:.2f}", f"{bound['tokens_per_s']:,.0f}", "100", "-", "-", "-",
-                 "-", "-"))
+                 "-", "-", "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
