@@ -156,7 +156,8 @@ def synchronize() -> None:
 def run_hybridrl(spec: dict) -> dict:
     """hybridrl's side, stepped here so the shared evaluator runs at the same points as on TRL's side. Optional spec
     keys (time_to_accuracy.py): `max_seconds` stops after that much training wall-clock, `target_accuracy` at the
-    first evaluation that reaches it; either way the last step is evaluated; `partial_path` gets the result so far
+    first evaluation that reaches it; either way the last step is evaluated; `eval_steps` are evaluated besides
+    every `eval_every`-th; `partial_path` gets the result so far
     after each evaluation (a run cut short keeps its curve)."""
     torch.set_num_threads(spec["threads"])
     trainer = hybridrl_trainer(spec)
@@ -189,7 +190,7 @@ def run_hybridrl(spec: dict) -> dict:
         rewards.append(float(metrics["reward/mean"]))
         phases.append({key: float(value) for key, value in metrics.items() if key.startswith("timing/")})
         last = step == spec["steps"] or seconds >= spec.get("max_seconds", float("inf"))
-        if due(step, spec["eval_every"], spec["steps"]) or last:
+        if due(step, spec["eval_every"], spec["steps"]) or step in spec.get("eval_steps", ()) or last:
             evaluate(step, last)
             if last or accuracy[step] >= spec.get("target_accuracy", float("inf")):
                 break

@@ -43,7 +43,8 @@ def synchronize() -> None:
 
 class Evaluate(TrainerCallback):
     """Held-out accuracy before the first step and every `eval_every` steps (and after the last); the training
-    wall-clock counts the steps only, not these evaluations. With `max_seconds` in the spec (time_to_accuracy.py),
+    wall-clock counts the steps only, not these evaluations; `eval_steps` in the spec are evaluated too. With
+    `max_seconds` in the spec (time_to_accuracy.py),
     training stops after that much training wall-clock, the last step evaluated; with `partial_path`, the result so
     far is written there after each evaluation (a run cut short keeps its curve)."""
 
@@ -86,7 +87,7 @@ class Evaluate(TrainerCallback):
         self.train_seconds += self.step_seconds[-1]
         step, every = state.global_step, self.spec["eval_every"]
         last = step == self.spec["steps"] or self.train_seconds >= self.spec.get("max_seconds", float("inf"))
-        if (every and step % every == 0) or last:
+        if (every and step % every == 0) or step in self.spec.get("eval_steps", ()) or last:
             self.evaluate(model, step, last)
         control.should_training_stop = control.should_training_stop or last
 

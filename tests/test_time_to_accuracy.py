@@ -74,6 +74,7 @@ def test_tiny_run_without_trl_says_so_and_runs_sft_then_hybridrl(tmp_path):
     assert list(report["phases"]) == ["model", "sft", "hybridrl", "summary"]
     assert [point["step"] for point in report["phases"]["sft"]["curve"]] == [0, 2, 4]
     hybridrl = report["phases"]["hybridrl"]
+    # --tiny evaluates every 1000th step: steps 1-3 are evaluated because the dense schedule names them
     assert set(hybridrl["accuracy"]) == {"0", "1", "2", "3"} and len(hybridrl["step_seconds"]) == 3
     assert "hybridrl: 3 steps of 4 samples" in stdout
 
