@@ -17,6 +17,9 @@
 #              paged against contiguous (benchmarks/long_tail.py)                                 300
 #   new        the GPU tests written but never run on a GPU: the thread worker on CUDA (tests/test_async_gpu.py), paged
 #              multi-turn episodes (tests/test_paged_multiturn.py) and the paged engine with forced preemption   240
+#   pagedauto  the input for kv_cache=auto: the grpo-0.5b rollout (every response 256 tokens, the step's 3.2 GiB KV
+#              budget), paged against contiguous, best of 3 alternating (100), then the same model on uneven lengths
+#              (median 256, cap 2048, 45) (benchmarks/long_tail.py --shape grpo-0.5b)                   150
 #   splitkv    split-KV against one program per (slot, head) (benchmarks/kernels/split_kv.py, 80) and the long-tail
 #              rollout, paged against contiguous now that both split (benchmarks/long_tail.py, 220)           300
 #   7b         full-parameter GRPO of the 7B shape on one GPU (benchmarks/full_7b_one_gpu.py)                  330
@@ -76,6 +79,14 @@ for part in "${PARTS[@]}"; do
         timeout -k 20 240 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_async_gpu.py \
             tests/test_paged_multiturn.py "tests/test_paged_kv.py::test_paged_engine_on_cuda" > "$OUT/new_gpu_tests.log" 2>&1
         echo "== new gpu tests: exit $? after $(elapsed)"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/new_gpu_tests.log" | tail -8 ;;
+    pagedauto)
+        timeout -k 20 100 python3 -m benchmarks.long_tail --shape grpo-0.5b --prompt-len 256 --median 256 --sigma 0 \
+            --cap 256 --kv-cache-memory 3.2 --repeats 3 > "$OUT/paged_grpo05b.log" 2>&1
+        echo "== long_tail grpo-0.5b: exit $? after $(elapsed)"; tail -7 "$OUT/paged_grpo05b.log"
+        mkdir -p "$OUT/uneven"
+        OUT="$OUT/uneven" timeout -k 20 45 python3 -m benchmarks.long_tail --shape grpo-0.5b --prompt-len 256 \
+            --median 256 --sigma 1 --cap 2048 --kv-cache-memory 3.2 > "$OUT/paged_grpo05b_uneven.log" 2>&1
+        echo "== long_tail grpo-0.5b uneven: exit $? after $(elapsed)"; tail -7 "$OUT/paged_grpo05b_uneven.log" ;;
     splitkv)
         timeout -k 20 80 python3 -m benchmarks.kernels.split_kv > "$OUT/split_kv.log" 2>&1
         echo "== split_kv: exit $? after $(elapsed)"; tail -10 "$OUT/split_kv.log"
@@ -102,6 +113,7 @@ for part in "${PARTS[@]}"; do
         timeout -k 20 $left python3 -m benchmarks.grpo_step --modes "$modes" --steps 6 --profile \
             --trl-script .bench/trl_grpo_gpu.py --timeout 200 > "$OUT/grpo_step.log" 2>&1
         echo "== grpo_step: exit $? after $(elapsed)"; tail -8 "$OUT/grpo_step.log" ;;
-    *) echo "unknown part $part: tests, engine, optimizer, flex, rollout, paged, new, splitkv, 7b, tta or grpo"; exit 2 ;;
+    *) echo "unknown part $part: tests, engine, optimizer, flex, rollout, paged, pagedauto, new, splitkv, 7b, tta or grpo"
+       exit 2 ;;
     esac
 done
