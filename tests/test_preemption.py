@@ -90,7 +90,8 @@ def test_grpo_steps_on_a_preempting_paged_cache_equal_the_contiguous_ones(tmp_pa
 
     settings = dict(rollout__max_new_tokens=24, rollout__num_samples_per_prompt=4, trainer__prompts_per_step=8,
                     actor__micro_batch_size=32, trainer__device="cpu", logging__sinks=["jsonl"],
-                    trainer__save_model=False, trainer__total_steps=2, actor__lr=1e-3, rollout__backend="builtin", rollout__temperature=1.0)
+                    trainer__save_model=False, trainer__total_steps=2, actor__lr=1e-3, rollout__backend="builtin",
+                    rollout__temperature=1.0)
     histories, engines = {}, {}
     for layout in ("contiguous", "paged"):
         actor = tiny_actor()
@@ -101,6 +102,9 @@ def test_grpo_steps_on_a_preempting_paged_cache_equal_the_contiguous_ones(tmp_pa
                             rollout__engine__kv_block_size=4, rollout__kv_cache_memory=memory, **settings)
         histories[layout], engines[layout] = trainer.train(), trainer.parts.rollout
     assert engines["paged"].last_stats["kv_cache"] == "paged" and engines["paged"].last_stats["preemptions"] > 0
+    assert histories["paged"][-1]["rollout/preemptions"] == engines["paged"].last_stats["preemptions"]
+    assert histories["paged"][-1]["rollout/refilled_tokens"] > 0
+    assert "rollout/preemptions" not in histories["contiguous"][0]  # logged for the paged layout only
     for contiguous, paged in zip(histories["contiguous"], histories["paged"]):
         for key in ("rollout/response_length_mean", "reward/mean"):
             assert paged[key] == contiguous[key], key

@@ -83,13 +83,16 @@ class RolloutTimings:
     """The built-in engine's split of its call (`rollout/timeline.phase_seconds`); empty for other backends."""
     episodes: dict[str, float] = field(default_factory=dict)
     """Multi-turn episodes: turns, tool calls, errors, latency, the engine's prefill and idle time (`rollout/...`)."""
+    paged: dict[str, float] = field(default_factory=dict)
+    """The paged KV cache's preemptions and the kept tokens they prefilled again (`rollout/preemptions`,
+    `rollout/refilled_tokens`); empty for the other layouts and backends."""
 
     def metrics(self) -> dict[str, float]:
         """`perf/weight_sync_s` and the engine's split as `timing/rollout_<phase>_s` (this process's share of the
         batch: before the first decode step, decoding, after it)."""
         return {"perf/weight_sync_s": self.weight_sync_s,
                 **{f"timing/rollout_{name}_s": seconds for name, seconds in self.engine_phases.items()},
-                **self.episodes}
+                **self.episodes, **self.paged}
 
 
 class RLTrainer:
@@ -370,7 +373,9 @@ class RLTrainer:
             self.parts.rollout.release_memory()
         engine_stats = getattr(self.parts.rollout, "last_stats", None) or {}
         timings = RolloutTimings(weight_sync_s=switch["weight_sync"] + sync.seconds,
-                                 engine_phases=phase_seconds(engine_stats.get("timeline_ms", {})))
+                                 engine_phases=phase_seconds(engine_stats.get("timeline_ms", {})),
+                                 paged={f"rollout/{key}": float(engine_stats[key]) for key in ("preemptions",
+                                        "refilled_tokens") if engine_stats.get("kv_cache") == "paged"})
         if self.parts.episodes is not None:
             timings.episodes = episode_stats
             return batch.to(self.device), timings
