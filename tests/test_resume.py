@@ -46,7 +46,8 @@ def python_uniform(key: int, column: int) -> float:
         x = (x * 0x846CA68B) & 0xFFFFFFFF
         return x ^ (x >> 16)
 
-    x = mix(mix(mix((column * 0x9E3779B9) & 0xFFFFFFFF) ^ (key >> 32)) ^ (key & 0xFFFFFFFF))
+    row = mix(mix(key & 0xFFFFFFFF) ^ (key >> 32))
+    x = mix(row ^ mix((column * 0x9E3779B9) & 0xFFFFFFFF))
     return (x >> 8) / 2**24
 
 

@@ -36,6 +36,8 @@ PARTS = ((ModelRunner, "read_progress"), (ModelRunner, "read_outputs"), (ModelRu
          (Scheduler, "harvest"), (Scheduler, "resume"), (EpisodeRun, "turn_text"), (EpisodeRun, "record_turn"),
          (EpisodeRun, "add_step"))
 """What the boundary phases call, timed inside them (indented in the table)."""
+LAST_START = "  harvest -> last tool started"
+"""From the start of a harvest that ended turns to the start of its last environment step (part of `_harvest`)."""
 FORWARD = "extend forward"
 """The observation prefill's forward inside the runner's `extend` (`multiturn_trace.instrument_forwards`): the model's
 work, taken out of the boundary's host time."""
@@ -48,6 +50,13 @@ class Phases:
     def __init__(self) -> None:
         self.totals: collections.Counter = collections.Counter()
         self.profiler: cProfile.Profile | None = None
+
+    def count_tool_starts(self, loop, start: float) -> None:
+        """After a harvest that started environment steps: how long after the harvest began the last one started
+        (its critical path: the turn boundary waits for that step's answer)."""
+        started = [moment for moment in getattr(loop, "started_at", {}).values() if moment >= start]
+        if started:
+            self.totals[LAST_START] += max(started) - start
 
     def timed(self, function, name: str):
         """`function` (sync or async) adding its host seconds to `totals[name]`."""
@@ -71,6 +80,8 @@ class Phases:
                     return await function(*args, **kwargs)
                 finally:
                     leave(start)
+                    if name == "_harvest":
+                        phases.count_tool_starts(args[0], start)
             return call_async
 
         @functools.wraps(function)

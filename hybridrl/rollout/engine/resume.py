@@ -86,9 +86,9 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def resume_uniforms(keys: torch.Tensor, columns: int) -> torch.Tensor:
     """keys (R,) int64 -> (R, columns) float32 uniforms in [0, 1), column c of row r a hash of (keys[r], c): a pure
     function of the key, so the draws of a resumed turn do not depend on which other resumes share its batch."""
-    column = torch.arange(columns, device=keys.device)
-    low, high = (keys & _MASK32)[:, None], ((keys >> 32) & _MASK32)[:, None]
-    x = _mix32(_mix32(_mix32((column * 0x9E3779B9) & _MASK32)[None, :] ^ high) ^ low)
+    column = _mix32((torch.arange(columns, device=keys.device) * 0x9E3779B9) & _MASK32)  # (columns,)
+    row = _mix32(_mix32(keys & _MASK32) ^ ((keys >> 32) & _MASK32))  # (R,): one 32-bit seed per key
+    x = _mix32(row[:, None] ^ column[None, :])  # the only (R, columns) pass
     return (x >> 8).to(torch.float32) * 2.0**-24
 
 
