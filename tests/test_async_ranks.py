@@ -89,7 +89,9 @@ def run_rank(rank: int, port: int, out: str, mode: str) -> None:
 
 
 def train_two_ranks(out, mode: str) -> list[dict]:
-    mp.start_processes(run_rank, args=(free_port(), str(out), mode), nprocs=2, join=True, start_method="fork")
+    # spawned, not forked: a fork of a test process that earlier tests left with threads (workers, gloo loops) can
+    # inherit a lock held by one of them and hang at its first step
+    mp.start_processes(run_rank, args=(free_port(), str(out), mode), nprocs=2, join=True, start_method="spawn")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -117,3 +119,18 @@ def test_after_each_push_the_rollout_process_holds_the_trainers_gathered_weights
 def test_several_training_processes_need_the_process_worker(tmp_path):
     with pytest.raises(ConfigError, match="trainer.rollout_worker=process"):
         make_trainer(str(tmp_path), trainer__max_staleness=1, trainer__rollout_worker="thread")
+
+
+def test_the_cli_runs_two_training_processes_beside_a_rollout_process(tmp_path):
+    """`hybridrl train ... trainer.num_gpus=2 trainer.max_staleness=1 trainer.rollout_worker=process` through torchrun
+    (bf16, FSDP, a checkpoint after every step: rank 0 saves the queued batch, rank 1 none)."""
+    from test_distributed import _cli_overrides, _train
+
+    out = tmp_path / "run"
+    _train(tmp_path, [*_cli_overrides(tmp_path, out, steps=3, num_gpus=2), "trainer.max_staleness=1",
+                      "trainer.rollout_worker=process", "algorithm.rollout_correction_cap=2.0"])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["rollout/staleness_max"] for row in rows] == [0.0, 1.0, 1.0]
+    assert all(row["actor/grad_norm"] > 0 for row in rows)
+    saved = json.loads((out / "checkpoints" / "step_000002" / "trainer.json").read_text())
+    assert [item["step"] for item in saved["pipeline"]["queued"]] == [3]

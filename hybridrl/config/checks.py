@@ -265,10 +265,10 @@ def validate_env(config: Config) -> None:
     _require(config.rollout.backend != "vllm",
              "rollout.backend=vllm cannot generate multi-turn episodes (env.environment or env.tools is set); use "
              "rollout.backend=builtin, hf or auto.")
-    _require(config.trainer.max_staleness == 0 or config.trainer.rollout_worker == "thread",
-             "trainer.rollout_worker=process generates single-turn rollouts only for now (the environment's code stays "
-             "in the training process); use trainer.rollout_worker=thread or trainer.max_staleness=0 with "
-             "env.environment or env.tools.")
+    _require(config.trainer.max_staleness == 0 or config.trainer.num_gpus == 1,
+             "trainer.max_staleness > 0 with several training processes runs single-turn rollouts only for now (the "
+             "rollout process would make every rank's episodes as one process); use trainer.num_gpus=1 or "
+             "trainer.max_staleness=0 with env.environment or env.tools.")
     _require(config.rollout.engine.attention != "triton",
              "rollout.engine.attention=triton keeps one response per KV slot and cannot continue an episode with "
              "observations; use rollout.engine.attention=auto or sdpa with env.environment or env.tools.")

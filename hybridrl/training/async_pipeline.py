@@ -46,7 +46,7 @@ With k = 0 the trainer's own synchronous loop runs and this module is not used. 
   the trainer's), and with `env:` it generates multi-turn episodes through the run's `EpisodeRollout`.
 
 Where the worker runs: here, a thread (`RolloutWorker`); `rollout_process.py` puts the same schedule in a process of
-its own (single-turn, one round), beside one or several training processes.
+its own (one round; `env:` episodes with its own environments), beside one or several training processes.
 """
 
 from __future__ import annotations
@@ -181,9 +181,10 @@ class BatchQueue:
             self.condition.notify_all()
 
     def fail(self, error: BaseException) -> None:
-        """Hand `error` to the trainer, which raises it with the worker named."""
+        """Hand `error` to the trainer, which raises it with the worker named; the first one stays (a rollout process
+        that stopped on an error also breaks the weight push afterwards)."""
         with self.condition:
-            self.error = error
+            self.error = self.error or error
             self.condition.notify_all()
 
     def wait_for(self, step: int, timeout_s: float) -> Trajectories:

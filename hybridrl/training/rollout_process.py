@@ -7,7 +7,9 @@ broadcasts each published version (`parallel/weight_push.py`, in buckets, into t
 and another receives the generated batches and scores them with the trainer's rewards (`RLTrainer.score`, the
 whole batch in that process) while the trainer updates. The worker process only generates: it holds the data set
 and the sampler (its position travels with each batch, for checkpoints), and generates the batch of step b with
-version `needed_version(b, k)` (`async_pipeline.py`), receiving versions in order as it needs them.
+version `needed_version(b, k)` (`async_pipeline.py`), receiving versions in order as it needs them. With `env:` it
+makes the episodes itself, with environments and tool workers of its own built from the config (one training
+process; dynamic sampling, whose rounds depend on the trainer's scores, stays with the thread worker).
 
 With several training processes the worker makes each rank's share of the prompts with that rank's seed
 (`sharding.rank_share`), the batch the ranks would have generated themselves; rank 0 hands the scored batch to
@@ -26,11 +28,13 @@ import dataclasses
 import socket
 import threading
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
+from hybridrl.envs.base import EnvironmentCodeError
 from hybridrl.parallel.weight_push import (
     RolloutPeerError,
     broadcast_tensors,
@@ -51,6 +55,7 @@ from hybridrl.training.async_pipeline import (
     score_batch,
 )
 from hybridrl.training.components import build_rollout
+from hybridrl.training.episodes import build_environment, build_episode_rollout
 
 TRAINER_RANK, WORKER_RANK = 0, 1
 
@@ -68,7 +73,9 @@ def join_links(port: int, rank: int, timeout_s: float) -> tuple[Any, Any]:
 
 
 def serve_rollouts(port: int, job: dict[str, Any]) -> None:
-    """The rollout process: generate the batches of `first_step`..`last_step` and send them to the trainer."""
+    """The rollout process: generate the batches of `first_step`..`last_step` and send them to the trainer. With
+    `env:` it runs the episodes itself (its own environments and tool workers, built from the config); an
+    environment's error is sent to the trainer as the step's record, which raises it as the user's error."""
     torch.set_num_threads(job["threads"])  # as the trainer's process was set (a fresh process has torch's default)
     weights_link, batches_link = join_links(port, WORKER_RANK, job["timeout_s"])
     config, parts = job["config"], job["parts"]
@@ -76,23 +83,41 @@ def serve_rollouts(port: int, job: dict[str, Any]) -> None:
     if parts.device.type == "cuda":
         torch.cuda.set_device(parts.device)
     backend = build_rollout(config, model, parts.tokenizer, parts.device)
+    episodes = build_episode_rollout(config, build_environment(config), parts.tokenizer, backend, parts.pad_token_id)
     sampler = parts.dataset.sampler(config.trainer.prompts_per_step)
     sampler.load_state_dict(job["sampler_state"])
     version, base = job["version"], job["sampling"]
-    for step in range(job["first_step"], job["last_step"] + 1):
-        while version < needed_version(step, job["max_staleness"]):  # versions arrive in order, one per update
-            push_weights(model, TRAINER_RANK, group=weights_link)
-            version += 1
-        indices = next(sampler)
-        start = time.perf_counter()
-        # RLTrainer.sampling_params's seed grows by one per step (first generation round)
-        params = dataclasses.replace(base, seed=base.seed + step)
-        with torch.no_grad():
-            batch = generate_batch(backend, parts, parts.dataset.batch(indices)["prompt_ids"], params,
-                                   job["num_ranks"])
-        send_object({"step": step, "version": version, "indices": indices, "sampler_state": sampler.state_dict(),
-                     "batch": batch, "generate_s": time.perf_counter() - start}, TRAINER_RANK, group=batches_link)
+    with episodes or nullcontext():  # the tool workers end with the process's work
+        for step in range(job["first_step"], job["last_step"] + 1):
+            while version < needed_version(step, job["max_staleness"]):  # versions arrive in order, one per update
+                push_weights(model, TRAINER_RANK, group=weights_link)
+                version += 1
+            indices = next(sampler)
+            start = time.perf_counter()
+            # RLTrainer.sampling_params's seed grows by one per step (first generation round)
+            params = dataclasses.replace(base, seed=base.seed + step)
+            record = {"step": step, "version": version, "indices": indices}
+            try:
+                record.update(generate_step(backend, episodes, parts, indices, params, job["num_ranks"]))
+            except EnvironmentCodeError as error:
+                send_object({**record, "error": str(error)}, TRAINER_RANK, group=batches_link)
+                batches_link.barrier()  # the trainer has the error before this process goes away
+                return
+            send_object({**record, "sampler_state": sampler.state_dict(), "generate_s": time.perf_counter() - start},
+                        TRAINER_RANK, group=batches_link)
     batches_link.barrier()  # the trainer has received everything before the links go away
+
+
+@torch.no_grad()
+def generate_step(backend: Any, episodes: Any, parts: Any, indices: list[int], params: Any,
+                  num_ranks: int) -> dict[str, Any]:
+    """One step's batch (single-turn, or `env:` episodes) and its rollout metrics."""
+    prompts = parts.dataset.batch(indices)
+    if episodes is None:
+        return {"batch": generate_batch(backend, parts, prompts["prompt_ids"], params, num_ranks), "metrics": {}}
+    batch, metrics = episodes.generate(backend, prompts, params)
+    backend.release_memory()
+    return {"batch": batch.to(torch.device("cpu")), "metrics": metrics}
 
 
 @dataclasses.dataclass
@@ -167,8 +192,14 @@ class ProcessWorker(BatchQueue):
         try:
             for step in range(self.first_step, self.last_step + 1):
                 record = receive_object(WORKER_RANK, f"the batch of step {step}", group=self.batches_link)
-                self.deliver(step, score_batch(self.trainer, step, record["version"], record["indices"],
-                                               record["sampler_state"], record["batch"], record["generate_s"]))
+                if "error" in record:  # the environment's code raised in the rollout process
+                    self.fail(EnvironmentCodeError(record["error"]))
+                    self.batches_link.barrier()
+                    return
+                item = score_batch(self.trainer, step, record["version"], record["indices"], record["sampler_state"],
+                                   record["batch"], record["generate_s"])
+                item.rollout_metrics = record["metrics"]
+                self.deliver(step, item)
             self.batches_link.barrier()  # every version was pushed before the last batch was generated
         except BaseException as error:
             self.fail(error)
