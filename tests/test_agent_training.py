@@ -420,8 +420,8 @@ def test_multi_turn_config_mistakes_are_one_sentence_naming_the_key(tmp_path):
     assert "rollout.backend=vllm cannot" in error(env__tools=["python"], rollout__backend="vllm")
     assert "env.tools[1]='calc'" in error(env__tools=["python", "calc"])
     assert "env.max_turns" in error(env__environment="env.py:Guess", env__max_turns=0)
-    assert "trainer.rollout_worker=thread" in error(env__tools=["python"], trainer__max_staleness=1,
-                                                    trainer__rollout_worker="process")
+    assert "several training processes" in error(env__tools=["python"], trainer__max_staleness=1, trainer__num_gpus=2,
+                                                 trainer__rollout_worker="process")
     assert "rollout.engine.attention=triton" in error(env__tools=["python"], rollout__engine__attention="triton")
     paged = load_config(None, env__tools=["python"], rollout__engine__kv_cache="paged", rollout__engine__attention="auto")
     assert paged.rollout.engine.kv_cache == "paged"  # episodes run on the paged layout (tests/test_paged_multiturn.py)
