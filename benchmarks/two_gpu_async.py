@@ -234,7 +234,7 @@ def time_push(shape_name: str, shape: dict, source: str, target: str, repeats: i
     mailbox, publish, load = WeightMailbox(), [], []
     for version in range(1, repeats + 1):
         start = time.perf_counter()
-        mailbox.publish(version, models[source], torch.device(target))
+        mailbox.publish(version, models[source].state_dict(), torch.device(target))
         publish.append(time.perf_counter() - start)
         start = time.perf_counter()
         models[target].load_state_dict(mailbox.take(version))
