@@ -1,7 +1,7 @@
 """Recompute preemption on the paged KV cache (`engine/preemption.py`): which context a re-admitted sequence prefills
 again; multi-turn first turns preempted mid-turn that continue after their kept tokens, equal to the per-slot
-layout's episodes; forced response lengths through preemption; GRPO steps on a preempting paged cache equal to the
-contiguous ones. (Single-turn engine runs over seeds and pools, with the decoded-token count, are in
+layout's episodes; forced response lengths through preemption; GRPO steps and a LoRA policy on a preempting paged
+cache equal to the contiguous ones. (Single-turn engine runs over seeds and pools, with the decoded-token count, are in
 test_paged_kv.py.)"""
 
 from __future__ import annotations
@@ -109,3 +109,18 @@ def test_grpo_steps_on_a_preempting_paged_cache_equal_the_contiguous_ones(tmp_pa
         for key in ("rollout/response_length_mean", "reward/mean"):
             assert paged[key] == contiguous[key], key
         assert abs(paged["actor/policy_loss"] - contiguous["actor/policy_loss"]) < 1e-5
+
+
+def test_a_lora_policy_on_a_preempting_paged_cache_samples_the_contiguous_tokens():
+    """Readiness for `auto`: a LoRA adapter (read in place by decode, prefill and the refill's `extend`), sampled, with
+    a pool of 10 blocks of 4: preempted and refilled sequences give the contiguous cache's tokens and log-probs."""
+    from test_builtin_engine import PROMPTS, make_lora_model
+    from test_paged_kv import assert_same_generations
+
+    model = make_lora_model("qwen2")
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=1, ignore_eos=True)
+    contiguous = BuiltinBackend(model, sync_every=3).generate(PROMPTS, params)
+    engine = BuiltinBackend(model, kv_cache="paged", kv_block_size=4, sync_every=3,
+                            kv_cache_memory=memory_for_blocks(model, 10, 4))
+    assert_same_generations(engine.generate(PROMPTS, params), contiguous)
+    assert engine.last_stats["preemptions"] > 0 and engine.last_stats["refilled_tokens"] > 0
