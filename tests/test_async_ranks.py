@@ -38,10 +38,10 @@ def learning_metrics(history):
     return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in history]
 
 
-def make_trainer(out: str, **overrides) -> RLTrainer:
+def make_trainer(out: str, reward=contains_seven, **overrides) -> RLTrainer:
     actor = tiny_actor()
     dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
-    return RLTrainer(actor=actor, reward_fn=contains_seven, dataset=dataset,
+    return RLTrainer(actor=actor, reward_fn=reward, dataset=dataset,
                      **{**SETTINGS, "trainer__output_dir": out, **overrides})
 
 
@@ -64,11 +64,32 @@ class RecordingWorker(rollout_process.ProcessWorker):
     serve = staticmethod(serve_and_record)
 
 
+SCORED = []
+
+
+def fails_on_batch_3(prompts, completions, **columns):
+    SCORED.append(1)
+    if len(SCORED) == 3:
+        raise ValueError("the grader is down")
+    return contains_seven(prompts, completions)
+
+
+fails_on_batch_3.__name__ = "contains_seven"
+
+
 def run_rank(rank: int, port: int, out: str, mode: str) -> None:
-    """One training rank: `sync` (the synchronous loop), `k0` (the pipeline with max_staleness=0) or `k1`."""
+    """One training rank: `sync` (the synchronous loop), `k0` (the pipeline with max_staleness=0), `k1`, or `fails`
+    (k=1, the reward raising on the batch of step 3; each rank writes what it raised)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), HYBRIDRL_WATCHDOG="0")
     torch.set_num_threads(1)
+    if mode == "fails":
+        try:
+            make_trainer(out, reward=fails_on_batch_3, trainer__max_staleness=1, trainer__total_steps=4).train()
+        except Exception as error:
+            with open(os.path.join(out, f"error_rank{rank}.txt"), "w") as file:
+                file.write(f"{type(error).__name__}: {error}")
+        return
     trainer = make_trainer(out, **({"trainer__max_staleness": 1} if mode == "k1" else {}))
     if mode == "k0":
         trainer.pipeline = AsyncPipeline(trainer, 0, rollout_process.ProcessWorker)
@@ -134,3 +155,16 @@ def test_the_cli_runs_two_training_processes_beside_a_rollout_process(tmp_path):
     assert all(row["actor/grad_norm"] > 0 for row in rows)
     saved = json.loads((out / "checkpoints" / "step_000002" / "trainer.json").read_text())
     assert [item["step"] for item in saved["pipeline"]["queued"]] == [3]
+
+
+def test_a_reward_raising_in_rank_0s_worker_stops_every_rank_after_saving_the_finished_steps(tmp_path):
+    """Rank 0 scores the worker's batches; its reward raising on the batch of step 3 is raised on both ranks (rank 1:
+    the same sentence, from rank 0), which save steps 1-2 together first, as the synchronous loop does."""
+    out = tmp_path / "run"
+    out.mkdir()
+    mp.start_processes(run_rank, args=(free_port(), str(out), "fails"), nprocs=2, join=True, start_method="spawn")
+    errors = [(out / f"error_rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert all(error.startswith("RewardError") and "the grader is down" in error for error in errors), errors
+    assert "The 2 finished step(s) are saved" in errors[0] and "(on training rank 0)" in errors[1], errors
+    saved = json.loads((out / "checkpoints" / "step_000002" / "trainer.json").read_text())
+    assert saved["step"] == 2 and saved["pipeline"]["queued"] == []
