@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.greedy_accuracy import greedy_accuracy, read_rows, sampled_pass_rates
-from hybridrl.cli import DEMO_CONFIGS, DEMO_TEACHERS
+from hybridrl.cli import DEMO_CONFIGS, DEMO_SFT_OVERRIDES, DEMO_TEACHERS
 from hybridrl.config.loading import load_config
 from hybridrl.data.tasks import write_arithmetic_task
 from hybridrl.models.loading import build_tiny_model, save_hf_model
@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TASKS = {  # name -> (the teacher's slips: write_arithmetic_task's keyword arguments, extra SFT overrides)
     "demo": (DEMO_TEACHERS["arithmetic"], []),
     "clean": ({}, ["sft.max_steps=2000"]),  # examples/clean_teacher_experiment.sh's SFT
-    "carry": (DEMO_TEACHERS["carry"], []),  # the teacher forgets carries and borrows (tasks.slipped_answer)
+    "carry": (DEMO_TEACHERS["carry"], DEMO_SFT_OVERRIDES["carry"]),  # forgets carries and borrows (tasks.slipped_answer)
 }
 SIDES = ("hybridrl", "trl")
 TRL_VENV_HINT = "python3 -m venv /tmp/trl-venv && /tmp/trl-venv/bin/pip install torch==2.13.0 trl"
