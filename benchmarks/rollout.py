@@ -15,7 +15,9 @@ compiled engine is also timed with `attention="triton"` (prefix-shared KV: each 
 decode kernel; `--no-triton` skips it), in the same run and the same table, with its own log-prob mismatch and
 greedy agreement; so is the triton engine with `fuse_qkv=True` (one stacked q/k/v matmul per layer, whose raw
 output the kernel biases and rotates itself) and with `fuse_qkv` and `fuse_gate_up` (also one gate/up matmul);
-`--no-fused-qkv` skips those two. The first `generate` of a fresh engine compiles; it is timed on its own
+`--no-fused-qkv` skips those two. `--paged` adds the engine on the paged KV cache (`kv_cache="paged"`, fused q/k/v
+and gate/up, its own attention through the block table), timed and checked the same way (the paged/contiguous
+speed comparison with alternating calls is `benchmarks/long_tail.py --shape grpo-0.5b`). The first `generate` of a fresh engine compiles; it is timed on its own
 ("compile + first call") and not in the engine's tokens/s, because the trainer reuses the compiled code every
 step. Each timed run still includes KV allocation and CUDA-graph capture (`warmup_s` in its stats).
 
@@ -68,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also time the compiled engine with SDPA restricted to the mem-efficient backend")
     parser.add_argument("--no-triton", action="store_true", help="skip the attention='triton' engine")
     parser.add_argument("--no-fused-qkv", action="store_true", help="skip the triton engine with fuse_qkv=True")
+    parser.add_argument("--paged", action="store_true", help="also the engine on the paged KV cache")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one engine run (each engine)")
     return parser
 
@@ -255,13 +258,14 @@ def floor(model, num_prompts: int, n: int, prompt_len: int, response_len: int, b
 
 
 def time_triton(model, prompts, params, args, device: str, float32_tokens: list[list[int]] | None = None,
-                fuse_qkv: bool = False, fuse_gate_up: bool = False) -> dict:
+                fuse_qkv: bool = False, fuse_gate_up: bool = False, kv_cache: str = "contiguous") -> dict:
     """The compiled engine with the prefix-shared attention ("triton"), timed and checked like the sdpa one;
     `fuse_qkv` / `fuse_gate_up` add the stacked q/k/v / gate-up projections (with fused q/k/v the kernel applies
-    the bias and RoPE itself)."""
+    the bias and RoPE itself); `kv_cache="paged"`: the paged cache and its attention instead."""
     engine = BuiltinBackend(model, kv_cache_memory=args.kv_cache_memory, use_cuda_graphs=not args.no_cuda_graphs,
-                            compile=False if args.no_compile else None, attention="triton", fuse_qkv=fuse_qkv,
-                            fuse_gate_up=fuse_gate_up)
+                            compile=False if args.no_compile else None,
+                            attention="auto" if kv_cache == "paged" else "triton", fuse_qkv=fuse_qkv,
+                            fuse_gate_up=fuse_gate_up, kv_cache=kv_cache)
     result = time_engine(engine, prompts, params, args.repeats)
     result["stats"]["attention"] = (result["stats"].get("attention", "") + (" + fused qkv" if fuse_qkv else "")
                                     + (" + fused gate/up" if fuse_gate_up else ""))
@@ -375,6 +379,8 @@ def main(argv: list[str] | None = None) -> None:
         if fused else None,
         "engine_triton_fused_qkv_gate_up": time_triton(model, prompts, params, args, device, float32_tokens,
                                                        fuse_qkv=True, fuse_gate_up=True) if fused else None,
+        "engine_paged": time_triton(model, prompts, params, args, device, float32_tokens, fuse_qkv=True,
+                                    fuse_gate_up=True, kv_cache="paged") if triton and args.paged else None,
     }
     hf = time_hf(model, prompts, args.hf_sequences, args.response_len, device) if args.hf_sequences else None
     if hf:
@@ -412,7 +418,7 @@ def print_table(result: dict) -> None:
 
     rows = [table_row(compiled(ours, "sdpa"), ours)]
     prefix_shared = [result[key] for key in ("engine_triton", "engine_triton_fused_qkv",
-                                             "engine_triton_fused_qkv_gate_up") if result.get(key)]
+                                             "engine_triton_fused_qkv_gate_up", "engine_paged") if result.get(key)]
     rows += [table_row(compiled(shared, shared["stats"].get("attention")), shared) for shared in prefix_shared]
     if result["engine_sdpa_efficient"]:
         rows.append(table_row("engine (SDPA mem-efficient)", result["engine_sdpa_efficient"]))
@@ -421,9 +427,9 @@ def print_table(result: dict) -> None:
     if hf:
         rows.append(table_row(f"hf generate ({hf['sequences']} seqs)", hf))
     rows.append(("floor (computed)", f"{ours['tokens']}", f"{bound['seconds']:.3f}", f"{bound['tokens_per_s']:,.0f}", "-"))
-    print(f"\n{'':48} {'tokens':>8} {'seconds':>8} {'tok/s':>10} {'peak GiB':>9}")
+    print(f"\n{'':56} {'tokens':>8} {'seconds':>8} {'tok/s':>10} {'peak GiB':>9}")
     for row in rows:
-        print(f"{row[0]:48} {row[1]:>8} {row[2]:>8} {row[3]:>10} {row[4]:>9}")
+        print(f"{row[0]:56} {row[1]:>8} {row[2]:>8} {row[3]:>10} {row[4]:>9}")
     speedup = f"{result['speedup_vs_hf']:.1f}x" if result["speedup_vs_hf"] else "n/a"
     mismatch = result["logprob_mismatch"]
     print(f"% of floor: {result['percent_of_floor']:.1f}   speedup vs HF: {speedup}   "
