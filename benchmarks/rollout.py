@@ -19,7 +19,8 @@ output the kernel biases and rotates itself) and with `fuse_qkv` and `fuse_gate_
 and gate/up, its own attention through the block table), timed and checked the same way (the paged/contiguous
 speed comparison with alternating calls is `benchmarks/long_tail.py --shape grpo-0.5b`). The first `generate` of
 a fresh engine compiles; it is timed on its own ("compile + first call") and not in the engine's tokens/s, because
-the trainer reuses the compiled code every step. Each timed run still includes KV allocation and CUDA-graph capture (`warmup_s` in its stats).
+the trainer reuses the compiled code every step. Each timed run still includes KV allocation and CUDA-graph
+capture (`warmup_s` in its stats).
 
 The floor is computed, not measured: every decode step must read the weights once and each sequence's
 keys/values for its current context (no prefix-shared attention assumed, so the triton engine is not
