@@ -9,7 +9,7 @@ Choices:
   the column, computed on the device for the whole chunk (`resume_uniforms`). The same numbers whatever order the
   environments answer in and whichever resumes share a chunk, on CPU and GPU alike, with no generator per episode
   (seeding and drawing hundreds of host generators per wave was host time at every turn boundary).
-- The batch is built from one flat list of ids and goes to the device in one pinned copy (`_host_batch`).
+- The batch is built from one flat list of ids and goes to the device in one pinned copy (`host_batch`).
 - CUDA graphs for small waves: a wave of few tokens is bound by the host, which launches two compiled pieces and
   two indexing ops per layer, not by the GPU, which runs them in less time. A wave of at most `GRAPH_MAX_TOKENS`
   tokens once padded to its bucket (`graph_bucket`: rows to a power of two, ids to a multiple of 8) runs as a
