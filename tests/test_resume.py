@@ -108,6 +108,9 @@ class EagerGraphs:
         self.keys.append(key)
         run_step()
 
+    def capture_ahead(self, key, signature, run_step, counts):
+        return False  # a step captured ahead replays like any other here
+
     def drop(self):
         self.inputs, self.graphs = {}, {}
 
@@ -177,3 +180,25 @@ def test_graphed_extend_on_cuda_equals_the_reference(dtype):
         for slot, ids in zip(slots, new):
             contexts[slot] = contexts[slot] + ids
     assert list(graphs.graphs) == [("extend", 4, 16, 64)]
+
+
+def test_decode_graphs_capture_ahead_only_signatures_warmed_before_and_each_key_once_per_call():
+    """`capture_ahead` records a step before it is due only when an earlier call warmed its signature (a warm-up would
+    run the step for real), without synchronizing, once per key and call; a key with a graph is left alone."""
+    from hybridrl.rollout.engine.graphs import CaptureCounts, DecodeGraphs
+
+    graphs, counts, captured = DecodeGraphs(), CaptureCounts(), []
+    graphs.warmed.add(("warmed",))
+
+    def capture(key, run_step, synchronize):
+        captured.append((key, synchronize))
+        graphs.graphs[key] = object()
+    graphs.capture = capture
+    never = lambda: pytest.fail("a step captured ahead must not run")  # noqa: E731
+    assert not graphs.capture_ahead((4, 256), lambda: ("not warmed",), never, counts)
+    assert not graphs.capture_ahead((4, 256), lambda: ("warmed",), never, counts)  # tried in this call already
+    assert graphs.capture_ahead((4, 384), lambda: ("warmed",), never, counts)
+    assert not graphs.capture_ahead((4, 384), lambda: ("warmed",), never, counts)  # has its graph
+    assert captured == [((4, 384), False)] and counts.captures_without_warmup == 1
+    graphs.drop()  # the next call
+    assert graphs.capture_ahead((4, 256), lambda: ("warmed",), never, counts) and captured[-1] == ((4, 256), False)

@@ -60,6 +60,7 @@ class DecodeGraphs:
     def __init__(self) -> None:
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.inputs: dict[Hashable, object] = {}
+        self.tried_ahead: set[Hashable] = set()
         self.pool = None
         self.warmed: set[tuple] = set()
         # One warm-up and one capture stream for the engine's life: cuBLAS keeps a workspace per stream it has run
@@ -69,7 +70,7 @@ class DecodeGraphs:
     def drop(self) -> None:
         """Forget the captured graphs and their static inputs (their tensors are freed or replaced); warmed signatures
         stay."""
-        self.graphs, self.inputs, self.pool = {}, {}, None
+        self.graphs, self.inputs, self.tried_ahead, self.pool = {}, {}, set(), None
 
     def step(self, key: Hashable, signature: Callable[[], tuple], run_step: Callable[[], None],
              counts: CaptureCounts, before_replay: Callable[[], None] = lambda: None) -> None:
@@ -91,6 +92,23 @@ class DecodeGraphs:
                 return
         before_replay()
         graph.replay()
+
+    def capture_ahead(self, key: Hashable, signature: Callable[[], tuple], run_step: Callable[[], None],
+                      counts: CaptureCounts) -> bool:
+        """Capture a step before it is due, while the GPU still runs earlier work (recording launches nothing), so
+        that when it is due it replays at once instead of leaving the GPU idle for its recording. Only a signature
+        warmed before can be (a warm-up runs the step for real, which a step not due yet must not); each key is tried
+        once per call. True when it captured."""
+        if key in self.graphs or key in self.tried_ahead:
+            return False
+        self.tried_ahead.add(key)
+        start = time.perf_counter()
+        if signature() not in self.warmed:
+            return False
+        self.capture(key, run_step, synchronize=False)
+        counts.captures_without_warmup += 1
+        counts.warmup_s += time.perf_counter() - start
+        return True
 
     def warm_up(self, run_step: Callable[[], None]) -> None:
         """Run the step for real on the side stream (compiling whatever it needs) before it is captured."""

@@ -57,6 +57,7 @@ from hybridrl.envs.episode import Episode
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.kernel_choices import attention_path
 from hybridrl.rollout.engine.kv_cache import PrefixSharedKVCache
+from hybridrl.rollout.engine.runner import KV_LEN_BUCKET
 from hybridrl.rollout.engine.scheduler import Scheduler
 from hybridrl.rollout.multiturn import EpisodeRun, close_runs
 
@@ -110,7 +111,11 @@ class EpisodeLoop:
                 if scheduler.live:
                     steps = scheduler.steps_until_sync(self.backend.sync_every, params.max_new_tokens)  # 4.
                     started = time.perf_counter()
-                    runner.decode(scheduler.batch_size(), runner.kv_len(scheduler.furthest_position() + steps), steps)
+                    batch, furthest = scheduler.batch_size(), scheduler.furthest_position() + steps
+                    runner.decode(batch, runner.kv_len(furthest), steps)
+                    # The next key bucket, recorded while the GPU runs this block, when the turn (or a resume's
+                    # observation) may reach it soon.
+                    runner.capture_decode_ahead(batch, runner.kv_len(furthest + KV_LEN_BUCKET // 2))
                     self.decode_blocks += 1
                     await self._harvest(scheduler)  # 5.
                     if steps == self.backend.sync_every:  # a full block; a short one is mostly its harvest

@@ -400,6 +400,15 @@ class ModelRunner:
                              before_replay=lambda: run.timeline.mark("replay"))
         run.stats.decode_steps += steps
 
+    def capture_decode_ahead(self, batch: int, kv_len: int) -> None:
+        """Record the decode step at (batch, kv_len) before it is due, if its signature was warmed in an earlier call
+        (`DecodeGraphs.capture_ahead`): called just after a decode block is launched, the host records it while the
+        GPU runs the block, not when the sequences reach that key bucket with the GPU waiting."""
+        run = self.run
+        if run.use_graphs and kv_len:
+            self.graphs.capture_ahead((batch, kv_len), lambda: self.step_signature(batch, kv_len),
+                                      lambda: self._decode_step(batch, kv_len), run.counts)
+
     def step_signature(self, batch: int, kv_len: int) -> tuple:
         """What the decode step of this call at (batch, kv_len) is specialised for (see `graphs.py`)."""
         run = self.run
