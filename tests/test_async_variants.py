@@ -16,11 +16,13 @@ from hybridrl.training.rollout_process import ROLLOUT_WORKERS
 DYNAMIC = dict(algorithm__dynamic_sampling=True, algorithm__dynamic_sampling_max_rounds=3, trainer__total_steps=3)
 
 
-def test_dynamic_sampling_through_the_pipeline_equals_the_synchronous_loop_bitwise(tmp_path):
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_dynamic_sampling_through_the_pipeline_equals_the_synchronous_loop_bitwise(tmp_path, worker):
+    """The process worker makes each further round when the trainer's side, having scored the last, asks for it."""
     synchronous = make_trainer(tmp_path / "sync", **DYNAMIC).train()
     assert max(row["rollout/dynamic_sampling_rounds"] for row in synchronous) > 1  # extra rounds ran, or this is moot
     trainer = make_trainer(tmp_path / "async", **DYNAMIC)
-    trainer.pipeline = AsyncPipeline(trainer, max_staleness=0)
+    trainer.pipeline = AsyncPipeline(trainer, max_staleness=0, worker_class=ROLLOUT_WORKERS[worker])
     through_pipeline = trainer.train()
     assert learning_metrics(through_pipeline) == [{**row, "rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0}
                                                   for row in learning_metrics(synchronous)]
@@ -44,9 +46,18 @@ def test_dynamic_sampling_with_staleness_one_keeps_only_informative_groups_and_r
     assert learning_metrics(resumed) == learning_metrics(full)
 
 
-def test_the_rollout_process_refuses_dynamic_sampling_in_one_sentence(tmp_path):
-    with pytest.raises(ConfigError, match="trainer.rollout_worker=thread"):
-        make_trainer(tmp_path, trainer__max_staleness=1, trainer__rollout_worker="process", **DYNAMIC)
+def test_dynamic_sampling_in_the_rollout_process_with_staleness_one_gives_the_thread_workers_metrics(tmp_path):
+    settings = dict(DYNAMIC, trainer__total_steps=4, trainer__max_staleness=1, algorithm__rollout_correction_cap=2.0)
+    thread = make_trainer(tmp_path / "thread", **settings).train()
+    assert sum(row["rollout/dynamic_sampling_rounds"] for row in thread) > 4, "the test needs a refill"
+    process = make_trainer(tmp_path / "process", trainer__rollout_worker="process", **settings).train()
+    assert learning_metrics(process) == learning_metrics(thread)
+
+
+def test_dynamic_sampling_with_several_training_processes_is_refused_in_one_sentence(tmp_path):
+    with pytest.raises(ConfigError, match="built for one training process"):
+        make_trainer(tmp_path, trainer__max_staleness=1, trainer__rollout_worker="process", trainer__num_gpus=2,
+                     **DYNAMIC)
 
 
 def test_trajectories_keep_their_rollout_metrics_and_columns_through_json():

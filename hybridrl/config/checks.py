@@ -148,10 +148,9 @@ def validate(config: Config) -> None:
              "trainer.max_staleness > 0 with several training processes gives the rollout process a plain copy of "
              "the model, which is not built for LoRA adapters; set model.lora_rank=0, trainer.num_gpus=1 or "
              "trainer.max_staleness=0.")
-    _require(t.max_staleness == 0 or t.rollout_worker == "thread" or not a.dynamic_sampling,
-             "algorithm.dynamic_sampling re-samples within a step by the step's scores, which the rollout process "
-             "(trainer.rollout_worker=process) does not do; set trainer.rollout_worker=thread, "
-             "algorithm.dynamic_sampling=false or trainer.max_staleness=0.")
+    _require(t.max_staleness == 0 or t.num_gpus == 1 or not a.dynamic_sampling,
+             "algorithm.dynamic_sampling with trainer.max_staleness > 0 is built for one training process; set "
+             "trainer.num_gpus=1, algorithm.dynamic_sampling=false or trainer.max_staleness=0.")
     validate_rollout_device(config)
     validate_partial_rollout(config)
     _require(mini % t.num_gpus == 0,

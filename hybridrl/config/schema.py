@@ -450,10 +450,10 @@ class TrainerConfig:
     rollout_worker: Literal["thread", "process"] = "thread"
     """With max_staleness > 0, where the rollout worker runs: a thread of the training process with a copy of the
     actor, or a process of its own (`training/rollout_process.py`) that gets each new version in bucketed
-    broadcasts (gloo on CPU) and sends its batches back; both give the same metrics. Dynamic sampling needs the
-    thread; the process runs `env:` episodes with environments of its own; several training processes
-    (trainer.num_gpus > 1) need the process, which makes each rank's share of the batch with that rank's seed and
-    gets the weights gathered from their shards."""
+    broadcasts (gloo on CPU) and sends its batches back; both give the same metrics (the process runs `env:`
+    episodes with environments of its own, and dynamic sampling's rounds as the trainer's side asks for them).
+    Several training processes (trainer.num_gpus > 1) need the process, which makes each rank's share of the
+    batch with that rank's seed and gets the weights gathered from their shards."""
     rollout_device: str = ""
     """With max_staleness > 0: the rollout worker's device by name (`cuda:1`, or `cpu`); `device_mesh.rollout` is
     the usual way to say it (set one of the two). The worker's copy of the actor and its rollout backend live

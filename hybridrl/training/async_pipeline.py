@@ -46,7 +46,8 @@ With k = 0 the trainer's own synchronous loop runs and this module is not used. 
   the trainer's), and with `env:` it generates multi-turn episodes through the run's `EpisodeRollout`.
 
 Where the worker runs: here, a thread (`RolloutWorker`); `rollout_process.py` puts the same schedule in a process of
-its own (one round; `env:` episodes with its own environments), beside one or several training processes.
+its own (`env:` episodes with its own environments; dynamic sampling's rounds as the trainer's side asks for them),
+beside one or several training processes.
 """
 
 from __future__ import annotations
@@ -268,6 +269,33 @@ def current_device(device: torch.device) -> Any:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def produce_rounds(trainer: Any, step: int, roll_out_and_score: Any) -> Trajectories:
+    """The batch of `step`: a round of prompts rolled out and scored (`roll_out_and_score(step, round)`), and with
+    `algorithm.dynamic_sampling` further rounds until it has enough informative groups, as the trainer's own step
+    does. Both workers build their batches here."""
+    rounds, config = [], trainer.config
+
+    def next_round(round_index: int) -> RolloutBatch:
+        rounds.append(roll_out_and_score(step, round_index))
+        return rounds[-1].batch
+
+    batch, counts = next_round(0), {}
+    if config.algorithm.dynamic_sampling:
+        batch, counts = keep_informative(batch, next_round, config.trainer.prompts_per_step,
+                                         config.algorithm.dynamic_sampling_max_rounds, trainer.parts.pad_token_id)
+    first = rounds[0]  # `reward/*` and the episodes' metrics: the first round's, as in the trainer's step
+    whole = batch is first.batch  # one round, as made (partial rollouts: the version may change within it)
+    version = int(rounds[-1].versions.max())  # several rounds: one version (no partial rollouts with them)
+    return Trajectories(step=step, versions=first.versions if whole else torch.full((len(batch),), version),
+                        token_versions=first.token_versions if whole else None,
+                        indices=[index for item in rounds for index in item.indices], batch=batch,
+                        reward_metrics=first.reward_metrics, sampler_state=rounds[-1].sampler_state,
+                        generate_s=sum(item.generate_s for item in rounds),
+                        reward_s=sum(item.reward_s for item in rounds),
+                        rollout_metrics={**first.rollout_metrics, **counts},
+                        samples=rounds[-1].samples)  # the last round's, as the trainer's step shows
+
+
 class RolloutWorker(threading.Thread, BatchQueue):
     """Generates and scores the batches of steps `first_step`..`last_step` in order, in a thread of the trainer's
     process with a copy of the actor (see the module docstring)."""
@@ -330,28 +358,7 @@ class RolloutWorker(threading.Thread, BatchQueue):
 
     @torch.no_grad()
     def produce(self, step: int) -> Trajectories:
-        """The batch of `step`: a round of prompts rolled out and scored, and with `algorithm.dynamic_sampling`
-        further rounds until it has enough informative groups, as the trainer's own step does."""
-        trainer, rounds, config = self.trainer, [], self.trainer.config
-
-        def next_round(round_index: int) -> RolloutBatch:
-            rounds.append(self.roll_out_and_score(step, round_index))
-            return rounds[-1].batch
-
-        batch, counts = next_round(0), {}
-        if config.algorithm.dynamic_sampling:
-            batch, counts = keep_informative(batch, next_round, config.trainer.prompts_per_step,
-                                             config.algorithm.dynamic_sampling_max_rounds, trainer.parts.pad_token_id)
-        first = rounds[0]  # `reward/*` and the episodes' metrics: the first round's, as in the trainer's step
-        whole = batch is first.batch  # one round, as made (partial rollouts: the version may change within it)
-        return Trajectories(step=step, versions=first.versions if whole else torch.full((len(batch),), self.version),
-                            token_versions=first.token_versions if whole else None,
-                            indices=[index for item in rounds for index in item.indices], batch=batch,
-                            reward_metrics=first.reward_metrics, sampler_state=rounds[-1].sampler_state,
-                            generate_s=sum(item.generate_s for item in rounds),
-                            reward_s=sum(item.reward_s for item in rounds),
-                            rollout_metrics={**first.rollout_metrics, **counts},
-                            samples=rounds[-1].samples)  # the last round's, as the trainer's step shows
+        return produce_rounds(self.trainer, step, self.roll_out_and_score)
 
     def roll_out_and_score(self, step: int, generation_round: int) -> Trajectories:
         """Fresh prompts from the data, their responses (or multi-turn episodes) and scores."""

@@ -9,7 +9,8 @@ whole batch in that process) while the trainer updates. The worker process only 
 and the sampler (its position travels with each batch, for checkpoints), and generates the batch of step b with
 version `needed_version(b, k)` (`async_pipeline.py`), receiving versions in order as it needs them. With `env:` it
 makes the episodes itself, with environments and tool workers of its own built from the config (one training
-process; dynamic sampling, whose rounds depend on the trainer's scores, stays with the thread worker).
+process). With dynamic sampling the trainer's side scores each round and tells the process whether the step needs
+another (`produce_rounds`, as the thread worker does), so the process waits for that answer after each round.
 
 With several training processes the worker makes each rank's share of the prompts with that rank's seed
 (`sharding.rank_share`), the batch the ranks would have generated themselves; rank 0 hands the scored batch to
@@ -25,6 +26,7 @@ dies makes the trainer's receive fail at once, naming rank 1; one that hangs is 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import socket
 import threading
 import time
@@ -51,6 +53,7 @@ from hybridrl.training.async_pipeline import (
     WeightMailbox,
     generate_batch,
     needed_version,
+    produce_rounds,
     rollout_device,
     score_batch,
 )
@@ -92,19 +95,24 @@ def serve_rollouts(port: int, job: dict[str, Any]) -> None:
             while version < needed_version(step, job["max_staleness"]):  # versions arrive in order, one per update
                 push_weights(model, TRAINER_RANK, group=weights_link)
                 version += 1
-            indices = next(sampler)
-            start = time.perf_counter()
-            # RLTrainer.sampling_params's seed grows by one per step (first generation round)
-            params = dataclasses.replace(base, seed=base.seed + step)
-            record = {"step": step, "version": version, "indices": indices}
-            try:
-                record.update(generate_step(backend, episodes, parts, indices, params, job["num_ranks"]))
-            except EnvironmentCodeError as error:
-                send_object({**record, "error": str(error)}, TRAINER_RANK, group=batches_link)
-                batches_link.barrier()  # the trainer has the error before this process goes away
-                return
-            send_object({**record, "sampler_state": sampler.state_dict(), "generate_s": time.perf_counter() - start},
-                        TRAINER_RANK, group=batches_link)
+            for generation_round in itertools.count():  # dynamic sampling: until the trainer has enough groups
+                indices = next(sampler)
+                start = time.perf_counter()
+                # RLTrainer.sampling_params's seed grows by one per step and by `round_stride` per round
+                params = dataclasses.replace(base, seed=base.seed + step + job["round_stride"] * generation_round)
+                record = {"step": step, "version": version, "indices": indices}
+                try:
+                    record.update(generate_step(backend, episodes, parts, indices, params, job["num_ranks"]))
+                except EnvironmentCodeError as error:
+                    send_object({**record, "error": str(error)}, TRAINER_RANK, group=batches_link)
+                    batches_link.barrier()  # the trainer has the error before this process goes away
+                    return
+                send_object({**record, "sampler_state": sampler.state_dict(),
+                             "generate_s": time.perf_counter() - start}, TRAINER_RANK, group=batches_link)
+                if not (config.algorithm.dynamic_sampling and
+                        receive_object(TRAINER_RANK, f"whether step {step} needs another round",
+                                       group=batches_link)["more"]):
+                    break
     batches_link.barrier()  # the trainer has received everything before the links go away
 
 
@@ -159,7 +167,9 @@ class ProcessWorker(BatchQueue):
         sampler_state = trainer.sampler.state_dict()
         job = {"config": trainer.config, "timeout_s": timeout_s, "threads": torch.get_num_threads(),
                "max_staleness": self.max_staleness, "first_step": self.first_step, "last_step": self.last_step,
-               "version": self.version, "sampler_state": sampler_state, "sampling": trainer.sampling_params(step=0),
+               "version": self.version, "sampler_state": sampler_state, "sampling": trainer.sampling_params(step=0, generation_round=0),
+               "round_stride": trainer.sampling_params(step=0, generation_round=1).seed
+               - trainer.sampling_params(step=0, generation_round=0).seed,
                "num_ranks": parts.setup.world_size,
                "parts": WorkerParts(self.model.cpu(), parts.tokenizer, parts.pad_token_id, parts.dataset,
                                     rollout_device(trainer))}
@@ -189,20 +199,33 @@ class ProcessWorker(BatchQueue):
             thread.join(STOP_WAIT_S)
 
     def receive_batches(self) -> None:
+        """Each step's rounds (`produce_rounds`: with dynamic sampling the trainer's side decides whether the process
+        makes another), scored here and handed to the trainer."""
+        dynamic = self.trainer.config.algorithm.dynamic_sampling
         try:
             for step in range(self.first_step, self.last_step + 1):
-                record = receive_object(WORKER_RANK, f"the batch of step {step}", group=self.batches_link)
-                if "error" in record:  # the environment's code raised in the rollout process
-                    self.fail(EnvironmentCodeError(record["error"]))
-                    self.batches_link.barrier()
-                    return
-                item = score_batch(self.trainer, step, record["version"], record["indices"], record["sampler_state"],
-                                   record["batch"], record["generate_s"])
-                item.rollout_metrics = record["metrics"]
+                item = produce_rounds(self.trainer, step, self.receive_round)
+                if dynamic:
+                    send_object({"more": False}, WORKER_RANK, group=self.batches_link)
                 self.deliver(step, item)
             self.batches_link.barrier()  # every version was pushed before the last batch was generated
+        except EnvironmentCodeError as error:  # raised in the rollout process, which waits until this side has it
+            self.fail(error)
+            self.batches_link.barrier()
         except BaseException as error:
             self.fail(error)
+
+    def receive_round(self, step: int, generation_round: int) -> Any:
+        """The rollout process's next round of `step` (asking for it after the first), scored."""
+        if generation_round:
+            send_object({"more": True}, WORKER_RANK, group=self.batches_link)
+        record = receive_object(WORKER_RANK, f"the batch of step {step}", group=self.batches_link)
+        if "error" in record:  # the environment's code raised in the rollout process
+            raise EnvironmentCodeError(record["error"])
+        item = score_batch(self.trainer, step, record["version"], record["indices"], record["sampler_state"],
+                           record["batch"], record["generate_s"])
+        item.rollout_metrics = record["metrics"]
+        return item
 
     def push_versions(self) -> None:
         """Broadcast versions version+1, version+2, ... as the trainer publishes them, while the worker needs them."""
