@@ -28,6 +28,8 @@ Where multi-turn time goes besides decoding, and what the loop does about it:
   ended turns), and the turns are recorded in their episodes only after the last step has started, so a tool's
   latency overlaps the host's bookkeeping.
 - Slots of ended episodes are freed in one call per collection, not one per episode.
+- A resume's observation moves the sequences' key bucket on at once: the decode graph of the next bucket is recorded
+  while the GPU runs a block (`runner.capture_decode_ahead`), not when it is due with the GPU waiting.
 
 Choices:
 - The prefix-shared layout (attention="triton") stores one response of `max_new_tokens` per slot after a shared
