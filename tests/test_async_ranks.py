@@ -168,3 +168,56 @@ def test_a_reward_raising_in_rank_0s_worker_stops_every_rank_after_saving_the_fi
     assert "The 2 finished step(s) are saved" in errors[0] and "(on training rank 0)" in errors[1], errors
     saved = json.loads((out / "checkpoints" / "step_000002" / "trainer.json").read_text())
     assert saved["step"] == 2 and saved["pipeline"]["queued"] == []
+
+
+SLOW_REWARD = '''
+import time
+
+def contains_seven(prompts, completions, **columns):
+    time.sleep(0.3)  # steps long enough to be killed between two checkpoints
+    return [float("7" in c) for c in completions]
+'''
+
+
+def test_kill_9_of_every_process_and_resume_equals_an_uninterrupted_two_process_run(tmp_path):
+    """`hybridrl train` with 2 training processes beside a rollout process (k=1, a checkpoint per step): SIGKILL to
+    the launcher, torchrun, both ranks and the rollout process after the second checkpoint; the same command
+    resumes from the newest complete checkpoint (with its queued batch) and gives the uninterrupted run's metrics."""
+    import subprocess
+    import sys
+    import time
+
+    from test_distributed import _cli_overrides, _train
+
+    from hybridrl.parallel.launch import child_pids
+
+    def overrides(out):
+        return [*_cli_overrides(tmp_path, out, steps=5, num_gpus=2), "trainer.max_staleness=1",
+                "trainer.rollout_worker=process", "algorithm.rollout_correction_cap=2.0", "trainer.keep_last_n=0"]
+
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    _train(tmp_path, overrides(straight))
+    (tmp_path / "rewards.py").write_text(SLOW_REWARD)  # the same reward, slower (its name and values unchanged)
+    launcher = subprocess.Popen([sys.executable, "-m", "hybridrl.cli", "train", str(tmp_path / "config.yaml"),
+                                 *overrides(cut)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 150
+    while not (cut / "checkpoints" / "step_000002" / "COMPLETE").exists():
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read().decode()[-2000:]
+        time.sleep(0.05)
+    family, frontier = [], [launcher.pid]
+    while frontier:  # the launcher, torchrun, the ranks and the rollout process
+        family += frontier
+        frontier = [child for pid in frontier for child in child_pids(pid)]
+    for pid in family:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass  # it ended as its parent was killed
+    launcher.wait()
+    assert not (cut / "checkpoints" / "step_000005").exists(), "the run finished before it was killed"
+    _train(tmp_path, overrides(cut))
+    rows = {name: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            for name, out in (("straight", straight), ("cut", cut))}
+    assert [row["step"] for row in rows["cut"]] == [1, 2, 3, 4, 5]
+    assert any("perf/resume_s" in row for row in rows["cut"])  # resumed, not run again from the start
+    assert learning_metrics(rows["cut"]) == learning_metrics(rows["straight"])
