@@ -2,7 +2,8 @@
 `trainer.rollout_worker=process`): with max_staleness=0 the pipeline gives the synchronous two-process run's metrics
 bitwise (the worker makes each rank's share of the prompts with that rank's seed, rank 0 hands the scored batch to
 rank 1); with k=1 every version the worker generates with has the checksum of the trainer's gathered weights of
-that version (the worker reports its own after each push)."""
+that version (the worker reports its own after each push); a reward raising in rank 0's scoring thread stops both
+ranks after they save the finished steps; through the CLI (torchrun), a run killed with SIGKILL resumes exactly."""
 
 from __future__ import annotations
 
