@@ -65,3 +65,17 @@ def test_process_worker_on_cuda_samples_the_thread_workers_tokens(tmp_path):
     assert [row["rollout/staleness_max"] for row in process] == [0.0, 1.0, 1.0, 1.0]
     assert process[-1]["perf/weight_broadcast_s"] > 0
     assert_same_tokens(process, thread)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_partial_rollout_takes_weights_over_mid_batch_on_cuda(tmp_path, monkeypatch):
+    """The engine (CUDA graphs reading the model's own tensors) continues a batch under weights loaded between two
+    of its segments: each sequence's first token is version 0, the other three version 1."""
+    from test_async_partial import forced_takeover
+
+    forced_takeover(monkeypatch)
+    history = gpu_trainer(tmp_path, "cuda", trainer__total_steps=3, trainer__partial_rollout="continue",
+                          rollout__ignore_eos=True).train()
+    assert [row["rollout/partial_takeovers"] for row in history] == [0.0, 1.0, 0.0]
+    assert history[1]["rollout/staleness_token_mean"] == 0.25
