@@ -19,10 +19,11 @@ With k = 0 the trainer's own synchronous loop runs and this module is not used. 
 - **Weight push.** After update v the trainer publishes a copy of its weights when a later batch needs version v
   (`perf/weight_push_s`: the trainer's cost); the worker copies them into its model's own tensors before the
   batch that needs them (the built-in engine re-reads those tensors at every `generate`). With
-  `trainer.rollout_device` the worker's copy lives on another device (rollout on GPU 0, training on GPU 1): the
-  published copy is made there, across devices, so the worker's load is an on-device copy, and the finished
-  batches come back to the trainer's device in `take`. Across processes the
-  same push is a bucketed broadcast (`parallel/weight_push.py`).
+  `trainer.device_mesh.rollout` (or `trainer.rollout_device`) the worker's copy lives on another device (rollout
+  on GPU 1, training on GPU 0): the published copy is made there, across devices, so the worker's load is an
+  on-device copy, and the finished batches come back to the trainer's device in `take`. Across processes the
+  same push is a bucketed broadcast (`parallel/weight_push.py`); with several training processes every rank
+  gathers the full weights from its FSDP shards for it, and rank 0 publishes them.
 - **Off-policy correction.** The trainer's log-prob pass gives pi_old under its current weights; the batch keeps
   the behaviour log-probs the worker's sampler recorded (`sampler_logp`), so the existing corrections apply
   unchanged: truncated importance sampling (`algorithm.rollout_correction_cap`) and sequence-level masking
