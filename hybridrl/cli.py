@@ -42,7 +42,7 @@ DEMO_CONFIGS = Path(__file__).resolve().parent / "config" / "demo"
 """The demo's SFT, GRPO and PPO configs: package data, so `hybridrl demo` runs from an installed wheel too
 (examples/arithmetic_*.yaml link to them)."""
 DEMO_PERIOD_RATE = 0.5  # see tasks.py: half the SFT answers end with a period the verifier rejects
-DEMO_SLIP_RATE = 0.4  # see tasks.py: the teacher forgets the carry or borrow on this share of the problems needing one
+DEMO_SLIP_RATE = 0.5  # see tasks.py: the teacher forgets the carry or borrow on this share of the problems needing one
 DEMO_TEACHERS = {"arithmetic": {"period_rate": DEMO_PERIOD_RATE}, "carry": {"slip_rate": DEMO_SLIP_RATE}}
 """The arithmetic demos' teachers (write_arithmetic_task's keyword arguments): `arithmetic` slips in the answer's
 format, `carry` in the arithmetic itself (docs/benchmarks.md#rl-on-the-arithmetic-skill-the-carry-task)."""
