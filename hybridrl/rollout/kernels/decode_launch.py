@@ -41,9 +41,8 @@ this many keys run unsplit."""
 MAX_SPLITS = 16
 MIN_SPLITS = 4
 SPLIT_PROGRAMS = 2048
-"""Programs the split grid aims at (`split_count`): on an H200 at the 1.5B shape (2 KV heads, capacity 8,192),
-180 slots ran fastest at 4-8 splits and 512 slots at 4, 16 slots and fewer at 16 (`benchmarks/kernels/split_kv.py`;
-figures in docs/benchmarks.md)."""
+"""Programs the split grid aims at (`split_count`), chosen from the split-KV table of `benchmarks/kernels/split_kv.py`
+(docs/benchmarks.md, "Split-KV: how many splits"): wide batches pay for every split, narrow tails gain from many."""
 
 
 def default_num_warps(head_dim: int, paged: bool = False) -> int:
