@@ -501,7 +501,8 @@ def test_engine_section_of_the_config_reaches_the_engine():
     # `config show --explain` prints the nested section under its key, each field with its documentation.
     explained = yaml.safe_load(explained_yaml(config))
     assert explained["rollout"]["engine"] == dict(attention="sdpa", fuse_qkv=False, fuse_gate_up=True, sampler="torch",
-                                                  dequantize_4bit=False, kv_cache="auto", kv_block_size=64)
+                                                  dequantize_4bit=False, kv_cache="auto", kv_block_size=64,
+                                                  compile="auto")
     assert "    # Decode attention." in explained_yaml(config)
 
 

@@ -126,7 +126,8 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
                                   attention=attention, fuse_qkv=engine.fuse_qkv,
                                   fuse_gate_up=engine.fuse_gate_up, sampler=engine.sampler,
                                   dequantize_4bit=engine.dequantize_4bit, kv_cache=kv_cache,
-                                  kv_block_size=engine.kv_block_size)
+                                  kv_block_size=engine.kv_block_size,
+                                  compile=None if engine.compile == "auto" else engine.compile)
         if backend == "builtin":
             logger.warning("rollout.backend=builtin falls back to hf: %s", reason)
     if backend == "vllm":
