@@ -40,6 +40,7 @@ Prints a table last; writes JSON to $OUT/long_tail.json when $OUT is set.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import threading
@@ -89,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
     parser.add_argument("--peak-tflops", type=float, default=785.0)
     parser.add_argument("--tiny", action="store_true", help="CPU: a 2-layer model, 4 prompts x 2, short lengths")
+    parser.add_argument("--trace", action="store_true",
+                        help="CUDA: time each decode window's GPU work, the GPU gaps between windows and the host "
+                             "phases, by batch bucket (benchmarks/profiling/window_trace.py)")
     return parser
 
 
@@ -113,13 +117,18 @@ def warm_up_lengths(num_sequences: int, sync_every: int, cap: int) -> list[int]:
     return [min(cap, 2 + sync_every * ((num_sequences // (i + 1)).bit_length() - 1)) for i in range(num_sequences)]
 
 
+def read_bytes(model) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token in bf16): what a decode step reads once, and per token of context."""
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    return (sum(p.numel() * p.element_size() for p in model.parameters()),
+            config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2)
+
+
 def floor(model, num_prompts: int, prompt_len: int, lengths: list[int], bandwidth: float, peak: float) -> dict:
     """The computed floor (see the module docstring) for responses of the given lengths."""
-    config = model.config
     params = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    head_dim = config.hidden_size // config.num_attention_heads
-    kv_bytes_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
+    weight_bytes, kv_bytes_per_token = read_bytes(model)
     prefill = max(2 * params * num_prompts * prompt_len / peak, weight_bytes / bandwidth)
     lengths_array = np.asarray(lengths)
     decode = 0.0
@@ -164,12 +173,13 @@ class BusySampler:
         if self.handle is not None:
             self.thread.join()
 
-    def quarters(self) -> list[float] | None:
-        if len(self.samples) < 8:
+    def quarters(self, parts: int = 4) -> list[float] | None:
+        """The mean busy share over each of `parts` equal stretches of the call (quarters by default)."""
+        if len(self.samples) < 2 * parts:
             return None
         times = np.array([t for t, _ in self.samples])
         busy = np.array([b for _, b in self.samples], dtype=float)
-        edges = np.linspace(times[0], times[-1], 5)
+        edges = np.linspace(times[0], times[-1], parts + 1)
         return [float(busy[(times >= lo) & (times <= hi)].mean()) for lo, hi in zip(edges[:-1], edges[1:])]
 
 
@@ -177,11 +187,14 @@ def make_engine(model, layout: str, args) -> BuiltinBackend:
     return BuiltinBackend(model, kv_cache=layout, kv_block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
 
 
-def timed_call(engine: BuiltinBackend, prompts, params, lengths, sampler: BusySampler) -> dict:
+def timed_call(engine: BuiltinBackend, prompts, params, lengths, sampler: BusySampler, trace=None) -> dict:
+    """One timed call; with `trace` (engine -> a context manager yielding a `WindowTrace`), also its window-by-window
+    trace."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     sync()
-    with sampler:
+    tracing = trace(engine) if trace else contextlib.nullcontext()
+    with sampler, tracing as windows:
         start = time.perf_counter()
         outputs = engine.generate(prompts, params, response_lengths=lengths)
         sync()
@@ -193,8 +206,11 @@ def timed_call(engine: BuiltinBackend, prompts, params, lengths, sampler: BusySa
                                                       "kv_blocks_peak", "preemptions", "preempted_tokens",
                                                       "refilled_tokens", "decoded_tokens",
                                                       "attention", "warmup_s")}
-    return dict(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds, peak_gib=peak,
-                busy_quarters=sampler.quarters(), stats=stats)
+    result = dict(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds, peak_gib=peak,
+                  busy_quarters=sampler.quarters(), busy_twentieths=sampler.quarters(20), stats=stats)
+    if windows is not None:
+        result["windows"] = windows.summarize()
+    return result
 
 
 def run(args) -> dict:
@@ -218,9 +234,14 @@ def run(args) -> dict:
         sync()
         first_call_s[layout] = time.perf_counter() - start
     runs: dict[str, list[dict]] = {layout: [] for layout in layouts}
+    trace = None
+    if args.trace:
+        from benchmarks.profiling.window_trace import traced
+
+        trace = lambda engine: traced(engine, *read_bytes(model), args.bandwidth_tbs * 1e12)  # noqa: E731
     for _ in range(args.repeats):
         for layout, engine in engines.items():
-            runs[layout].append(timed_call(engine, prompts, params, lengths, sampler))
+            runs[layout].append(timed_call(engine, prompts, params, lengths, sampler, trace))
             print(f"{layout}: {runs[layout][-1]['seconds']:.2f} s", flush=True)
     best = {layout: min(results, key=lambda r: r["seconds"]) | dict(first_call_s=first_call_s[layout])
             for layout, results in runs.items()}
@@ -254,6 +275,13 @@ def print_table(result: dict) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+    for layout, run in result["layouts"].items():
+        if run.get("busy_twentieths"):
+            print(f"{layout}: GPU busy % by twentieth: " + " ".join(f"{b:.0f}" for b in run["busy_twentieths"]))
+        if run.get("windows"):
+            from benchmarks.profiling.window_trace import print_summary
+
+            print_summary(layout, run["windows"])
     if set(LAYOUTS) <= set(result["layouts"]):
         speedup = result["layouts"]["paged"]["tokens_per_s"] / result["layouts"]["contiguous"]["tokens_per_s"]
         print(f"paged / contiguous: {speedup:.2f}x tokens/s")

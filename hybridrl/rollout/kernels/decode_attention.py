@@ -170,7 +170,7 @@ def triton_decode_attention(
         cos, sin, bias, scale * math.log2(math.e), *strides, table_stride, prompt_columns, part_acc, part_ml,
         plan.split_len, BLOCK_N=plan.block_n, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
         HAS_BIAS=rope is not None and qkv_bias is not None, PAGED=paged is not None, BLOCK_SIZE=block_size,
-        num_warps=plan.num_warps, **sizes)
+        **plan.compile_options(), **sizes)
     if plan.num_splits > 1:
         _combine_splits_kernel[(batch, num_kv_heads)](part_acc, part_ml, response_len, out, *out.stride()[:3],
                                                       plan.split_len, **sizes)

@@ -33,6 +33,9 @@ SM hide its latency better than more warps per program (`docs/benchmarks.md` has
 WIDE_HEAD_NUM_WARPS = 2
 """Warps per program above head_dim 64 (Qwen2.5-1.5B/7B, Llama 3: 128): with RoPE and the bias inside, one warp
 would need more than 255 registers a thread and spill (the no-spill test reads ptxas' report)."""
+NUM_STAGES = None
+"""Software-pipelining stages of the key loop passed to Triton (None: Triton's default); a knob for
+`benchmarks/kernels/paged_sweep.py`."""
 MIN_DOT_ROWS = 16
 """`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
 SPLIT_KEYS = 512
@@ -96,6 +99,12 @@ class LaunchPlan:
     """Programs per (slot, KV head): 1 without split-KV."""
     split_len: int
     """Response keys per split program (0 without split-KV)."""
+    num_stages: int | None = None
+    """Pipelining stages (None: Triton's default)."""
+
+    def compile_options(self) -> dict:
+        """The launch options Triton takes besides the grid: warps, and stages when set."""
+        return dict(num_warps=self.num_warps) | ({} if self.num_stages is None else dict(num_stages=self.num_stages))
 
 
 def launch_plan(group: int, head_dim: int, response_capacity: int, paged: bool, slot_heads: int = 1) -> LaunchPlan:
@@ -104,7 +113,8 @@ def launch_plan(group: int, head_dim: int, response_capacity: int, paged: bool, 
     docstring)."""
     num_splits, split_len = response_splits(response_capacity, slot_heads=slot_heads) or (1, 0)
     return LaunchPlan(group_pad=padded_tile(group), block_d=padded_tile(head_dim), block_n=BLOCK_N,
-                      num_warps=default_num_warps(head_dim, paged), num_splits=num_splits, split_len=split_len)
+                      num_warps=default_num_warps(head_dim, paged), num_splits=num_splits, split_len=split_len,
+                      num_stages=NUM_STAGES)
 
 
 def partial_state(plan: LaunchPlan, batch: int, num_kv_heads: int, placeholder: torch.Tensor) -> tuple:

@@ -1,0 +1,209 @@
+"""The paged decode-attention kernel at the long-tail rollout's live shapes, over its launch knobs, against the
+contiguous (prefix-shared) kernel and the bandwidth floor.
+
+Shapes as `benchmarks/long_tail.py` runs them (Qwen2.5-1.5B heads: 2 KV heads, group 6, head_dim 128; bf16; prompt
+512 shared by 8 samples; response capacity `--cap` 8,192; the engine's call with RoPE, q/k/v bias and the fused cache
+write): `512x1k` (the whole batch early on), `512-mixed` (drawn lengths, median 1,024), `128x4k`, `16x8k`, `4x8k`
+(the tail). The paged pool holds only the blocks the lengths fill, in shuffled order (as blocks handed out window by
+window end up); unused table columns point at block 0.
+
+Variants, one knob changed at a time from the engine's default (`decode_launch.launch_plan`):
+- `contiguous`: the prefix-shared kernel, default plan;
+- `paged bs=B`: blocks of B tokens (16, 32, 64 = the benchmark's, 128);
+- `paged splits=S`: S splits at every batch (1 = one program per slot and KV head);
+- `paged warps=W`, `paged BLOCK_N=N`, `paged stages=T`: warps per program, keys per loop iteration, pipelining stages.
+Each variant is checked against the PyTorch reference on the first layer, then timed over `--layers` layers' caches
+in one CUDA graph (`cuda_timing.graph_time_us`), so each layer is read from HBM. A variant that fails to compile or
+check prints its error and the sweep goes on; past `--budget` seconds the remaining variants are skipped.
+
+    python -m benchmarks.kernels.paged_sweep [--cap 8192] [--layers 4] [--budget 90]
+
+Prints a table (µs per layer-step; % of floor); JSON to $OUT/paged_sweep.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.kernels.cuda_timing import graph_time_us
+from benchmarks.kernels.split_kv import GROUP, HEAD_DIM, KV_HEADS, PROMPT_LEN, SAMPLES_PER_PROMPT, layer_case
+from hybridrl.rollout.kernels import decode_launch
+from hybridrl.rollout.kernels.decode_attention import reference_decode_attention, triton_decode_attention
+from hybridrl.rollout.kernels.paged_attention import reference_paged_decode_attention, triton_paged_decode_attention
+
+DEVICE = "cuda"
+"""Where the cases are built (a CPU check of the script sets "cpu")."""
+TOLERANCE = dict(atol=2e-2, rtol=2e-2)
+"""bf16 against a float32 reference."""
+
+
+def batches(cap: int) -> dict[str, list[int]]:
+    """Response keys per slot of each live shape (see the module docstring); drawn lengths are seeded."""
+    drawn = np.clip(np.round(1024 * np.exp(np.random.default_rng(0).standard_normal(512))), 16, cap)
+    return {"512x1k": [1024] * 512, "512-mixed": drawn.astype(int).tolist(), "128x4k": [4096] * 128,
+            "16x8k": [cap - 3] * 16, "4x8k": [cap - 1] * 4}
+
+
+def paged_case(seed: int, lengths: list[int], cap: int, block_size: int) -> tuple[dict, tuple]:
+    """One layer's paged (case, (new_kv, rope, bias)): pool blocks for each prompt entry and each slot's response
+    (its length plus the new key), shuffled; a table of `cap / block_size` response columns per slot."""
+    generator = torch.Generator(DEVICE).manual_seed(seed)
+    slots, entries = len(lengths), max(1, len(lengths) // SAMPLES_PER_PROMPT)
+    prompt_columns, response_columns = -(-PROMPT_LEN // block_size), -(-cap // block_size)
+    used = [-(-(length + 1) // block_size) for length in lengths]
+    num_blocks = 1 + entries * prompt_columns + sum(used)
+    order = (1 + torch.randperm(num_blocks - 1, generator=generator, device=DEVICE)).tolist()
+    table = torch.zeros(slots, prompt_columns + response_columns, dtype=torch.int32)
+    prompt_blocks = [order[e * prompt_columns:(e + 1) * prompt_columns] for e in range(entries)]
+    at = entries * prompt_columns
+    for slot, count in enumerate(used):
+        table[slot, :prompt_columns] = torch.tensor(prompt_blocks[slot * entries // slots])
+        table[slot, prompt_columns:prompt_columns + count] = torch.tensor(order[at:at + count])
+        at += count
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, device=DEVICE, dtype=torch.bfloat16)
+
+    pool = randn(2, num_blocks, KV_HEADS, block_size, HEAD_DIM)
+    case = dict(q=randn(slots, KV_HEADS, GROUP, HEAD_DIM), k_pool=pool[0], v_pool=pool[1], response_k=pool[0],
+                response_v=pool[1], block_table=table.to(DEVICE), response_len=torch.tensor(lengths, device=DEVICE),
+                prompt_len=torch.full((slots,), PROMPT_LEN, device=DEVICE), scale=HEAD_DIM ** -0.5,
+                prompt_columns=prompt_columns)
+    cos, sin = randn(slots, HEAD_DIM).float().cos(), randn(slots, HEAD_DIM).float().sin()
+    return case, (randn(slots, 2, KV_HEADS, HEAD_DIM), (cos.to(torch.bfloat16), sin.to(torch.bfloat16)),
+                  randn((KV_HEADS * GROUP + 2 * KV_HEADS) * HEAD_DIM))
+
+
+def copied(case: dict) -> dict:
+    """The case with its pools (or caches) cloned, so a check's cache write does not touch the timed case."""
+    out = dict(case)
+    for pair in (("k_pool", "v_pool"), ("prompt_k", "prompt_v"), ("response_k", "response_v")):
+        if pair[0] in case:
+            out[pair[0]], out[pair[1]] = case[pair[0]].clone(), case[pair[1]].clone()
+    if "k_pool" in case:
+        out["response_k"], out["response_v"] = out["k_pool"], out["v_pool"]
+    return out
+
+
+def check(case: dict, extras: tuple, ours, reference) -> None:
+    """The launch's output against the reference's on copies of one layer."""
+    new_kv, rope, bias = extras
+    out = ours(**copied(case), new_kv=new_kv, rope=rope, qkv_bias=bias)
+    expected = reference(**copied(case), new_kv=new_kv, rope=rope, qkv_bias=bias)
+    torch.testing.assert_close(out, expected, **TOLERANCE)
+
+
+@contextlib.contextmanager
+def knobs(splits: int | None = None, warps: int | None = None, block_n: int | None = None,
+          stages: int | None = None):
+    """Launches inside use the given knob (None: the default plan's)."""
+    saved = (decode_launch.SPLIT_KEYS, decode_launch.split_count, decode_launch.default_num_warps,
+             decode_launch.BLOCK_N, decode_launch.NUM_STAGES)
+    if splits is not None:
+        decode_launch.SPLIT_KEYS = 1 << 30 if splits == 1 else 1
+        decode_launch.split_count = lambda slot_heads: splits
+    if warps is not None:
+        decode_launch.default_num_warps = lambda head_dim, paged=False: warps
+    if block_n is not None:
+        decode_launch.BLOCK_N = block_n
+    if stages is not None:
+        decode_launch.NUM_STAGES = stages
+    try:
+        yield
+    finally:
+        (decode_launch.SPLIT_KEYS, decode_launch.split_count, decode_launch.default_num_warps,
+         decode_launch.BLOCK_N, decode_launch.NUM_STAGES) = saved
+
+
+def variants() -> list[tuple[str, str, int, dict]]:
+    """(name, layout, block size, knobs) of every variant (see the module docstring)."""
+    rows = [("contiguous", "contiguous", 0, {})]
+    rows += [(f"paged bs={size}", "paged", size, {}) for size in (64, 16, 32, 128)]
+    rows += [(f"paged splits={count}", "paged", 64, dict(splits=count)) for count in (1, 4, 8, 16)]
+    rows += [(f"paged warps={count}", "paged", 64, dict(warps=count)) for count in (4, 8)]
+    rows += [("paged BLOCK_N=64", "paged", 64, dict(block_n=64))]
+    rows += [(f"paged stages={count}", "paged", 64, dict(stages=count)) for count in (1, 2, 3, 4)]
+    rows += [("contiguous stages=2", "contiguous", 0, dict(stages=2)), ("contiguous warps=4", "contiguous", 0,
+                                                                          dict(warps=4))]
+    return rows
+
+
+def time_variant(cases: list, attention) -> float:
+    def all_layers() -> None:
+        for case, (new_kv, rope, bias) in cases:
+            attention(**case, new_kv=new_kv, rope=rope, qkv_bias=bias)
+
+    return graph_time_us(all_layers, calls=max(2, 20 // len(cases)), replays=10, per_call=len(cases))
+
+
+def floor_us(lengths: list[int], bandwidth_tbs: float) -> float:
+    """The bytes one layer must read (prompt entries once, each slot's response KV) at the given bandwidth."""
+    entries = max(1, len(lengths) // SAMPLES_PER_PROMPT)
+    return (entries * PROMPT_LEN + sum(lengths)) * KV_HEADS * HEAD_DIM * 4 / (bandwidth_tbs * 1e12) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels.paged_sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cap", type=int, default=8192)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
+    parser.add_argument("--budget", type=float, default=90.0, help="seconds; later variants are skipped")
+    parser.add_argument("--batches", default="", help="comma-separated subset of the shapes")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels/paged_sweep.py needs a CUDA GPU (it times Triton kernels).")
+    start = time.perf_counter()
+    shapes = {name: lengths for name, lengths in batches(args.cap).items()
+              if not args.batches or name in args.batches.split(",")}
+    results: dict[str, dict[str, float | str]] = {name: {} for name, _, _, _ in variants()}
+    floors = {name: floor_us(lengths, args.bandwidth_tbs) for name, lengths in shapes.items()}
+    print(f"{torch.cuda.get_device_name()}: µs per layer-step over {args.layers} layers; floor: "
+          + ", ".join(f"{name} {micros:.1f}" for name, micros in floors.items()), flush=True)
+    for shape, lengths in shapes.items():
+        built: dict = {}
+        for name, layout, block_size, knob in variants():
+            if time.perf_counter() - start > args.budget:
+                results[name][shape] = "skipped"
+                continue
+            key = (layout, block_size)
+            if key not in built:
+                built.clear()
+                torch.cuda.empty_cache()
+                built[key] = [layer_case(layer, lengths, args.cap) if layout == "contiguous"
+                              else paged_case(layer, lengths, args.cap, block_size) for layer in range(args.layers)]
+            cases = built[key]
+            ours, reference = ((triton_decode_attention, reference_decode_attention) if layout == "contiguous" else
+                               (triton_paged_decode_attention, reference_paged_decode_attention))
+            try:
+                with knobs(**knob):
+                    check(*cases[0], ours, reference)
+                    results[name][shape] = time_variant(cases, ours)
+            except Exception as error:  # noqa: BLE001 - a knob that does not compile is a result, not a stop
+                results[name][shape] = f"error: {type(error).__name__}: {str(error)[:120]}"
+            value = results[name][shape]
+            shown = f"{value:.1f} us ({100 * floors[shape] / value:.0f}% of floor)" if isinstance(value, float) else value
+            print(f"{shape:>10} {name:>22}: {shown}", flush=True)
+        built.clear()
+        torch.cuda.empty_cache()
+    print(f"\n{'variant':>22} " + " ".join(f"{name:>10}" for name in shapes))
+    print(f"{'floor':>22} " + " ".join(f"{floors[name]:>10.1f}" for name in shapes))
+    for name, row in results.items():
+        print(f"{name:>22} " + " ".join(f"{row[s]:>10.1f}" if isinstance(row.get(s), float) else f"{'-':>10}"
+                                        for s in shapes))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "paged_sweep.json"), "w") as handle:
+            json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), floors_us=floors, us=results), handle,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Where a built-in engine `generate` call's time goes, decode window by decode window (a window: the decode steps
+between two host syncs), without adding a synchronisation.
+
+`traced(engine)` wraps, for the calls made inside it, the engine's host phases (the scheduler's `reserve`, `admit`,
+`harvest`, `compaction_moves`; the runner's `preempt`, `write_blocks`, `prefill`, `decode`, `read_progress`,
+`read_outputs`, `free`, `move`) in host timers, and brackets each `decode` with two CUDA events. Per window it keeps
+the batch bucket, the steps, the live sequences and their summed context (prompt + response tokens, read from the
+scheduler when the window is planned), the host milliseconds of each phase and the two events. `summary` then reads
+the events (once, after the call) and groups the windows by batch bucket:
+- `gpu_ms_per_step`: GPU time from the window's first to its last step (the decode graphs' replays), per step;
+- `floor_ms_per_step`: what those steps must cost at the bandwidth (the weights once, each live sequence's KV);
+- `gap_ms_per_window`: GPU time from the end of one window to the start of the next, i.e. the GPU idle at the sync
+  (the blocking read, the host's scheduling, the next launches) plus any prefill launched in between;
+- `host_ms_per_window`: the host phases; `read_progress` is mostly the host waiting for the GPU.
+So a bucket whose gpu_ms_per_step is far above its floor loses time in the kernels, and a large gap loses it on the
+host. Used by `benchmarks/long_tail.py --trace`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+
+import torch
+
+from hybridrl.rollout.engine.scheduler import Scheduler
+
+SCHEDULER_PHASES = ("reserve", "admit", "harvest", "compaction_moves", "steps_until_sync")
+RUNNER_PHASES = ("preempt", "write_blocks", "prefill", "read_progress", "read_outputs", "free", "move")
+
+
+class HostEvent:
+    """A CUDA event's interface on the host clock: the trace on CPU (where host time is device time)."""
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, other: "HostEvent") -> float:
+        return 1e3 * (other.at - self.at)
+
+    def synchronize(self) -> None:
+        pass
+
+
+def event():
+    return torch.cuda.Event(enable_timing=True) if torch.cuda.is_available() else HostEvent()
+
+
+class WindowTrace:
+    """The records of one traced call (see the module docstring)."""
+
+    def __init__(self, weight_bytes: float, kv_bytes_per_token: float, bandwidth: float) -> None:
+        self.bytes = (weight_bytes, kv_bytes_per_token, bandwidth)
+        self.windows: list[dict] = []
+        self.pending: dict[str, float] = defaultdict(float)
+        self.live = (0, 0)
+
+    def add_host(self, phase: str, seconds: float) -> None:
+        self.pending[phase] += 1e3 * seconds
+
+    def note_scheduler(self, scheduler: Scheduler) -> None:
+        self.live = (len(scheduler.live), sum(s.prompt_len + s.context + s.generated for s in scheduler.live.values()))
+
+    def open_window(self, batch: int, steps: int) -> dict:
+        window = dict(batch=batch, steps=steps, live=self.live[0], context=self.live[1], host_ms=self.pending,
+                      start=event(), end=event())
+        self.pending = defaultdict(float)
+        self.windows.append(window)
+        return window
+
+    def summarize(self) -> dict:
+        return summary(self, *self.bytes)
+
+
+def timed(trace: WindowTrace, phase: str, function):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            trace.add_host(phase, time.perf_counter() - start)
+    return wrapper
+
+
+@contextlib.contextmanager
+def traced(engine, weight_bytes: float, kv_bytes_per_token: float, bandwidth: float):
+    """Trace the engine's calls made inside (on CPU, with host clocks for the events); yields the `WindowTrace` (the bytes and bandwidth: its
+    floor)."""
+    trace, runner = WindowTrace(weight_bytes, kv_bytes_per_token, bandwidth), engine.runner
+    saved_scheduler = {name: getattr(Scheduler, name) for name in SCHEDULER_PHASES}
+    for name, method in saved_scheduler.items():
+        setattr(Scheduler, name, timed(trace, name, method))
+    original_steps = Scheduler.steps_until_sync
+
+    def steps_until_sync(self, *args, **kwargs):
+        trace.note_scheduler(self)
+        return original_steps(self, *args, **kwargs)
+
+    Scheduler.steps_until_sync = steps_until_sync
+    for name in RUNNER_PHASES:
+        setattr(runner, name, timed(trace, name, getattr(runner, name)))
+    original_decode = type(runner).decode.__get__(runner)
+
+    def decode(batch: int, kv_len: int, steps: int) -> None:
+        start = time.perf_counter()
+        window = trace.open_window(batch, steps)
+        window["start"].record()
+        original_decode(batch, kv_len, steps)
+        window["end"].record()
+        window["host_ms"]["decode_launch"] = 1e3 * (time.perf_counter() - start)
+
+    runner.decode = decode
+    try:
+        yield trace
+    finally:
+        for name, method in saved_scheduler.items():
+            setattr(Scheduler, name, method)
+        for name in (*RUNNER_PHASES, "decode"):
+            vars(runner).pop(name, None)
+
+
+def summary(trace: WindowTrace, weight_bytes: float, kv_bytes_per_token: float, bandwidth: float) -> dict:
+    """Per batch bucket: windows, steps, GPU and floor ms per step, GPU gap and host phases per window; and the
+    call's totals (see the module docstring). Waits for the GPU."""
+    windows = trace.windows
+    if not windows:
+        return {}
+    windows[-1]["end"].synchronize()
+    buckets: dict[int, dict] = {}
+    for index, window in enumerate(windows):
+        gpu_ms = window["start"].elapsed_time(window["end"])
+        gap_ms = windows[index + 1]["start"].elapsed_time(window["end"]) * -1 if index + 1 < len(windows) else 0.0
+        # the floor of the window's steps: the context grows by one per live sequence per step
+        context = window["context"] * window["steps"] + window["live"] * window["steps"] * (window["steps"] - 1) / 2
+        floor_ms = 1e3 * (weight_bytes * window["steps"] + kv_bytes_per_token * context) / bandwidth
+        bucket = buckets.setdefault(window["batch"], dict(windows=0, steps=0, gpu_ms=0.0, floor_ms=0.0, gap_ms=0.0,
+                                                          live=0, host_ms=defaultdict(float)))
+        bucket["windows"] += 1
+        bucket["steps"] += window["steps"]
+        bucket["gpu_ms"] += gpu_ms
+        bucket["floor_ms"] += floor_ms
+        bucket["gap_ms"] += gap_ms
+        bucket["live"] += window["live"]
+        for phase, ms in window["host_ms"].items():
+            bucket["host_ms"][phase] += ms
+    rows = []
+    for batch, bucket in sorted(buckets.items(), reverse=True):
+        count = bucket["windows"]
+        rows.append(dict(batch=batch, windows=count, steps=bucket["steps"], mean_live=bucket["live"] / count,
+                         gpu_s=bucket["gpu_ms"] / 1e3, floor_s=bucket["floor_ms"] / 1e3, gap_s=bucket["gap_ms"] / 1e3,
+                         gpu_ms_per_step=bucket["gpu_ms"] / bucket["steps"],
+                         floor_ms_per_step=bucket["floor_ms"] / bucket["steps"],
+                         gap_ms_per_window=bucket["gap_ms"] / count,
+                         host_ms_per_window={phase: ms / count for phase, ms in sorted(bucket["host_ms"].items())}))
+    totals = {key: sum(row[key] for row in rows) for key in ("windows", "steps", "gpu_s", "floor_s", "gap_s")}
+    return dict(buckets=rows, totals=totals)
+
+
+def print_summary(layout: str, result: dict) -> None:
+    """One line per batch bucket, then the host phases per window of the busiest buckets."""
+    if not result:
+        return
+    totals = result["totals"]
+    print(f"\n{layout}: {totals['windows']} windows, {totals['steps']} steps; decode GPU {totals['gpu_s']:.2f} s "
+          f"(floor {totals['floor_s']:.2f} s), GPU gaps between windows {totals['gap_s']:.2f} s")
+    print(f"{'batch':>6} {'windows':>8} {'steps':>6} {'live':>6} {'GPU s':>7} {'floor s':>8} {'ms/step':>8} "
+          f"{'floor ms':>9} {'gap s':>6} {'gap ms/win':>11}  host ms per window (phase: ms)")
+    for row in result["buckets"]:
+        host = " ".join(f"{phase}:{ms:.2f}" for phase, ms in row["host_ms_per_window"].items() if ms >= 0.05)
+        print(f"{row['batch']:>6} {row['windows']:>8} {row['steps']:>6} {row['mean_live']:>6.0f} {row['gpu_s']:>7.2f} "
+              f"{row['floor_s']:>8.2f} {row['gpu_ms_per_step']:>8.3f} {row['floor_ms_per_step']:>9.3f} "
+              f"{row['gap_s']:>6.2f} {row['gap_ms_per_window']:>11.2f}  {host}")
