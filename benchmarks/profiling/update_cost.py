@@ -7,7 +7,8 @@ steady one of the real trainer, 358M-parameter Qwen2.5-0.5B body with the demo's
 
 Printed: each step's phases (`timing/*`); the first update's Python profile (cumulative seconds per function: what
 compiles or warms up) and torch.compile's frame counters; then one steady batch updated `--repeats` times
-(device-synchronised, median), the host syncs one steady update makes (`torch.cuda.set_sync_debug_mode`) and a
+(device-synchronised, median) with the allocator's cache kept and emptied before each (as after a
+rollout), alternating, the host syncs one steady update makes (`torch.cuda.set_sync_debug_mode`) and a
 torch.profiler table of one steady update (self CPU time per operation, and the kernels' GPU time), with the
 update's wall time against its GPU busy time. At this size the update is bound by the host, so the gap between the
 two is what fewer launches, passes and syncs can win."""
@@ -83,15 +84,30 @@ def steady_batch(trainer):
     return batch
 
 
-def timed_updates(trainer, batch, repeats: int) -> list[float]:
-    seconds = []
+def timed_update(trainer, batch, empty_cache_first: bool = False) -> tuple[float, int]:
+    """Seconds of one update of a copy of `batch` (device-synchronised), and the segments the allocator took from
+    the driver meanwhile (cudaMalloc calls). `empty_cache_first`: the allocator's cache handed back before it, as
+    the trainer's phase switch and the engine's release do after each rollout."""
+    if empty_cache_first and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    synchronize()
+    segments = torch.cuda.memory_stats().get("segment.all.allocated", 0) if torch.cuda.is_available() else 0
+    start = time.perf_counter()
+    trainer.update(copy.copy(batch))
+    synchronize()
+    seconds = time.perf_counter() - start
+    if torch.cuda.is_available():
+        segments = torch.cuda.memory_stats().get("segment.all.allocated", 0) - segments
+    return seconds, segments
+
+
+def timed_updates(trainer, batch, repeats: int) -> dict[str, list[tuple[float, int]]]:
+    """Updates with the allocator's cache kept and emptied before each, alternating."""
+    runs = {"cache kept": [], "cache emptied first": []}
     for _ in range(repeats):
-        synchronize()
-        start = time.perf_counter()
-        trainer.update(copy.copy(batch))
-        synchronize()
-        seconds.append(time.perf_counter() - start)
-    return seconds
+        runs["cache kept"].append(timed_update(trainer, batch))
+        runs["cache emptied first"].append(timed_update(trainer, batch, empty_cache_first=True))
+    return runs
 
 
 def count_syncs(trainer, batch) -> int:
@@ -159,9 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     batch = steady_batch(trainer)
     print(f"steady batch: {tuple(batch.input_ids.shape)}, {int(batch.attention_mask.sum())} real tokens, "
           f"response width {batch.response_length}")
-    seconds = timed_updates(trainer, batch, args.repeats)
-    print(f"steady update: median {statistics.median(seconds):.4f} s, min {min(seconds):.4f} s over {len(seconds)}",
-          flush=True)
+    for name, runs in timed_updates(trainer, batch, args.repeats).items():
+        seconds = [run[0] for run in runs]
+        print(f"steady update, {name}: median {statistics.median(seconds):.4f} s, min {min(seconds):.4f} s over "
+              f"{len(seconds)}; cudaMalloc segments per update {statistics.median(run[1] for run in runs):.0f}",
+              flush=True)
     print(f"host syncs in one update: {count_syncs(trainer, batch)}")
     profile_table(trainer, batch, args.rows)
 
