@@ -4,17 +4,20 @@ contiguous (prefix-shared) kernel and the bandwidth floor.
 Shapes as `benchmarks/long_tail.py` runs them (Qwen2.5-1.5B heads: 2 KV heads, group 6, head_dim 128; bf16; prompt
 512 shared by 8 samples; response capacity `--cap` 8,192; the engine's call with RoPE, q/k/v bias and the fused cache
 write): `512x1k` (the whole batch early on), `512-mixed` (drawn lengths, median 1,024), `128x4k`, `16x8k`, `4x8k`
-(the tail). The paged pool holds only the blocks the lengths fill, in shuffled order (as blocks handed out window by
+(the tail); `--batches` picks a subset. The paged pool holds only the blocks the lengths fill, in shuffled order (as blocks handed out window by
 window end up); unused table columns point at block 0.
 
-Variants, one knob changed at a time from the engine's default (`decode_launch.launch_plan`):
-- `contiguous`: the prefix-shared kernel, default plan;
-- `paged bs=B`: blocks of B tokens (16, 32, 64 = the benchmark's, 128);
+Variants, one knob changed at a time from the engine's default (`decode_launch.launch_plan`), in this order:
+- `contiguous`: the prefix-shared kernel, default plan; `paged bs=64`: the benchmark's blocks, default plan;
+- `paged stages=T`: pipelining stages of the key loop (1, 2, 4; Triton's default otherwise);
+- `paged bs=B`: blocks of B tokens (128, 32, 16);
+- `paged warps=W`, `paged BLOCK_N=N`: warps per program, keys per loop iteration;
 - `paged splits=S`: S splits at every batch (1 = one program per slot and KV head);
-- `paged warps=W`, `paged BLOCK_N=N`, `paged stages=T`: warps per program, keys per loop iteration, pipelining stages.
+- `contiguous stages=2`, `contiguous warps=4`.
 Each variant is checked against the PyTorch reference on the first layer, then timed over `--layers` layers' caches
 in one CUDA graph (`cuda_timing.graph_time_us`), so each layer is read from HBM. A variant that fails to compile or
-check prints its error and the sweep goes on; past `--budget` seconds the remaining variants are skipped.
+check prints its error and the sweep goes on; past `--budget` seconds the remaining variants are skipped (they run
+in the order above, most telling first).
 
     python -m benchmarks.kernels.paged_sweep [--cap 8192] [--layers 4] [--budget 90]
 
@@ -48,8 +51,8 @@ TOLERANCE = dict(atol=2e-2, rtol=2e-2)
 def batches(cap: int) -> dict[str, list[int]]:
     """Response keys per slot of each live shape (see the module docstring); drawn lengths are seeded."""
     drawn = np.clip(np.round(1024 * np.exp(np.random.default_rng(0).standard_normal(512))), 16, cap)
-    return {"512x1k": [1024] * 512, "512-mixed": drawn.astype(int).tolist(), "128x4k": [4096] * 128,
-            "16x8k": [cap - 3] * 16, "4x8k": [cap - 1] * 4}
+    return {"512-mixed": drawn.astype(int).tolist(), "128x4k": [4096] * 128, "16x8k": [cap - 3] * 16,
+            "512x1k": [1024] * 512, "4x8k": [cap - 1] * 4}
 
 
 def paged_case(seed: int, lengths: list[int], cap: int, block_size: int) -> tuple[dict, tuple]:
@@ -125,12 +128,12 @@ def knobs(splits: int | None = None, warps: int | None = None, block_n: int | No
 
 def variants() -> list[tuple[str, str, int, dict]]:
     """(name, layout, block size, knobs) of every variant (see the module docstring)."""
-    rows = [("contiguous", "contiguous", 0, {})]
-    rows += [(f"paged bs={size}", "paged", size, {}) for size in (64, 16, 32, 128)]
-    rows += [(f"paged splits={count}", "paged", 64, dict(splits=count)) for count in (1, 4, 8, 16)]
+    rows = [("contiguous", "contiguous", 0, {}), ("paged bs=64", "paged", 64, {})]
+    rows += [(f"paged stages={count}", "paged", 64, dict(stages=count)) for count in (1, 2, 4)]
+    rows += [(f"paged bs={size}", "paged", size, {}) for size in (128, 32, 16)]
     rows += [(f"paged warps={count}", "paged", 64, dict(warps=count)) for count in (4, 8)]
     rows += [("paged BLOCK_N=64", "paged", 64, dict(block_n=64))]
-    rows += [(f"paged stages={count}", "paged", 64, dict(stages=count)) for count in (1, 2, 3, 4)]
+    rows += [(f"paged splits={count}", "paged", 64, dict(splits=count)) for count in (1, 4, 8, 16)]
     rows += [("contiguous stages=2", "contiguous", 0, dict(stages=2)), ("contiguous warps=4", "contiguous", 0,
                                                                           dict(warps=4))]
     return rows
@@ -168,32 +171,27 @@ def main() -> None:
     floors = {name: floor_us(lengths, args.bandwidth_tbs) for name, lengths in shapes.items()}
     print(f"{torch.cuda.get_device_name()}: µs per layer-step over {args.layers} layers; floor: "
           + ", ".join(f"{name} {micros:.1f}" for name, micros in floors.items()), flush=True)
-    for shape, lengths in shapes.items():
-        built: dict = {}
-        for name, layout, block_size, knob in variants():
+    built: dict = {}  # (shape, layout, block size) -> its layers' cases, kept for the later variants
+    for name, layout, block_size, knob in variants():  # variant-major: past the budget, whole variants are skipped
+        for shape, lengths in shapes.items():
             if time.perf_counter() - start > args.budget:
                 results[name][shape] = "skipped"
                 continue
-            key = (layout, block_size)
+            key = (shape, layout, block_size)
             if key not in built:
-                built.clear()
-                torch.cuda.empty_cache()
                 built[key] = [layer_case(layer, lengths, args.cap) if layout == "contiguous"
                               else paged_case(layer, lengths, args.cap, block_size) for layer in range(args.layers)]
-            cases = built[key]
             ours, reference = ((triton_decode_attention, reference_decode_attention) if layout == "contiguous" else
                                (triton_paged_decode_attention, reference_paged_decode_attention))
             try:
                 with knobs(**knob):
-                    check(*cases[0], ours, reference)
-                    results[name][shape] = time_variant(cases, ours)
+                    check(*built[key][0], ours, reference)
+                    results[name][shape] = time_variant(built[key], ours)
             except Exception as error:  # noqa: BLE001 - a knob that does not compile is a result, not a stop
                 results[name][shape] = f"error: {type(error).__name__}: {str(error)[:120]}"
             value = results[name][shape]
             shown = f"{value:.1f} us ({100 * floors[shape] / value:.0f}% of floor)" if isinstance(value, float) else value
             print(f"{shape:>10} {name:>22}: {shown}", flush=True)
-        built.clear()
-        torch.cuda.empty_cache()
     print(f"\n{'variant':>22} " + " ".join(f"{name:>10}" for name in shapes))
     print(f"{'floor':>22} " + " ".join(f"{floors[name]:>10.1f}" for name in shapes))
     for name, row in results.items():
