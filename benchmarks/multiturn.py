@@ -6,8 +6,12 @@ same number of sampled tokens, on the built-in engine and the grpo-0.5b shape.
     python -m benchmarks.multiturn --tiny --quick --prompts 2 --n 2   # CPU: checks the script, measures nothing
 
 A random-init model calls no tools, so turns end at a fixed length (`ignore_eos`, `max_new_tokens` per turn) and
-the environment is synthetic: each step sleeps `--tool-latency-ms` (asynchronously, as a remote tool would) and
-returns a fixed `--observation-len`-token observation, 3 turns per episode (`--turns`). The single-turn run
+the environment is synthetic: 3 assistant turns per episode (`--turns`) with a tool call between each two (turn,
+tool, turn, tool, turn), each sleeping `--tool-latency-ms` (asynchronously, as a remote tool would) and returning a
+fixed `--observation-len`-token observation; the step after the last turn ends the episode at once (a final answer
+calls no tool). `--tool-after-last-turn` is the definition used before: that step runs the tool too, only to say the
+episode ended (every episode then waits one more tool latency at its end); `--both-definitions` times both, each
+with its own row and ratio. The single-turn run
 samples `turns x turn_len` tokens per sequence from the same prompts with `generate` (n samples per prompt), the
 path a single-turn GRPO step takes. Both are timed after a warm-up call (compilation, CUDA graphs), the best of
 `--repeats`; after the warm-up, as the trainer after its first step, the objects alive are collected and frozen
@@ -38,6 +42,7 @@ import torch
 from benchmarks.rollout import GRPO_05B, TINY, add_engine_arguments, build_model, parse_with_quick, sync
 from hybridrl.envs.base import EnvironmentSession, StepResult
 from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine import llama_forward
 from hybridrl.rollout.engine.backend import BuiltinBackend
 from hybridrl.rollout.multiturn import EpisodeBudget
 from hybridrl.training.trainer import freeze_warm_up_objects
@@ -54,12 +59,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--observation-len", type=int, default=32, help="tokens of each tool observation")
     parser.add_argument("--tool-latency-ms", type=float, default=50.0)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each (the best is reported)")
+    parser.add_argument("--tool-after-last-turn", action="store_true",
+                        help="the earlier definition: the environment's step after the last turn runs the tool too")
+    parser.add_argument("--both-definitions", action="store_true",
+                        help="time multi-turn with and without the tool after the last turn (a row each)")
+    parser.add_argument("--extend-attention", default="matmul",
+                        help="the observation prefill's attention, or several comma-separated (a row each): "
+                             f"{', '.join(llama_forward.EXTEND_ATTENTIONS)}")
     add_engine_arguments(parser, quick="16 prompts, 3 turns x 32 tokens")
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return parse_with_quick(build_parser(), argv, prompts=16, turn_len=32)
+    args = parse_with_quick(build_parser(), argv, prompts=16, turn_len=32)
+    args.extend_attentions = args.extend_attention.split(",")
+    unknown = [name for name in args.extend_attentions if name not in llama_forward.EXTEND_ATTENTIONS]
+    if unknown:
+        raise SystemExit(f"--extend-attention {','.join(unknown)} is not one of "
+                         f"{', '.join(llama_forward.EXTEND_ATTENTIONS)}; name one or several, comma-separated.")
+    return args
 
 
 def set_up(args: argparse.Namespace) -> tuple[str, object, list[list[int]], BuiltinBackend]:
@@ -96,18 +114,22 @@ class FixedIds:
 
 
 class SlowTool:
-    """An environment whose every step is a tool call of fixed latency; done after `turns` assistant turns."""
+    """An environment whose steps are tool calls of fixed latency; done after `turns` assistant turns. The step after
+    the last turn calls no tool (a final answer), unless `tool_after_last_turn`."""
 
-    def __init__(self, row: dict, turns: int, latency_s: float):
+    def __init__(self, row: dict, turns: int, latency_s: float, tool_after_last_turn: bool = False):
         self.row, self.turns, self.latency_s, self.steps = row, turns, latency_s, 0
+        self.tool_after_last_turn = tool_after_last_turn
 
     async def reset(self):
         return [{"role": "user", "content": "", "ids": self.row["ids"]}]
 
     async def step(self, assistant_text: str) -> StepResult:
         self.steps += 1
-        await asyncio.sleep(self.latency_s)
-        if self.steps >= self.turns:
+        last = self.steps >= self.turns
+        if not last or self.tool_after_last_turn:
+            await asyncio.sleep(self.latency_s)
+        if last:
             return StepResult(reward=0.0, done=True)
         return StepResult([{"role": "tool", "name": "tool", "content": "result"}], done=False)
 
@@ -128,15 +150,24 @@ def time_best(fn, repeats: int, before=lambda: None, after=lambda seconds: None)
     return best, result
 
 
-def run_multiturn(engine: BuiltinBackend, prompts: list[list[int]], args, **hooks) -> dict:
-    """The timed multi-turn calls (`hooks`: `time_best`'s before/after)."""
+def definitions(args: argparse.Namespace) -> list[bool]:
+    """The episode definitions to time, as `tool_after_last_turn` values: the one asked for, or both."""
+    return [False, True] if args.both_definitions else [args.tool_after_last_turn]
+
+
+def run_multiturn(engine: BuiltinBackend, prompts: list[list[int]], args, tool_after_last_turn: bool | None = None,
+                  **hooks) -> dict:
+    """The timed multi-turn calls (`hooks`: `time_best`'s before/after); `tool_after_last_turn` (default: the flag's)
+    picks the episode definition."""
+    if tool_after_last_turn is None:
+        tool_after_last_turn = args.tool_after_last_turn
     renderer = FixedIds(list(range(10, 10 + args.observation_len)))
     budget = EpisodeBudget(max_turns=args.turns, max_observation_tokens=args.observation_len,
                            max_episode_tokens=args.prompt_len + args.turns * (args.turn_len + args.observation_len) + 1)
     params = SamplingParams(max_new_tokens=args.turn_len, temperature=1.0, ignore_eos=True, seed=0)
 
     def episodes(rows):
-        factory = lambda row: SlowTool(row, args.turns, args.tool_latency_ms / 1000)  # noqa: E731
+        factory = lambda row: SlowTool(row, args.turns, args.tool_latency_ms / 1000, tool_after_last_turn)  # noqa: E731
         sessions = [EnvironmentSession(factory, {"ids": prompt}, name="slow-tool", sample=i * args.n + j)
                     for i, prompt in enumerate(rows) for j in range(args.n)]
         return engine.generate_episodes(sessions, renderer, params, budget)
@@ -150,7 +181,7 @@ def run_multiturn(engine: BuiltinBackend, prompts: list[list[int]], args, **hook
     stats = dict(engine.last_stats)
     return dict(seconds=seconds, sampled_tokens=sampled, tokens_per_s=sampled / seconds, stats=stats,
                 idle_s=stats.get("idle_s"), prefill_tokens=stats.get("prefill_tokens"),
-                observation_prefills=stats.get("observation_prefills"))
+                observation_prefills=stats.get("observation_prefills"), tool_after_last_turn=tool_after_last_turn)
 
 
 def run_single(engine: BuiltinBackend, prompts: list[list[int]], args, **hooks) -> dict:
@@ -193,12 +224,38 @@ def floor(model, args, multiturn: bool, bandwidth: float, peak: float) -> dict:
                 tokens_per_s=sequences * args.turns * args.turn_len / seconds)
 
 
-def summary(model, args: argparse.Namespace, device: str, single: dict, multi: dict) -> dict:
-    """The runs, their ratio and both floors: what `print_table` shows and the JSON holds."""
+def multiturn_runs(engine: BuiltinBackend, prompts: list[list[int]], args, report=print, on_run=lambda run: None,
+                   **hooks) -> list[dict]:
+    """Multi-turn timed for each `--extend-attention` and episode definition asked for, each with a `name` and passed
+    to `on_run` once timed; a variant that fails (a kernel that does not compile on this machine, say) is reported and
+    skipped, so one run still times the others."""
+    runs = []
+    for attention in args.extend_attentions:
+        llama_forward.extend_attention = attention
+        for tool_after_last_turn in definitions(args):
+            name = (f"{args.turns} turns + tool{', tool after last turn' if tool_after_last_turn else ''}"
+                    f"{f', extend {attention}' if len(args.extend_attentions) > 1 else ''}")
+            try:
+                run = run_multiturn(engine, prompts, args, tool_after_last_turn, **hooks)
+            except Exception as error:  # noqa: BLE001: reported, the other variants still run
+                report(f"{name}: FAILED: {type(error).__name__}: {str(error)[:2000]}")
+                continue
+            run.update(name=name, extend_attention=attention)
+            on_run(run)
+            report(f"{name}: {run['seconds']:.3f} s, stats {run['stats']}")
+            runs.append(run)
+    llama_forward.extend_attention = args.extend_attentions[0]
+    return runs
+
+
+def summary(model, args: argparse.Namespace, device: str, single: dict, runs: list[dict]) -> dict:
+    """The runs, their ratios and both floors: what `print_table` shows and the JSON holds (`multi` and `ratio`: the
+    first multi-turn run, the default definition)."""
     bandwidth, peak = args.bandwidth_tbs * 1e12, args.peak_tflops * 1e12
+    for run in runs:
+        run["ratio"] = run["tokens_per_s"] / single["tokens_per_s"]
     return dict(args=vars(args), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                torch=torch.__version__, single=single, multi=multi,
-                ratio=multi["tokens_per_s"] / single["tokens_per_s"],
+                torch=torch.__version__, single=single, multi=runs[0], ratio=runs[0]["ratio"], multi_runs=runs,
                 floor_single=floor(model, args, False, bandwidth, peak),
                 floor_multi=floor(model, args, True, bandwidth, peak))
 
@@ -211,9 +268,7 @@ def main(argv: list[str] | None = None) -> None:
           f"tool; single turn: {args.turns * args.turn_len} tokens", flush=True)
     single = run_single(engine, prompts, args)
     print(f"single turn: {single['seconds']:.3f} s, stats {single['stats']}", flush=True)
-    multi = run_multiturn(engine, prompts, args)
-    print(f"multi-turn: {multi['seconds']:.3f} s, stats {multi['stats']}", flush=True)
-    result = summary(model, args, device, single, multi)
+    result = summary(model, args, device, single, multiturn_runs(engine, prompts, args))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "multiturn_benchmark.json"), "w") as handle:
             json.dump(result, handle, indent=2, default=str)
@@ -222,13 +277,13 @@ def main(argv: list[str] | None = None) -> None:
 
 def print_table(result: dict) -> None:
     rows = [("run", "sampled tokens", "seconds", "tokens/s", "engine idle s", "prefill tokens", "warm-up s", "floor s",
-             "% of floor")]
-    for name, key in (("single turn", "single"), (f"{result['args']['turns']} turns + tool", "multi")):
-        run, bound = result[key], result[f"floor_{key}"]
-        rows.append((name, f"{run['sampled_tokens']}", f"{run['seconds']:.3f}", f"{run['tokens_per_s']:,.0f}",
+             "% of floor", "ratio")]
+    for run in [dict(result["single"], name="single turn"), *result["multi_runs"]]:
+        bound = result["floor_multi" if "ratio" in run else "floor_single"]
+        rows.append((run["name"], f"{run['sampled_tokens']}", f"{run['seconds']:.3f}", f"{run['tokens_per_s']:,.0f}",
                      f"{run['idle_s'] or 0:.3f}", f"{run['prefill_tokens']}", f"{run['stats'].get('warmup_s', 0):.3f}",
-                     f"{bound['seconds']:.3f}",
-                     f"{100 * bound['seconds'] / run['seconds']:.1f}"))
+                     f"{bound['seconds']:.3f}", f"{100 * bound['seconds'] / run['seconds']:.1f}",
+                     f"{run['ratio']:.2f}" if "ratio" in run else ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print(f"\n== multi-turn vs single-turn on {result['device']} (goal: ratio >= 0.8)")
     for row in rows:

@@ -113,14 +113,36 @@ def test_multiturn_benchmark_runs_three_turns_against_one(tmp_path):
     the prefill counts only the prompts once and then each resume's observation plus the turn's last token."""
     stdout = run_script(["-m", "benchmarks.multiturn", "--tiny", "--quick", "--prompts", "2", "--n", "2",
                          "--prompt-len", "16", "--turn-len", "8", "--observation-len", "4", "--tool-latency-ms", "5",
-                         "--repeats", "1"], tmp_path)
-    assert "multi-turn / single-turn tokens/s" in stdout
+                         "--repeats", "1", "--both-definitions"], tmp_path)
+    assert "multi-turn / single-turn tokens/s" in stdout and "tool after last turn" in stdout
     result = json.loads((tmp_path / "multiturn_benchmark.json").read_text())
     multi, single = result["multi"], result["single"]
+    assert [run["tool_after_last_turn"] for run in result["multi_runs"]] == [False, True]  # the default first
     assert multi["sampled_tokens"] == single["sampled_tokens"] == 2 * 2 * 3 * 8
     assert multi["observation_prefills"] == 2 * 2 * 2  # two resumes per episode
     assert multi["prefill_tokens"] == 2 * 16 + 2 * 2 * 2 * (4 + 1) == result["floor_multi"]["prefill_tokens"]
     assert multi["idle_s"] >= 0 and result["ratio"] > 0
+
+
+def test_multiturn_benchmark_calls_no_tool_after_the_last_turn_unless_asked():
+    """The benchmark's episode: turn, tool, turn, tool, turn; the step after the last turn ends the episode at once
+    (a final answer calls no tool), and only `--tool-after-last-turn` (the earlier definition) waits for the tool."""
+    import asyncio
+
+    from benchmarks.multiturn import SlowTool
+
+    def step_within_a_second(tool: SlowTool):
+        return asyncio.run(asyncio.wait_for(tool.step(""), timeout=1.0))
+
+    with pytest.raises(asyncio.TimeoutError):  # a middle step: the tool's 60 s
+        step_within_a_second(SlowTool({"ids": [1]}, turns=2, latency_s=60))
+    tool = SlowTool({"ids": [1]}, turns=2, latency_s=60)
+    tool.steps = 1  # past the middle step
+    assert step_within_a_second(tool).done
+    old = SlowTool({"ids": [1]}, turns=2, latency_s=60, tool_after_last_turn=True)
+    old.steps = 1
+    with pytest.raises(asyncio.TimeoutError):
+        step_within_a_second(old)
 
 
 def test_optimizer_step_quick_times_each_offload_share_and_the_baseline(tmp_path):

@@ -67,11 +67,14 @@ def assert_extended_alike(got, want, kv, reference_kv, before, contexts, slots, 
     torch.testing.assert_close(kv[:, :, untouched], before[:, :, untouched], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("attention", list(llama_forward.EXTEND_ATTENTIONS))
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_extend_equals_the_reference_and_a_full_forward(family, seed):
+def test_extend_equals_the_reference_and_a_full_forward(family, seed, attention, monkeypatch):
     """Uneven rows in an order unlike the slots', a key length bucketed past the longest row, and slots left out:
-    logits and the KV written equal the reference; logits equal HF's forward over context + new ids."""
+    logits and the KV written equal the reference; logits equal HF's forward over context + new ids; with each of
+    `extend`'s attentions."""
+    monkeypatch.setattr(llama_forward, "extend_attention", attention)
     model = make_model(family, seed=seed)
     w, kv, cos, sin, contexts = filled_cache(model, seed)
     slots = [3, 0, 4] if seed % 2 else [1, 4, 2, 0]
@@ -80,12 +83,28 @@ def test_extend_equals_the_reference_and_a_full_forward(family, seed):
     want = extend_reference(w, reference_kv, cos, sin, input_ids, lengths, starts, slots_t, kv_end)
     for bucket in (kv_end, min(MAX_LEN, kv_end + 17)):
         fast_kv = kv.clone()
-        got = extend(w, fast_kv, cos, sin, input_ids, lengths, starts, slots_t, bucket)
+        with torch.no_grad():  # as the engine runs it (flex has no CPU backward)
+            got = extend(w, fast_kv, cos, sin, input_ids, lengths, starts, slots_t, bucket)
         assert_extended_alike(got, want, fast_kv, reference_kv, kv, contexts, slots, new)
     with torch.no_grad():
         for row, (slot, ids) in enumerate(zip(slots, new)):
             full = model(torch.tensor([contexts[slot] + ids])).logits[0, -1].float()
             torch.testing.assert_close(want[row], full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attention", [name for name in llama_forward.EXTEND_ATTENTIONS if name != "matmul"])
+def test_each_extend_attention_equals_the_matmul_form_on_ragged_rows(attention):
+    """Straight against the obviously right masked matmul in float32: grouped heads (1, 2 and 7 query heads per KV
+    head), query rows at different offsets, padded rows whose positions are clamped to the last key, one-row waves."""
+    generator = torch.Generator().manual_seed(3)
+    for rows, length, heads, kv_heads, keys in ((5, 7, 4, 2, 30), (3, 1, 14, 2, 40), (1, 9, 4, 4, 16), (6, 3, 7, 1, 9)):
+        q = torch.randn(rows, length, heads, 16, generator=generator)
+        k, v = (torch.randn(rows, kv_heads, keys, 16, generator=generator) for _ in range(2))
+        starts = torch.randint(0, keys - 1, (rows, 1), generator=generator)
+        positions = (starts + torch.arange(length)).clamp(max=keys - 1)
+        want = llama_forward.EXTEND_ATTENTIONS["matmul"](q, k, v, positions)
+        got = llama_forward.EXTEND_ATTENTIONS[attention](q, k, v, positions)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
 
 
 def test_the_compiled_pieces_are_called_with_dynamic_dimensions_that_exist(monkeypatch):
@@ -129,10 +148,13 @@ def test_compiled_extend_equals_the_reference_on_cpu_and_compiles_once_for_every
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_compiled_extend_in_bf16_is_as_close_to_float32_as_the_reference_is():
+@pytest.mark.parametrize("attention", list(llama_forward.EXTEND_ATTENTIONS))
+def test_compiled_extend_in_bf16_is_as_close_to_float32_as_the_reference_is(attention, monkeypatch):
     """On the GPU, in the engine's dtype: the compiled fast path is no further from a float32 run than the slow
     reference in bf16 is (both round the scores to bf16 once and softmax in float32), for several shapes, and
-    compiles at most twice for all of them (rows and lengths are dynamic; 1-row waves may specialise)."""
+    compiles at most twice for all of them (rows and lengths are dynamic; 1-row waves may specialise); with each of
+    `extend`'s attentions."""
+    monkeypatch.setattr(llama_forward, "extend_attention", attention)
     model = make_model("qwen2").cuda()
     functions = llama_forward.compiled_decode_functions()
     frames = []

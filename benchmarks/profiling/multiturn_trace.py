@@ -3,15 +3,17 @@ and, through CUDA events in stream order (no extra synchronisation), on the GPU.
 
     python -m benchmarks.profiling.multiturn_trace [--loop path/to/multiturn.py] [benchmark flags, e.g. --quick]
 
-Runs single turn, then multi-turn with the engine's episode loop, and with `--loop` also an `EpisodeLoop` loaded
-from another file (an older version, say) in alternation, so both share the process and the GPU's clocks. For the
+Runs single turn, then multi-turn with the engine's episode loop (once per `--extend-attention` and episode
+definition asked for: `--both-definitions` adds the tool after the last turn), and with `--loop` also an
+`EpisodeLoop` loaded from another file (an older version, say) in alternation, so both share the process and the
+GPU's clocks. For the
 last timed run of each it prints: wall seconds; GPU seconds inside decode blocks, prefills and observation
 prefills (`extend`), and their sum's complement (the GPU waiting for the host: syncs, harvests, tool waits,
 captures); decode steps and blocks, resume waves, and ms per decode step for each (batch, kv_len) bucket; host
 seconds in the loop's harvest, collect and resume and in graph captures; full (generation 2) garbage collections and
 their milliseconds; each observation prefill's forward (`llama_forward.extend`), host and GPU ms side by side. With
 $OUT set, every decode block and extend (host start, sizes, GPU ms) goes to $OUT/multiturn_trace.json. Ends with
-the benchmark's own table for the engine loop's (last) run.
+the benchmark's own table for the engine loop's (last round's) runs.
 """
 
 from __future__ import annotations
@@ -183,17 +185,21 @@ def main() -> None:
     results = {}
     single = bench.run_single(engine, prompts, args, **hooks)
     results["single turn"] = (single, reports[-1])
+    table = []  # the engine loop's runs of the last round
     for round_index in range(2 if own.loop else 1):
         for name, loop in loops.items():
             backend_module.EpisodeLoop = loop
-            run = bench.run_multiturn(engine, prompts, args, **hooks)
-            results[f"multi-turn, {name}, round {round_index}"] = (run, reports[-1])
-            print(summary_line(f"multi-turn, {name}, round {round_index}", run, reports[-1]), flush=True)
+
+            def traced(run, title=f"{name}, round {round_index}"):
+                results[f"{run['name']}, {title}"] = (run, reports[-1])
+                print(summary_line(f"{run['name']}, {title}", run, reports[-1]), flush=True)
+            runs = bench.multiturn_runs(engine, prompts, args, on_run=traced, **hooks)
+            if name == "engine loop":
+                table = runs
     print()
     for name, (run, report) in results.items():
         print(summary_line(name, run, report))
-    multi = results[f"multi-turn, engine loop, round {1 if own.loop else 0}"][0]
-    bench.print_table(bench.summary(model, args, device, single, multi))
+    bench.print_table(bench.summary(model, args, device, single, table))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "multiturn_trace.json"), "w") as handle:
             json.dump({name: dict(stats=run["stats"], **report) for name, (run, report) in results.items()}, handle,

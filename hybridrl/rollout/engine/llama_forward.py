@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 from hybridrl.rollout.engine.weights import Lora, LayerWeights, ModelWeights, unpacked, unwrap
 
@@ -199,7 +200,7 @@ def extend_attention_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor,
     residual, post-attention RMSNorm, MLP, residual. h (P, L, hidden), q (P, L, H, D) from `extend_inputs`, kv
     (2, P, Hkv, K, D) the rows' slots read back after the write, positions (P, L) -> h."""
     rows, length, _ = h.shape
-    attn = _masked_gqa_attention(q, kv[0], kv[1], positions)
+    attn = EXTEND_ATTENTIONS[extend_attention](q, kv[0], kv[1], positions)
     h = h + _linear(attn.reshape(rows, length, w.num_heads * w.head_dim), lw.o_weight, lw.o_bias, lw.o_lora)
     return h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
 
@@ -224,6 +225,26 @@ def _masked_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     weights = torch.softmax(scores, dim=-1).to(values.dtype).view(rows, num_kv_heads, group * length, key_len)
     out = torch.matmul(weights, values).view(rows, num_kv_heads, group, length, head_dim)
     return out.permute(0, 3, 1, 2, 4).reshape(rows, length, num_heads, head_dim)
+
+
+def _flex_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        positions: torch.Tensor) -> torch.Tensor:
+    """`_masked_gqa_attention` through FlexAttention: the visibility rule as a score modification, so that compiled, the
+    scores never leave the kernel (at 512 rows x 33 ids x ~600 keys they are ~150M elements per layer, written,
+    softmaxed and read again by the matmul form) and grouped heads read their KV head without a copy. Eager (CPU
+    tests) it is flex's unfused reference."""
+    def visible(score, row, head, query, key):
+        return torch.where(key <= positions[row, query], score, -float("inf"))
+
+    out = flex_attention(q.transpose(1, 2), keys, values, score_mod=visible, enable_gqa=True)  # (P, H, L, D)
+    return out.transpose(1, 2)
+
+
+EXTEND_ATTENTIONS: dict[str, Callable] = {"matmul": _masked_gqa_attention, "flex": _flex_gqa_attention}
+"""The attentions `extend` can run, each q (P, L, H, D), keys/values (P, Hkv, K, D), positions (P, L) -> (P, L, H, D)."""
+extend_attention = "matmul"
+"""Which of `EXTEND_ATTENTIONS` `extend` runs: a module setting so that one benchmark process can time them side by side
+(`benchmarks/multiturn.py --extend-attention`); a compiled `extend` recompiles when it changes."""
 
 
 def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, pending: tuple[torch.Tensor, ...],
