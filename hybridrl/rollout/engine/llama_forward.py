@@ -240,7 +240,27 @@ def _flex_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return out.transpose(1, 2)
 
 
-EXTEND_ATTENTIONS: dict[str, Callable] = {"matmul": _masked_gqa_attention, "flex": _flex_gqa_attention}
+def _sdpa_folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           positions: torch.Tensor) -> torch.Tensor:
+    """`_masked_gqa_attention` through SDPA with an additive mask (on CUDA the memory-efficient kernel, which takes
+    one; flash takes none): the query heads of a KV head folded into the query axis (query-major, so the mask is each
+    query's row repeated `group` times), so no grouped-query support is needed and keys are not repeated. The mask
+    (P, 1, L * group, K) is written once per layer instead of the scores' several passes."""
+    rows, length, num_heads, head_dim = q.shape
+    num_kv_heads, key_len = keys.shape[1], keys.shape[2]
+    group = num_heads // num_kv_heads
+    folded = q.view(rows, length, num_kv_heads, group, head_dim).transpose(1, 2)  # (P, Hkv, L, group, D)
+    folded = folded.reshape(rows, num_kv_heads, length * group, head_dim)
+    query_positions = positions.repeat_interleave(group, dim=1)  # (P, L * group)
+    visible = torch.arange(key_len, device=q.device) <= query_positions[:, None, :, None]  # (P, 1, L * group, K)
+    mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # (P, Hkv, L * group, D)
+    return out.view(rows, num_kv_heads, length, group, head_dim).transpose(1, 2).reshape(rows, length, num_heads,
+                                                                                           head_dim)
+
+
+EXTEND_ATTENTIONS: dict[str, Callable] = {"matmul": _masked_gqa_attention, "flex": _flex_gqa_attention,
+                                          "sdpa": _sdpa_folded_attention}
 """The attentions `extend` can run, each q (P, L, H, D), keys/values (P, Hkv, K, D), positions (P, L) -> (P, L, H, D)."""
 extend_attention = "matmul"
 """Which of `EXTEND_ATTENTIONS` `extend` runs: a module setting so that one benchmark process can time them side by side
