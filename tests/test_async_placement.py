@@ -3,6 +3,7 @@ apart from the training processes') or `trainer.rollout_device` (a device by nam
 and the process worker alike. On a CPU machine the placement is checked by its rules and its mapping onto the
 worker's device; `rollout_device=cpu` runs the process worker's cross-device path and must change no bit."""
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,7 @@ from test_async_pipeline import learning_metrics, make_trainer
 
 from hybridrl.config.schema import ConfigError
 from hybridrl.parallel.placement import resolve_placement, rollout_device
-from hybridrl.training import async_pipeline
+from hybridrl.training import async_pipeline, rollout_process
 
 
 def test_the_rollout_role_gets_one_device_of_its_own():
@@ -56,9 +57,26 @@ def test_a_rollout_device_in_the_mesh_is_refused_where_it_cannot_work(tmp_path, 
         make_trainer(tmp_path, trainer__device_mesh={"actor": [0], "rollout": [1]}, **overrides)
 
 
-def test_the_process_worker_on_rollout_device_cpu_is_the_run_without_it_bitwise(tmp_path):
+def test_the_process_worker_on_rollout_device_cpu_is_the_run_without_it_bitwise(tmp_path, caplog):
     settings = dict(trainer__total_steps=3, trainer__max_staleness=1, algorithm__rollout_correction_cap=2.0,
                     trainer__rollout_worker="process")
     default = make_trainer(tmp_path / "default", **settings).train()
+    caplog.set_level(logging.INFO, logger=rollout_process.__name__)
     placed = make_trainer(tmp_path / "cpu", trainer__rollout_device="cpu", **settings).train()
     assert learning_metrics(placed) == learning_metrics(default)
+    assert "rollout process on cpu: weights pushed over GLOO (the trainer or the rollout process runs on the CPU" \
+        in caplog.text
+
+
+@pytest.mark.parametrize("trainer_device, mesh, rollout, backend, published_on", [
+    ("cpu", None, "", "gloo", "cpu"),
+    ("cuda:0", {"actor": [0], "rollout": [1]}, "", "nccl", "cuda:0"),  # NCCL sends from the trainer's GPU
+    ("cuda:1", None, "cuda:1", "gloo", "cpu"),  # one GPU for both: staged through the CPU, where it is published
+])
+def test_the_process_worker_pushes_over_nccl_from_the_trainers_gpu_exactly_when_the_worker_has_another(
+        monkeypatch, trainer_device, mesh, rollout, backend, published_on):
+    monkeypatch.setattr(rollout_process.dist, "is_nccl_available", lambda: True)  # a CPU build has none
+    config = SimpleNamespace(trainer=SimpleNamespace(device_mesh=mesh, rollout_device=rollout))
+    trainer = SimpleNamespace(config=config, parts=SimpleNamespace(device=torch.device(trainer_device)))
+    worker = rollout_process.ProcessWorker(trainer, 1, 1, 2, version=0, lock=None, mailbox=None, model=None)
+    assert worker.push_link[0] == backend and worker.weights_device == torch.device(published_on)

@@ -1,6 +1,8 @@
 """Split placement's transport on two gloo processes (rank 0 trains, rank 1 generates): a bucketed weight push
 leaves the worker's weights equal to the trainer's (checksums) in its own tensors; scored batches travel back; a
-rollout worker killed mid-run ends the trainer's run within the watchdog's bound, naming the worker."""
+rollout worker killed mid-run ends the trainer's run within the watchdog's bound, naming the worker. Which backend
+the weights' link takes follows from the two sides' devices (NCCL only between two GPUs); the NCCL push itself is a
+GPU test that needs two GPUs (`pytest -m gpu`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import signal
 import socket
 import time
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import tiny_actor
@@ -17,6 +20,8 @@ from hybridrl.parallel import process_group
 from hybridrl.parallel.weight_push import (
     RolloutPeerError,
     buckets,
+    connect,
+    push_backend,
     push_tensors,
     push_weights,
     receive_object,
@@ -128,3 +133,45 @@ def test_a_killed_rollout_worker_ends_the_run_naming_it_within_the_bound(tmp_pat
     seconds, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
     assert "rollout worker (rank 1) went away" in message and "batch of step 2" in message, message
     assert float(seconds) < HANG_TIMEOUT_S
+
+
+@pytest.mark.parametrize("trainer, worker, nccl_available, backend, words", [
+    ("cuda:0", "cuda:1", True, "nccl", "different GPUs"),
+    ("cuda:3", "cuda:2", True, "nccl", "no CPU staging"),
+    ("cuda:1", "cuda:1", True, "gloo", "NCCL refuses two ranks on one GPU"),
+    ("cpu", "cpu", True, "gloo", "on the CPU"),
+    ("cuda:0", "cpu", True, "gloo", "on the CPU"),
+    ("cpu", "cuda:0", True, "gloo", "on the CPU"),
+    ("cuda:0", "cuda:1", False, "gloo", "has no NCCL"),
+])
+def test_the_weights_link_is_nccl_exactly_between_two_gpus(trainer, worker, nccl_available, backend, words):
+    chosen, why = push_backend(torch.device(trainer), torch.device(worker), nccl_available)
+    assert chosen == backend and words in why
+
+
+def _nccl_push_main(rank: int, port: int, out_dir: str) -> None:
+    """Rank 0 on cuda:0 trains one step and pushes over an NCCL link; rank 1 receives on cuda:1."""
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank)
+    link = connect(port, rank, 60.0, {"weights": "nccl"}, device)["weights"]
+    model, _ = tiny_actor(seed=rank)
+    model = model.to(device)
+    storages = [tensor.data_ptr() for tensor in push_tensors(model)]
+    if rank == 0:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.tensor([PROMPTS[0]], device=device)).logits.sum().backward()
+        optimizer.step()
+    metrics = push_weights(model, source=0, bucket_bytes=4096, group=link)
+    torch.save({"after": weights_checksum(model), "link_device": str(link.device), "metrics": metrics,
+                "same_storage": storages == [t.data_ptr() for t in push_tensors(model)]}, f"{out_dir}/rank{rank}.pt")
+    link.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an NCCL link needs two GPUs (NCCL refuses two ranks on one)")
+def test_an_nccl_link_between_two_gpus_pushes_the_trainers_weights_into_the_workers_tensors(tmp_path):
+    mp.start_processes(_nccl_push_main, args=(free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    trainer, worker = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert worker["after"] == trainer["after"]  # bitwise equal weights after the push
+    assert worker["same_storage"] and (trainer["link_device"], worker["link_device"]) == ("cuda:0", "cuda:1")
+    assert worker["metrics"]["perf/weight_push_gib"] > 0

@@ -12,10 +12,13 @@ trainer's receive fail at once (the connection closes); one that hangs is caught
 its rank (`parallel/watchdog.py`). `RolloutPeerError` names the worker's rank either way.
 
 Where: over torch.distributed's default group (`group=None`, or one made by `dist.new_group`), or over a `Link`:
-gloo groups of their own between the rollout process and one training process, made from a store on a port of
+two-rank groups of their own between the rollout process and one training process, made from a store on a port of
 their own. A run with several training processes already uses the default group for its ranks (FSDP), and a
 process has only one default group, so the link to the rollout worker is a group apart from it; the trainer's
-other ranks never take part in it. A link stages through the CPU (gloo).
+other ranks never take part in it. Which backend a link uses follows from the two sides' devices (`push_backend`):
+NCCL when they sit on different GPUs, so that a bucket goes from the trainer's GPU straight into the worker's,
+never through the CPU; gloo otherwise, staged through the CPU: on the CPU, and on one GPU shared by both
+processes, because NCCL refuses two ranks on one GPU. Pickled batches always travel over gloo.
 """
 
 from __future__ import annotations
@@ -42,11 +45,19 @@ class RolloutPeerError(RuntimeError):
 
 
 class Link:
-    """One two-rank gloo group outside torch.distributed's default group (see the module docstring): `rank` is this
+    """One two-rank group outside torch.distributed's default group (see the module docstring): `rank` is this
     side's (0 or 1). Build with `connect`."""
 
-    def __init__(self, group: Any, rank: int):
+    def __init__(self, group: Any, rank: int, device: torch.device | None = torch.device("cpu")):
         self.group, self.rank = group, rank
+        self.device = device
+        """Where a bucket travels: the CPU over gloo, this side's GPU over NCCL (None: the tensors' own device)."""
+
+    def close(self) -> None:
+        """After the peer ended: abort an NCCL communicator, which also releases a side still blocked in a collective
+        with it (gloo's calls fail by themselves once the peer is gone, and its group needs no ending)."""
+        if self.device is not None and self.device.type == "cuda" and hasattr(self.group, "abort"):
+            self.group.abort()
 
     def broadcast(self, tensor: torch.Tensor, source: int) -> None:
         options = dist.BroadcastOptions()
@@ -67,7 +78,7 @@ class DefaultGroup(Link):
     """The same calls over torch.distributed's default group or a group of it (`group=None` everywhere here)."""
 
     def __init__(self, group: Any = None):
-        super().__init__(group, dist.get_rank(group))
+        super().__init__(group, dist.get_rank(group), device=None)
 
     def broadcast(self, tensor: torch.Tensor, source: int) -> None:
         dist.broadcast(tensor, src=source, group=self.group)
@@ -82,12 +93,54 @@ class DefaultGroup(Link):
         dist.barrier(group=self.group)
 
 
-def connect(port: int, rank: int, timeout_s: float, names: tuple[str, ...]) -> dict[str, Link]:
-    """Links between rank 0 (which hosts the store on `port` of 127.0.0.1) and rank 1, one per name, so that traffic
-    on one (weights) never waits behind another's (batches)."""
+PUSH_BACKENDS = {
+    "two GPUs": ("nccl", "the trainer and the rollout process sit on different GPUs: buckets go from GPU to GPU over "
+                         "NCCL, with no CPU staging"),
+    "one GPU": ("gloo", "the trainer and the rollout process share one GPU, and NCCL refuses two ranks on one GPU: "
+                        "buckets are staged through the CPU over gloo"),
+    "CPU": ("gloo", "the trainer or the rollout process runs on the CPU: buckets travel over gloo"),
+}
+"""Where the two sides sit -> (the weights link's backend, why); `push_backend` picks the row."""
+NO_NCCL = ("gloo", "the GPUs differ, but this torch build has no NCCL: buckets are staged through the CPU over gloo")
+
+
+def push_backend(trainer_device: torch.device, worker_device: torch.device,
+                 nccl_available: bool = True) -> tuple[str, str]:
+    """The backend of the weights link between the trainer's process and the rollout process, and a sentence on why
+    (logged when the rollout process starts). CUDA devices carry their index (`cuda:1`, not `cuda`)."""
+    if trainer_device.type != "cuda" or worker_device.type != "cuda":
+        placement = "CPU"
+    else:
+        assert None not in (trainer_device.index, worker_device.index), "CUDA devices need their index here"
+        placement = "one GPU" if trainer_device.index == worker_device.index else "two GPUs"
+    backend, why = PUSH_BACKENDS[placement]
+    return NO_NCCL if backend == "nccl" and not nccl_available else (backend, why)
+
+
+def new_backend(backend: str, store: Any, rank: int, timeout: datetime.timedelta, device: torch.device) -> Link:
+    """One two-rank link of `backend` over `store`: NCCL's communicator is made now, on `device` (this side's GPU,
+    made current first), so that a refusal shows when the run starts rather than at its first push."""
+    if backend == "gloo":
+        return Link(dist.ProcessGroupGloo(store, rank, 2, timeout), rank)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    group = dist.ProcessGroupNCCL(store, rank, 2, options)
+    group._set_sequence_number_for_group()  # as torch's own `new_group` does; both sides call it, through the store
+    torch.cuda.set_device(device)
+    if hasattr(group, "eager_connect_single_device"):
+        group.eager_connect_single_device(device)
+    return Link(group, rank, device)
+
+
+def connect(port: int, rank: int, timeout_s: float, backends: dict[str, str],
+            device: torch.device = torch.device("cpu")) -> dict[str, Link]:
+    """Links between rank 0 (which hosts the store on `port` of 127.0.0.1) and rank 1, one per name of `backends`
+    (name -> "gloo" or "nccl"), so that traffic on one (weights) never waits behind another's (batches); `device` is
+    this side's GPU for an NCCL link."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timeout)
-    return {name: Link(dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, 2, timeout), rank) for name in names}
+    return {name: new_backend(backend, dist.PrefixStore(name, store), rank, timeout, device)
+            for name, backend in backends.items()}
 
 
 def as_link(group: Any) -> Link:
@@ -172,7 +225,7 @@ def broadcast_tensors(tensors: list[torch.Tensor], source: int, bucket_bytes: in
     link = as_link(group)
     sending = link.rank == source
     total, device = 0, tensors[0].device if tensors else torch.device("cpu")
-    staging = device if type(link) is DefaultGroup else torch.device("cpu")  # a link is gloo: it stages on the CPU
+    staging = link.device or device  # gloo stages on the CPU, NCCL on this side's GPU, the default group in place
     for indices in buckets([t.numel() * t.element_size() for t in tensors], [t.dtype for t in tensors], bucket_bytes):
         parts = [tensors[i] for i in indices]
         if sending:

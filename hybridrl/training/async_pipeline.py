@@ -259,10 +259,13 @@ def rollout_device(trainer: Any) -> torch.device:
     trainer's own device; a bare "cuda" gets the current GPU's index (the worker thread sets its current device
     from it)."""
     t = trainer.config.trainer
-    device = torch.device(placement.rollout_device(t.device_mesh) or t.rollout_device or trainer.parts.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    return with_index(torch.device(placement.rollout_device(t.device_mesh) or t.rollout_device or trainer.parts.device))
+
+
+def with_index(device: torch.device) -> torch.device:
+    """`device`, a bare "cuda" given the current GPU's index (other devices as they are)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
+        else device
 
 
 def current_device(device: torch.device) -> Any:
@@ -312,6 +315,8 @@ class RolloutWorker(threading.Thread, BatchQueue):
         self.partial = trainer.config.trainer.partial_rollout
         parts = trainer.parts
         self.device = rollout_device(trainer)
+        self.weights_device = self.device
+        """Where the trainer publishes the copies this worker loads: on its own device."""
         self.model = model.to(self.device)  # a copy of version `version`: the trainer's weights now
         with current_device(self.device):  # the engine sizes its KV cache and builds kernels on the current GPU
             self.backend = take_turns(build_rollout(trainer.config, self.model, parts.tokenizer, self.device), lock,
@@ -500,8 +505,8 @@ class AsyncPipeline:
         start = time.perf_counter()
         if version + 1 + self.max_staleness <= self.trainer.config.trainer.total_steps:
             weights = full_weights(self.trainer.parts.actor, self.setup)
-            if weights is not None:
-                self.mailbox.publish(version, weights, rollout_device(self.trainer))
+            if weights is not None:  # rank 0, the worker's owner
+                self.mailbox.publish(version, weights, self.worker.weights_device)
         return {"perf/weight_push_s": time.perf_counter() - start}
 
     def close(self) -> None:

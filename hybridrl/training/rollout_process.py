@@ -1,9 +1,11 @@
 """The rollout worker in a process of its own (`trainer.rollout_worker=process`): split placement on one machine.
 
 The trainer's process (rank 0 of the training processes, when there are several) spawns one rollout process and
-links to it with two gloo groups of their own (`weight_push.connect`: trainer 0, worker 1), apart from the
-training processes' own group, so that weights and batches never wait for each other: a thread of the trainer
-broadcasts each published version (`parallel/weight_push.py`, in buckets, into the worker model's own tensors),
+links to it with two groups of their own (`weight_push.connect`: trainer 0, worker 1), apart from the training
+processes' own group, so that weights and batches never wait for each other: a thread of the trainer broadcasts
+each published version (`parallel/weight_push.py`, in buckets, into the worker model's own tensors; over NCCL
+from the trainer's GPU when the worker sits on another GPU, else over gloo through the CPU: `push_backend`, its
+choice logged at the start),
 and another receives the generated batches and scores them with the trainer's rewards (`RLTrainer.score`, the
 whole batch in that process) while the trainer updates. The worker process only generates: it holds the data set
 and the sampler (its position travels with each batch, for checkpoints), and generates the batch of step b with
@@ -18,8 +20,9 @@ the other ranks (`AsyncPipeline.take`), and each trains on its rows as in the sy
 pushes are the full ones, gathered from the FSDP shards by every rank after the update (`AsyncPipeline.push`).
 
 The same schedule as the thread worker, so a run gives the same metrics with either worker. A worker process that
-dies makes the trainer's receive fail at once, naming rank 1; one that hangs is named after
-`trainer.hang_timeout_s` (the links' timeout and the trainer's wait). On one machine, on the rollout device
+dies makes the trainer's receive fail at once (the batches' link is gloo in every case), naming rank 1; one that
+hangs is named after `trainer.hang_timeout_s` (the links' timeout and the trainer's wait); a push blocked in NCCL
+by a peer gone is aborted when the run ends. On one machine, on the rollout device
 (`trainer.device_mesh.rollout`, else the trainer's); a worker on another node is not built.
 """
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import socket
 import threading
 import time
@@ -34,6 +38,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridrl.envs.base import EnvironmentCodeError
@@ -41,6 +46,7 @@ from hybridrl.parallel.weight_push import (
     RolloutPeerError,
     broadcast_tensors,
     connect,
+    push_backend,
     push_names,
     push_weights,
     receive_object,
@@ -56,11 +62,14 @@ from hybridrl.training.async_pipeline import (
     produce_rounds,
     rollout_device,
     score_batch,
+    with_index,
 )
 from hybridrl.training.components import build_rollout
 from hybridrl.training.episodes import build_environment, build_episode_rollout
 
 TRAINER_RANK, WORKER_RANK = 0, 1
+
+logger = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -69,9 +78,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def join_links(port: int, rank: int, timeout_s: float) -> tuple[Any, Any]:
-    """The two links between the trainer and the worker: (weights, batches)."""
-    links = connect(port, rank, timeout_s, ("weights", "batches"))
+def join_links(port: int, rank: int, timeout_s: float, weights_backend: str, device: torch.device) -> tuple[Any, Any]:
+    """The two links between the trainer and the worker: (weights, batches); the weights' over `weights_backend`
+    (`push_backend`: NCCL between two GPUs, on this side's `device`), the pickled batches' over gloo."""
+    links = connect(port, rank, timeout_s, {"weights": weights_backend, "batches": "gloo"}, device)
     return links["weights"], links["batches"]
 
 
@@ -80,11 +90,11 @@ def serve_rollouts(port: int, job: dict[str, Any]) -> None:
     `env:` it runs the episodes itself (its own environments and tool workers, built from the config); an
     environment's error is sent to the trainer as the step's record, which raises it as the user's error."""
     torch.set_num_threads(job["threads"])  # as the trainer's process was set (a fresh process has torch's default)
-    weights_link, batches_link = join_links(port, WORKER_RANK, job["timeout_s"])
     config, parts = job["config"], job["parts"]
-    model = parts.actor.to(parts.device)  # sent on the CPU
     if parts.device.type == "cuda":
         torch.cuda.set_device(parts.device)
+    weights_link, batches_link = join_links(port, WORKER_RANK, job["timeout_s"], job["weights_backend"], parts.device)
+    model = parts.actor.to(parts.device)  # sent on the CPU
     backend = build_rollout(config, model, parts.tokenizer, parts.device)
     episodes = build_episode_rollout(config, build_environment(config), parts.tokenizer, backend, parts.pad_token_id)
     sampler = parts.dataset.sampler(config.trainer.prompts_per_step)
@@ -160,6 +170,12 @@ class ProcessWorker(BatchQueue):
         self.broadcast_s = 0.0
         """The last version's broadcast, logged as `perf/weight_broadcast_s` (the trainer's thread waits for the
         worker to ask for it, so this is transfer time only once the worker is waiting)."""
+        trainer_device, worker_device = with_index(trainer.parts.device), rollout_device(trainer)
+        self.push_link = push_backend(trainer_device, worker_device, dist.is_nccl_available())
+        """(backend, why) of the weights link (`weight_push.push_backend`), logged when the process starts."""
+        self.weights_device = trainer_device if self.push_link[0] == "nccl" else torch.device("cpu")
+        """Where the trainer publishes each version for the broadcast: its own GPU for NCCL (a bucket leaves from
+        there), the CPU for gloo (where a bucket is staged anyway)."""
 
     def start(self) -> None:
         trainer, parts = self.trainer, self.trainer.parts
@@ -170,7 +186,7 @@ class ProcessWorker(BatchQueue):
                "version": self.version, "sampler_state": sampler_state, "sampling": trainer.sampling_params(step=0, generation_round=0),
                "round_stride": trainer.sampling_params(step=0, generation_round=1).seed
                - trainer.sampling_params(step=0, generation_round=0).seed,
-               "num_ranks": parts.setup.world_size,
+               "num_ranks": parts.setup.world_size, "weights_backend": self.push_link[0],
                "parts": WorkerParts(self.model.cpu(), parts.tokenizer, parts.pad_token_id, parts.dataset,
                                     rollout_device(trainer))}
         self.names = push_names(self.model)
@@ -179,7 +195,9 @@ class ProcessWorker(BatchQueue):
                                                        name="hybridrl-rollout-process")
         self.process.start()
         self.model = None  # the process has its own copy now
-        self.weights_link, self.batches_link = join_links(port, TRAINER_RANK, timeout_s)
+        backend, why = self.push_link
+        logger.info("rollout process on %s: weights pushed over %s (%s)", job["parts"].device, backend.upper(), why)
+        self.weights_link, self.batches_link = join_links(port, TRAINER_RANK, timeout_s, backend, self.weights_device)
         self.label = f"rollout worker (process {self.process.pid}, rank {WORKER_RANK})"
         self.threads = [threading.Thread(target=self.receive_batches, daemon=True),
                         threading.Thread(target=self.push_versions, daemon=True)]
@@ -195,6 +213,8 @@ class ProcessWorker(BatchQueue):
         if self.process is not None and self.process.is_alive():
             self.process.kill()
             self.process.join(STOP_WAIT_S)
+        if self.threads:  # the process has ended: end an NCCL link too (a push blocked in it is released)
+            self.weights_link.close()
         for thread in self.threads:
             thread.join(STOP_WAIT_S)
 
@@ -231,6 +251,8 @@ class ProcessWorker(BatchQueue):
         """Broadcast versions version+1, version+2, ... as the trainer publishes them, while the worker needs them."""
         names = self.names
         last_needed = needed_version(self.last_step, self.max_staleness)
+        if self.weights_device.type == "cuda":  # per thread: NCCL launches on the current GPU
+            torch.cuda.set_device(self.weights_device)
         try:
             for version in range(self.version + 1, last_needed + 1):
                 state = self.mailbox.take(version)
