@@ -494,7 +494,7 @@ def test_engine_section_of_the_config_reaches_the_engine():
                                 "rollout.engine.dequantize_4bit=false"])
     engine = build_rollout(config, make_model("llama"), None, torch.device("cpu"))
     assert engine.options == runner.EngineOptions(attention="sdpa", fuse_qkv=False, fuse_gate_up=True, sampler="torch",
-                                                  dequantize_4bit=False)
+                                                  dequantize_4bit=False, compile=False)  # compile=auto on CPU
     for key in ("attention", "fuse_qkv", "fuse_gate_up", "dequantize_4bit"):
         with pytest.raises(ConfigError, match=f"'rollout.{key}' is now 'rollout.engine.{key}'"):
             load_config(None, [f"rollout.{key}=auto"])
@@ -504,6 +504,25 @@ def test_engine_section_of_the_config_reaches_the_engine():
                                                   dequantize_4bit=False, kv_cache="auto", kv_block_size=64,
                                                   compile="auto")
     assert "    # Decode attention." in explained_yaml(config)
+
+
+def test_compile_auto_compiles_on_cuda_for_long_responses_only():
+    """`rollout.engine.compile=auto`: the trainer's engine compiles on CUDA when responses are long enough for the
+    compilation to pay; true / false are passed on as given. (The engine is built, not run: no GPU needed.)"""
+    from hybridrl.config.loading import load_config
+    from hybridrl.rollout.engine.kernel_choices import AUTO_COMPILE_MIN_NEW_TOKENS, auto_compiles
+    from hybridrl.training.components import build_rollout
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    long, short = AUTO_COMPILE_MIN_NEW_TOKENS, AUTO_COMPILE_MIN_NEW_TOKENS - 1
+    assert auto_compiles(long, cuda) and not auto_compiles(short, cuda) and not auto_compiles(long, cpu)
+    model = make_model("llama")
+    for option, tokens, device, expected in (("auto", long, cuda, True), ("auto", short, cuda, False),
+                                             ("auto", long, cpu, False), ("true", short, cuda, True),
+                                             ("false", long, cuda, False)):
+        config = load_config(None, ["rollout.backend=builtin", f"rollout.engine.compile={option}",
+                                    f"rollout.max_new_tokens={tokens}"])
+        assert build_rollout(config, model, None, device).options.compile is expected, (option, tokens, device)
 
 
 def test_timeline_keeps_the_first_mark_or_with_last_the_latest():

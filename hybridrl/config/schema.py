@@ -124,7 +124,8 @@ class EngineConfig:
     compile: bool | Literal["auto"] = "auto"
     """`torch.compile` the decode step's per-layer pieces, the prefill's layer and the sampler (CUDA graphs are
     captured either way). Compiling costs seconds once per process, in the first rollout, and saves a little on
-    every decode step after; `auto` compiles on CUDA."""
+    every decode step after; `auto` compiles on CUDA for responses of at least 64 tokens
+    (`kernel_choices.auto_compiles`: short responses take too few decode steps to repay it)."""
 
 
 @dataclass

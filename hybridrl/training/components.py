@@ -36,6 +36,7 @@ from hybridrl.parallel.placement import resolve_placement
 from hybridrl.rewards import RewardComposer, WeightedReward, load_reward_function
 from hybridrl.rollout.base import RolloutBackend
 from hybridrl.rollout.engine.backend import BuiltinBackend
+from hybridrl.rollout.engine.kernel_choices import auto_compiles
 from hybridrl.rollout.hf import HFBackend
 from hybridrl.training.episodes import EPISODE_COLUMNS, EpisodeRollout, build_environment, build_episode_rollout
 from hybridrl.training.optim import build_optimizer, build_scheduler
@@ -127,7 +128,8 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
                                   fuse_gate_up=engine.fuse_gate_up, sampler=engine.sampler,
                                   dequantize_4bit=engine.dequantize_4bit, kv_cache=kv_cache,
                                   kv_block_size=engine.kv_block_size,
-                                  compile=None if engine.compile == "auto" else engine.compile)
+                                  compile=(auto_compiles(config.rollout.max_new_tokens, device)
+                                           if engine.compile == "auto" else engine.compile))
         if backend == "builtin":
             logger.warning("rollout.backend=builtin falls back to hf: %s", reason)
     if backend == "vllm":

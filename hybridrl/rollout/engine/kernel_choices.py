@@ -92,6 +92,19 @@ def attention_path(option: str, device: torch.device, kv_cache: str = "contiguou
     return AttentionPath("reference", PrefixSharedKVCache, decode_attention.reference_decode_attention)
 
 
+AUTO_COMPILE_MIN_NEW_TOKENS = 64
+"""`rollout.engine.compile=auto` compiles the engine for responses of at least this many tokens."""
+
+
+def auto_compiles(max_new_tokens: int, device: torch.device) -> bool:
+    """Whether `rollout.engine.compile=auto` compiles the engine's pieces: on CUDA, for responses of at least
+    `AUTO_COMPILE_MIN_NEW_TOKENS`. Compiling costs seconds once per process (the first rollout traces and builds
+    every piece) and saves a share of each decode step after it; a rollout of short responses takes few decode
+    steps, so those savings repay the compilation only after very many rollouts, while CUDA graphs of the
+    uncompiled step are ready at once. Both compute the same tokens (`tests/test_builtin_engine.py`)."""
+    return device.type == "cuda" and max_new_tokens >= AUTO_COMPILE_MIN_NEW_TOKENS
+
+
 AUTO_FUSE_GATE_UP_MAX_FRACTION = 0.05
 """`fuse_gate_up="auto"` stacks gate/up when the copy takes at most this share of the GPU's memory."""
 
