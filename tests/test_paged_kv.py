@@ -91,6 +91,39 @@ def test_admission_waits_for_blocks_and_preemption_takes_the_youngest():
     assert scheduler.decoded_tokens == 3 * 4 + 4  # three sequences 1 -> 5, then sequence 1 5 -> 9
 
 
+def replay_reserves(pool: int, monkeypatch=None) -> list:
+    """Uneven forced lengths (limits at the syncs), a window of 3, blocks of 4: every sync's progress, `reserve`,
+    harvest and admission; returns each sync's (preempted, block-table writes, response blocks). With `monkeypatch`,
+    `reserve` never takes its fast path (its sum of needs made too large)."""
+    if monkeypatch is not None:
+        monkeypatch.setattr(Scheduler, "_window_needs", lambda self: [(None, 0, 1 << 30)])
+    lengths = [5, 17, 2, 30, 9, 12, 25, 3]
+    allocator = BlockAllocator(num_blocks=pool, block_size=4, prompt_columns=2)
+    scheduler = Scheduler([i // 2 for i in range(8)], [6, 5, 7, 8], num_slots=6, blocks=allocator, window=3,
+                          max_new_tokens=30, limits=lengths, limits_at_sync=True)
+    history, done = [], [0] * 6
+    while scheduler.has_work:
+        preempted = [s.index for s in scheduler.reserve()]
+        scheduler.admit()
+        history.append((preempted, allocator.take_writes(),
+                        {index: list(held.blocks) for index, held in allocator.response.items()}))
+        steps = scheduler.steps_until_sync(3, 30)
+        scheduler.record_progress([scheduler.live[slot].generated + steps if slot in scheduler.live else 0
+                                   for slot in range(6)])
+        scheduler.harvest(done, torch.zeros(6, 40, dtype=torch.long), set(), None)
+    assert allocator.in_use == 0
+    return history
+
+
+@pytest.mark.parametrize("pool", [200, 14])
+def test_reserve_fast_path_gives_the_blocks_of_the_ordered_scan(pool, monkeypatch):
+    """`reserve` without preemption grows every sequence in one pass (`_window_needs`): the same blocks, writes and
+    preemptions as the oldest-first scan, with a pool that never runs dry and one that preempts."""
+    fast = replay_reserves(pool)
+    assert any(preempted for preempted, _, _ in fast) == (pool == 14)
+    assert fast == replay_reserves(pool, monkeypatch)
+
+
 # ---- the engine -----------------------------------------------------------------------------------
 
 def assert_same_generations(ours, reference) -> None:
