@@ -7,6 +7,7 @@ measured in the same run, the two directions overlapping; the update's HBM traff
 
     python -m benchmarks.kernels.optimizer_step                      # one GPU: the grpo-0.5b shape (Qwen2-0.5B)
     python -m benchmarks.kernels.optimizer_step --shape 1.5b --baseline /tmp/old_optim.py
+    python -m benchmarks.kernels.optimizer_step --offloads 0 --triton-kernel   # adamw_kernel.py vs torch.compile
     python -m benchmarks.kernels.optimizer_step --quick              # CPU, the tiny shape: that it runs
 """
 
@@ -68,15 +69,20 @@ def pinned_bandwidth(device: str, megabytes: int = 512) -> dict:
 
 def time_steps(optimizer_class, params, offload: float, steps: int, device: str) -> tuple[float, dict]:
     """Seconds per step, and the GPU memory the steps allocated and reserved beyond the parameters and
-    gradients (GiB; a pipeline that queues every copy at once shows here)."""
+    gradients (GiB; a pipeline that queues every copy at once shows here), with the first step's seconds (it
+    allocates the moments and, the first time in a process, builds the update kernel)."""
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     optimizer = optimizer_class(params, lr=1e-5, weight_decay=0.01, offload=offload, seed=1)
-    for _ in range(2):  # the first step allocates the moments and compiles the update
-        optimizer.step()
+    first = time.perf_counter()
+    optimizer.step()  # the first step allocates the moments (and builds the update kernel)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    memory = {"first_step_s": time.perf_counter() - first}
+    optimizer.step()
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -85,9 +91,8 @@ def time_steps(optimizer_class, params, offload: float, steps: int, device: str)
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / steps
-    memory = {}
     if device == "cuda":
-        memory = {"extra_allocated_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
+        memory |= {"extra_allocated_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
                   "extra_reserved_gib": (torch.cuda.max_memory_reserved() - base) / 2**30}
     del optimizer
     return seconds, memory
@@ -100,19 +105,40 @@ def load_optim(path: str):
     return module.LeanAdamW
 
 
+def triton_update_optimizer():
+    """LeanAdamW with its CUDA update as the hand-written Triton kernel (`training/adamw_kernel.py`) instead of
+    `torch.compile(adamw_chunk)`: the same arithmetic, for `--triton-kernel`."""
+    from hybridrl.training import adamw_kernel, optim
+
+    class TritonUpdate(optim.LeanAdamW):
+        def step(self, closure=None, apply=None):
+            plain = optim.chunk_update_function
+            optim.chunk_update_function = lambda device: (adamw_kernel.triton_adamw_chunk
+                                                          if adamw_kernel.available(device) else plain(device))
+            try:
+                return super().step(closure, apply)
+            finally:
+                optim.chunk_update_function = plain
+
+    return TritonUpdate
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
     parser.add_argument("--offloads", default="1.0,0.5,0.0", help="shares of the moments in CPU memory")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--baseline", help="another optim.py whose LeanAdamW is timed beside this one")
+    parser.add_argument("--triton-kernel", action="store_true",
+                        help="also time the update as adamw_kernel.py's Triton kernel instead of torch.compile")
     parser.add_argument("--quick", action="store_true", help="CPU, tiny shape")
     args = parser.parse_args()
     device = "cpu" if args.quick else "cuda"
     shape = "tiny" if args.quick else args.shape
     from hybridrl.training.optim import LeanAdamW
 
-    versions = {"this": LeanAdamW} | ({"baseline": load_optim(args.baseline)} if args.baseline else {})
+    versions = {"this": LeanAdamW} | ({"baseline": load_optim(args.baseline)} if args.baseline else {}) | (
+        {"triton": triton_update_optimizer()} if args.triton_kernel else {})
     params = parameters(shape, device)
     elements = sum(p.numel() for p in params)
     bandwidth = pinned_bandwidth(device) if device == "cuda" else None
@@ -121,7 +147,8 @@ def main() -> None:
               .format(**bandwidth))
     rows = []
     print(f"\n{shape}: {len(params)} parameters, {elements / 1e6:.0f}M elements")
-    print(f"{'offloaded':>9} {'version':>9} {'ms/step':>8} {'floor ms':>9} {'+alloc GiB':>10} {'+reserved':>9}")
+    print(f"{'offloaded':>9} {'version':>9} {'ms/step':>8} {'floor ms':>9} {'+alloc GiB':>10} {'+reserved':>9} "
+          f"{'first s':>8}")
     for offload in (float(x) for x in args.offloads.split(",")):
         moved = 8 * elements * offload  # float32 m and v, each way
         hbm = elements * (2 + 2 + 2 + (0 if offload else 16)) / BANDWIDTH  # weights in/out, grads; resident moments
@@ -130,7 +157,8 @@ def main() -> None:
             seconds, memory = time_steps(optimizer_class, params, offload, args.steps, device)
             rows.append(dict(shape=shape, offload=offload, version=name, step_s=seconds, floor_s=floor, **memory))
             print(f"{offload:>9.2f} {name:>9} {1e3 * seconds:>8.1f} {1e3 * floor:>9.1f} "
-                  f"{memory.get('extra_allocated_gib', float('nan')):>10.2f} {memory.get('extra_reserved_gib', float('nan')):>9.2f}",
+                  f"{memory.get('extra_allocated_gib', float('nan')):>10.2f} {memory.get('extra_reserved_gib', float('nan')):>9.2f} "
+                  f"{memory['first_step_s']:>8.3f}",
                   flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "optimizer_step.json"), "w") as f:

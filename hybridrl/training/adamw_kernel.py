@@ -1,0 +1,84 @@
+"""`optim.adamw_chunk` as one hand-written Triton kernel: LeanAdamW's update of a flat bucket on CUDA.
+
+The update was `torch.compile(adamw_chunk)`: one kernel too, but the first optimizer step of every process paid
+dynamo's trace and inductor's code generation (seconds, before any caching), and each later call its guards. A
+Triton kernel is compiled once per machine and signature (Triton's own cache on disk), and a call is one launch.
+
+Same arithmetic as `adamw_chunk`, in float32, element by element: the moments updated in place, the new weights
+written to a fresh tensor in the weights' dtype, bf16 ones stochastically rounded with the counter hash of
+`optim.counter_noise` (its 32-bit products wrap natively in uint32 here). `hyper` is read on the device (lr, betas,
+eps, decay, bias corrections, apply), so no value is a compile-time constant and `apply` 0 leaves everything as it
+was. `TRITON_INTERPRET=1` set before the first import runs the kernel on CPU tensors (the tests do).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: optim.adamw_chunk runs eagerly
+    triton = None
+
+BLOCK = 1024
+"""Elements per program: enough to keep the loads wide; the update is bound by memory traffic."""
+
+if triton is not None:
+    @triton.jit
+    def _adamw_kernel(WEIGHTS, GRADS, M, V, OUT, HYPER, NOISE_BASE, numel, ROUND: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        offsets = start + tl.arange(0, BLOCK)
+        valid = offsets < numel
+        lr = tl.load(HYPER + 0)
+        beta1 = tl.load(HYPER + 1)
+        beta2 = tl.load(HYPER + 2)
+        eps = tl.load(HYPER + 3)
+        decay = tl.load(HYPER + 4)
+        correction1 = tl.load(HYPER + 5)
+        correction2 = tl.load(HYPER + 6)
+        apply = tl.load(HYPER + 7)
+        grad = tl.load(GRADS + offsets, mask=valid, other=0.0).to(tl.float32)
+        grad = tl.where(apply > 0, grad, 0.0)
+        m = tl.load(M + offsets, mask=valid, other=0.0)
+        v = tl.load(V + offsets, mask=valid, other=0.0)
+        m = m + (1 - beta1) * apply * (grad - m)  # torch.lerp_ for weights below 0.5
+        v = v * (1 - (1 - beta2) * apply) + (1 - beta2) * apply * grad * grad
+        tl.store(M + offsets, m, mask=valid)
+        tl.store(V + offsets, v, mask=valid)
+        updated = tl.load(WEIGHTS + offsets, mask=valid, other=0.0).to(tl.float32) * (1 - lr * decay * apply)
+        updated = updated - tl.div_rn((lr * apply / correction1) * m, tl.div_rn(tl.sqrt_rn(v), tl.sqrt_rn(correction2)) + eps)
+        if ROUND:  # stochastic rounding to bf16 with optim.counter_noise's bits
+            x = (tl.load(NOISE_BASE) + offsets).to(tl.uint32)  # the counter mod 2**32
+            x = x ^ (x >> 16)
+            x = x * 0x7FEB352D
+            x = x ^ (x >> 15)
+            x = x * 0x846CA68B
+            x = x ^ (x >> 16)
+            noise = (x >> 16).to(tl.int32)
+            bits = updated.to(tl.int32, bitcast=True)
+            updated = ((bits + noise) & -65536).to(tl.float32, bitcast=True)
+        tl.store(OUT + offsets, updated.to(OUT.dtype.element_ty), mask=valid)
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel serves tensors on `device` (CUDA with Triton importable)."""
+    return triton is not None and device.type == "cuda"
+
+
+def triton_adamw_chunk(weights: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                       noise_base: torch.Tensor | None, hyper: torch.Tensor) -> torch.Tensor:
+    """`optim.adamw_chunk` in one launch: flat contiguous `weights`, `grad` and float32 moments `m`, `v` (updated in
+    place); returns the new weights in the weights' dtype. `noise_base` (one int64 on the device) is given exactly
+    for bf16 weights, which are then stochastically rounded."""
+    if triton is None:
+        raise ImportError("triton is not installed; use optim.adamw_chunk")
+    out = torch.empty_like(weights)
+    numel = weights.numel()
+    if numel:
+        rounded = noise_base is not None
+        _adamw_kernel[(triton.cdiv(numel, BLOCK),)](
+            weights, grad, m, v, out, hyper, noise_base if rounded else hyper, numel, ROUND=rounded, BLOCK=BLOCK,
+            num_warps=4)
+    return out
