@@ -170,6 +170,7 @@ def triton_decode_attention(
         cos, sin, bias, scale * math.log2(math.e), *strides, table_stride, prompt_columns, part_acc, part_ml,
         plan.split_len, BLOCK_N=plan.block_n, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
         HAS_BIAS=rope is not None and qkv_bias is not None, PAGED=paged is not None, BLOCK_SIZE=block_size,
+        ONE_BLOCK=paged is not None and plan.one_block(block_size),
         **plan.compile_options(), **sizes)
     if plan.num_splits > 1:
         _combine_splits_kernel[(batch, num_kv_heads)](part_acc, part_ml, response_len, out, *out.stride()[:3],
@@ -182,7 +183,7 @@ if triton is not None:
     @triton.jit
     def _attend(q, k_base, v_base, begin, length, stride_l, m_i, l_i, acc, qk_scale, table, stride_block,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, ONE_BLOCK: tl.constexpr):
         """Online-softmax update of (m_i, l_i, acc) over keys [begin, length) of one (entry or slot, KV head).
 
         q (GROUP_PAD, BLOCK_D); m_i, l_i (GROUP_PAD,) float32 in log2 units; acc (GROUP_PAD, BLOCK_D) float32.
@@ -193,7 +194,7 @@ if triton is not None:
         for start in range(begin, length, BLOCK_N):  # device-side bound: only the slot's own keys are read
             cols = start + offs_n
             kv_mask = (cols[:, None] < length) & (offs_d[None, :] < HEAD_DIM)
-            rows = _key_rows(cols, length, stride_l, table, stride_block, PAGED, BLOCK_SIZE)
+            rows = _key_rows(start, cols, length, stride_l, table, stride_block, PAGED, BLOCK_SIZE, BLOCK_N, ONE_BLOCK)
             offsets = rows[:, None] + offs_d[None, :]
             k = tl.load(k_base + offsets, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
             v = tl.load(v_base + offsets, mask=kv_mask, other=0.0)
@@ -215,12 +216,19 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
-    def _key_rows(cols, length, stride_l, table, stride_block, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-        """Offsets of keys `cols` from their head's base: contiguous rows, or (PAGED) gathered through the block table
-        in int64 (a pool spans more elements than int32 counts)."""
+    def _key_rows(start, cols, length, stride_l, table, stride_block, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr):
+        """Offsets of keys `cols` (= start + arange(BLOCK_N)) from their head's base: contiguous rows, or (PAGED)
+        through the block table in int64 (a pool spans more elements than int32 counts). ONE_BLOCK (BLOCK_N divides
+        BLOCK_SIZE and `start` is a multiple of BLOCK_N, so the iteration's keys share one block): one block id and
+        consecutive rows in it, which the compiler sees as contiguous; otherwise one id per key."""
         if PAGED:
-            blocks = tl.load(table + cols // BLOCK_SIZE, mask=cols < length, other=0).to(tl.int64)
-            rows = blocks * stride_block + (cols % BLOCK_SIZE).to(tl.int64) * stride_l
+            if ONE_BLOCK:
+                block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
+                rows = block * stride_block + ((start % BLOCK_SIZE) + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_l
+            else:
+                blocks = tl.load(table + cols // BLOCK_SIZE, mask=cols < length, other=0).to(tl.int64)
+                rows = blocks * stride_block + (cols % BLOCK_SIZE).to(tl.int64) * stride_l
         else:
             rows = cols * stride_l
         return rows
@@ -284,6 +292,7 @@ if triton is not None:
         PAGED: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
+        ONE_BLOCK: tl.constexpr,
     ):
         """One (slot, KV head): the prompt entry's keys, then the slot's response keys, one softmax.
         With WRITE_NEW the last response key/value (index response_len - 1) comes from NEW_KV: it is
@@ -321,7 +330,7 @@ if triton is not None:
         prompt_len = tl.where(split == 0, tl.load(PROMPT_LEN + slot).to(tl.int32), 0)
         m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, 0, prompt_len, stride_pl,
                                 m_i, l_i, acc, qk_scale, table, stride_pe, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE,
-                                PAGED, BLOCK_SIZE)
+                                PAGED, BLOCK_SIZE, ONE_BLOCK)
         response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
         cached = response_len - 1 if WRITE_NEW else response_len
         begin, end = 0, cached
@@ -329,7 +338,8 @@ if triton is not None:
             begin = split * split_len
             end = tl.minimum(cached, begin + split_len)
         m_i, l_i, acc = _attend(q, RK + response, RV + response, begin, end, stride_rl, m_i, l_i, acc, qk_scale,
-                                table + prompt_columns, stride_rb, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE, PAGED, BLOCK_SIZE)
+                                table + prompt_columns, stride_rb, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE, PAGED, BLOCK_SIZE,
+                                ONE_BLOCK)
         if WRITE_NEW:
             new = NEW_KV + slot * stride_nb + head * stride_nh
             new_at = tl.where(split == 0, cached, -1)  # only split 0 stores and attends the new key

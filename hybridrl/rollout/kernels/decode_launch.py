@@ -33,6 +33,10 @@ SM hide its latency better than more warps per program (`docs/benchmarks.md` has
 WIDE_HEAD_NUM_WARPS = 2
 """Warps per program above head_dim 64 (Qwen2.5-1.5B/7B, Llama 3: 128): with RoPE and the bias inside, one warp
 would need more than 255 registers a thread and spill (the no-spill test reads ptxas' report)."""
+ONE_BLOCK_LOADS = True
+"""Paged: when a loop iteration's keys share one block (`BLOCK_N` divides the block size), load one block id per
+iteration and address its rows as consecutive (False: one id per key, as for any block size; a knob for
+`benchmarks/kernels/paged_sweep.py`)."""
 NUM_STAGES = None
 """Software-pipelining stages of the key loop passed to Triton (None: Triton's default); a knob for
 `benchmarks/kernels/paged_sweep.py`."""
@@ -101,6 +105,11 @@ class LaunchPlan:
     """Response keys per split program (0 without split-KV)."""
     num_stages: int | None = None
     """Pipelining stages (None: Triton's default)."""
+
+    def one_block(self, block_size: int) -> bool:
+        """Paged: whether each loop iteration's keys lie in one block (see `ONE_BLOCK_LOADS`); every iteration starts
+        at a multiple of `block_n` (split lengths are whole numbers of it)."""
+        return ONE_BLOCK_LOADS and block_size % self.block_n == 0
 
     def compile_options(self) -> dict:
         """The launch options Triton takes besides the grid: warps, and stages when set."""
