@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from async_cases import learning_metrics, reward_failing_on_batch
 from conftest import contains_seven, tiny_actor, toy_prompts
 
 from hybridrl.config.schema import ConfigError
@@ -29,11 +30,6 @@ def make_trainer(tmp_path, reward=contains_seven, **overrides):
     dataset = PromptDataset(toy_prompts(), actor.tokenizer, max_length=16)
     return RLTrainer(actor=actor, reward_fn=reward, dataset=dataset,
                      **{**FAST, "trainer__output_dir": str(tmp_path), **overrides})
-
-
-def learning_metrics(history):
-    """What must agree between runs: everything but clocks and memory."""
-    return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in history]
 
 
 def test_needed_version_is_k_behind_and_never_negative():
@@ -157,17 +153,8 @@ def test_a_raising_reward_in_the_worker_saves_the_finished_steps_and_the_fixed_r
     reward's sentence after saving steps 1-3; with the reward fixed, the same command resumes at step 4."""
     settings = dict(trainer__total_steps=5, trainer__max_staleness=1)
     full = make_trainer(tmp_path / "full", **settings).train()
-    scored = []
-
-    def fails_on_batch_4(prompts, completions, **columns):
-        scored.append(1)
-        if len(scored) == 4:
-            raise ValueError("the grader is down")
-        return contains_seven(prompts, completions)
-
-    fails_on_batch_4.__name__ = "contains_seven"
     with pytest.raises(RewardError, match="the grader is down .* The 3 finished step.s. are saved"):
-        make_trainer(tmp_path / "cut", reward=fails_on_batch_4, **settings).train()
+        make_trainer(tmp_path / "cut", reward=reward_failing_on_batch(4), **settings).train()
     saved = json.loads((tmp_path / "cut" / "checkpoints" / "step_000003" / "trainer.json").read_text())
     assert saved["pipeline"]["queued"] == []  # the batch of step 4 failed: the resumed worker makes it anew
     resumed = make_trainer(tmp_path / "cut", **settings).train()
@@ -286,6 +273,7 @@ def test_a_push_leaves_the_workers_weights_equal_to_the_trainers_in_its_own_tens
     pipeline = trainer.pipeline
     worker = RolloutWorker(trainer, 1, first_step=1, last_step=5, version=0, lock=pipeline.lock,
                            mailbox=pipeline.mailbox, model=copy.deepcopy(trainer.parts.actor))  # loaded by hand below
+    pipeline.worker = worker  # what `push` publishes for (where: `worker.weights_device`)
     storages = [tensor.data_ptr() for tensor in push_tensors(worker.model)]
     assert weights_checksum(worker.model) == weights_checksum(trainer.parts.actor)
     with torch.no_grad():

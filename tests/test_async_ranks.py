@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from async_cases import learning_metrics, reward_failing_on_batch
 from conftest import contains_seven, tiny_actor, toy_prompts
 
 from hybridrl.config.schema import ConfigError
 from hybridrl.data.datasets import PromptDataset
 from hybridrl.parallel import weight_push
 from hybridrl.training import rollout_process
+from hybridrl.training.rollout_process import free_port
 from hybridrl.training.async_pipeline import AsyncPipeline
 from hybridrl.training.trainer import RLTrainer
 
@@ -27,16 +28,6 @@ SETTINGS = dict(rollout__max_new_tokens=4, rollout__num_samples_per_prompt=4, tr
                 actor__micro_batch_size=8, trainer__device="cpu", logging__sinks=["jsonl"], trainer__save_model=False,
                 actor__lr=1e-3, trainer__hang_timeout_s=120, trainer__num_gpus=2, trainer__total_steps=3,
                 trainer__rollout_worker="process")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def learning_metrics(history):
-    return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in history]
 
 
 def make_trainer(out: str, reward=contains_seven, **overrides) -> RLTrainer:
@@ -65,19 +56,6 @@ class RecordingWorker(rollout_process.ProcessWorker):
     serve = staticmethod(serve_and_record)
 
 
-SCORED = []
-
-
-def fails_on_batch_3(prompts, completions, **columns):
-    SCORED.append(1)
-    if len(SCORED) == 3:
-        raise ValueError("the grader is down")
-    return contains_seven(prompts, completions)
-
-
-fails_on_batch_3.__name__ = "contains_seven"
-
-
 def run_rank(rank: int, port: int, out: str, mode: str) -> None:
     """One training rank: `sync` (the synchronous loop), `k0` (the pipeline with max_staleness=0), `k1`, or `fails`
     (k=1, the reward raising on the batch of step 3; each rank writes what it raised)."""
@@ -86,7 +64,7 @@ def run_rank(rank: int, port: int, out: str, mode: str) -> None:
     torch.set_num_threads(1)
     if mode == "fails":
         try:
-            make_trainer(out, reward=fails_on_batch_3, trainer__max_staleness=1, trainer__total_steps=4).train()
+            make_trainer(out, reward=reward_failing_on_batch(3), trainer__max_staleness=1, trainer__total_steps=4).train()
         except Exception as error:
             with open(os.path.join(out, f"error_rank{rank}.txt"), "w") as file:
                 file.write(f"{type(error).__name__}: {error}")

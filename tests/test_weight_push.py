@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -30,15 +29,10 @@ from hybridrl.parallel.weight_push import (
 )
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.hf import HFBackend
+from hybridrl.training.rollout_process import free_port
 
 HANG_TIMEOUT_S = 20.0
 PROMPTS = [[10, 11, 12], [13, 14]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_buckets_keep_order_one_dtype_each_and_the_byte_bound():

@@ -67,6 +67,7 @@ from hybridrl.parallel.process_group import DistributedSetup, broadcast_object
 from hybridrl.parallel.weight_push import full_weights, unsharded_copy
 from hybridrl.rewards import RewardError
 from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine.graph_rng import CAPTURE_LOCK, draws_random_numbers
 from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_responses
 from hybridrl.training.components import build_rollout
 from hybridrl.training.dynamic_sampling import keep_informative
@@ -268,6 +269,14 @@ def with_index(device: torch.device) -> torch.device:
         else device
 
 
+def draws_beside_captures(trainer: Any, worker_class: Any) -> bool:
+    """Whether the trainer's thread draws from the default CUDA generator of a GPU where a thread worker's engine
+    captures graphs: then it trains holding `graph_rng.CAPTURE_LOCK`, so that no capture starts meanwhile."""
+    device, parts = with_index(trainer.parts.device), trainer.parts
+    return (issubclass(worker_class, RolloutWorker) and device.type == "cuda" and rollout_device(trainer) == device
+            and any(draws_random_numbers(model) for model in (parts.actor, parts.critic) if model is not None))
+
+
 def current_device(device: torch.device) -> Any:
     """A context making `device` the current CUDA device (nothing for the CPU)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -433,6 +442,8 @@ class AsyncPipeline:
         # rewards' per-call metrics after its call. Per run, so a reward that hangs blocks only its own run.
         self.score_lock = threading.RLock()
         trainer.parts.rewards.score = in_turn(trainer.parts.rewards.score, self.score_lock, None)
+        if draws_beside_captures(trainer, self.worker_class):  # see rollout/engine/graph_rng.py
+            trainer.train_on = in_turn(trainer.train_on, CAPTURE_LOCK, None)
         self.mailbox = WeightMailbox()
         self.worker: Any = None
         """The worker of the running `train()`, or the last one's (ended) after it; None on ranks other than 0."""

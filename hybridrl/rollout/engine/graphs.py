@@ -24,6 +24,8 @@ from typing import Callable, Hashable
 
 import torch
 
+from hybridrl.rollout.engine.graph_rng import begin_capture
+
 
 def tensor_layouts(values) -> tuple:
     """(shape, stride, dtype) of every tensor in `values` and every number or string (a compiled function
@@ -66,6 +68,8 @@ class DecodeGraphs:
         # One warm-up and one capture stream for the engine's life: cuBLAS keeps a workspace per stream it has run
         # on, so a new stream per rollout would hold a new workspace after every step.
         self._warmup_stream = self._capture_stream = None
+        self._generator = None
+        """The generator each graph registers instead of the device's default one (`graph_rng.py`)."""
 
     def drop(self) -> None:
         """Forget the captured graphs and their static inputs (their tensors are freed or replaced); warmed signatures
@@ -129,13 +133,12 @@ class DecodeGraphs:
         stream order."""
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream()
+            self._generator = torch.Generator(device=torch.device("cuda", torch.cuda.current_device()))
         if synchronize:
             torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self._capture_stream):
-            # thread_local: a thread rollout worker captures while the trainer's thread goes on with its own
-            # CUDA work (a host sync there would otherwise invalidate this capture)
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            begin_capture(graph, self.pool, self._generator)  # thread-local, the default generator left to others
             try:
                 run_step()
             finally:
