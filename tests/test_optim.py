@@ -208,3 +208,36 @@ def test_compiled_rounding_noise_on_cuda_equals_cpu():
     base = torch.tensor([0xFFFFFF00], dtype=torch.int64)
     compiled = torch.compile(counter_noise, dynamic=True)
     assert torch.equal(compiled(base.cuda(), 5000).cpu(), counter_noise(base, 5000))
+
+
+def test_moments_allocated_together_update_in_place_with_the_same_bits():
+    """The first step lays the moments of all resident parameters end to end in one buffer per slot, so a bucket of
+    small parameters updates them through one view, in place; the weights and moments equal those of moments
+    kept apart (here: cloned after the first step, so every later bucket concatenates and copies back)."""
+    from hybridrl.training.optim import _end_to_end_view
+
+    start = [torch.randn(7, 50), torch.randn(301), torch.randn(3), torch.randn(5, 4), torch.randn(20)]
+    for dtype in (torch.float32, torch.bfloat16):
+        together = [p.to(dtype, copy=True).requires_grad_() for p in start]
+        apart = [p.to(dtype, copy=True).requires_grad_() for p in start]
+        optimizers = [LeanAdamW(params, lr=1e-2, weight_decay=0.1, chunk_elements=400) for params in (together, apart)]
+        generator = torch.Generator().manual_seed(0)
+        for step in range(3):
+            grads = [torch.randn(p.shape, generator=generator).to(dtype) for p in start]
+            for optimizer, params in zip(optimizers, (together, apart)):
+                for p, g in zip(params, grads):
+                    p.grad = g.clone()
+                optimizer.step()
+            if step == 0:
+                states = [optimizers[0].state[p] for p in together]
+                pointers = [s["exp_avg"].data_ptr() for s in states]
+                assert _end_to_end_view([s["exp_avg"].view(-1) for s in states]) is not None
+                for p in apart:  # moments apart from here on
+                    state = optimizers[1].state[p]
+                    state["exp_avg"], state["exp_avg_sq"] = state["exp_avg"].clone(), state["exp_avg_sq"].clone()
+                assert _end_to_end_view([optimizers[1].state[p]["exp_avg"].view(-1) for p in apart]) is None
+        assert [optimizers[0].state[p]["exp_avg"].data_ptr() for p in together] == pointers  # updated in place
+        for a, b in zip(together, apart):
+            assert torch.equal(a, b)
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(optimizers[0].state[a][key], optimizers[1].state[b][key])

@@ -178,6 +178,23 @@ class LeanAdamW(torch.optim.Optimizer):
         self.offload, self.chunk_elements, self.seed = fraction > 0, chunk_elements, seed
         self._offloaded_ids = offloaded_parameters([p for g in self.param_groups for p in g["params"]], fraction)
         self._copy_streams = None
+        self._fresh_moments: dict[int, dict[str, torch.Tensor]] = {}  # see `_allocate_moments_together`
+
+    def _allocate_moments_together(self) -> None:
+        """The moments of the parameters about to get their first step, resident and plain (not DTensors), as views
+        into one flat float32 buffer per slot and device, laid out in parameter order: a bucket of consecutive
+        parameters then updates its moments in place through one view (`_Bucket.gather_moments`) instead of
+        concatenating them and copying them back. Moments replaced later (a checkpoint load) are merely
+        concatenated again."""
+        new = [p for g in self.param_groups for p in g["params"] if p.grad is not None and not self.state[p]
+               and not self.is_offloaded(p) and not hasattr(p.data, "to_local") and p.numel()]
+        for device in {p.device for p in new}:
+            params = [p for p in new if p.device == device]
+            sizes = [p.numel() for p in params]
+            for key in ("exp_avg", "exp_avg_sq"):
+                flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+                for param, view in zip(params, flat.split(sizes)):
+                    self._fresh_moments.setdefault(id(param), {})[key] = view.view(param.shape)
 
     def is_offloaded(self, param: torch.Tensor) -> bool:
         """Whether `param`'s moments live in CPU memory (this rank's shard, as a plain tensor)."""
@@ -211,7 +228,9 @@ class LeanAdamW(torch.optim.Optimizer):
         if not state:
             state["step"] = 0
             for key in ("exp_avg", "exp_avg_sq"):
-                if self.is_offloaded(param):
+                if key in self._fresh_moments.get(id(param), {}):
+                    state[key] = self._fresh_moments[id(param)][key]
+                elif self.is_offloaded(param):
                     state[key] = torch.zeros(local.shape, dtype=torch.float32, device="cpu", pin_memory=local.is_cuda)
                 else:
                     state[key] = torch.zeros_like(param.detach(), dtype=torch.float32)
@@ -243,6 +262,7 @@ class LeanAdamW(torch.optim.Optimizer):
         waiting to find out, so the caller can queue the step behind the backward pass and check later
         (`uncount_step` then takes back the step count)."""
         loss = closure() if closure is not None else None
+        self._allocate_moments_together()
         streamed, resident = [], []  # buckets whose moments are in CPU memory (streamed through the device) or on it
         offset, hypers, rounded = 0, {}, []  # rounded: (bf16 parameter, its float32 master), both local
         for group in self.param_groups:
@@ -270,6 +290,7 @@ class LeanAdamW(torch.optim.Optimizer):
                     piece = slice(first, first + self.chunk_elements)
                     _add_piece(buckets, _Piece(weights[piece], grads[piece], m[piece], v[piece], start + first),
                                hypers[key], noise_key, self.chunk_elements)
+        self._fresh_moments.clear()
         if not (streamed or resident):
             return loss
         device = (streamed or resident)[0].pieces[0].weights.device
@@ -362,8 +383,12 @@ class _Bucket:
                                                                                last.m.device))
 
     def _joined(self, field: str) -> torch.Tensor:
+        """The pieces' `field` as one flat tensor: a view where they lie end to end in one storage, else a copy."""
         tensors = [getattr(piece, field) for piece in self.pieces]
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        if len(tensors) == 1:
+            return tensors[0]
+        view = _end_to_end_view(tensors)
+        return torch.cat(tensors) if view is None else view
 
     def gather_weights(self) -> torch.Tensor:
         return self._joined("weights")
@@ -372,8 +397,9 @@ class _Bucket:
         return self._joined("grads")
 
     def gather_moments(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bucket's moments on `device`: views of resident ones when it is a single piece (updated in
-        place), else copies (from CPU memory without blocking when offloaded)."""
+        """The bucket's moments on `device`: a view of resident ones when they lie end to end (a single piece, or
+        moments allocated together: updated in place), else copies (from CPU memory without blocking when
+        offloaded)."""
         if self.pieces[0].m.device == device:
             return self._joined("m"), self._joined("v")
         moments = []
@@ -397,7 +423,7 @@ class _Bucket:
         """After an update on the device where the moments live: weights back, and moments unless they were
         updated in place."""
         self.write_weights(updated)
-        if len(self.pieces) > 1 or m.data_ptr() != self.pieces[0].m.data_ptr():
+        if m.data_ptr() != self.pieces[0].m.data_ptr():  # a copy, not a view updated in place
             self.write_moments(m, v)
 
     def _write(self, field: str, flat: torch.Tensor) -> None:
@@ -410,6 +436,17 @@ class _Bucket:
             targets[0].copy_(flat)
         else:
             torch._foreach_copy_(targets, list(flat.split(sizes)))
+
+
+def _end_to_end_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One flat view over contiguous `tensors` that follow each other in one storage, or None if they do not."""
+    first, end = tensors[0], tensors[0].storage_offset()
+    for tensor in tensors:
+        if (not tensor.is_contiguous() or tensor.storage_offset() != end
+                or tensor.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+        end += tensor.numel()
+    return first.as_strided((end - first.storage_offset(),), (1,), first.storage_offset())
 
 
 def _hyper_tensor(values: list[float], apply: torch.Tensor | None, device: torch.device) -> torch.Tensor:
