@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import tiny_actor
 
@@ -20,6 +21,7 @@ from hybridrl.parallel.weight_push import (
     RolloutPeerError,
     buckets,
     connect,
+    new_backend,
     push_backend,
     push_tensors,
     push_weights,
@@ -169,3 +171,21 @@ def test_an_nccl_link_between_two_gpus_pushes_the_trainers_weights_into_the_work
     assert worker["after"] == trainer["after"]  # bitwise equal weights after the push
     assert worker["same_storage"] and (trainer["link_device"], worker["link_device"]) == ("cuda:0", "cuda:1")
     assert worker["metrics"]["perf/weight_push_gib"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_nccl_link_of_one_rank_sends_its_buckets_from_the_gpu():
+    """What one GPU can check of the NCCL link: this torch build makes it as `new_backend` does (options, eager
+    connect, abort) and a push's sending side runs over it, its buckets on the GPU."""
+    import datetime
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=datetime.timedelta(seconds=60))
+    link = new_backend("nccl", dist.PrefixStore("weights", store), 0, datetime.timedelta(seconds=60),
+                       torch.device("cuda", 0), size=1)
+    model, _ = tiny_actor()
+    before = weights_checksum(model)
+    metrics = push_weights(model.to("cuda"), source=0, bucket_bytes=4096, group=link)
+    link.close()
+    assert link.device == torch.device("cuda", 0) and metrics["perf/weight_push_gib"] > 0
+    assert weights_checksum(model) == before

@@ -117,14 +117,15 @@ def push_backend(trainer_device: torch.device, worker_device: torch.device,
     return NO_NCCL if backend == "nccl" and not nccl_available else (backend, why)
 
 
-def new_backend(backend: str, store: Any, rank: int, timeout: datetime.timedelta, device: torch.device) -> Link:
-    """One two-rank link of `backend` over `store`: NCCL's communicator is made now, on `device` (this side's GPU,
-    made current first), so that a refusal shows when the run starts rather than at its first push."""
+def new_backend(backend: str, store: Any, rank: int, timeout: datetime.timedelta, device: torch.device,
+                size: int = 2) -> Link:
+    """One link of `backend` over `store` (two ranks; one in a test): NCCL's communicator is made now, on `device`
+    (this side's GPU, made current first), so that a refusal shows when the run starts rather than at its first push."""
     if backend == "gloo":
-        return Link(dist.ProcessGroupGloo(store, rank, 2, timeout), rank)
+        return Link(dist.ProcessGroupGloo(store, rank, size, timeout), rank)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    group = dist.ProcessGroupNCCL(store, rank, 2, options)
+    group = dist.ProcessGroupNCCL(store, rank, size, options)
     group._set_sequence_number_for_group()  # as torch's own `new_group` does; both sides call it, through the store
     torch.cuda.set_device(device)
     if hasattr(group, "eager_connect_single_device"):
