@@ -22,8 +22,9 @@ With k = 0 the trainer's own synchronous loop runs and this module is not used. 
   `trainer.device_mesh.rollout` (or `trainer.rollout_device`) the worker's copy lives on another device (rollout
   on GPU 1, training on GPU 0): the published copy is made there, across devices, so the worker's load is an
   on-device copy, and the finished batches come back to the trainer's device in `take`. Across processes the
-  same push is a bucketed broadcast (`parallel/weight_push.py`); with several training processes every rank
-  gathers the full weights from its FSDP shards for it, and rank 0 publishes them.
+  same push is a bucketed broadcast (`parallel/weight_push.py`: NCCL between two GPUs, else gloo through the CPU),
+  published where the broadcast sends from; with several training processes every rank gathers the full weights
+  from its FSDP shards for it, and rank 0 publishes them.
 - **Off-policy correction.** The trainer's log-prob pass gives pi_old under its current weights; the batch keeps
   the behaviour log-probs the worker's sampler recorded (`sampler_logp`), so the existing corrections apply
   unchanged: truncated importance sampling (`algorithm.rollout_correction_cap`) and sequence-level masking
