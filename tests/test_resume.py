@@ -95,6 +95,19 @@ def test_a_batch_padded_to_its_graph_bucket_equals_the_reference_and_hides_its_p
     assert_extended_alike(got, want, kv, reference_kv, reference_kv, contexts, slots, new)
 
 
+def test_host_batch_lays_out_ids_lengths_slots_starts_and_keys():
+    """Ragged rows right-padded with 0, padding rows (length 0) resuming the first row's slot right after its new ids,
+    keys cut to 63 bits (int64 on the device), all in one flat buffer."""
+    resumes = [(3, [5, 6, 7], 10, 2**64 + 5), (1, [8], 4, 7)]
+    batch = host_batch(resumes, 4, 5, "cpu")
+    assert batch.input_ids.tolist() == [[5, 6, 7, 0, 0], [8, 0, 0, 0, 0], [0] * 5, [0] * 5]
+    assert batch.lengths.tolist() == [3, 1, 0, 0]
+    assert batch.slots.tolist() == [3, 1, 3, 3]
+    assert batch.starts.tolist() == [10, 4, 13, 13]
+    assert batch.keys.tolist() == [(2**64 + 5) & (2**63 - 1), 7, 0, 0]
+    assert batch.packed.numel() == 4 * 5 + 4 * 4 and batch.input_ids.data_ptr() == batch.packed.data_ptr()
+
+
 class EagerGraphs:
     """Stands in for `DecodeGraphs` on CPU: every "replay" runs the step again, reading the static inputs as a
     replay would (so inputs that were not copied in would show), and each step's signature is computed once."""
