@@ -4,6 +4,7 @@ the synchronous loop; and the weight push between the GPUs.
     python -m benchmarks.two_gpu_async                       # nvidia-h200-x2: every run below, table last
     python -m benchmarks.two_gpu_async --runs async-1        # one run (a device call has at most 10 minutes)
     python -m benchmarks.two_gpu_async --runs push           # the weight push only (1.5B and 7B shapes)
+    python -m benchmarks.two_gpu_async --runs link           # the rollout process's push: NCCL against gloo
     python -m benchmarks.two_gpu_async --tiny                # CPU: a 2-layer model, rollout_device=cpu; checks the script
     # the synchronous loop colocated on both GPUs (FSDP2, same global batch), through torchrun as `hybridrl`'s
     # launcher starts it; on nvidia-h200-x2 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -25,6 +26,10 @@ Runs (`--runs`):
   generating its share of the same global batch with its share of the same drawn lengths.
 - `push`: the weight push GPU 1 -> GPU 0 for the 1.5B and 7B shapes: `WeightMailbox.publish` (the copy across
   devices that `perf/weight_push_s` times in a run) and the worker's load of it into its own tensors (on GPU 0).
+- `link`: the rollout process's push (`trainer.rollout_worker=process`), between two processes over a
+  `weight_push` link, from a model on GPU 0 into one on GPU 1, for the 1.5B and 7B shapes: over NCCL (what the
+  trainer picks for two GPUs) and over gloo, each bucket staged through the CPU (what it picks on one GPU); the
+  receiver's time from its call to its last byte (`perf/weight_push_s` of the worker), after one warm-up push.
 
 Step time is the mean of `timing/step_s` over the steps after the first (compilation, warm-up); tokens/s per GPU are
 the generated tokens per step over the step time and the GPUs the run uses; each GPU's busy share is
@@ -51,6 +56,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from benchmarks.grpo_step import build_tokenizer, even_fraction
 from benchmarks.long_tail import QWEN25_15B, add_batch_arguments, apply_tiny_defaults, response_lengths
 from benchmarks.rollout import TINY
+from hybridrl.parallel.weight_push import connect, push_weights
 from hybridrl.training.async_pipeline import RolloutWorker, WeightMailbox
 
 QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -63,7 +69,8 @@ RUNS = {"async-1": 1, "async-2": 2, "sync": 0}
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.two_gpu_async", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", default="async-1,async-2,sync,push", help="comma-separated: async-1,async-2,sync,push")
+    parser.add_argument("--runs", default="async-1,async-2,sync,push,link",
+                        help="comma-separated: async-1,async-2,sync,push,link")
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is left out of the means")
     add_batch_arguments(parser)
     parser.add_argument("--kv-cache-memory", type=float, default=0.3, help="rollout.kv_cache_memory")
@@ -253,6 +260,46 @@ def run_pushes(args) -> list[dict]:
     return [time_push(name, shape, source, target, args.push_repeats) for name, shape in shapes.items()]
 
 
+def time_link(rank: int, port: int, backend: str, devices: list[str], shape: dict, repeats: int, out: str) -> None:
+    """One side of pushes over a link of `backend` between two processes: rank 0 sends from a model on
+    `devices[0]`, rank 1 receives into one of its own on `devices[1]` and writes its best time to `out`."""
+    device = torch.device(devices[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    link = connect(port, rank, 600.0, {"weights": backend}, device)["weights"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**{"tie_word_embeddings": True, **shape}),
+                                                 dtype=torch.bfloat16)
+    model = model.to_empty(device=device)
+    pushed = [push_weights(model, 0, group=link) for _ in range(repeats + 1)][1:]  # the first warms the link up
+    if rank == 1:
+        with open(out, "w") as handle:
+            json.dump(dict(push_s=min(row["perf/weight_push_s"] for row in pushed),
+                           gib=pushed[0]["perf/weight_push_gib"]), handle)
+    link.close()
+
+
+def run_links(args) -> list[dict]:
+    """`link`: NCCL and gloo between GPUs 0 and 1 for each shape (gloo on the CPU with --tiny)."""
+    import torch.multiprocessing as mp
+
+    from hybridrl.training.rollout_process import free_port
+
+    devices = ["cpu", "cpu"] if args.tiny else ["cuda:0", "cuda:1"]
+    shapes = {"tiny": TINY} if args.tiny else {"1.5b": QWEN25_15B, "7b": QWEN25_7B}
+    rows = []
+    for name, shape in shapes.items():
+        for backend in ("gloo",) if args.tiny else ("nccl", "gloo"):
+            out = os.path.join(tempfile.mkdtemp(), "link.json")
+            mp.start_processes(time_link, args=(free_port(), backend, devices, shape, args.push_repeats, out),
+                               nprocs=2, join=True, start_method="spawn")
+            with open(out) as handle:
+                timed = json.load(handle)
+            rows.append(dict(shape=name, backend=backend, source=devices[0], target=devices[1], **timed,
+                             gb_per_s=timed["gib"] * 2**30 / 1e9 / timed["push_s"]))
+    return rows
+
+
 def print_table(result: dict) -> None:
     args = result["args"]
     print(f"\ntwo_gpu_async on {result['device']}: {args['prompts']} prompts x {args['n']}, prompt "
@@ -274,14 +321,19 @@ def print_table(result: dict) -> None:
         for p in result["pushes"]:
             print(f"| {p['source']} -> {p['target']} | {p['shape']} | {p['gib']:.2f} | {p['publish_s']:.3f} | "
                   f"{p['load_s']:.3f} | {p['gb_per_s']:.1f} |")
+    if result.get("links"):
+        print("| link | process -> process | shape | GiB | push s | GB/s |\n| --- | --- | --- | ---: | ---: | ---: |")
+        for link in result["links"]:
+            print(f"| {link['backend']} | {link['source']} -> {link['target']} | {link['shape']} | {link['gib']:.2f} | "
+                  f"{link['push_s']:.3f} | {link['gb_per_s']:.1f} |")
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     names = [name for name in args.runs.split(",") if name]
-    unknown = sorted(set(names) - {*RUNS, "push"})
+    unknown = sorted(set(names) - {*RUNS, "push", "link"})
     if unknown:
-        raise SystemExit(f"--runs has unknown run {unknown[0]!r}; choose from {', '.join([*RUNS, 'push'])}.")
+        raise SystemExit(f"--runs has unknown run {unknown[0]!r}; choose from {', '.join([*RUNS, 'push', 'link'])}.")
     size, rank = world()
     if size > 1 and names != ["sync"]:
         raise SystemExit("under torchrun only --runs sync runs (the synchronous loop colocated on the GPUs).")
@@ -290,8 +342,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "(nvidia-h200-x2), or use --tiny on the CPU.")
     runs = [run_training(name, args) for name in names if name in RUNS]
     pushes = run_pushes(args) if "push" in names and rank == 0 else []
+    links = run_links(args) if "link" in names and rank == 0 else []
     result = dict(device="cpu" if args.tiny else torch.cuda.get_device_name(), args=vars(args), runs=runs,
-                  pushes=pushes)
+                  pushes=pushes, links=links)
     if rank == 0:
         print_table(result)
         if os.environ.get("OUT"):

@@ -96,7 +96,8 @@ def test_long_tail_tiny_runs_both_layouts_on_forced_long_tailed_lengths(tmp_path
 
 def test_two_gpu_async_tiny_runs_each_side_on_forced_lengths_and_times_the_push(tmp_path):
     """`two_gpu_async.py --tiny` on CPU (rollout_device=cpu): the async runs at staleness 1 and 2 and the synchronous
-    loop on the same drawn lengths (the script asserts each step's mean length), and the weight push."""
+    loop on the same drawn lengths (the script asserts each step's mean length), the weight push, and the rollout
+    process's push over a gloo link between two processes."""
     stdout = run_script(["-m", "benchmarks.two_gpu_async", "--tiny"], tmp_path)
     assert "async-1 / sync:" in stdout and "| push |" in stdout
     result = json.loads((tmp_path / "two_gpu_async.json").read_text())
@@ -106,6 +107,7 @@ def test_two_gpu_async_tiny_runs_each_side_on_forced_lengths_and_times_the_push(
     assert runs["async-2"]["rollout_device"] == "cpu" and runs["async-2"]["staleness_mean"] == 1.5  # steps 2, 3
     assert len({run["generated_per_step"] for run in runs.values()}) == 1  # the same batch in every run
     assert result["pushes"][0]["publish_s"] > 0
+    assert "| link |" in stdout and result["links"][0]["backend"] == "gloo" and result["links"][0]["push_s"] > 0
 
 
 def test_multiturn_benchmark_runs_three_turns_against_one(tmp_path):
