@@ -11,7 +11,8 @@ last timed run of each it prints: wall seconds; GPU seconds inside decode blocks
 prefills (`extend`), and their sum's complement (the GPU waiting for the host: syncs, harvests, tool waits,
 captures); decode steps and blocks, resume waves, and ms per decode step for each (batch, kv_len) bucket; host
 seconds in the loop's harvest, collect and resume and in graph captures; full (generation 2) garbage collections and
-their milliseconds; each observation prefill's forward (`llama_forward.extend`), host and GPU ms side by side. With
+their milliseconds; each observation prefill's forward (`llama_forward.extend`), host and GPU ms side by side; and for
+each turn boundary the host times of its steps after the turn's last block synchronised (`BOUNDARY_MARKS`). With
 $OUT set, every decode block and extend (host start, sizes, GPU ms) goes to $OUT/multiturn_trace.json. Ends with
 the benchmark's own table for the engine loop's (last round's) runs.
 """
@@ -115,6 +116,81 @@ class Recorder:
                     calls=list(self.calls))  # a copy: the next run's warm-up records into the same list
 
 
+BOUNDARY_MARKS = ("outputs read", "tools started", "harvested", "answers in", "collected", "extend called",
+                  "forward launched", "next decode")
+"""A turn boundary on the host, each mark in ms after the harvest's `read_progress` returned (the GPU has finished the
+turn's last block there and waits until the forward is launched, tool latency included)."""
+
+
+class BoundaryClock:
+    """Host times of each turn boundary's steps (`BOUNDARY_MARKS`), for the last call: where the GPU's wait at a
+    boundary goes beyond the tool's latency. A boundary opens at a harvest that started environment steps; the marks
+    after the answers came in count only once they have."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.boundaries: list[dict] = []
+        self.synced, self.early = 0.0, {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        if name == "outputs read":
+            self.early[name] = now
+            return
+        current = self.boundaries[-1] if self.boundaries else {}
+        if "answers in" in current and name not in current:
+            current[name] = round(1e3 * (now - current["t0"]), 2)
+
+    def wrap(self, owner, name: str, before: str | None = None, after: str | None = None) -> None:
+        function, clock = getattr(owner, name), self
+
+        if inspect.iscoroutinefunction(function):
+            async def wrapped(*args, **kwargs):
+                result = await function(*args, **kwargs)
+                clock.after_phase(name, args[0])
+                return result
+        else:
+            def wrapped(*args, **kwargs):
+                if before:
+                    clock.mark(before)
+                result = function(*args, **kwargs)
+                if name == "read_progress":
+                    clock.synced, clock.early = time.perf_counter(), {}
+                elif after:
+                    clock.mark(after)
+                return result
+        setattr(owner, name, wrapped)
+
+    def after_phase(self, name: str, loop) -> None:
+        if name == "_harvest":
+            started = [moment for moment in loop.started_at.values() if moment >= self.synced]
+            if started:
+                moments = dict(self.early, **{"tools started": max(started), "harvested": time.perf_counter()})
+                self.boundaries.append(dict(t0=self.synced, tools=len(started),
+                                            **{k: round(1e3 * (v - self.synced), 2) for k, v in moments.items()}))
+        elif name == "_gather_answers" and self.boundaries:
+            current = self.boundaries[-1]
+            current.setdefault("answers in", round(1e3 * (time.perf_counter() - current["t0"]), 2))
+
+    def report(self) -> list[dict]:
+        return [{k: v for k, v in b.items() if k != "t0"} for b in self.boundaries]
+
+
+def instrument_boundaries(engine: BuiltinBackend, clock: BoundaryClock, loops: list[type]) -> None:
+    runner = engine.runner
+    clock.wrap(runner, "read_progress")
+    clock.wrap(runner, "read_outputs", after="outputs read")
+    clock.wrap(runner, "extend", before="extend called")
+    clock.wrap(runner, "decode", before="next decode")
+    clock.wrap(resume_module, "forward", before="forward launched")
+    for loop in loops:
+        clock.wrap(loop, "_harvest")
+        clock.wrap(loop, "_gather_answers")
+        clock.wrap(loop, "_collect", after="collected")
+
+
 def instrument(engine: BuiltinBackend, recorder: Recorder, loops: list[type]) -> None:
     runner = engine.runner
     runner.decode = recorder.timed("decode", runner.decode, lambda b, k, s: dict(batch=b, kv_len=k, steps=s))
@@ -172,16 +248,24 @@ def summary_line(name: str, run: dict, report: dict) -> str:
     return (f"{name}: wall {report['wall_s']:.3f} s ({run['tokens_per_s']:,.0f} tok/s); GPU busy: {gpu}; GPU waiting "
             f"{report['gpu_waiting_s']:.3f} s; {counts}\n    host s {report['host_s']}\n    ms/step by batch x "
             f"kv_len {report['ms_per_step']}\n    full GC: {report['gc_full_collections']} collections, "
-            f"{report['gc_full_ms']} ms; extend forwards, ms: {forwards}")
+            f"{report['gc_full_ms']} ms; extend forwards, ms: {forwards}"
+            + "".join(f"\n    boundary {i}, ms after the sync: {boundary}" for i, boundary in
+                      enumerate(report.get("boundaries", []))))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     own, args, device, model, prompts, engine, loops = parse_and_set_up(parser)
-    recorder = Recorder()
+    recorder, clock = Recorder(), BoundaryClock()
     instrument(engine, recorder, list(loops.values()))
+    instrument_boundaries(engine, clock, list(loops.values()))
     reports = []  # the trace of each timed run; the last one of each call is kept
-    hooks = dict(before=recorder.reset, after=lambda seconds: reports.append(recorder.report(seconds)))
+
+    def before() -> None:
+        recorder.reset()
+        clock.reset()
+    hooks = dict(before=before,
+                 after=lambda seconds: reports.append(dict(recorder.report(seconds), boundaries=clock.report())))
     results = {}
     single = bench.run_single(engine, prompts, args, **hooks)
     results["single turn"] = (single, reports[-1])
