@@ -1,8 +1,9 @@
 """The rollout workers on a GPU (run with `pytest -m gpu`): the built-in engine makes its KV cache, compiled decode
 and CUDA graphs on the thread worker's thread, and its captures leave the default CUDA generator to a thread that
 draws from it meanwhile (on the CPU: when the trainer must hold the capture lock); a run stopped by SIGTERM ends its
-worker and resumes like one that never stopped. The process worker on the trainer's GPU (its pushes staged through the CPU over gloo) samples the
-thread worker's tokens; on a second GPU (two GPUs needed) it is pushed to over NCCL and samples them too."""
+worker and resumes like one that never stopped. The process worker on the trainer's GPU (its pushes staged through
+the CPU over gloo) samples the thread worker's tokens; on a second GPU (two GPUs needed) it is pushed to over NCCL
+and samples them too."""
 
 from __future__ import annotations
 

@@ -2,17 +2,17 @@
 
 The trainer's process (rank 0 of the training processes, when there are several) spawns one rollout process and
 links to it with two groups of their own (`weight_push.connect`: trainer 0, worker 1), apart from the training
-processes' own group, so that weights and batches never wait for each other: a thread of the trainer broadcasts
-each published version (`parallel/weight_push.py`, in buckets, into the worker model's own tensors; over NCCL
-from the trainer's GPU when the worker sits on another GPU, else over gloo through the CPU: `push_backend`, its
-choice logged at the start),
-and another receives the generated batches and scores them with the trainer's rewards (`RLTrainer.score`, the
-whole batch in that process) while the trainer updates. The worker process only generates: it holds the data set
-and the sampler (its position travels with each batch, for checkpoints), and generates the batch of step b with
-version `needed_version(b, k)` (`async_pipeline.py`), receiving versions in order as it needs them. With `env:` it
-makes the episodes itself, with environments and tool workers of its own built from the config (one training
-process). With dynamic sampling the trainer's side scores each round and tells the process whether the step needs
-another (`produce_rounds`, as the thread worker does), so the process waits for that answer after each round.
+processes' own group, so that weights and batches never wait for each other: a thread of the trainer broadcasts each
+published version (`parallel/weight_push.py`, in buckets, into the worker model's own tensors; over NCCL from the
+trainer's GPU when the worker sits on another GPU, else over gloo through the CPU: `push_backend`, its choice logged
+at the start), and another receives the generated batches and scores them with the trainer's rewards
+(`RLTrainer.score`, the whole batch in that process) while the trainer updates. The worker process only generates:
+it holds the data set and the sampler (its position travels with each batch, for checkpoints), and generates the
+batch of step b with version `needed_version(b, k)` (`async_pipeline.py`), receiving versions in order as it needs
+them. With `env:` it makes the episodes itself, with environments and tool workers of its own built from the config
+(one training process). With dynamic sampling the trainer's side scores each round and tells the process whether the
+step needs another (`produce_rounds`, as the thread worker does), so the process waits for that answer after each
+round.
 
 With several training processes the worker makes each rank's share of the prompts with that rank's seed
 (`sharding.rank_share`), the batch the ranks would have generated themselves; rank 0 hands the scored batch to
