@@ -4,7 +4,9 @@ PyTorch registers the current device's default generator with every graph it cap
 as capturing from `capture_begin` to `capture_end`. Any other thread that draws from it
 meanwhile (dropout in the trainer's forward, `torch.rand` in user code) fails with "Offset increment outside graph
 capture encountered unexpectedly", and a graph replayed in another thread fails the same way. The thread rollout
-worker captures while the trainer's thread trains on the same GPU, so both can happen.
+worker captures while the trainer's thread trains on the same GPU, so both can happen. (So in torch up to 2.12,
+the GPU machines' 2.11 included; 2.13 keeps a generator's capture state per capture and registers it only when a
+captured op draws, so there nothing below is needed, and it changes nothing.)
 
 So each capture registers a generator of the engine's own in place of the default one (`begin_capture`): the
 default generator's state is swapped for the engine's just around `capture_begin` and swapped back before the
