@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from hybridrl.envs.base import (EnvironmentCodeError, EnvironmentSession, EnvironmentSpecError, StepResult,
-                                load_environment, run_sync)
+from hybridrl.envs.base import (EAGER_TASKS, EnvironmentCodeError, EnvironmentSession, EnvironmentSpecError,
+                                StepResult, load_environment, run_sync, start_task)
 from hybridrl.envs.episode import Episode, ToolRecord, TurnSpan, episode_metrics
 from hybridrl.envs.rendering import ChatTemplateError, ObservationRenderer
 from hybridrl.models.loading import build_char_tokenizer
@@ -489,3 +489,34 @@ def test_the_next_turn_opening_is_what_the_template_writes_after_the_last_conten
         "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     conversation[-1]["content"] = ""  # nothing to find: the generation prompt alone
     assert renderer.tokenizer.decode(renderer.next_turn_opening(conversation)) == "<|im_start|>assistant\n"
+
+
+def test_start_task_runs_an_environment_call_up_to_its_first_wait_where_python_can():
+    """Python 3.12+: a call that needs no waiting is done when `start_task` returns, one that waits has started, and
+    an error raised at once stays in its task (raised where it is awaited, as before). Older Pythons: only scheduled.
+    Either way the results awaited are the same."""
+    async def main():
+        events = []
+
+        async def quick():
+            events.append("quick")
+            return 1
+
+        async def slow():
+            events.append("slow started")
+            await asyncio.sleep(0.01)
+            return 2
+
+        async def failing():
+            raise ValueError("at once")
+
+        tasks = [start_task(call()) for call in (quick, slow, failing)]
+        if EAGER_TASKS:
+            assert events == ["quick", "slow started"]
+            assert [task.done() for task in tasks] == [True, False, True]
+        else:
+            assert events == [] and not any(task.done() for task in tasks)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert results[:2] == [1, 2] and isinstance(results[2], ValueError)
+
+    asyncio.run(main())

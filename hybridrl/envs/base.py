@@ -24,6 +24,7 @@ import concurrent.futures
 import inspect
 import math
 import numbers
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,11 +116,15 @@ class EnvironmentSession:
                                     f"{defined_at(self.env.step)}")
         return result
 
+    @property
+    def closes(self) -> bool:
+        """Whether the environment has a `close()` to call (most have none: then no task needs starting for it)."""
+        return callable(getattr(self.env, "close", None))
+
     async def close(self) -> None:
         """Calls the environment's optional `close()` (sync or async)."""
-        close = getattr(self.env, "close", None)
-        if callable(close):
-            await self._call("close()", close)
+        if self.closes:
+            await self._call("close()", self.env.close)
 
     async def _call(self, call: str, method: Callable, *args: Any, is_async: bool | None = None) -> Any:
         try:
@@ -173,6 +178,20 @@ def defined_at(method: Callable) -> str:
         return f" (at {inspect.getsourcefile(function)}:{function.__code__.co_firstlineno} in {function.__name__})"
     except (TypeError, AttributeError):
         return ""
+
+
+EAGER_TASKS = sys.version_info >= (3, 12)
+"""Whether `start_task` starts tasks eagerly (`asyncio.Task(..., eager_start=True)` exists from Python 3.12)."""
+
+
+def start_task(coroutine: Any) -> asyncio.Task:
+    """A task running `coroutine` on the running loop, started eagerly where Python can (3.12+: it runs up to its first
+    real wait inside this call). An engine starts hundreds of environment calls at a turn boundary: eagerly, one that
+    needs no waiting (a final answer's step, a `reset` returning messages) is done at once and one that waits has its
+    timer or I/O running when this returns, with no trip through the event loop's queue for either."""
+    if EAGER_TASKS:
+        return asyncio.Task(coroutine, loop=asyncio.get_running_loop(), eager_start=True)
+    return asyncio.ensure_future(coroutine)
 
 
 def run_sync(coroutine: Any) -> Any:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridrl.envs.base import (EnvironmentCodeError, EnvironmentFactory, EnvironmentSession, StepResult, defined_at,
-                                run_sync)
+                                run_sync, start_task)
 from hybridrl.envs.episode import Episode
 from hybridrl.envs.rendering import ChatTemplateError, ObservationRenderer
 from hybridrl.rollout.base import FinishReason, SamplingParams
@@ -183,7 +183,7 @@ async def start_runs(sessions: Sequence[EnvironmentSession], renderer: Observati
     prompt is over the budget), every session is closed before the error propagates, since no caller holds them
     as runs yet."""
     try:
-        first = await asyncio.gather(*(session.reset() for session in sessions))
+        first = await asyncio.gather(*(start_task(session.reset()) for session in sessions))
         return [EpisodeRun(session, renderer, budget, messages, stop_ids)
                 for session, messages in zip(sessions, first)]
     except BaseException:
@@ -194,7 +194,8 @@ async def start_runs(sessions: Sequence[EnvironmentSession], renderer: Observati
 async def close_runs(runs: Sequence[EpisodeRun]) -> None:
     """Close every episode's environment, all of them even when one fails (a failure does not cancel the other
     closes), then raise the first failure."""
-    results = await asyncio.gather(*(run.session.close() for run in runs), return_exceptions=True)
+    results = await asyncio.gather(*(start_task(run.session.close()) for run in runs if run.session.closes),
+                                   return_exceptions=True)
     failures = [result for result in results if isinstance(result, BaseException)]
     if failures:
         raise failures[0]

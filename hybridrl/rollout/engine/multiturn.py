@@ -24,9 +24,10 @@ Where multi-turn time goes besides decoding, and what the loop does about it:
   whole block. It resumes them as one wave; after a decode block it yields to the event loop twice (a timer's
   callback, then the task it wakes), so answers already due join the next block. `last_stats` reports
   `resume_waves` and `decode_blocks`.
-- Environment steps start while the harvest is still decoding the other turns' texts (a yield every `_START_EVERY`
-  ended turns), and the turns are recorded in their episodes only after the last step has started, so a tool's
-  latency overlaps the host's bookkeeping.
+- Environment steps start while the harvest is still decoding the other turns' texts (eagerly on Python 3.12+, each
+  running up to its first wait as it is started, `envs.base.start_task`; before 3.12 a yield every `_START_EVERY`
+  ended turns lets the event loop start the last few), and the turns are recorded in their episodes only after the
+  last step has started, so a tool's latency overlaps the host's bookkeeping.
 - Slots of ended episodes are freed in one call per collection, not one per episode.
 - A resume's observation moves the sequences' key bucket on at once: the decode graph of the next bucket is recorded
   while the GPU runs a block (`runner.capture_decode_ahead`), not when it is due with the GPU waiting.
@@ -55,6 +56,7 @@ import time
 
 import torch
 
+from hybridrl.envs.base import EAGER_TASKS, start_task
 from hybridrl.envs.episode import Episode
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.kernel_choices import attention_path
@@ -218,9 +220,9 @@ class EpisodeLoop:
         for count, (item, ids) in enumerate(zip(ended, token_rows), 1):
             run = self.runs[item.sequence.index]
             texts.append(run.turn_text(ids[:item.length], item.reason))
-            task = asyncio.ensure_future(run.session.step(texts[-1]))
+            task = start_task(run.session.step(texts[-1]))
             self.pending[task], self.started_at[task] = item.slot, time.perf_counter()
-            if count % _START_EVERY == 0:
+            if count % _START_EVERY == 0 and not EAGER_TASKS:
                 await asyncio.sleep(0)
         # Recorded once every step has started: the steps need only the text, and the tools' latency hides this.
         for item, ids, row_logprobs, text in zip(ended, token_rows, logprobs[slots, :width].tolist(), texts):
