@@ -9,6 +9,7 @@ log-prob pass then packs each micro-batch's sequences into rows (`packing.py`).
 
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import torch
@@ -88,30 +89,32 @@ def mini_batch_normalizers(batch: RolloutBatch, mini: torch.Tensor, mask: torch.
             "max_length": batch.response_length}
 
 
-def check_finite(loss: torch.Tensor, what: str, step: int, hint: str) -> None:
-    if not torch.isfinite(loss):
-        raise TrainingError(f"the {what} became {loss.item()} at step {step}, so the update was skipped and the "
+def check_finite(loss: float, what: str, step: int, hint: str) -> None:
+    if not math.isfinite(loss):
+        raise TrainingError(f"the {what} became {loss} at step {step}, so the update was skipped and the "
                             f"weights are unchanged; {hint}")
 
 
 def clip_and_step(parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, max_norm: float,
-                  loss: torch.Tensor | None = None) -> float:
+                  loss: torch.Tensor) -> tuple[float, float]:
     """Clip, then step unless the gradient norm or `loss` is not finite (the weights then stay as they were);
-    returns the norm. With `LeanAdamW` the skip is a flag on the device, so the host queues the step behind
-    the backward pass instead of waiting for it (the GPU otherwise idled through the optimizer's set-up)."""
+    returns the norm and the loss. With `LeanAdamW` the skip is a flag on the device, so the host queues the step
+    behind the backward pass instead of waiting for it (the GPU otherwise idled through the optimizer's set-up),
+    and both values come back in one read once the step is queued."""
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else float("inf"))
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a replicated DTensor
-    finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss.to(norm.device))
-    if isinstance(optimizer, LeanAdamW):
+    loss = loss.detach().to(device=norm.device, dtype=torch.float32)
+    finite = torch.isfinite(norm) & torch.isfinite(loss)
+    lean = isinstance(optimizer, LeanAdamW)
+    if lean:
         optimizer.step(apply=finite)
-        optimizer.zero_grad(set_to_none=True)
-        if not bool(finite):  # read once the step is queued
-            optimizer.uncount_step()
-    else:
-        if finite:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return norm.item()
+    elif finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    norm_value, loss_value = torch.stack([norm.float(), loss]).tolist()
+    if lean and not (math.isfinite(norm_value) and math.isfinite(loss_value)):
+        optimizer.uncount_step()
+    return norm_value, loss_value
 
 
 def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Generator, micro_loss,
@@ -125,8 +128,9 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
     over mini-batches.
 
     Nothing here waits for the device inside a mini-batch: losses and stats are summed as tensors and
-    `check_loss(mini-batch loss)` (which raises on NaN/inf) runs once, after the optimizer step is queued;
-    that step is a no-op when the loss is not finite, so a bad loss still leaves the weights unchanged."""
+    `check_loss(mini-batch loss)` (which raises on NaN/inf) runs once, on the loss read back with the gradient
+    norm after the optimizer step is queued; that step is a no-op when the loss is not finite, so a bad loss
+    still leaves the weights unchanged."""
     act = config.actor
     params = [p for p in model.parameters() if p.requires_grad]
     gather_once = not config.trainer.fsdp_reshard_every_micro_batch
@@ -159,9 +163,9 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
                 for key, value in stats.items():
                     value = torch.as_tensor(value, dtype=torch.float32, device=tokens.device).detach() * weight
                     sums[key] = sums[key] + value if key in sums else value
-        grad_norm = clip_and_step(params, optimizer, max_grad_norm, mini_loss)  # a no-op step if the loss is not finite
-        check_loss(mini_loss)
-        per_mini[loss_name] = per_mini.get(loss_name, 0.0) + mini_loss.item()
+        grad_norm, loss_value = clip_and_step(params, optimizer, max_grad_norm, mini_loss)  # no-op if not finite
+        check_loss(loss_value)
+        per_mini[loss_name] = per_mini.get(loss_name, 0.0) + loss_value
         per_mini["grad_norm"] = per_mini.get("grad_norm", 0.0) + grad_norm
         num_minis += 1
     totals = process_group.all_reduce(torch.stack([*sums.values(), tokens]), parts.setup).tolist()
@@ -206,7 +210,7 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
             stats["kl"] = algorithms.masked_mean(algorithms.kl_penalty(logp.detach(), part.ref_logp, a.kl_estimator), mask)
         return loss, stats
 
-    def check_loss(loss: torch.Tensor) -> None:
+    def check_loss(loss: float) -> None:
         check_finite(loss, "actor loss", step, "lower actor.lr, check rewards, or raise actor.max_grad_norm clipping.")
 
     metrics = run_epochs(parts, config, batch, generator, micro_loss, parts.actor, parts.actor_optimizer,
@@ -229,7 +233,7 @@ def update_critic(parts, config: Config, batch: RolloutBatch, generator: torch.G
                                             clip_range=a.value_clip, aggregation=a.loss_aggregation, **norm)
         return loss, {**stats, "values_mean": algorithms.masked_mean(values.detach(), part.response_mask)}
 
-    def check_loss(loss: torch.Tensor) -> None:
+    def check_loss(loss: float) -> None:
         check_finite(loss, "critic loss", 0, "lower critic.lr or check rewards.")
 
     metrics = run_epochs(parts, config, batch, generator, micro_loss, parts.critic, parts.critic_optimizer,
