@@ -7,7 +7,7 @@ measured in the same run, the two directions overlapping; the update's HBM traff
 
     python -m benchmarks.kernels.optimizer_step                      # one GPU: the grpo-0.5b shape (Qwen2-0.5B)
     python -m benchmarks.kernels.optimizer_step --shape 1.5b --baseline /tmp/old_optim.py
-    python -m benchmarks.kernels.optimizer_step --offloads 0 --triton-kernel   # adamw_kernel.py vs torch.compile
+    python -m benchmarks.kernels.optimizer_step --offloads 0 --compiled-baseline   # Triton kernel vs torch.compile
     python -m benchmarks.kernels.optimizer_step --quick              # CPU, the tiny shape: that it runs
 """
 
@@ -105,22 +105,23 @@ def load_optim(path: str):
     return module.LeanAdamW
 
 
-def triton_update_optimizer():
-    """LeanAdamW with its CUDA update as the hand-written Triton kernel (`training/adamw_kernel.py`) instead of
-    `torch.compile(adamw_chunk)`: the same arithmetic, for `--triton-kernel`."""
-    from hybridrl.training import adamw_kernel, optim
+def compiled_update_optimizer():
+    """LeanAdamW with its CUDA update as `torch.compile(adamw_chunk, dynamic=True)` instead of the Triton kernel
+    (`training/adamw_kernel.py`): the same arithmetic through inductor, for `--compiled-baseline`."""
+    from hybridrl.training import optim
 
-    class TritonUpdate(optim.LeanAdamW):
+    compiled = torch.compile(optim.adamw_chunk, dynamic=True)
+
+    class CompiledUpdate(optim.LeanAdamW):
         def step(self, closure=None, apply=None):
             plain = optim.chunk_update_function
-            optim.chunk_update_function = lambda device: (adamw_kernel.triton_adamw_chunk
-                                                          if adamw_kernel.available(device) else plain(device))
+            optim.chunk_update_function = lambda device: compiled if device.type == "cuda" else plain(device)
             try:
                 return super().step(closure, apply)
             finally:
                 optim.chunk_update_function = plain
 
-    return TritonUpdate
+    return CompiledUpdate
 
 
 def main() -> None:
@@ -129,8 +130,8 @@ def main() -> None:
     parser.add_argument("--offloads", default="1.0,0.5,0.0", help="shares of the moments in CPU memory")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--baseline", help="another optim.py whose LeanAdamW is timed beside this one")
-    parser.add_argument("--triton-kernel", action="store_true",
-                        help="also time the update as adamw_kernel.py's Triton kernel instead of torch.compile")
+    parser.add_argument("--compiled-baseline", action="store_true",
+                        help="also time the update through torch.compile(adamw_chunk) instead of the Triton kernel")
     parser.add_argument("--quick", action="store_true", help="CPU, tiny shape")
     args = parser.parse_args()
     device = "cpu" if args.quick else "cuda"
@@ -138,7 +139,7 @@ def main() -> None:
     from hybridrl.training.optim import LeanAdamW
 
     versions = {"this": LeanAdamW} | ({"baseline": load_optim(args.baseline)} if args.baseline else {}) | (
-        {"triton": triton_update_optimizer()} if args.triton_kernel else {})
+        {"compiled": compiled_update_optimizer()} if args.compiled_baseline else {})
     params = parameters(shape, device)
     elements = sum(p.numel() for p in params)
     bandwidth = pinned_bandwidth(device) if device == "cuda" else None

@@ -1,8 +1,8 @@
 """`optim.adamw_chunk` as one hand-written Triton kernel: LeanAdamW's update of a flat bucket on CUDA.
 
-The update was `torch.compile(adamw_chunk)`: one kernel too, but the first optimizer step of every process paid
-dynamo's trace and inductor's code generation (seconds, before any caching), and each later call its guards. A
-Triton kernel is compiled once per machine and signature (Triton's own cache on disk), and a call is one launch.
+Why not `torch.compile(adamw_chunk)`: one kernel too, but every process pays dynamo's trace and inductor's code
+generation at its first optimizer step (seconds), and each later call its guards. This kernel is compiled by Triton
+once per machine and signature (kept in Triton's cache on disk), and a call is one launch.
 
 Same arithmetic as `adamw_chunk`, in float32, element by element: the moments updated in place, the new weights
 written to a fresh tensor in the weights' dtype, bf16 ones stochastically rounded with the counter hash of

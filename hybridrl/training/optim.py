@@ -19,6 +19,7 @@ import torch
 
 from hybridrl.config.schema import MissingExtra
 from hybridrl.devices import host_to_device
+from hybridrl.training.adamw_kernel import available as adamw_kernel_available, triton_adamw_chunk
 
 SCHEDULES = {
     "constant": lambda progress: 1.0,
@@ -100,7 +101,7 @@ def hash32(x: torch.Tensor | int) -> torch.Tensor | int:
 def counter_noise(base: torch.Tensor, numel: int) -> torch.Tensor:
     """The rounding bits of `numel` consecutive elements whose counter starts at `base` (a one-element
     int64 tensor): the high 16 bits of `hash32(base + i)`. A counter-based draw has no generator state,
-    so it compiles into the update kernel, and the bits of an element do not depend on how the update
+    so the CUDA update kernel computes it per element, and the bits of an element do not depend on how the update
     is split into chunks or which moments are offloaded."""
     counters = (base + torch.arange(numel, device=base.device, dtype=torch.int64)) & _MASK32
     return (hash32(counters) >> 16).to(torch.int32)
@@ -111,8 +112,8 @@ def adamw_chunk(weights: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: t
     """AdamW on one flat chunk, in float32: updates the moments `m`, `v` in place and returns the new
     weights in the weights' dtype (stochastically rounded with `counter_noise(noise_base)` when given). `hyper` holds
     (lr, beta1, beta2, eps, weight decay, bias correction 1, bias correction 2, apply) as a float32 tensor
-    on the weights' device, so that compiled code sees the step-dependent values as data, not constants
-    (no recompilation per step), and compiled, the whole update is one kernel. `apply` 0 leaves weights
+    on the weights' device, so that the CUDA kernel (`adamw_kernel.py`, this function's arithmetic in one pass) sees
+    the step-dependent values as data, not constants. `apply` 0 leaves weights
     and moments exactly as they were, even with non-finite gradients: the step's skip decided on the device."""
     lr, beta1, beta2, eps, decay, correction1, correction2, apply = hyper.unbind()
     grad = torch.where(apply > 0, grad.float(), 0.0)
@@ -125,21 +126,10 @@ def adamw_chunk(weights: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: t
     return updated.to(weights.dtype)
 
 
-_COMPILED_CHUNK = None
-
-
 def chunk_update_function(device: torch.device):
-    """`adamw_chunk` compiled (one kernel per chunk instead of ~15) on CUDA with triton; eager elsewhere."""
-    global _COMPILED_CHUNK
-    if device.type != "cuda":
-        return adamw_chunk
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return adamw_chunk
-    if _COMPILED_CHUNK is None:
-        _COMPILED_CHUNK = torch.compile(adamw_chunk, dynamic=True)
-    return _COMPILED_CHUNK
+    """`adamw_chunk` as one Triton kernel on CUDA (`adamw_kernel.py`: Triton compiles it once per machine and keeps
+    it on disk, so a new process pays no tracing or code generation); eager elsewhere."""
+    return triton_adamw_chunk if adamw_kernel_available(device) else adamw_chunk
 
 
 def offloaded_parameters(params: list[torch.Tensor], fraction: float) -> set[int]:
@@ -367,7 +357,7 @@ class _Piece(NamedTuple):
 
 
 class _Bucket:
-    """Consecutive pieces updated by one call of the compiled update: small parameters (biases, norms,
+    """Consecutive pieces updated by one call of the update kernel: small parameters (biases, norms,
     attention projections) are concatenated, so a step costs a few dozen kernel launches and copies
     instead of several per parameter, which left the GPU waiting on the host between tiny updates."""
 
