@@ -130,11 +130,8 @@ GPU's free memory (what is left goes to the KV cache, sized after the copies, an
 def dequantized_layer_bytes(model) -> list[int]:
     """Per decoder layer, the bytes of a full-precision copy of its bitsandbytes 4-bit projection weights (0 where
     none is packed)."""
-    layers = unwrap(model).model.layers
-    if not any(parameter.dtype == torch.uint8 for parameter in model.parameters()):
-        return [0] * len(layers)  # nothing packed: skip the walk through every projection (host time per rollout)
     sizes = []
-    for layer in layers:
+    for layer in unwrap(model).model.layers:
         size = 0
         for path in PROJECTIONS.values():
             module = layer.get_submodule(path)

@@ -146,6 +146,7 @@ class ModelRunner:
         self.model, self.options = model, options
         self.graphs = DecodeGraphs()
         self._compiled: tuple[DecodeFunctions, object] | None = None  # kept across generate calls
+        self._packed_sizes: list[int] | None = None  # per layer, the bytes of its 4-bit weights at full precision
         self.cache: SlotKVCache | PrefixSharedKVCache | PagedKVCache | None = None
         self.run: RunState | None = None
 
@@ -246,9 +247,11 @@ class ModelRunner:
         many layers of a 4-bit base were copied at full precision."""
         options = self.options
         fuse_gate_up = auto_fuses_gate_up(self.model) if options.fuse_gate_up == "auto" else options.fuse_gate_up
-        packed_sizes = dequantized_layer_bytes(self.model)
-        dequantize = (auto_dequantized_layers(self.model) if options.dequantize_4bit == "auto"
-                      else len(packed_sizes) if options.dequantize_4bit else 0)
+        if self._packed_sizes is None:  # the walk over every projection is host time; a model's packing is fixed
+            self._packed_sizes = dequantized_layer_bytes(self.model)
+        packed_sizes = self._packed_sizes
+        dequantize = (auto_dequantized_layers(self.model) if options.dequantize_4bit == "auto" and any(packed_sizes)
+                      else len(packed_sizes) if options.dequantize_4bit is True else 0)
         weights = resolve_weights(self.model, options.fuse_qkv, fuse_gate_up, dequantize_layers=dequantize)
         return weights, sum(size > 0 for size in packed_sizes[:dequantize])
 
