@@ -231,3 +231,18 @@ def test_moments_allocated_together_update_in_place_with_the_same_bits():
             assert torch.equal(a, b)
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(optimizers[0].state[a][key], optimizers[1].state[b][key])
+
+
+def test_cached_memory_goes_back_only_when_the_device_is_short(monkeypatch):
+    """A phase switch empties the allocator's cache when less than a quarter of the device is free (CUDA faked:
+    the decision is what is checked), keeps it otherwise, and does nothing on the CPU."""
+    from hybridrl.devices import release_cached_memory
+
+    calls, free = [], {"bytes": 0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 100))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    free["bytes"] = 60
+    assert not release_cached_memory("cuda") and calls == []
+    free["bytes"] = 24
+    assert release_cached_memory("cuda") and calls == ["empty"]
+    assert not release_cached_memory("cpu") and calls == ["empty"]

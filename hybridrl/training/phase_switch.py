@@ -4,7 +4,8 @@ Generation reads the parameters in place, so switching train -> generate moves n
 device. What the switch does is release memory the next phase does not need: before rollout,
 optionally move optimizer state to the CPU (`actor.offload_during_rollout`) and drop gradients;
 after rollout, free the KV cache and bring optimizer state back. Both directions are timed and
-logged as `perf/weight_sync_s`.
+logged as `perf/weight_sync_s`. Cached GPU memory goes back to the driver only when the device is
+short of it (`devices.release_cached_memory`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+
+from hybridrl.devices import release_cached_memory
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
@@ -34,21 +37,22 @@ def rollout_phase(model: torch.nn.Module, optimizer: torch.optim.Optimizer, devi
     """Memory layout for generation inside the block; training layout restored after.
 
     Adds the seconds spent switching (both directions) to `timings["weight_sync"]`. The allocator's cached
-    blocks go back to the driver at each switch, so the phase after it can use what the one before freed.
+    blocks go back to the driver at a switch when the device is short of memory, so the phase after it (or
+    another process) can use what the one before freed.
     """
     start = time.perf_counter()
     model.zero_grad(set_to_none=True)  # gradients are dead between steps; free them for the KV cache
     if offload_optimizer and device.type == "cuda":
         move_optimizer_state(optimizer, "cpu")
         torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # offloaded to make room: the room goes back whatever is free
     timings["weight_sync"] = timings.get("weight_sync", 0.0) + time.perf_counter() - start
     try:
         yield
     finally:
         start = time.perf_counter()
         if device.type == "cuda":
-            torch.cuda.empty_cache()  # the KV cache of the rollout is gone; give its blocks back
+            release_cached_memory(device)  # the KV cache of the rollout is gone; its blocks back if memory is short
             if offload_optimizer:
                 move_optimizer_state(optimizer, device)
             torch.cuda.synchronize(device)
