@@ -240,6 +240,7 @@ def resolve_weights(model, fuse_qkv: bool = False, fuse_gate_up: bool = False,
     ok, reason = supports(model)
     if not ok:
         raise ValueError(f"the built-in rollout engine cannot run this model: {reason}; use rollout.backend=hf.")
+    adapted = hasattr(model, "peft_config")  # without peft no projection has an adapter: skip looking (host time)
     model = unwrap(model)
     config, inner = model.config, model.model
     layers = []
@@ -256,7 +257,7 @@ def resolve_weights(model, fuse_qkv: bool = False, fuse_gate_up: bool = False,
             k_norm=k_norm.weight if k_norm is not None else None,
             post_norm=layer.post_attention_layernorm.weight,
             gate_weight=mlp.gate_proj.weight, up_weight=mlp.up_proj.weight, down_weight=mlp.down_proj.weight,
-            **{f"{short}_lora": _lora(layer.get_submodule(path)) for short, path in PROJECTIONS.items()},
+            **{f"{short}_lora": _lora(layer.get_submodule(path)) for short, path in PROJECTIONS.items() if adapted},
         ))
         if index < dequantize_layers:
             layers[-1] = unpacked(layers[-1])
