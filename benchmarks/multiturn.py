@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tool-after-last-turn", action="store_true",
                         help="the earlier definition: the environment's step after the last turn runs the tool too")
     parser.add_argument("--both-definitions", action="store_true",
-                        help="time multi-turn with and without the tool after the last turn (a row each)")
+                        help="time multi-turn with and without the tool after the last turn (a row each; the "
+                             "earlier definition with the first --extend-attention only)")
     parser.add_argument("--extend-attention", default="matmul",
                         help="the observation prefill's attention, or several comma-separated (a row each): "
                              f"{', '.join(llama_forward.EXTEND_ATTENTIONS)}")
@@ -226,13 +227,13 @@ def floor(model, args, multiturn: bool, bandwidth: float, peak: float) -> dict:
 
 def multiturn_runs(engine: BuiltinBackend, prompts: list[list[int]], args, report=print, on_run=lambda run: None,
                    **hooks) -> list[dict]:
-    """Multi-turn timed for each `--extend-attention` and episode definition asked for, each with a `name` and passed
-    to `on_run` once timed; a variant that fails (a kernel that does not compile on this machine, say) is reported and
+    """Multi-turn timed for each `--extend-attention` and episode definition asked for (the earlier definition with
+    the first attention only), each with a `name` and passed to `on_run` once timed; a variant that fails (a kernel that does not compile on this machine, say) is reported and
     skipped, so one run still times the others."""
     runs = []
-    for attention in args.extend_attentions:
+    for index, attention in enumerate(args.extend_attentions):
         llama_forward.extend_attention = attention
-        for tool_after_last_turn in definitions(args):
+        for tool_after_last_turn in definitions(args)[:None if index == 0 else 1]:
             name = (f"{args.turns} turns + tool{', tool after last turn' if tool_after_last_turn else ''}"
                     f"{f', extend {attention}' if len(args.extend_attentions) > 1 else ''}")
             try:

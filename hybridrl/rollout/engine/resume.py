@@ -36,6 +36,7 @@ import torch
 
 from hybridrl.devices import host_to_device
 from hybridrl.rollout.engine.graphs import DecodeGraphs, step_signature
+from hybridrl.rollout.engine import llama_forward
 from hybridrl.rollout.engine.llama_forward import extend_hidden
 from hybridrl.rollout.engine.sampling import sample
 from hybridrl.rollout.engine.scheduler import prefill_chunks
@@ -195,7 +196,9 @@ def replay(run, batch: HostBatch, kv_end: int, count: int, graphs: DecodeGraphs)
         graphs.inputs[key] = static
     inputs, out = static
     inputs.packed.copy_(batch.packed)
-    graphs.step(key, lambda: step_signature(rows, kv_end, ("extend", width),
+    # The attention's name too: a benchmark that switches `llama_forward.extend_attention` must warm the new form
+    # (compiling it) before a capture, which cannot compile.
+    graphs.step(key, lambda: step_signature(rows, kv_end, ("extend", width, llama_forward.extend_attention),
                                             (run.weights, run.cache, run.cos, run.sin, inputs.packed)),
                 lambda: out.copy_(_hidden(run, inputs, kv_end)), run.counts)
     return _logits(run, out, count)
