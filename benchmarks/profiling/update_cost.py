@@ -155,11 +155,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=10, help="updates of the steady batch timed")
     parser.add_argument("--rows", type=int, default=30, help="rows of the profiler table")
     parser.add_argument("--overrides", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
+    parser.add_argument("--no-cudnn-attention", action="store_true",
+                        help="torch.backends.cuda.enable_cudnn_sdp(False): SDPA picks flash or memory-efficient "
+                             "attention instead of cuDNN's (whose kernels are built at a shape's first call)")
     parser.add_argument("--out-dir", default="runs/update_cost")
     args = parser.parse_args(argv)
     args.body, args.device = ("tiny", "cpu") if args.tiny else ("0.5b", "cuda" if torch.cuda.is_available() else "cpu")
     if args.tiny:
         args.steps, args.repeats = min(args.steps, 2), min(args.repeats, 2)
+    if args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     start = time.perf_counter()
     trainer = trainer_for(args)
     print(f"trainer built in {time.perf_counter() - start:.1f} s", flush=True)
