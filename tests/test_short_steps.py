@@ -19,18 +19,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_nested_timed_calls_are_exclusive():
     clocks = Clocks()
-    inner = clocks.timed("compile", lambda: time.sleep(0.05))
+    inner = clocks.timed("compile", lambda name: time.sleep(0.05), label=lambda args: args[0])
 
     def outer_work():
         time.sleep(0.02)
-        inner()
+        inner("decode piece")
 
     clocks.phase = "rollout"
     clocks.timed("warm-up run", outer_work)()
-    seconds = clocks.take()
+    seconds, items = clocks.take()
     assert 0.05 <= seconds[("rollout", "compile")] < 0.09
     assert 0.02 <= seconds[("rollout", "warm-up run")] < 0.045  # its own 20 ms, not the 50 ms it called
-    assert clocks.take() == {}
+    assert [item[:3] for item in items] == [("rollout", "compile", "decode piece")]  # only labelled kinds listed
+    assert clocks.take() == ({}, [])
 
 
 def test_profile_spec():

@@ -56,10 +56,12 @@ class Clocks:
 
     def __init__(self) -> None:
         self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self.items: list[tuple[str, str, str, float]] = []  # (phase, kind, what, seconds) of the labelled kinds
         self.phase = "outside"
         self._children: list[float] = []  # per open timed call: the seconds its timed callees took
 
-    def timed(self, kind: str, function):
+    def timed(self, kind: str, function, label=None):
+        """`function` timed as `kind`; `label(args)` names each call in `items` (which frame, which kernel)."""
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
             self._children.append(0.0)
@@ -69,22 +71,35 @@ class Clocks:
                 elapsed = time.perf_counter() - start
                 inner = self._children.pop()
                 self.seconds[(self.phase, kind)] += elapsed - inner
+                if label is not None:
+                    self.items.append((self.phase, kind, label(args), elapsed - inner))
                 if self._children:
                     self._children[-1] += elapsed
 
         return wrapper
 
-    def wrap(self, owner, name: str, kind: str) -> bool:
+    def wrap(self, owner, name: str, kind: str, label=None) -> bool:
         """Time `owner.name` as `kind`; False when `owner` has no such attribute (another torch or Triton version)."""
         if name not in vars(owner):
             return False
-        setattr(owner, name, self.timed(kind, getattr(owner, name)))
+        setattr(owner, name, self.timed(kind, getattr(owner, name), label))
         return True
 
-    def take(self) -> dict[tuple[str, str], float]:
-        """The seconds since the last `take`, and start again from zero."""
-        seconds, self.seconds = dict(self.seconds), defaultdict(float)
-        return seconds
+    def take(self) -> tuple[dict[tuple[str, str], float], list[tuple[str, str, str, float]]]:
+        """The seconds and labelled items since the last `take`, and start again from zero."""
+        seconds, items, self.seconds, self.items = dict(self.seconds), self.items, defaultdict(float), []
+        return seconds, items
+
+
+def frame_name(args) -> str:
+    """dynamo's `_compile(code, ...)`: the function it compiles."""
+    code = args[0] if args else None
+    return f"{getattr(code, 'co_name', '?')} ({Path(getattr(code, 'co_filename', '?')).name})"
+
+
+def kernel_name(args) -> str:
+    """`JITFunction._do_compile(self, ...)`: the Triton kernel it builds."""
+    return getattr(getattr(args[0], "fn", None), "__name__", "?") if args else "?"
 
 
 @contextlib.contextmanager
@@ -93,18 +108,19 @@ def instrumented(clocks: Clocks):
     missing: another torch or Triton version)."""
     import torch._dynamo.convert_frame as convert_frame
 
-    targets = [(ModelRunner, "begin", "set-up"), (ModelRunner, "prefill", "prefill"),
-               (DecodeGraphs, "warm_up", "warm-up run"), (DecodeGraphs, "capture", "capture"),
-               (convert_frame, "_compile", "compile")]  # dynamo's entry for one frame: tracing and inductor
+    targets = [(ModelRunner, "begin", "set-up", None), (ModelRunner, "prefill", "prefill", None),
+               (DecodeGraphs, "warm_up", "warm-up run", None), (DecodeGraphs, "capture", "capture", None),
+               (convert_frame, "_compile", "compile", frame_name)]  # dynamo's entry for one frame: tracing, inductor
     try:
         from triton.runtime.jit import JITFunction
 
-        targets.append((JITFunction, "_do_compile", "triton"))  # a hand-written kernel's first launch per signature
+        # a hand-written kernel's first launch per signature
+        targets.append((JITFunction, "_do_compile", "triton", kernel_name))
     except ImportError:
         pass
-    originals = [(owner, name, vars(owner)[name]) for owner, name, _ in targets if name in vars(owner)]
-    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, kind in targets
-               if not clocks.wrap(owner, name, kind)]
+    originals = [(owner, name, vars(owner)[name]) for owner, name, *_ in targets if name in vars(owner)]
+    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, kind, label in targets
+               if not clocks.wrap(owner, name, kind, label)]
     try:
         yield missing
     finally:
@@ -210,9 +226,14 @@ def timed_step(trainer, clocks: Clocks, step: int, profile: set[tuple[int, str]]
     if cuda:
         torch.cuda.synchronize()
     engine = getattr(trainer.parts.rollout, "last_stats", None) or {}
-    row = step_row(step, {k: float(v) for k, v in metrics.items() if k.startswith("timing/")}, engine, clocks.take(),
+    seconds, items = clocks.take()
+    row = step_row(step, {k: float(v) for k, v in metrics.items() if k.startswith("timing/")}, engine, seconds,
                    {phase for s, phase in profile if s == step})
+    row["compiled"] = [{"phase": phase, "kind": kind, "what": what, "seconds": round(took, 4)}
+                       for phase, kind, what, took in items]
     print(f"step {step}: rollout {row['rollout']:.3f} s, update {row['update']:.3f} s", flush=True)
+    for phase, kind, what, took in items:
+        print(f"    {phase} {kind}: {what} {took:.3f} s")
     return row
 
 
