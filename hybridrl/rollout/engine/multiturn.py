@@ -129,7 +129,7 @@ class EpisodeLoop:
                         await asyncio.sleep(0)
                 elif self.pending:
                     started = time.perf_counter()
-                    await self._gather_answers()
+                    await self._gather_answers(scheduler)
                     runner.run.stats.idle_s += time.perf_counter() - started
                 else:  # paged: with nothing live every other episode can be evicted, and `begin` fitted one
                     assert not self.ready, "a resume found too few blocks with nothing running or pending"
@@ -146,10 +146,11 @@ class EpisodeLoop:
             await close_runs(self.runs)
         return [run.episode for run in self.runs]
 
-    async def _gather_answers(self) -> None:
+    async def _gather_answers(self, scheduler: Scheduler) -> None:
         """Nothing is live: wait for the first environment answer, then for the steps started after it (until each is
         as old as the first was when it answered, at most a decode block) and for those that follow closely (see the
-        module docstring), so that turns which ended together resume together."""
+        module docstring), so that turns which ended together resume together. Answers are collected as they come,
+        so that after the last one only its own bookkeeping is left before the wave resumes."""
         block = self.step_seconds * self.backend.sync_every
         quiet = max(GATHER_QUIET_S, 0.1 * block)
         answered, waiting = await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
@@ -158,6 +159,7 @@ class EpisodeLoop:
         expected = max((self.started_at[task] + latency for task in waiting), default=now)
         deadline = min(expected + quiet, now + (block or latency))
         while waiting:
+            self._collect(scheduler, answered)
             timeout = max(deadline - time.perf_counter(), quiet)
             answered, waiting = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if not answered:
@@ -199,8 +201,9 @@ class EpisodeLoop:
         self.ready = deferred
 
     async def _harvest(self, scheduler: Scheduler) -> None:
-        """Ended turns: pause their slots, start their environment steps (yielding every `_START_EVERY` turns, so the
-        steps started so far run while the other texts are decoded), then append their sampled ids to the episodes."""
+        """Ended turns: pause their slots, start their environment steps (eagerly, or yielding every `_START_EVERY`
+        turns before Python 3.12, so the steps started so far run while the other texts are decoded), then append their
+        sampled ids to the episodes."""
         rows = scheduler.rows_in_use()
         done, gen_len = self.runner.read_progress(rows)
         scheduler.record_progress(gen_len)
@@ -228,10 +231,11 @@ class EpisodeLoop:
         for item, ids, row_logprobs, text in zip(ended, token_rows, logprobs[slots, :width].tolist(), texts):
             self.runs[item.sequence.index].record_turn(ids[:item.length], row_logprobs[:item.length], text)
 
-    def _collect(self, scheduler: Scheduler) -> None:
-        """Finished environment steps: end the episode (free its slot) or queue its observation."""
+    def _collect(self, scheduler: Scheduler, answered=None) -> None:
+        """Finished environment steps (`answered`, or every pending one that is done): end the episode (free its slot)
+        or queue its observation."""
         ended = []
-        for task in [t for t in self.pending if t.done()]:
+        for task in [t for t in self.pending if t.done()] if answered is None else answered:
             slot = self.pending.pop(task)
             del self.started_at[task]
             run = self.runs[scheduler.paused[slot].index]
