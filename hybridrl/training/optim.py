@@ -12,6 +12,7 @@ weight the model computes with set to it rounded to nearest after each step.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable, NamedTuple
 
@@ -208,7 +209,7 @@ class LeanAdamW(torch.optim.Optimizer):
             for dim, placement in enumerate(param.placements):
                 if placement.is_shard():
                     shard = shard * param.device_mesh.size(dim) + coordinate[dim]
-        return hash32((hash32((hash32(self.seed & _MASK32) + step) & _MASK32) + shard) & _MASK32)
+        return _step_noise_key(self.seed, step, shard)
 
     def _moments(self, param: torch.Tensor, local: torch.Tensor) -> dict:
         """The state of `param`; moments shaped like it. An FSDP2 (DTensor) parameter gets DTensor moments
@@ -257,29 +258,36 @@ class LeanAdamW(torch.optim.Optimizer):
         offset, hypers, rounded = 0, {}, []  # rounded: (bf16 parameter, its float32 master), both local
         for group in self.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for param in group["params"]:
-                data = param.data.to_local() if hasattr(param.data, "to_local") else param.data
-                start, offset = offset, offset + data.numel()  # every parameter counts, so offsets are fixed
-                if param.grad is None or data.numel() == 0:
+            for param in group["params"]:  # host work per parameter: kept to a few lookups (hundreds of them)
+                data = param.data
+                data = data.to_local() if hasattr(data, "to_local") else data  # FSDP2: this rank's shard
+                numel = data.numel()
+                start, offset = offset, offset + numel  # every parameter counts, so offsets are fixed
+                grad = param.grad
+                if grad is None or numel == 0:
                     continue
-                grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # FSDP2: own shard
+                grad = grad.to_local() if hasattr(grad, "to_local") else grad
                 state = self._moments(param, data)
-                state["step"] += 1
-                key = (lr, beta1, beta2, eps, decay, state["step"], data.device)
-                if key not in hypers:  # one small host-to-device copy per distinct setting, not one per parameter
-                    hypers[key] = _hyper_tensor([lr, beta1, beta2, eps, decay, 1 - beta1 ** state["step"],
-                                                 1 - beta2 ** state["step"]], apply, data.device)
-                noise_key = self._noise_key(param, state["step"]) if param.dtype == torch.bfloat16 else None
+                step = state["step"] = state["step"] + 1
+                key = (lr, beta1, beta2, eps, decay, step, data.device)
+                hyper = hypers.get(key)
+                if hyper is None:  # one small host-to-device copy per distinct setting, not one per parameter
+                    hyper = hypers[key] = _hyper_tensor([lr, beta1, beta2, eps, decay, 1 - beta1 ** step,
+                                                         1 - beta2 ** step], apply, data.device)
+                noise_key = self._noise_key(param, step) if param.dtype == torch.bfloat16 else None
                 weights, grads = data.view(-1), grad.view(-1)
                 if "master" in state:  # the update runs on the float32 copy, as for a float32 parameter
                     weights, noise_key = _flat(state["master"]), None
                     rounded.append((data, weights.view(data.shape)))
                 m, v = _flat(state["exp_avg"]), _flat(state["exp_avg_sq"])
-                buckets = streamed if self.is_offloaded(param) else resident
-                for first in range(0, weights.numel(), self.chunk_elements):
+                buckets = streamed if id(param) in self._offloaded_ids else resident
+                if numel <= self.chunk_elements:
+                    _add_piece(buckets, _Piece(weights, grads, m, v, start), hyper, noise_key, self.chunk_elements)
+                    continue
+                for first in range(0, numel, self.chunk_elements):
                     piece = slice(first, first + self.chunk_elements)
                     _add_piece(buckets, _Piece(weights[piece], grads[piece], m[piece], v[piece], start + first),
-                               hypers[key], noise_key, self.chunk_elements)
+                               hyper, noise_key, self.chunk_elements)
         self._fresh_moments.clear()
         if not (streamed or resident):
             return loss
@@ -344,6 +352,12 @@ class LeanAdamW(torch.optim.Optimizer):
                 tensor.record_stream(outbound)
         main.wait_stream(outbound)
         torch.cuda.current_stream().synchronize()  # the moments are complete on the host before anyone reads them
+
+
+@functools.lru_cache(maxsize=64)
+def _step_noise_key(seed: int, step: int, shard: int) -> int:
+    """`LeanAdamW._noise_key`'s hash, computed once per step and shard rather than once per parameter."""
+    return hash32((hash32((hash32(seed & _MASK32) + step) & _MASK32) + shard) & _MASK32)
 
 
 class _Piece(NamedTuple):
