@@ -464,17 +464,22 @@ def test_quantized_projection_weights_are_refused():
     assert not ok and "torch.uint8 (quantized?)" in reason
 
 
-def test_releasing_the_engine_hands_cached_memory_back(monkeypatch):
-    """The engine's release calls `torch.cuda.empty_cache` (CUDA faked: the call is what is checked, not memory),
-    and the removed option `rollout.empty_cuda_cache` is an unknown key."""
+def test_releasing_the_engine_hands_cached_memory_back_when_short(monkeypatch):
+    """The engine's release asks `devices.release_cached_memory` (which empties the allocator's cache only when the
+    device is short of memory, tested in test_optim.py) about the model's device, and a rollout's set-up does not
+    ask at all (its tensors reuse the cached blocks); the removed option `rollout.empty_cuda_cache` is an unknown
+    key."""
     from hybridrl.config.loading import load_config
     from hybridrl.config.schema import ConfigError
 
     calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
-    BuiltinBackend(make_model("llama")).release_memory()
-    assert calls == ["empty"]
+    monkeypatch.setattr(runner, "release_cached_memory", lambda device: calls.append(device))
+    engine = BuiltinBackend(make_model("llama"), release_after_generate=False)
+    for _ in range(2):  # the second set-up drops the cache the first call kept
+        engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=2))
+    assert calls == []
+    engine.release_memory()
+    assert calls == [torch.device("cpu")]
     with pytest.raises(ConfigError, match="unknown config key 'rollout.empty_cuda_cache'"):
         load_config(None, ["rollout.empty_cuda_cache=false"])
 

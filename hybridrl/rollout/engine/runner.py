@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridrl.devices import host_to_device
+from hybridrl.devices import host_to_device, release_cached_memory
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.decode_state import DecodeState, compiled_sample_and_record, sample_and_record
 from hybridrl.rollout.engine.graphs import CaptureCounts, DecodeGraphs, step_signature
@@ -234,12 +234,13 @@ class ModelRunner:
         return vars(stats).copy()
 
     def release(self, empty_cache: bool = True) -> None:
-        """Free the KV cache and the graphs that point at it, and (`empty_cache`) hand the allocator's cached memory
-        back."""
+        """Free the KV cache and the graphs that point at it; with `empty_cache`, the allocator's unused blocks go
+        back to the driver when the device is short of memory (`devices.release_cached_memory`, as at the trainer's
+        phase switch: handed back every rollout, the next phase took each segment again with a cudaMalloc)."""
         self.cache, self.run = None, None
         self.graphs.drop()
-        if empty_cache and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if empty_cache:
+            release_cached_memory(next(self.model.parameters()).device)
 
     # ---- setup --------------------------------------------------------------------------------------
     def _weights(self) -> tuple[ModelWeights, int]:
