@@ -241,8 +241,13 @@ def run(args) -> dict:
         trace = lambda engine: traced(engine, *read_bytes(model), args.bandwidth_tbs * 1e12)  # noqa: E731
     for _ in range(args.repeats):
         for layout, engine in engines.items():
-            runs[layout].append(timed_call(engine, prompts, params, lengths, sampler, trace))
-            print(f"{layout}: {runs[layout][-1]['seconds']:.2f} s", flush=True)
+            result = timed_call(engine, prompts, params, lengths, sampler, trace)
+            runs[layout].append(result)
+            print(f"{layout}: {result['seconds']:.2f} s (warmup_s {result['stats']['warmup_s']:.2f})", flush=True)
+            if result.get("windows"):  # printed at once: a run cut short still leaves it
+                from benchmarks.profiling.window_trace import print_summary
+
+                print_summary(layout, result["windows"])
     best = {layout: min(results, key=lambda r: r["seconds"]) | dict(first_call_s=first_call_s[layout])
             for layout, results in runs.items()}
     bound = floor(model, args.prompts, args.prompt_len, lengths, args.bandwidth_tbs * 1e12, args.peak_tflops * 1e12)
@@ -278,10 +283,6 @@ def print_table(result: dict) -> None:
     for layout, run in result["layouts"].items():
         if run.get("busy_twentieths"):
             print(f"{layout}: GPU busy % by twentieth: " + " ".join(f"{b:.0f}" for b in run["busy_twentieths"]))
-        if run.get("windows"):
-            from benchmarks.profiling.window_trace import print_summary
-
-            print_summary(layout, run["windows"])
     if set(LAYOUTS) <= set(result["layouts"]):
         speedup = result["layouts"]["paged"]["tokens_per_s"] / result["layouts"]["contiguous"]["tokens_per_s"]
         print(f"paged / contiguous: {speedup:.2f}x tokens/s")

@@ -95,8 +95,9 @@ def check_split_cases() -> None:
     from hybridrl.rollout.kernels import decode_launch
 
     default = decode_launch.SPLIT_KEYS
-    for split_keys, dtypes in ((32, (torch.float32, torch.float16)), (8, (torch.float32,))):
-        decode_launch.SPLIT_KEYS = split_keys
+    for split_keys, dtypes, balanced in ((32, (torch.float32, torch.float16), False), (8, (torch.float32,), False),
+                                         (32, (torch.float32,), True)):  # balanced: each slot's keys shared evenly
+        decode_launch.SPLIT_KEYS, decode_launch.BALANCED_SPLITS = split_keys, balanced
         for seed, shape in enumerate(SPLIT_CASES):
             plan = decode_launch.launch_plan(shape[2], shape[3], shape[6], paged=False)
             assert plan.num_splits > 1 and shape[6] % plan.split_len != 0, (shape, plan)
@@ -111,7 +112,7 @@ def check_split_cases() -> None:
         blind = make_case(9, *SPLIT_CASES[1])
         blind["prompt_len"][2], blind["response_len"][2] = 0, 0
         assert torch.equal(triton_decode_attention(**blind)[2], torch.zeros(3, 4, 32))
-    decode_launch.SPLIT_KEYS = default
+    decode_launch.SPLIT_KEYS, decode_launch.BALANCED_SPLITS = default, False
     print("split kernel cases passed")
 
 

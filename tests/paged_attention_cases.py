@@ -73,14 +73,20 @@ BLOCK_SIZES = (16, 5, 64)
 """A power of two below the kernel's key block, an odd size (blocks straddle key blocks), one above it."""
 
 
+LONG_RESPONSES = (3, 2, 4, 32, 1, 20, 600)
+"""Responses of up to 600 keys (the capacity among them): many key blocks per split, so a balanced split that covered
+less than its slot's keys would show."""
+
+
 def check_kernel_cases() -> None:
     """Run with TRITON_INTERPRET=1: the paged kernel against the contiguous reference (float32, float16; the
     interpreter's bf16 dot is unusable, see decode_attention_cases)."""
-    for split_keys in (None, 32):  # one program per slot and head; split-KV over 32-key splits
-        decode_launch.SPLIT_KEYS = split_keys or SPLIT_KEYS
-        for seed, shape in enumerate(CASES):
-            for block_size in BLOCK_SIZES[:3 if split_keys is None else 2]:
-                for dtype in (torch.float32, torch.float16):
+    # one program per slot and head; split-KV over 32-key splits; the same with each slot's keys shared out evenly
+    for split_keys, balanced in ((None, False), (32, False), (32, True)):
+        decode_launch.SPLIT_KEYS, decode_launch.BALANCED_SPLITS = split_keys or SPLIT_KEYS, balanced
+        for seed, shape in enumerate(CASES + [LONG_RESPONSES] * balanced):
+            for block_size in BLOCK_SIZES[:3 if split_keys is None or balanced else 2]:
+                for dtype in (torch.float32, torch.float16)[:1 if balanced else 2]:
                     check_paged(triton_paged_decode_attention, seed, shape, block_size, dtype, TOLERANCE[dtype])
-    decode_launch.SPLIT_KEYS = SPLIT_KEYS
+    decode_launch.SPLIT_KEYS, decode_launch.BALANCED_SPLITS = SPLIT_KEYS, False
     print("paged kernel cases passed")

@@ -10,6 +10,8 @@ window end up); unused table columns point at block 0.
 Variants, one knob changed at a time from the engine's default (`decode_launch.launch_plan`), in this order:
 - `contiguous`: the prefix-shared kernel, default plan; `paged bs=64`: the benchmark's blocks, default plan;
 - `paged id per key`: the block id loaded for every key, not once per loop iteration (`ONE_BLOCK_LOADS` off);
+- `paged balanced`, `contiguous balanced`: split-KV shares each slot's own keys out evenly (`BALANCED_SPLITS`), also
+  with 8 and 16 splits at every batch;
 - `paged stages=T`: pipelining stages of the key loop (1, 2, 4; Triton's default otherwise);
 - `paged bs=B`: blocks of B tokens (128, 32, 16);
 - `paged warps=W`, `paged BLOCK_N=N`: warps per program, keys per loop iteration;
@@ -107,10 +109,13 @@ def check(case: dict, extras: tuple, ours, reference) -> None:
 
 @contextlib.contextmanager
 def knobs(splits: int | None = None, warps: int | None = None, block_n: int | None = None,
-          stages: int | None = None, one_block: bool | None = None):
+          stages: int | None = None, one_block: bool | None = None, balanced: bool | None = None):
     """Launches inside use the given knob (None: the default plan's)."""
     saved = (decode_launch.SPLIT_KEYS, decode_launch.split_count, decode_launch.default_num_warps,
-             decode_launch.BLOCK_N, decode_launch.NUM_STAGES, decode_launch.ONE_BLOCK_LOADS)
+             decode_launch.BLOCK_N, decode_launch.NUM_STAGES, decode_launch.ONE_BLOCK_LOADS,
+             decode_launch.BALANCED_SPLITS)
+    if balanced is not None:
+        decode_launch.BALANCED_SPLITS = balanced
     if one_block is not None:
         decode_launch.ONE_BLOCK_LOADS = one_block
     if splits is not None:
@@ -126,13 +131,17 @@ def knobs(splits: int | None = None, warps: int | None = None, block_n: int | No
         yield
     finally:
         (decode_launch.SPLIT_KEYS, decode_launch.split_count, decode_launch.default_num_warps,
-         decode_launch.BLOCK_N, decode_launch.NUM_STAGES, decode_launch.ONE_BLOCK_LOADS) = saved
+         decode_launch.BLOCK_N, decode_launch.NUM_STAGES, decode_launch.ONE_BLOCK_LOADS,
+         decode_launch.BALANCED_SPLITS) = saved
 
 
 def variants() -> list[tuple[str, str, int, dict]]:
     """(name, layout, block size, knobs) of every variant (see the module docstring)."""
     rows = [("contiguous", "contiguous", 0, {}), ("paged bs=64", "paged", 64, {}),
-            ("paged id per key", "paged", 64, dict(one_block=False))]
+            ("paged id per key", "paged", 64, dict(one_block=False)),
+            ("paged balanced", "paged", 64, dict(balanced=True)),
+            ("contiguous balanced", "contiguous", 0, dict(balanced=True))]
+    rows += [(f"paged balanced splits={count}", "paged", 64, dict(balanced=True, splits=count)) for count in (8, 16)]
     rows += [(f"paged stages={count}", "paged", 64, dict(stages=count)) for count in (1, 2, 4)]
     rows += [(f"paged bs={size}", "paged", size, {}) for size in (128, 32, 16)]
     rows += [(f"paged warps={count}", "paged", 64, dict(warps=count)) for count in (4, 8)]

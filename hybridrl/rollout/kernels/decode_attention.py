@@ -150,7 +150,8 @@ def triton_decode_attention(
 
     Long responses (capacity over `decode_launch.SPLIT_KEYS`: response_max_len here, the table's response columns
     times block_size when paged) run split-KV: program (b, h, s) attends to response keys [s * split_len,
-    (s + 1) * split_len) (split 0 also to the prompt and the new key) and leaves its partial softmax state in a
+    (s + 1) * split_len) (split 0 also to the prompt and the new key; `decode_launch.BALANCED_SPLITS`: split_len from
+    the slot's own length, a NUM_SPLITS-th of it, instead of the capacity's) and leaves its partial softmax state in a
     float32 buffer, which a second kernel combines."""
     if triton is None:
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
@@ -164,11 +165,12 @@ def triton_decode_attention(
     table_stride = prompt_index.stride(0) if paged else 0
     part_acc, part_ml = partial_state(plan, batch, num_kv_heads, out)
     sizes = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=plan.group_pad, BLOCK_D=plan.block_d,
-                 NUM_SPLITS=plan.num_splits, WRITE_NEW=new_kv is not None)
+                 NUM_SPLITS=plan.num_splits, WRITE_NEW=new_kv is not None, BALANCED=plan.balanced,
+                 BLOCK_N=plan.block_n)
     _decode_attention_kernel[(batch, num_kv_heads, plan.num_splits)](
         q, prompt_k, prompt_v, response_k, response_v, prompt_index, prompt_len, response_len, out, fused,
         cos, sin, bias, scale * math.log2(math.e), *strides, table_stride, prompt_columns, part_acc, part_ml,
-        plan.split_len, BLOCK_N=plan.block_n, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
+        plan.split_len, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
         HAS_BIAS=rope is not None and qkv_bias is not None, PAGED=paged is not None, BLOCK_SIZE=block_size,
         ONE_BLOCK=paged is not None and plan.one_block(block_size),
         **plan.compile_options(), **sizes)
@@ -293,6 +295,7 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         ONE_BLOCK: tl.constexpr,
+        BALANCED: tl.constexpr,
     ):
         """One (slot, KV head): the prompt entry's keys, then the slot's response keys, one softmax.
         With WRITE_NEW the last response key/value (index response_len - 1) comes from NEW_KV: it is
@@ -335,6 +338,8 @@ if triton is not None:
         cached = response_len - 1 if WRITE_NEW else response_len
         begin, end = 0, cached
         if NUM_SPLITS > 1:
+            if BALANCED:  # this slot's own keys in equal parts (whole key blocks), not the capacity's
+                split_len = _balanced_split_len(cached, NUM_SPLITS, BLOCK_N)
             begin = split * split_len
             end = tl.minimum(cached, begin + split_len)
         m_i, l_i, acc = _attend(q, RK + response, RV + response, begin, end, stride_rl, m_i, l_i, acc, qk_scale,
@@ -373,9 +378,16 @@ if triton is not None:
                      out.to(OUT.dtype.element_ty), mask=row_mask)
 
     @triton.jit
+    def _balanced_split_len(cached, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Response keys per split when a slot's own `cached` keys are shared out evenly: a whole number of key
+        blocks, at least one, so NUM_SPLITS of them cover every key and each split starts on a key block."""
+        return tl.maximum(tl.cdiv(tl.cdiv(tl.maximum(cached, 0), NUM_SPLITS), BLOCK_N), 1) * BLOCK_N
+
+    @triton.jit
     def _combine_splits_kernel(PART_ACC, PART_ML, RESPONSE_LEN, OUT, stride_ob, stride_oh, stride_og, split_len,
                                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr,
-                               BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_NEW: tl.constexpr):
+                               BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_NEW: tl.constexpr,
+                               BALANCED: tl.constexpr, BLOCK_N: tl.constexpr):
         """One (slot, KV head): merge the partial softmax states of the splits that hold keys into the output."""
         slot = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
@@ -383,6 +395,8 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
         cached = response_len - 1 if WRITE_NEW else response_len
+        if BALANCED:
+            split_len = _balanced_split_len(cached, NUM_SPLITS, BLOCK_N)
         count = tl.maximum(1, tl.cdiv(tl.maximum(cached, 0), split_len))
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)

@@ -37,6 +37,10 @@ ONE_BLOCK_LOADS = True
 """Paged: when a loop iteration's keys share one block (`BLOCK_N` divides the block size), load one block id per
 iteration and address its rows as consecutive (False: one id per key, as for any block size; a knob for
 `benchmarks/kernels/paged_sweep.py`)."""
+BALANCED_SPLITS = False
+"""Split-KV: each slot's own response keys shared out evenly over the splits (computed on the device from its length),
+instead of cutting the capacity into fixed `split_len` parts, where a slot far below the capacity leaves all its work
+to its first splits. A knob for `benchmarks/kernels/paged_sweep.py` until measured."""
 NUM_STAGES = None
 """Software-pipelining stages of the key loop passed to Triton (None: Triton's default); a knob for
 `benchmarks/kernels/paged_sweep.py`."""
@@ -105,6 +109,8 @@ class LaunchPlan:
     """Response keys per split program (0 without split-KV)."""
     num_stages: int | None = None
     """Pipelining stages (None: Triton's default)."""
+    balanced: bool = False
+    """Split-KV by each slot's own length (`BALANCED_SPLITS`)."""
 
     def one_block(self, block_size: int) -> bool:
         """Paged: whether each loop iteration's keys lie in one block (see `ONE_BLOCK_LOADS`); every iteration starts
@@ -123,7 +129,7 @@ def launch_plan(group: int, head_dim: int, response_capacity: int, paged: bool, 
     num_splits, split_len = response_splits(response_capacity, slot_heads=slot_heads) or (1, 0)
     return LaunchPlan(group_pad=padded_tile(group), block_d=padded_tile(head_dim), block_n=BLOCK_N,
                       num_warps=default_num_warps(head_dim, paged), num_splits=num_splits, split_len=split_len,
-                      num_stages=NUM_STAGES)
+                      num_stages=NUM_STAGES, balanced=BALANCED_SPLITS)
 
 
 def partial_state(plan: LaunchPlan, batch: int, num_kv_heads: int, placeholder: torch.Tensor) -> tuple:
