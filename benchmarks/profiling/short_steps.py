@@ -12,7 +12,7 @@ them at 6 tokens), and the trainer is the TTA's own (`learning_vs_trl.hybridrl_t
 
 1. per step: the rollout and, inside it, everything before the first decode step, split into the engine's set-up
    (`ModelRunner.begin`: weights, KV cache, state), the prefill, the decode graph's warm-up run and its capture, with
-   the compilation (dynamo + inductor) and Triton JIT time that happened inside them taken out and shown apart (each
+   the compilation (dynamo + inductor) and Triton JIT time (kernels and their C launchers) that happened inside them taken out and shown apart (each
    part exclusive of the others; "other" is what no part covers: the host work between them and the GPU trailing at
    the first replay); then the decode, the reward, the log-probs and the update;
 2. a torch.profiler top-20 (self CPU time, and self CUDA time on a GPU) of the phases named by `--profile` (default:
@@ -97,6 +97,11 @@ def frame_name(args) -> str:
     return f"{getattr(code, 'co_name', '?')} ({Path(getattr(code, 'co_filename', '?')).name})"
 
 
+def launcher_name(args) -> str:
+    """`CudaLauncher.__init__(self, src, metadata)`: the launcher of the kernel `src` was compiled from."""
+    return "launcher of " + getattr(getattr(args[1], "fn", None), "__name__", "?") if len(args) > 1 else "?"
+
+
 def kernel_name(args) -> str:
     """`JITFunction._do_compile(self, ...)`: the Triton kernel it builds."""
     return getattr(getattr(args[0], "fn", None), "__name__", "?") if args else "?"
@@ -116,6 +121,10 @@ def instrumented(clocks: Clocks):
 
         # a hand-written kernel's first launch per signature
         targets.append((JITFunction, "_do_compile", "triton", kernel_name))
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        # its launcher, a C module built (or loaded from the cache) at the kernel's first run, after `_do_compile`
+        targets.append((CudaLauncher, "__init__", "triton", launcher_name))
     except ImportError:
         pass
     originals = [(owner, name, vars(owner)[name]) for owner, name, *_ in targets if name in vars(owner)]
