@@ -12,9 +12,10 @@ them at 6 tokens), and the trainer is the TTA's own (`learning_vs_trl.hybridrl_t
 
 1. per step: the rollout and, inside it, everything before the first decode step, split into the engine's set-up
    (`ModelRunner.begin`: weights, KV cache, state), the prefill, the decode graph's warm-up run and its capture, with
-   the compilation (dynamo + inductor) and Triton JIT time (kernels and their C launchers) that happened inside them taken out and shown apart (each
-   part exclusive of the others; "other" is what no part covers: the host work between them and the GPU trailing at
-   the first replay); then the decode, the reward, the log-probs and the update;
+   the compilation (dynamo + inductor) and Triton JIT time (kernels and their C launchers) that happened inside them
+   taken out and shown apart (each part exclusive of the others; "other" is what no part covers: the host work
+   between them and the GPU trailing at the first replay); then the decode, the reward, the log-probs and the update;
+   each compiled frame and Triton kernel is listed under its step;
 2. a torch.profiler top-20 (self CPU time, and self CUDA time on a GPU) of the phases named by `--profile` (default:
    step 1's rollout and update, the last step's rollout and update). A profiled phase is slower than it would be:
    its row in the table is marked.
