@@ -154,7 +154,9 @@ def profiled_phases(spec: str, steps: int) -> set[tuple[int, str]]:
 
 def print_profile(prof, title: str, cuda: bool, top: int = 20) -> None:
     averages = prof.key_averages()
-    sorts = [("self CPU time", "self_cpu_time_total")] + ([("self CUDA time", "self_device_time_total")] if cuda else [])
+    sorts = [("self CPU time", "self_cpu_time_total")]
+    if cuda:
+        sorts.append(("self CUDA time", "self_device_time_total"))
     for what, key in sorts:
         print(f"\n{title}: top {top} by {what}")
         print(averages.table(sort_by=key, row_limit=top, max_name_column_width=60))
@@ -207,15 +209,15 @@ def step_row(step: int, metrics: dict, engine: dict, seconds: dict, profiled: se
 
 
 def print_table(rows: list[dict]) -> None:
-    columns = ["rollout", "before_decode", *PARTS, "other", "decode", "after_decode", "outside eng.", "reward", "logprobs",
-               "update", "upd compile", "upd triton"]
+    columns = ["rollout", "before_decode", *PARTS, "other", "decode", "after_decode", "outside eng.", "reward",
+               "logprobs", "update", "upd compile", "upd triton"]
     print("\nseconds per step (* a profiled phase: slower than unprofiled); 'before_decode' = set-up + prefill + "
           "warm-up run + capture + compile + triton + other")
     print(f"{'step':>4} " + " ".join(f"{name:>13}" for name in columns))
     for row in rows:
         values = [row["rollout"], row.get("before_decode"), *(row["parts"].get(p) for p in [*PARTS, "other"]),
-                  row.get("decode"), row.get("after_decode"), row.get("outside_engine"), row["reward"], row["logprobs"], row["update"],
-                  row["update_compile"], row["update_triton"]]
+                  row.get("decode"), row.get("after_decode"), row.get("outside_engine"), row["reward"], row["logprobs"],
+                  row["update"], row["update_compile"], row["update_triton"]]
         cells = [f"{value:13.4f}" if value is not None else f"{'-':>13}" for value in values]
         mark = "*" if row["profiled"] else " "
         print(f"{row['step']:>3}{mark} " + " ".join(cells))
@@ -251,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--profile", default="1:rollout,1:update,last:rollout,last:update",
-                        help="STEP:PHASE items to profile (STEP a number or 'last'; PHASE rollout or update), or 'none'")
+                        help="STEP:PHASE items to profile (STEP a number or 'last'; PHASE rollout or update), "
+                             "or 'none'")
     parser.add_argument("--warm-cache", action="store_true",
                         help="keep inductor's and Triton's default cache directories (default: fresh, empty ones)")
     parser.add_argument("--out-dir", default="runs/short_steps")
@@ -267,7 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--steps must be at least 1.")
     if not args.warm_cache:  # both are read when first needed, after this
         scratch = tempfile.mkdtemp(prefix="short_steps_cache_")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["TRITON_CACHE_DIR"] = f"{scratch}/inductor", f"{scratch}/triton"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{scratch}/inductor"
+        os.environ["TRITON_CACHE_DIR"] = f"{scratch}/triton"
     settings = tta.parse_args(["--tiny"] if args.tiny else [])
     # On CPU `auto` picks the hf backend; the tiny run checks the engine's path (uncompiled, no CUDA graphs)
     engine = ["rollout.backend=builtin"] if args.tiny else []
