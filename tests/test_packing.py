@@ -18,6 +18,28 @@ def test_first_fit_decreasing_respects_capacity_and_keeps_every_item():
     assert group_by_tokens([12, 3], 10) == [[0], [1]]  # an over-long sequence gets its own micro-batch
 
 
+def test_first_fit_decreasing_equals_the_full_scan():
+    """Skipping bins too full for the shortest item changes no assignment: the same bins as scanning every bin."""
+    def full_scan(lengths, capacity):
+        bins, room = [], []
+        for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            slot = next((s for s, free in enumerate(room) if lengths[index] <= free), None)
+            if slot is None:
+                bins.append([index])
+                room.append(capacity - lengths[index])
+            else:
+                bins[slot].append(index)
+                room[slot] -= lengths[index]
+        return bins
+
+    generator = torch.Generator().manual_seed(2)
+    for trial in range(40):
+        lengths = torch.randint(0 if trial % 5 == 0 else 1, 30, (int(torch.randint(1, 200, (1,), generator=generator)),),
+                                generator=generator).tolist()
+        for capacity in (10, 29, 64, 1000):
+            assert first_fit_decreasing(lengths, capacity) == full_scan(lengths, capacity)
+
+
 def test_pack_rows_layout():
     ids, mask, _, response = padded_batch()
     prompt = ids.shape[1] - response
@@ -30,6 +52,52 @@ def test_pack_rows_layout():
     flat = packed.input_ids.flatten()
     assert torch.equal(flat[packed.logit_positions + 1], packed.targets)  # each position predicts the next token
     assert (packed.position_ids.flatten()[packed.logit_positions + 1] > 0).all()
+
+
+def reference_pack(ids, mask, prompt_width, capacity):
+    """pack_rows written the obvious way: row by row, sequence by sequence, token by token."""
+    lengths = [int(m.sum()) for m in mask]
+    bins = first_fit_decreasing(lengths, capacity)
+    capacity = max(capacity, max(lengths))
+    rows = [[0] * capacity for _ in bins]
+    positions = [list(range(capacity)) for _ in bins]
+    logit_positions, targets, response_index = [], [], []
+    placed = {}
+    for row, members in enumerate(bins):
+        offset = 0
+        for seq in sorted(members):
+            placed[seq] = (row, offset)
+            real = [int(x) for x, keep in zip(ids[seq], mask[seq]) if keep]
+            rows[row][offset:offset + len(real)] = real
+            positions[row][offset:offset + len(real)] = range(len(real))
+            offset += len(real)
+    for seq in range(len(ids)):
+        row, offset = placed[seq]
+        prompt_length = int(mask[seq, :prompt_width].sum())
+        for t in range(int(mask[seq, prompt_width:].sum())):
+            logit_positions.append(row * capacity + offset + prompt_length + t - 1)
+            targets.append(int(ids[seq, prompt_width + t]))
+            response_index.append(seq * (ids.shape[1] - prompt_width) + t)
+    return rows, positions, logit_positions, targets, response_index
+
+
+def test_pack_rows_equals_the_obvious_loop_on_random_batches():
+    """Every field of the host-computed layout against `reference_pack`, over random left-padded prompts and
+    right-padded responses (some empty), with capacities below, at and above the longest sequence."""
+    generator = torch.Generator().manual_seed(5)
+    for trial in range(12):
+        rows, prompt, response = 3 + trial, 5, 4
+        ids = torch.randint(3, 90, (rows, prompt + response), generator=generator)
+        prompt_lengths = torch.randint(1, prompt + 1, (rows,), generator=generator)
+        response_lengths = torch.randint(0, response + 1, (rows,), generator=generator)
+        columns = torch.arange(prompt + response)
+        mask = ((columns >= prompt - prompt_lengths[:, None]) & (columns < prompt + response_lengths[:, None])).long()
+        for capacity in (4, prompt + response, 2 * (prompt + response) + 1):
+            packed = pack_rows(ids, mask, prompt, capacity)
+            want_ids, want_positions, want_logits, want_targets, want_index = reference_pack(ids, mask, prompt, capacity)
+            assert packed.input_ids.tolist() == want_ids and packed.position_ids.tolist() == want_positions
+            assert packed.logit_positions.tolist() == want_logits and packed.targets.tolist() == want_targets
+            assert packed.response_index.tolist() == want_index
 
 
 def test_packed_rows_do_not_attend_across_sequences():

@@ -17,24 +17,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hybridrl.devices import host_to_device
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Bins of item indices whose lengths sum to at most `capacity` (an item longer than it gets its own bin)."""
+    """Bins of item indices whose lengths sum to at most `capacity` (an item longer than it gets its own bin).
+    A bin with less room than the shortest item is never scanned again (nothing can fit it any more), so the
+    scan stays short when bins fill up, as with many short sequences in rows as wide as the longest."""
     bins: list[list[int]] = []
     room: list[int] = []
+    open_bins: list[int] = []  # bins that may still take an item, in order
+    shortest = min(lengths, default=0)
     for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for slot, free in enumerate(room):
-            if lengths[index] <= free:
+        length = lengths[index]
+        for position, slot in enumerate(open_bins):
+            if length <= room[slot]:
                 bins[slot].append(index)
-                room[slot] -= lengths[index]
+                room[slot] -= length
+                if room[slot] < shortest:
+                    del open_bins[position]
                 break
         else:
             bins.append([index])
-            room.append(capacity - lengths[index])
+            room.append(capacity - length)
+            if room[-1] >= shortest:
+                open_bins.append(len(bins) - 1)
     return bins
 
 
@@ -65,44 +75,45 @@ class PackedRows:
 
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int, capacity: int,
               pad_token_id: int = 0) -> PackedRows:
-    """Pack the real tokens of a padded batch (B, P + R) into rows of `capacity` columns."""
+    """Pack the real tokens of a padded batch (B, P + R) into rows of `capacity` columns.
+
+    The layout (which sequence goes where, every index) is computed on the host from the sequences' lengths, read
+    in one transfer, and goes to the device as one index tensor: a few launches and no wait beyond that read,
+    where doing it on the device took dozens of small launches and a wait per data-dependent size."""
     device = input_ids.device
     num_seqs, width = input_ids.shape
     mask = attention_mask.bool()
-    lengths = mask.sum(1)  # (B,)
-    prompt_lengths = mask[:, :prompt_width].sum(1)
+    lengths, prompt_lengths = (np.array(values, dtype=np.int64) for values in
+                               torch.stack([mask.sum(1), mask[:, :prompt_width].sum(1)]).tolist())
     response_lengths = lengths - prompt_lengths
-    starts = prompt_width - prompt_lengths  # first real column: prompts are left-padded
     bins = first_fit_decreasing(lengths.tolist(), capacity)
     capacity = max(capacity, int(lengths.max()))
-    row_of = torch.empty(num_seqs, dtype=torch.long)
-    offset_of = torch.empty(num_seqs, dtype=torch.long)
-    host_lengths = lengths.tolist()
-    for row, members in enumerate(bins):
-        offset = 0
-        for seq in sorted(members):
-            row_of[seq], offset_of[seq] = row, offset
-            offset += host_lengths[seq]
-    row_of, offset_of = host_to_device(row_of, device), host_to_device(offset_of, device)
-    dest_start = row_of * capacity + offset_of  # (B,) flat start of each sequence in the packed rows
+    order = np.array([seq for members in bins for seq in sorted(members)], dtype=np.int64)  # row by row
+    counts = np.array([len(members) for members in bins], dtype=np.int64)
+    before = np.cumsum(lengths[order]) - lengths[order]  # tokens ahead of each sequence in `order`
+    offset = before - np.repeat(before[np.cumsum(counts) - counts], counts)  # ... within its row
+    dest_start = np.empty(num_seqs, dtype=np.int64)  # (B,) flat start of each sequence in the packed rows
+    dest_start[order] = np.repeat(np.arange(len(bins)), counts) * capacity + offset
 
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), lengths)  # (T,)
-    first_token = torch.cumsum(lengths, 0) - lengths
-    step = torch.arange(int(lengths.sum()), device=device) - first_token[seq_of_token]  # position in its sequence
-    source = seq_of_token * width + starts[seq_of_token] + step
+    seq_of_token = np.repeat(np.arange(num_seqs), lengths)  # (T,)
+    step = np.arange(len(seq_of_token)) - (np.cumsum(lengths) - lengths)[seq_of_token]  # position in its sequence
+    source = seq_of_token * width + (prompt_width - prompt_lengths)[seq_of_token] + step  # prompts are left-padded
     dest = dest_start[seq_of_token] + step
-    packed_ids = torch.full((len(bins) * capacity,), pad_token_id, dtype=input_ids.dtype, device=device)
-    packed_ids[dest] = input_ids.flatten()[source]
-    positions = torch.arange(capacity, device=device).repeat(len(bins))  # tail padding continues the row's count
+    positions = np.tile(np.arange(capacity), len(bins))  # tail padding continues the row's count
     positions[dest] = step
 
-    response_width = width - prompt_width
-    seq_of_target = torch.repeat_interleave(torch.arange(num_seqs, device=device), response_lengths)
-    first_target = torch.cumsum(response_lengths, 0) - response_lengths
-    t = torch.arange(int(response_lengths.sum()), device=device) - first_target[seq_of_target]
+    seq_of_target = np.repeat(np.arange(num_seqs), response_lengths)  # (N,)
+    t = np.arange(len(seq_of_target)) - (np.cumsum(response_lengths) - response_lengths)[seq_of_target]
+    logit_positions = dest_start[seq_of_target] + prompt_lengths[seq_of_target] + t - 1
+    target_index = seq_of_target * width + prompt_width + t  # flat into input_ids
+    response_index = seq_of_target * (width - prompt_width) + t
+    parts = [source, dest, positions, logit_positions, target_index, response_index]
+    source, dest, positions, logit_positions, target_index, response_index = host_to_device(
+        torch.from_numpy(np.concatenate(parts)), device).split([len(part) for part in parts])
+    flat_ids = input_ids.flatten()
+    packed_ids = torch.full((len(bins) * capacity,), pad_token_id, dtype=input_ids.dtype, device=device)
+    packed_ids[dest] = flat_ids[source]
     return PackedRows(
         input_ids=packed_ids.view(len(bins), capacity), position_ids=positions.view(len(bins), capacity),
-        logit_positions=dest_start[seq_of_target] + prompt_lengths[seq_of_target] + t - 1,
-        targets=input_ids[seq_of_target, prompt_width + t],
-        response_index=seq_of_target * response_width + t,
+        logit_positions=logit_positions, targets=flat_ids[target_index], response_index=response_index,
     )
