@@ -3,6 +3,7 @@ right `extend_reference`, and both against one HF forward over the whole sequenc
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 
@@ -16,6 +17,9 @@ from hybridrl.rollout.engine.weights import resolve_weights
 from test_multiturn import assert_same_episodes, both, make_model
 
 MAX_LEN = 64
+CPU_ATTENTIONS = [name for name in llama_forward.EXTEND_ATTENTIONS if name != "triton"]
+"""The attentions that run on CPU tensors as they are; the Triton kernel runs on CPU only in the interpreter
+(`test_the_extend_attention_kernel_equals_the_matmul_form_in_the_interpreter`)."""
 
 
 def filled_cache(model, seed: int, num_slots: int = 5):
@@ -67,7 +71,7 @@ def assert_extended_alike(got, want, kv, reference_kv, before, contexts, slots, 
     torch.testing.assert_close(kv[:, :, untouched], before[:, :, untouched], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("attention", list(llama_forward.EXTEND_ATTENTIONS))
+@pytest.mark.parametrize("attention", CPU_ATTENTIONS)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_extend_equals_the_reference_and_a_full_forward(family, seed, attention, monkeypatch):
@@ -92,7 +96,7 @@ def test_extend_equals_the_reference_and_a_full_forward(family, seed, attention,
             torch.testing.assert_close(want[row], full, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("attention", [name for name in llama_forward.EXTEND_ATTENTIONS if name != "matmul"])
+@pytest.mark.parametrize("attention", [name for name in CPU_ATTENTIONS if name != "matmul"])
 def test_each_extend_attention_equals_the_matmul_form_on_ragged_rows(attention):
     """Straight against the obviously right masked matmul in float32: grouped heads (1, 2 and 7 query heads per KV
     head), query rows at different offsets, padded rows whose positions are clamped to the last key, one-row waves."""
@@ -105,6 +109,16 @@ def test_each_extend_attention_equals_the_matmul_form_on_ragged_rows(attention):
         want = llama_forward.EXTEND_ATTENTIONS["matmul"](q, k, v, positions)
         got = llama_forward.EXTEND_ATTENTIONS[attention](q, k, v, positions)
         torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (it is optional; the other attentions cover CPU)")
+def test_the_extend_attention_kernel_equals_the_matmul_form_in_the_interpreter():
+    """The Triton kernel (`kernels/extend_attention.py`) in TRITON_INTERPRET=1 against the masked matmuls, float32 and
+    float16, on grouped heads, several key blocks and folded-query blocks, padded rows (`extend_attention_cases`)."""
+    from decode_attention_cases import run_in_interpreter  # tests/ is on sys.path under pytest
+
+    assert "ok" in run_in_interpreter("extend_attention_cases", "check_kernel_cases")
 
 
 def test_the_compiled_pieces_are_called_with_dynamic_dimensions_that_exist(monkeypatch):

@@ -259,8 +259,17 @@ def _sdpa_folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
                                                                                            head_dim)
 
 
+def _triton_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          positions: torch.Tensor) -> torch.Tensor:
+    """`_masked_gqa_attention` in one Triton kernel with an online softmax (`kernels/extend_attention.py`): the scores
+    stay in registers, and each row reads its keys only up to its furthest query."""
+    from hybridrl.rollout.kernels.extend_attention import extend_attention  # Triton: an optional dependency
+
+    return extend_attention(q, keys, values, positions)
+
+
 EXTEND_ATTENTIONS: dict[str, Callable] = {"matmul": _masked_gqa_attention, "flex": _flex_gqa_attention,
-                                          "sdpa": _sdpa_folded_attention}
+                                          "sdpa": _sdpa_folded_attention, "triton": _triton_gqa_attention}
 """The attentions `extend` can run, each q (P, L, H, D), keys/values (P, Hkv, K, D), positions (P, L) -> (P, L, H, D)."""
 extend_attention = "matmul"
 """Which of `EXTEND_ATTENTIONS` `extend` runs: a module setting so that one benchmark process can time them side by side
