@@ -15,9 +15,8 @@ TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol
 
 
 def check_kernel_cases() -> None:
-    """float32 and float16 (the interpreter's `tl.dot` is unusable for bf16; the GPU test covers it): ragged rows at
-    different offsets, padded rows whose positions clamp at the last key, ids past a row's length marked -1 in no
-    way (the kernel reads `positions` as given, like the other forms)."""
+    """float32 and float16 (the interpreter's `tl.dot` is unusable for bf16; the GPU test covers it): rows at
+    different offsets, and rows whose positions clamp at the last key (as `extend` passes a padded row's)."""
     assert BLOCK_M >= 16 and BLOCK_N >= 16
     generator = torch.Generator().manual_seed(5)
     for rows, length, heads, kv_heads, head_dim, keys in CASES:

@@ -6,12 +6,13 @@ a few hundred; the benchmark's wave is 512 rows x 33 ids x ~450 keys. Written as
 program keeps them in registers with an online softmax (as flash attention does), so only q, the keys, the values and
 the output move.
 
-Layout: one program per (row, KV head, block of `BLOCK_M` folded queries). The query heads that share a KV head are
-folded into the query axis (query-major: folded index m is id m // group of query head kv_head * group + m % group),
-so one pass over a KV head's keys serves all of them, as in decode. Query m sees key j when j <= its position; the
-loop stops at the block's furthest position, so a row never reads past its own ids (the rest of the key bucket is
-not loaded at all). Queries past the row's length (padding) get a position of -1 and a zero output, which nothing
-reads.
+Layout: one program per (block of `BLOCK_M` folded queries, KV head, row), the query blocks of one row and head
+launched next to each other so that their reads of the same keys can hit L2. The query heads that share a KV head
+are folded into the query axis (query-major: folded index m is id m // group of query head kv_head * group +
+m % group), so one pass over a KV head's keys serves all of them, as in decode. Query m sees key j when j <= its
+position; the loop stops at the block's furthest position, so a row never reads past its own ids (the rest of the
+key bucket is not loaded at all). Folded indices past the last id (a block's tail) load position -1 and store
+nothing.
 
 Inputs are those of `llama_forward._masked_gqa_attention`: q (P, L, H, D), keys/values (P, Hkv, K, D), positions
 (P, L) -> (P, L, H, D) in q's dtype; float32 accumulation, P rounded to the value dtype before its matmul. Called
@@ -45,7 +46,7 @@ def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     num_kv_heads, key_len = keys.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    grid = (rows, num_kv_heads, triton.cdiv(length * group, BLOCK_M))
+    grid = (triton.cdiv(length * group, BLOCK_M), num_kv_heads, rows)
     _extend_attention_kernel[grid](
         q, keys, values, positions, out, head_dim ** -0.5,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
@@ -64,9 +65,9 @@ if triton is not None:
                                  length, key_len,
                                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(2)
         kv_head = tl.program_id(1)
-        folded = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        folded = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         token = folded // GROUP
         head = kv_head * GROUP + folded % GROUP
         real = token < length
