@@ -158,7 +158,10 @@ class BoundaryClock:
                 result = function(*args, **kwargs)
                 if name == "read_progress":
                     clock.synced, clock.early = time.perf_counter(), {}
-                elif after:
+                elif name == "_collect" and not args[0].pending and clock.boundaries:
+                    # Every answer is in (the last boundary's steps may all be done before any gather).
+                    clock.after_phase("_gather_answers", args[0])
+                if after:
                     clock.mark(after)
                 return result
         setattr(owner, name, wrapped)
