@@ -167,10 +167,23 @@ def test_a_trainer_that_draws_beside_captures_updates_holding_the_capture_lock(t
     trainer = make_trainer(tmp_path, trainer__total_steps=2, trainer__max_staleness=1)
     update, held = trainer.update, []
 
+    def free_elsewhere() -> bool:  # whether another thread (the worker's) could take the lock now
+        taken = []
+
+        def try_it() -> None:
+            taken.append(CAPTURE_LOCK.acquire(blocking=False))
+            if taken[0]:
+                CAPTURE_LOCK.release()
+
+        other = threading.Thread(target=try_it)
+        other.start()
+        other.join()
+        return taken[0]
+
     def update_and_look(batch):
-        held.append(CAPTURE_LOCK.locked())
+        held.append(not free_elsewhere())
         return update(batch)
 
     trainer.update = update_and_look
     trainer.train()
-    assert held == [True, True] and not CAPTURE_LOCK.locked()
+    assert held == [True, True] and free_elsewhere()

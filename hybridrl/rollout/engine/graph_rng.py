@@ -27,9 +27,10 @@ import threading
 
 import torch
 
-CAPTURE_LOCK = threading.Lock()
+CAPTURE_LOCK = threading.RLock()
 """Held across the generator swap around `capture_begin`, and by a thread that draws from the default CUDA generator
-of that device while the engine may capture (see the module docstring)."""
+of that device while the engine may capture (see the module docstring); reentrant, so that a thread holding it may
+capture itself."""
 
 
 def begin_capture(graph: torch.cuda.CUDAGraph, pool, generator: torch.Generator) -> None:
