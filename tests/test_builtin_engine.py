@@ -530,6 +530,32 @@ def test_compile_auto_compiles_on_cuda_for_long_responses_only():
         assert build_rollout(config, model, None, device).options.compile is expected, (option, tokens, device)
 
 
+def test_light_rollouts_take_kernels_that_need_no_building():
+    """Short prompts and responses on CUDA (the time-to-accuracy run's): the `auto` kernel choices become SDPA and the
+    PyTorch sampler, uncompiled; longer prompts, or any of those options (or the paged cache) set by hand, leave the
+    usual choices. (The engine is built, not run: no GPU needed.)"""
+    from hybridrl.config.loading import load_config
+    from hybridrl.rollout.engine.kernel_choices import LIGHT_MAX_PROMPT_TOKENS, light_rollout
+    from hybridrl.training.components import build_rollout
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    short = LIGHT_MAX_PROMPT_TOKENS
+    assert light_rollout(6, short, cuda) and not light_rollout(6, short + 1, cuda)
+    assert not light_rollout(64, short, cuda) and not light_rollout(6, short, cpu)
+    model = make_model("llama")
+    cases = (([], ("sdpa", "torch", False)),
+             ([f"data.max_prompt_length={short + 1}"], ("auto", "auto", False)),
+             (["rollout.max_new_tokens=64"], ("auto", "auto", True)),
+             (["rollout.engine.attention=triton"], ("triton", "auto", False)),
+             (["rollout.engine.compile=true"], ("auto", "auto", True)),
+             (["rollout.engine.kv_cache=paged"], ("auto", "auto", False)))
+    for extra, expected in cases:
+        config = load_config(None, ["rollout.backend=builtin", "rollout.max_new_tokens=6",
+                                    f"data.max_prompt_length={short}", *extra])
+        options = build_rollout(config, model, None, cuda).options
+        assert (options.attention, options.sampler, options.compile) == expected, extra
+
+
 def test_timeline_keeps_the_first_mark_or_with_last_the_latest():
     import time
 

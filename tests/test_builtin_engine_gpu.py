@@ -157,13 +157,14 @@ def test_sampling_kernels_draw_what_the_pytorch_sampler_draws():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("attention", ["sdpa", "triton"])
-@pytest.mark.parametrize("compiled", [True, False])
-def test_calls_of_changing_batch_length_and_sampler_capture_cleanly(attention, compiled):
+@pytest.mark.parametrize("options", [dict(compile=True), dict(compile=False), dict(compile=False, sampler="torch")],
+                         ids=["compiled", "uncompiled", "light"])
+def test_calls_of_changing_batch_length_and_sampler_capture_cleanly(attention, options):
     """One engine, calls whose batch size, length and sampler change: a greedy call after a sampled one with the
     same shapes (its sampler compiled inside the CUDA-graph capture before the warm-up covered samplers), then
     new temperatures, filters, batches and lengths, and repeats. Every call equals the same engine without CUDA
     graphs, and no capture happens cold for a new sampler. Uncompiled too (`rollout.engine.compile=auto` with short
-    responses): CUDA graphs of the eager step."""
+    responses): CUDA graphs of the eager step, with the PyTorch sampler as well (a light rollout's choices)."""
     if attention == "triton" and not triton_available():
         pytest.skip("needs triton")
     model = make_model("qwen2").cuda()
@@ -175,9 +176,9 @@ def test_calls_of_changing_batch_length_and_sampler_capture_cleanly(attention, c
              (prompts[:8], SamplingParams(max_new_tokens=24, n=2, temperature=0.7, top_p=0.9, seed=3)),
              (prompts[:8], SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)),
              (prompts[:5], SamplingParams(max_new_tokens=16, n=3, temperature=0.8, seed=4, ignore_eos=True))]
-    engine = BuiltinBackend(model, attention=attention, max_num_seqs=64, sync_every=4, compile=compiled)
+    engine = BuiltinBackend(model, attention=attention, max_num_seqs=64, sync_every=4, **options)
     reference = BuiltinBackend(model, attention=attention, max_num_seqs=64, sync_every=4, use_cuda_graphs=False,
-                               compile=compiled)
+                               **options)
     for index, (call_prompts, params) in enumerate(calls):
         outputs = engine.generate(call_prompts, params)
         assert engine.last_stats["graphs_captured"] >= 1, index

@@ -96,7 +96,8 @@ class EngineConfig:
     attention: Literal["auto", "triton", "sdpa"] = "auto"
     """Decode attention. `triton`: each prompt's KV is stored once and shared by its samples, read by a Triton
     kernel (on CPU by its PyTorch reference); `sdpa`: a KV copy per sequence and PyTorch SDPA, which fits fewer
-    sequences in the same memory; `auto`: triton on CUDA when triton is installed, else sdpa."""
+    sequences in the same memory; `auto`: triton on CUDA when triton is installed, else sdpa (and sdpa, with the
+    PyTorch sampler, for light rollouts: short prompts and responses, `kernel_choices.light_rollout`)."""
     fuse_qkv: bool = True
     """Copy each layer's q/k/v weights into one matrix while generating: one matmul instead of three, and with
     `triton` attention (and no q/k norm) the kernel adds bias and RoPE itself. Costs the q/k/v weights again during

@@ -36,7 +36,7 @@ from hybridrl.parallel.placement import resolve_placement
 from hybridrl.rewards import RewardComposer, WeightedReward, load_reward_function
 from hybridrl.rollout.base import RolloutBackend
 from hybridrl.rollout.engine.backend import BuiltinBackend
-from hybridrl.rollout.engine.kernel_choices import auto_compiles
+from hybridrl.rollout.engine.kernel_choices import auto_compiles, light_rollout
 from hybridrl.rollout.hf import HFBackend
 from hybridrl.training.episodes import EPISODE_COLUMNS, EpisodeRollout, build_environment, build_episode_rollout
 from hybridrl.training.optim import build_optimizer, build_scheduler
@@ -120,12 +120,15 @@ def build_rollout(config: Config, actor: nn.Module, tokenizer: Any, device: torc
         supported, reason = BuiltinBackend.supports(actor)
         if supported and (backend == "builtin" or device.type == "cuda"):
             engine = config.rollout.engine
+            # short prompts and responses: kernels that need no building in the first rollout (`light_rollout`)
+            light = engine.attention == engine.sampler == engine.compile == "auto" and engine.kv_cache != "paged" \
+                and light_rollout(config.rollout.max_new_tokens, config.data.max_prompt_length, device)
             # episodes grow by observations, which the per-slot KV layout allows (engine/multiturn.py)
-            attention = "sdpa" if config.env.enabled and engine.attention == "auto" else engine.attention
+            attention = "sdpa" if (config.env.enabled or light) and engine.attention == "auto" else engine.attention
             kv_cache = "contiguous" if config.env.enabled and engine.kv_cache == "auto" else engine.kv_cache
             return BuiltinBackend(actor, tokenizer=tokenizer, kv_cache_memory=config.rollout.kv_cache_memory,
                                   attention=attention, fuse_qkv=engine.fuse_qkv,
-                                  fuse_gate_up=engine.fuse_gate_up, sampler=engine.sampler,
+                                  fuse_gate_up=engine.fuse_gate_up, sampler="torch" if light else engine.sampler,
                                   dequantize_4bit=engine.dequantize_4bit, kv_cache=kv_cache,
                                   kv_block_size=engine.kv_block_size,
                                   compile=(auto_compiles(config.rollout.max_new_tokens, device)

@@ -105,6 +105,20 @@ def auto_compiles(max_new_tokens: int, device: torch.device) -> bool:
     return device.type == "cuda" and max_new_tokens >= AUTO_COMPILE_MIN_NEW_TOKENS
 
 
+LIGHT_MAX_PROMPT_TOKENS = 128
+"""A light rollout's prompts are at most this long (see `light_rollout`)."""
+
+
+def light_rollout(max_new_tokens: int, max_prompt_length: int, device: torch.device) -> bool:
+    """Whether a trainer's rollouts are light: on CUDA, responses too short for `auto_compiles` and prompts of at
+    most `LIGHT_MAX_PROMPT_TOKENS`. Few decode steps over short contexts gain little from the Triton kernels (the
+    prefix-shared attention, the sampling kernels) or from sharing each prompt's KV, while each kernel is compiled,
+    and a C launcher built for it, at its first run in a process unless Triton's cache holds them: seconds of the
+    first rollout. So the engine's `auto` kernel choices take SDPA and the PyTorch sampler for them."""
+    return not auto_compiles(max_new_tokens, device) and device.type == "cuda" \
+        and max_prompt_length <= LIGHT_MAX_PROMPT_TOKENS
+
+
 AUTO_FUSE_GATE_UP_MAX_FRACTION = 0.05
 """`fuse_gate_up="auto"` stacks gate/up when the copy takes at most this share of the GPU's memory."""
 
