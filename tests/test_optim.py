@@ -169,14 +169,14 @@ def test_fused_chunk_update_equals_torch_adamw_formula_in_place():
     c1, c2 = 1 - beta1 ** step, 1 - beta2 ** step
     want_m, want_v = beta1 * m + (1 - beta1) * grad, beta2 * v + (1 - beta2) * grad * grad
     want = weights * (1 - lr * decay) - lr / c1 * want_m / (want_v.sqrt() / c2 ** 0.5 + eps)
-    got = adamw_chunk(weights, grad, m, v, None, torch.tensor([lr, beta1, beta2, eps, decay, c1, c2, 1.0]))
+    got = adamw_chunk(weights, grad, m, v, None, torch.tensor([lr, beta1, beta2, eps, decay, c1, c2, 1.0, 1.0]))
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(m, want_m)
     torch.testing.assert_close(v, want_v)
     # apply = 0 (the step skipped on the device): weights and moments exactly unchanged, even with NaN gradients
     m_before, v_before, bf16 = m.clone(), v.clone(), weights.to(torch.bfloat16)
     grad[3] = float("nan")
-    skipped = adamw_chunk(bf16, grad, m, v, torch.tensor([12345]), torch.tensor([lr, beta1, beta2, eps, decay, c1, c2, 0.0]))
+    skipped = adamw_chunk(bf16, grad, m, v, torch.tensor([12345]), torch.tensor([lr, beta1, beta2, eps, decay, c1, c2, 0.0, 1.0]))
     assert torch.equal(skipped, bf16) and torch.equal(m, m_before) and torch.equal(v, v_before)
 
 
@@ -246,3 +246,37 @@ def test_cached_memory_goes_back_only_when_the_device_is_short(monkeypatch):
     free["bytes"] = 24
     assert release_cached_memory("cuda") and calls == ["empty"]
     assert not release_cached_memory("cpu") and calls == ["empty"]
+
+
+def test_clipping_inside_the_update_equals_clip_grad_norm(device="cpu"):
+    """`update.clip_and_step` hands LeanAdamW the clipping coefficient instead of scaling the gradients first: the
+    same weights and moments, bit for bit, as torch's clip_grad_norm_ then a step (bf16 and float32, the norm
+    above and below the limit, no limit)."""
+    from hybridrl.training.update import clip_and_step
+
+    generator = torch.Generator().manual_seed(4)
+    start = [torch.randn(40, 30, generator=generator).to(device), torch.randn(301, generator=generator).to(device)]
+    for dtype in (torch.bfloat16, torch.float32):
+        for max_norm in (0.5, 1e4, 0.0):
+            mine = [p.to(dtype, copy=True).requires_grad_() for p in start]
+            theirs = [p.to(dtype, copy=True).requires_grad_() for p in start]
+            optimizers = [LeanAdamW(params, lr=1e-2, weight_decay=0.1, chunk_elements=500) for params in (mine, theirs)]
+            for _ in range(2):
+                grads = [torch.randn(p.shape, generator=generator).to(device, dtype) for p in start]
+                for p, g in zip(mine, grads):
+                    p.grad = g.clone()
+                norm, loss = clip_and_step(mine, optimizers[0], max_norm, torch.tensor(0.5, device=device))
+                for p, g in zip(theirs, grads):
+                    p.grad = g.clone()
+                want = torch.nn.utils.clip_grad_norm_(theirs, max_norm if max_norm > 0 else float("inf"))
+                optimizers[1].step()
+                assert norm == want.item() and loss == 0.5
+            for a, b in zip(mine, theirs):
+                assert torch.equal(a, b), (dtype, max_norm)
+                assert torch.equal(optimizers[0].state[a]["exp_avg"], optimizers[1].state[b]["exp_avg"])
+
+
+@pytest.mark.gpu
+def test_clipping_inside_the_update_on_cuda():
+    """The same on CUDA: the Triton kernel's rounding of the scaled gradient against torch's CUDA `mul_`."""
+    test_clipping_inside_the_update_equals_clip_grad_norm("cuda")

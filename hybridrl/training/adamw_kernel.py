@@ -7,8 +7,8 @@ once per machine and signature (kept in Triton's cache on disk), and a call is o
 Same arithmetic as `adamw_chunk`, in float32, element by element: the moments updated in place, the new weights
 written to a fresh tensor in the weights' dtype, bf16 ones stochastically rounded with the counter hash of
 `optim.counter_noise` (its 32-bit products wrap natively in uint32 here). `hyper` is read on the device (lr, betas,
-eps, decay, bias corrections, apply), so no value is a compile-time constant and `apply` 0 leaves everything as it
-was. `TRITON_INTERPRET=1` set before the first import runs the kernel on CPU tensors (the tests do).
+eps, decay, bias corrections, apply, gradient scale), so no value is a compile-time constant and `apply` 0 leaves
+everything as it was. `TRITON_INTERPRET=1` set before the first import runs the kernel on CPU tensors (the tests do).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ BLOCK = 1024
 if triton is not None:
     @triton.jit
     def _adamw_kernel(WEIGHTS, GRADS, M, V, OUT, HYPER, NOISE_BASE, numel, ROUND: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr):
         start = tl.program_id(0).to(tl.int64) * BLOCK
         offsets = start + tl.arange(0, BLOCK)
         valid = offsets < numel
@@ -39,8 +39,16 @@ if triton is not None:
         correction1 = tl.load(HYPER + 5)
         correction2 = tl.load(HYPER + 6)
         apply = tl.load(HYPER + 7)
-        grad = tl.load(GRADS + offsets, mask=valid, other=0.0).to(tl.float32)
-        grad = tl.where(apply > 0, grad, 0.0)
+        scale = tl.load(HYPER + 8)
+        grad = tl.load(GRADS + offsets, mask=valid, other=0.0)
+        scaled = grad.to(tl.float32) * scale  # gradient clipping's grad.mul_(scale), rounded as it rounds:
+        if GRAD_BF16:  # to nearest even bf16, in bits (Triton's interpreter would truncate a cast)
+            bits = scaled.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            scaled = bits.to(tl.float32, bitcast=True)
+        else:
+            scaled = scaled.to(GRADS.dtype.element_ty).to(tl.float32)
+        grad = tl.where(apply > 0, scaled, 0.0)
         m = tl.load(M + offsets, mask=valid, other=0.0)
         v = tl.load(V + offsets, mask=valid, other=0.0)
         m = m + (1 - beta1) * apply * (grad - m)  # torch.lerp_ for weights below 0.5
@@ -79,6 +87,6 @@ def triton_adamw_chunk(weights: torch.Tensor, grad: torch.Tensor, m: torch.Tenso
     if numel:
         rounded = noise_base is not None
         _adamw_kernel[(triton.cdiv(numel, BLOCK),)](
-            weights, grad, m, v, out, hyper, noise_base if rounded else hyper, numel, ROUND=rounded, BLOCK=BLOCK,
-            num_warps=4)
+            weights, grad, m, v, out, hyper, noise_base if rounded else hyper, numel, ROUND=rounded,
+            GRAD_BF16=grad.dtype == torch.bfloat16, BLOCK=BLOCK, num_warps=4)
     return out

@@ -112,11 +112,12 @@ def adamw_chunk(weights: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: t
                 noise_base: torch.Tensor | None, hyper: torch.Tensor) -> torch.Tensor:
     """AdamW on one flat chunk, in float32: updates the moments `m`, `v` in place and returns the new
     weights in the weights' dtype (stochastically rounded with `counter_noise(noise_base)` when given). `hyper` holds
-    (lr, beta1, beta2, eps, weight decay, bias correction 1, bias correction 2, apply) as a float32 tensor
+    (lr, beta1, beta2, eps, weight decay, bias correction 1, bias correction 2, apply, gradient scale) as a float32 tensor
     on the weights' device, so that the CUDA kernel (`adamw_kernel.py`, this function's arithmetic in one pass) sees
     the step-dependent values as data, not constants. `apply` 0 leaves weights
     and moments exactly as they were, even with non-finite gradients: the step's skip decided on the device."""
-    lr, beta1, beta2, eps, decay, correction1, correction2, apply = hyper.unbind()
+    lr, beta1, beta2, eps, decay, correction1, correction2, apply, scale = hyper.unbind()
+    grad = (grad.float() * scale).to(grad.dtype)  # gradient clipping's `grad.mul_(scale)`, rounded as it rounds
     grad = torch.where(apply > 0, grad.float(), 0.0)
     m.lerp_(grad, (1 - beta1) * apply)
     v.mul_(1 - (1 - beta2) * apply).add_((1 - beta2) * apply * grad * grad)
@@ -248,10 +249,12 @@ class LeanAdamW(torch.optim.Optimizer):
                     self.state[param][key] = value.to(device=home.device, dtype=torch.float32, copy=True)
 
     @torch.no_grad()
-    def step(self, closure=None, apply: torch.Tensor | None = None):
+    def step(self, closure=None, apply: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None):
         """One AdamW step; `apply` (a boolean tensor on the device) 0 makes it a no-op without the host
         waiting to find out, so the caller can queue the step behind the backward pass and check later
-        (`uncount_step` then takes back the step count)."""
+        (`uncount_step` then takes back the step count). `grad_scale` (a float32 scalar tensor on the device)
+        multiplies every gradient first, as `grad.mul_(grad_scale)` would: gradient clipping's coefficient applied
+        inside the update instead of by a pass of its own over the gradients."""
         loss = closure() if closure is not None else None
         self._allocate_moments_together()
         streamed, resident = [], []  # buckets whose moments are in CPU memory (streamed through the device) or on it
@@ -273,7 +276,7 @@ class LeanAdamW(torch.optim.Optimizer):
                 hyper = hypers.get(key)
                 if hyper is None:  # one small host-to-device copy per distinct setting, not one per parameter
                     hyper = hypers[key] = _hyper_tensor([lr, beta1, beta2, eps, decay, 1 - beta1 ** step,
-                                                         1 - beta2 ** step], apply, data.device)
+                                                         1 - beta2 ** step], apply, grad_scale, data.device)
                 noise_key = self._noise_key(param, step) if param.dtype == torch.bfloat16 else None
                 weights, grads = data.view(-1), grad.view(-1)
                 if "master" in state:  # the update runs on the float32 copy, as for a float32 parameter
@@ -453,13 +456,16 @@ def _end_to_end_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((end - first.storage_offset(),), (1,), first.storage_offset())
 
 
-def _hyper_tensor(values: list[float], apply: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def _hyper_tensor(values: list[float], apply: torch.Tensor | None, scale: torch.Tensor | None,
+                  device: torch.device) -> torch.Tensor:
     """`adamw_chunk`'s hyper-parameters on the device, without a stream sync (pinned, non-blocking), with
-    the apply flag appended (1 when there is none)."""
-    hyper = host_to_device(torch.tensor([*values, 1.0], dtype=torch.float32), device)
-    if apply is None:
+    the apply flag and the gradient scale appended (1 when not given)."""
+    hyper = host_to_device(torch.tensor([*values, 1.0, 1.0], dtype=torch.float32), device)
+    if apply is None and scale is None:
         return hyper
-    return torch.cat([hyper[:-1], apply.to(device=device, dtype=torch.float32).reshape(1)])
+    apply = hyper[-2:-1] if apply is None else apply.to(device=device, dtype=torch.float32).reshape(1)
+    scale = hyper[-1:] if scale is None else scale.to(device=device, dtype=torch.float32).reshape(1)
+    return torch.cat([hyper[:-2], apply, scale])
 
 
 def _add_piece(buckets: list[_Bucket], piece: _Piece, hyper: torch.Tensor, noise_key: int | None,

@@ -101,13 +101,17 @@ def clip_and_step(parameters: list[torch.nn.Parameter], optimizer: torch.optim.O
     returns the norm and the loss. With `LeanAdamW` the skip is a flag on the device, so the host queues the step
     behind the backward pass instead of waiting for it (the GPU otherwise idled through the optimizer's set-up),
     and both values come back in one read once the step is queued."""
-    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else float("inf"))
+    limit = max_norm if max_norm > 0 else float("inf")
+    lean = isinstance(optimizer, LeanAdamW)
+    if lean:  # clip_grad_norm_ in two halves: the norm, and its coefficient applied inside the optimizer's update
+        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, limit)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a replicated DTensor
     loss = loss.detach().to(device=norm.device, dtype=torch.float32)
     finite = torch.isfinite(norm) & torch.isfinite(loss)
-    lean = isinstance(optimizer, LeanAdamW)
-    if lean:
-        optimizer.step(apply=finite)
+    if lean:  # clip_grads_with_norm_'s coefficient, without a pass of its own over every gradient
+        optimizer.step(apply=finite, grad_scale=torch.clamp(limit / (norm + 1e-6), max=1.0))
     elif finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
