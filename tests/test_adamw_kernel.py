@@ -64,3 +64,23 @@ def test_adamw_kernel_in_interpreter():
 @pytest.mark.gpu
 def test_adamw_kernel_on_cuda():
     kernel_cases("cuda")
+
+
+def test_a_kernel_that_fails_to_build_falls_back_with_a_warning(monkeypatch):
+    """If Triton cannot build the kernel on some machine, LeanAdamW warns once and computes the same update
+    through the fallback (torch.compile on CUDA; here the eager function stands in for it)."""
+    from hybridrl.training import optim
+
+    def broken(*args):
+        raise RuntimeError("ptxas failed\nmore detail")
+
+    monkeypatch.setattr(optim, "triton_adamw_chunk", broken)
+    monkeypatch.setattr(optim, "fallback_update", lambda: optim.adamw_chunk)
+    monkeypatch.setattr(optim, "_FALLBACK", [])
+    weights, grad = torch.randn(10), torch.randn(10)
+    hyper = torch.tensor([1e-2, 0.9, 0.99, 1e-8, 0.0, 0.1, 0.01, 1.0, 1.0])
+    want = optim.adamw_chunk(weights, grad, torch.zeros(10), torch.zeros(10), None, hyper)
+    with pytest.warns(RuntimeWarning, match=r"failed to build \(RuntimeError: ptxas failed\); using torch.compile"):
+        got = optim.kernel_update(weights, grad, torch.zeros(10), torch.zeros(10), None, hyper)
+    assert torch.equal(got, want)
+    assert torch.equal(optim.kernel_update(weights, grad, torch.zeros(10), torch.zeros(10), None, hyper), want)

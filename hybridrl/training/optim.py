@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Iterable, NamedTuple
 
 import torch
@@ -131,7 +132,29 @@ def adamw_chunk(weights: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: t
 def chunk_update_function(device: torch.device):
     """`adamw_chunk` as one Triton kernel on CUDA (`adamw_kernel.py`: Triton compiles it once per machine and keeps
     it on disk, so a new process pays no tracing or code generation); eager elsewhere."""
-    return triton_adamw_chunk if adamw_kernel_available(device) else adamw_chunk
+    return kernel_update if adamw_kernel_available(device) else adamw_chunk
+
+
+_FALLBACK: list = []  # the update used instead of the kernel after the kernel failed to build on this machine
+
+
+def kernel_update(*args) -> torch.Tensor:
+    """`triton_adamw_chunk`; should the kernel fail to build here (a Triton or driver this code has not met), a
+    warning and the same arithmetic through `torch.compile` from then on. A build fails before anything is
+    written, so the update it was asked for is still whole."""
+    if not _FALLBACK:
+        try:
+            return triton_adamw_chunk(*args)
+        except Exception as error:  # noqa: BLE001 - any build failure; the fallback computes the same update
+            warnings.warn(f"LeanAdamW's Triton update kernel failed to build ({type(error).__name__}: "
+                          f"{str(error).splitlines()[0] if str(error) else ''}); using torch.compile of the same "
+                          "update instead (slower to start).", RuntimeWarning, stacklevel=2)
+            _FALLBACK.append(fallback_update())
+    return _FALLBACK[0](*args)
+
+
+def fallback_update():
+    return torch.compile(adamw_chunk, dynamic=True)
 
 
 def offloaded_parameters(params: list[torch.Tensor], fraction: float) -> set[int]:
