@@ -25,7 +25,7 @@ BLOCK = 1024
 """Elements per program: enough to keep the loads wide; the update is bound by memory traffic."""
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["numel"])  # one build for every bucket size, not one per divisibility class
     def _adamw_kernel(WEIGHTS, GRADS, M, V, OUT, HYPER, NOISE_BASE, numel, ROUND: tl.constexpr,
                       GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr):
         start = tl.program_id(0).to(tl.int64) * BLOCK
