@@ -34,6 +34,8 @@ def test_reference_gradient_is_autograds():
 def test_cpu_tensors_use_the_reference():
     logits, targets, g_logp, g_entropy = make_case(3, 20, torch.float32)
     assert not fused_head.fused(logits)
+    if fused_head.triton is not None:  # on CUDA: the kernels for vocabularies of more than one block only
+        assert not fused_head.fused_for(fused_head.BLOCK_V, True) and fused_head.fused_for(fused_head.BLOCK_V + 1, True)
     stats = fused_head.softmax_stats(logits, targets, 1.0)
     assert torch.equal(stats[0], fused_head.reference_softmax_stats(logits, targets, 1.0)[0])
 

@@ -144,8 +144,15 @@ def triton_softmax_grad_(logits: torch.Tensor, targets: torch.Tensor, log_norm: 
 
 
 def fused(logits: torch.Tensor) -> bool:
-    """Whether the Triton kernels serve these logits (CUDA tensors with Triton importable)."""
-    return triton is not None and logits.is_cuda
+    """Whether the Triton kernels serve these logits (`fused_for` their vocabulary and device)."""
+    return fused_for(logits.shape[-1], logits.is_cuda)
+
+
+def fused_for(vocab: int, on_cuda: bool) -> bool:
+    """CUDA with Triton importable and a vocabulary of more than one block. Within one block (a character-level
+    model's vocabulary, say) the PyTorch reference moves little memory per chunk, while the kernels would cost a
+    Triton build at a process's first update."""
+    return triton is not None and on_cuda and vocab > BLOCK_V
 
 
 def softmax_stats(logits, targets, scale):
