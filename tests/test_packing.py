@@ -100,6 +100,31 @@ def test_pack_rows_equals_the_obvious_loop_on_random_batches():
             assert packed.response_index.tolist() == want_index
 
 
+def test_packing_is_chosen_only_where_it_saves_rows(monkeypatch):
+    """With the choice left to it, the log-prob pass packs when at least 1/8 of the tokens are padding AND the
+    packed rows are at most 7/8 of the sequences; sequences of similar lengths, one per row either way, stay
+    padded (same log-probs as packed, as the other tests show)."""
+    import hybridrl.training.logprobs as logprobs
+
+    model, _ = tiny_actor()
+    calls = []
+    real_pack = logprobs.pack_rows
+    monkeypatch.setattr(logprobs, "pack_rows", lambda *a, **k: calls.append(1) or real_pack(*a, **k))
+    ids = torch.randint(3, 80, (8, 12))
+    similar = torch.ones_like(ids)
+    similar[:, -3:] = 0  # 9 of 12 tokens each: a quarter is padding, yet rows of 9 hold one sequence each
+    uneven = similar.clone()
+    uneven[::2, :5] = 0  # half the sequences have 4 tokens: two share a row of 9, so 6 rows for 8 sequences
+    for mask, packs in ((similar, False), (uneven, True)):
+        calls.clear()
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            chosen, _ = response_logprobs(model, ids * mask, mask, positions, 6)
+            padded, _ = response_logprobs(model, ids * mask, mask, positions, 6, pack=False)
+        assert bool(calls) == packs
+        torch.testing.assert_close(chosen, padded, atol=1e-5, rtol=1e-5)
+
+
 def test_packed_rows_do_not_attend_across_sequences():
     """Changing one sequence must not change another's log-probs when they share a packed row."""
     model, _ = tiny_actor()

@@ -29,7 +29,7 @@ from torch import nn
 
 from hybridrl.models.loading import decoder_hidden_states
 from hybridrl.training.fused_head import reference_softmax_stats, softmax_grad_, softmax_stats
-from hybridrl.training.packing import pack_rows, row_capacity_for
+from hybridrl.training.packing import flash_attention, pack_rows, plan_rows
 from hybridrl.training.shared_prompt import (
     FLEX_BLOCK,
     PromptLayout,
@@ -177,7 +177,8 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
                       prompt_layout: PromptLayout | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(response token t | prefix) for the last `response_length` columns: (B, R) float32, and entropy.
 
-    `pack`: remove padding by packing sequences into rows (None: when at least 1/8 of the tokens are padding).
+    `pack`: remove padding by packing sequences into rows (None: when at least 1/8 of the tokens are padding and
+    packing leaves at most 7/8 of the rows, `packing.RowPlan.saves_rows`).
     `real_tokens`: the attention mask's sum when the caller knows it on the host; it spares a device sync,
     and rows without any padding then run with no mask at all (causal attention, no mask checks).
     `prompt_layout`: which prompt each row answers (and its lengths, on the host); rows of one prompt then
@@ -197,12 +198,16 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
         attention_options = {}
         if real_tokens is None:
             real_tokens = int(attention_mask.sum().item())
-        if pack is None:
+        plan = None
+        if pack is None:  # worth it when padding is at least 1/8 of the tokens and packing saves rows
             pack = real_tokens < 0.875 * attention_mask.numel()
+            plan = plan_rows(attention_mask, prompt_width, one_row=flash_attention(model)) if pack else None
+            pack = pack and plan.saves_rows()
         if not pack and real_tokens == attention_mask.numel():  # no padding: positions are 0..width-1 in every row
             attention_mask = position_ids = None
         if pack:
-            packed = pack_rows(input_ids, attention_mask, prompt_width, row_capacity_for(model, attention_mask))
+            plan = plan or plan_rows(attention_mask, prompt_width, one_row=flash_attention(model))
+            packed = pack_rows(input_ids, attention_mask, prompt_width, plan=plan)
             inputs = (packed.input_ids, None, packed.position_ids)
             positions, targets = packed.logit_positions, packed.targets
         else:

@@ -10,7 +10,9 @@ padding; it comes after every real token, so causal attention keeps it out of th
 
 Row width: with flash-attention every sequence goes into one row (varlen, no quadratic waste). With
 sdpa the mask is dense, so a row costs capacity**2 in attention whatever its blocks; rows are then as
-wide as the longest sequence and packing only removes whole-row padding (first-fit decreasing).
+wide as the longest sequence and packing only removes whole-row padding (first-fit decreasing). Packing is
+chosen only where it leaves at most 7/8 of the rows (`RowPlan.saves_rows`): many short sequences of similar
+lengths fill one row each anyway, and then it would only add host work and a row count that changes every batch.
 """
 
 from __future__ import annotations
@@ -53,11 +55,37 @@ def group_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return [sorted(group) for group in first_fit_decreasing(lengths, max_tokens)]
 
 
-def row_capacity_for(model, attention_mask: torch.Tensor) -> int:
-    """One row for varlen flash-attention; otherwise the longest sequence (see the module docstring)."""
-    implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", "sdpa"))
-    lengths = attention_mask.sum(1)
-    return int(lengths.sum() if "flash" in implementation else lengths.max())
+def flash_attention(model) -> bool:
+    return "flash" in str(getattr(getattr(model, "config", None), "_attn_implementation", "sdpa"))
+
+
+@dataclass
+class RowPlan:
+    """Where each sequence of a padded batch goes when packed, worked out on the host: its real length and prompt
+    length, and the bins (rows) of `capacity` columns that first-fit decreasing puts them in."""
+    lengths: np.ndarray  # (B,)
+    prompt_lengths: np.ndarray  # (B,)
+    bins: list[list[int]]
+    capacity: int
+
+    def saves_rows(self) -> bool:
+        """Whether packing leaves at most 7/8 of the rows: otherwise the padded batch costs about the same on the
+        device, and packing adds host work and a row count that changes from batch to batch."""
+        return len(self.bins) <= 0.875 * len(self.lengths)
+
+
+def plan_rows(attention_mask: torch.Tensor, prompt_width: int, capacity: int | None = None,
+              one_row: bool = False) -> RowPlan:
+    """The packed layout of a padded batch, from its lengths read in one transfer. `capacity` defaults to the
+    longest sequence (every row as wide as it: sdpa's dense mask costs a row's width squared), or with `one_row`
+    (varlen flash-attention) to all the tokens."""
+    mask = attention_mask.bool()
+    lengths, prompt_lengths = (np.array(values, dtype=np.int64) for values in
+                               torch.stack([mask.sum(1), mask[:, :prompt_width].sum(1)]).tolist())
+    if capacity is None:
+        capacity = int(lengths.sum() if one_row else lengths.max())
+    bins = first_fit_decreasing(lengths.tolist(), capacity)
+    return RowPlan(lengths, prompt_lengths, bins, max(capacity, int(lengths.max())))
 
 
 @dataclass
@@ -73,21 +101,18 @@ class PackedRows:
         return values.new_zeros(shape[0] * shape[1]).scatter(0, self.response_index, values).view(shape)
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int, capacity: int,
-              pad_token_id: int = 0) -> PackedRows:
-    """Pack the real tokens of a padded batch (B, P + R) into rows of `capacity` columns.
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int, capacity: int | None = None,
+              pad_token_id: int = 0, plan: RowPlan | None = None) -> PackedRows:
+    """Pack the real tokens of a padded batch (B, P + R) into rows of `capacity` columns (or as `plan` says).
 
     The layout (which sequence goes where, every index) is computed on the host from the sequences' lengths, read
     in one transfer, and goes to the device as one index tensor: a few launches and no wait beyond that read,
     where doing it on the device took dozens of small launches and a wait per data-dependent size."""
     device = input_ids.device
     num_seqs, width = input_ids.shape
-    mask = attention_mask.bool()
-    lengths, prompt_lengths = (np.array(values, dtype=np.int64) for values in
-                               torch.stack([mask.sum(1), mask[:, :prompt_width].sum(1)]).tolist())
+    plan = plan or plan_rows(attention_mask, prompt_width, capacity)
+    lengths, prompt_lengths, bins, capacity = plan.lengths, plan.prompt_lengths, plan.bins, plan.capacity
     response_lengths = lengths - prompt_lengths
-    bins = first_fit_decreasing(lengths.tolist(), capacity)
-    capacity = max(capacity, int(lengths.max()))
     order = np.array([seq for members in bins for seq in sorted(members)], dtype=np.int64)  # row by row
     counts = np.array([len(members) for members in bins], dtype=np.int64)
     before = np.cumsum(lengths[order]) - lengths[order]  # tokens ahead of each sequence in `order`
