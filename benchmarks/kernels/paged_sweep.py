@@ -3,20 +3,21 @@ contiguous (prefix-shared) kernel and the bandwidth floor.
 
 Shapes as `benchmarks/long_tail.py` runs them (Qwen2.5-1.5B heads: 2 KV heads, group 6, head_dim 128; bf16; prompt
 512 shared by 8 samples; response capacity `--cap` 8,192; the engine's call with RoPE, q/k/v bias and the fused cache
-write): `512x1k` (the whole batch early on), `512-mixed` (drawn lengths, median 1,024), `128x4k`, `16x8k`, `4x8k`
-(the tail); `--batches` picks a subset. The paged pool holds only the blocks the lengths fill, in shuffled order (as blocks handed out window by
-window end up); unused table columns point at block 0.
+write): `512-mixed` (drawn lengths, median 1,024), `128x4k`, `16x8k`, `512x1k` (the whole batch early on), `4x8k`
+(the tail); `--batches` picks a subset. The paged pool holds only the blocks the lengths fill, in shuffled order (as
+blocks handed out window by window end up); unused table columns point at block 0.
 
-Variants, one knob changed at a time from the engine's default (`decode_launch.launch_plan`), in this order:
-- `contiguous`: the prefix-shared kernel, default plan; `paged bs=64`: the benchmark's blocks, default plan;
-- `paged id per key`: the block id loaded for every key, not once per loop iteration (`ONE_BLOCK_LOADS` off);
-- `paged balanced`, `contiguous balanced`: split-KV shares each slot's own keys out evenly (`BALANCED_SPLITS`), also
-  with 8 and 16 splits at every batch;
-- `paged stages=T`: pipelining stages of the key loop (1, 2, 4; Triton's default otherwise);
-- `paged bs=B`: blocks of B tokens (128, 32, 16);
-- `paged warps=W`, `paged BLOCK_N=N`: warps per program, keys per loop iteration;
-- `paged splits=S`: S splits at every batch (1 = one program per slot and KV head);
-- `contiguous stages=2`, `contiguous warps=4`.
+Variants, one knob changed at a time from the engine's default (`decode_launch.launch_plan`: balanced split-KV,
+one block id per loop iteration), in this order:
+- `contiguous`: the prefix-shared kernel; `paged bs=64`: the benchmark's blocks;
+- `paged unbalanced`, `contiguous unbalanced`: split 0 takes the prompt, the response cut into capacity-sized parts
+  (`BALANCED_SPLITS` off); `paged e29b985^`: that and one block id per key, the paged kernel before `e29b985`;
+- `paged id prefetch`: each loop iteration's block id loaded one iteration ahead (`BLOCK_ID_LOADS`);
+- `paged splits=S`: S splits at every batch (8 to 64; the default takes `split_count`: 4 to 16);
+- `paged stages=T`, `paged warps=W`, `paged BLOCK_N=N`: pipelining stages of the key loop (Triton's default
+  otherwise), warps per program, keys per loop iteration;
+- `paged bs=B`: blocks of B tokens (128, 32, 16); `contiguous splits=S`;
+- `paged splits=4`, `paged stages=1`, `paged warps=8`, `paged id per key`.
 Each variant is checked against the PyTorch reference on the first layer, then timed over `--layers` layers' caches
 in one CUDA graph (`cuda_timing.graph_time_us`), so each layer is read from HBM. A variant that fails to compile or
 check prints its error and the sweep goes on; past `--budget` seconds the remaining variants are skipped (they run
@@ -64,7 +65,7 @@ def paged_case(seed: int, lengths: list[int], cap: int, block_size: int) -> tupl
     generator = torch.Generator(DEVICE).manual_seed(seed)
     slots, entries = len(lengths), max(1, len(lengths) // SAMPLES_PER_PROMPT)
     prompt_columns, response_columns = -(-PROMPT_LEN // block_size), -(-cap // block_size)
-    used = [-(-(length + 1) // block_size) for length in lengths]
+    used = [-(-length // block_size) for length in lengths]  # response_len counts the new key (written at its end)
     num_blocks = 1 + entries * prompt_columns + sum(used)
     order = (1 + torch.randperm(num_blocks - 1, generator=generator, device=DEVICE)).tolist()
     table = torch.zeros(slots, prompt_columns + response_columns, dtype=torch.int32)
@@ -109,15 +110,15 @@ def check(case: dict, extras: tuple, ours, reference) -> None:
 
 @contextlib.contextmanager
 def knobs(splits: int | None = None, warps: int | None = None, block_n: int | None = None,
-          stages: int | None = None, one_block: bool | None = None, balanced: bool | None = None):
+          stages: int | None = None, block_ids: str | None = None, balanced: bool | None = None):
     """Launches inside use the given knob (None: the default plan's)."""
     saved = (decode_launch.SPLIT_KEYS, decode_launch.split_count, decode_launch.default_num_warps,
-             decode_launch.BLOCK_N, decode_launch.NUM_STAGES, decode_launch.ONE_BLOCK_LOADS,
+             decode_launch.BLOCK_N, decode_launch.NUM_STAGES, decode_launch.BLOCK_ID_LOADS,
              decode_launch.BALANCED_SPLITS)
     if balanced is not None:
         decode_launch.BALANCED_SPLITS = balanced
-    if one_block is not None:
-        decode_launch.ONE_BLOCK_LOADS = one_block
+    if block_ids is not None:
+        decode_launch.BLOCK_ID_LOADS = block_ids
     if splits is not None:
         decode_launch.SPLIT_KEYS = 1 << 30 if splits == 1 else 1
         decode_launch.split_count = lambda slot_heads: splits
@@ -131,24 +132,24 @@ def knobs(splits: int | None = None, warps: int | None = None, block_n: int | No
         yield
     finally:
         (decode_launch.SPLIT_KEYS, decode_launch.split_count, decode_launch.default_num_warps,
-         decode_launch.BLOCK_N, decode_launch.NUM_STAGES, decode_launch.ONE_BLOCK_LOADS,
+         decode_launch.BLOCK_N, decode_launch.NUM_STAGES, decode_launch.BLOCK_ID_LOADS,
          decode_launch.BALANCED_SPLITS) = saved
 
 
 def variants() -> list[tuple[str, str, int, dict]]:
     """(name, layout, block size, knobs) of every variant (see the module docstring)."""
     rows = [("contiguous", "contiguous", 0, {}), ("paged bs=64", "paged", 64, {}),
-            ("paged id per key", "paged", 64, dict(one_block=False)),
-            ("paged balanced", "paged", 64, dict(balanced=True)),
-            ("contiguous balanced", "contiguous", 0, dict(balanced=True))]
-    rows += [(f"paged balanced splits={count}", "paged", 64, dict(balanced=True, splits=count)) for count in (8, 16)]
-    rows += [(f"paged stages={count}", "paged", 64, dict(stages=count)) for count in (1, 2, 4)]
+            ("paged unbalanced", "paged", 64, dict(balanced=False)),
+            ("paged e29b985^", "paged", 64, dict(balanced=False, block_ids="key")),
+            ("contiguous unbalanced", "contiguous", 0, dict(balanced=False)),
+            ("paged id prefetch", "paged", 64, dict(block_ids="prefetch"))]
+    rows += [(f"paged splits={count}", "paged", 64, dict(splits=count)) for count in (8, 16, 32, 64)]
+    rows += [(f"paged stages={count}", "paged", 64, dict(stages=count)) for count in (2, 4)]
+    rows += [("paged warps=4", "paged", 64, dict(warps=4)), ("paged BLOCK_N=64", "paged", 64, dict(block_n=64))]
     rows += [(f"paged bs={size}", "paged", size, {}) for size in (128, 32, 16)]
-    rows += [(f"paged warps={count}", "paged", 64, dict(warps=count)) for count in (4, 8)]
-    rows += [("paged BLOCK_N=64", "paged", 64, dict(block_n=64))]
-    rows += [(f"paged splits={count}", "paged", 64, dict(splits=count)) for count in (1, 4, 8, 16)]
-    rows += [("contiguous stages=2", "contiguous", 0, dict(stages=2)), ("contiguous warps=4", "contiguous", 0,
-                                                                          dict(warps=4))]
+    rows += [(f"contiguous splits={count}", "contiguous", 0, dict(splits=count)) for count in (8, 16, 32)]
+    rows += [("paged splits=4", "paged", 64, dict(splits=4)), ("paged stages=1", "paged", 64, dict(stages=1)),
+             ("paged warps=8", "paged", 64, dict(warps=8)), ("paged id per key", "paged", 64, dict(block_ids="key"))]
     return rows
 
 
@@ -203,7 +204,8 @@ def main() -> None:
             except Exception as error:  # noqa: BLE001 - a knob that does not compile is a result, not a stop
                 results[name][shape] = f"error: {type(error).__name__}: {str(error)[:120]}"
             value = results[name][shape]
-            shown = f"{value:.1f} us ({100 * floors[shape] / value:.0f}% of floor)" if isinstance(value, float) else value
+            shown = (f"{value:.1f} us ({100 * floors[shape] / value:.0f}% of floor)" if isinstance(value, float)
+                     else value)
             print(f"{shape:>10} {name:>22}: {shown}", flush=True)
     print(f"\n{'variant':>22} " + " ".join(f"{name:>10}" for name in shapes))
     print(f"{'floor':>22} " + " ".join(f"{floors[name]:>10.1f}" for name in shapes))

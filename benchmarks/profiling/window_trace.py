@@ -85,8 +85,8 @@ def timed(trace: WindowTrace, phase: str, function):
 
 @contextlib.contextmanager
 def traced(engine, weight_bytes: float, kv_bytes_per_token: float, bandwidth: float):
-    """Trace the engine's calls made inside (on CPU, with host clocks for the events); yields the `WindowTrace` (the bytes and bandwidth: its
-    floor)."""
+    """Trace the engine's calls made inside (on CPU, with host clocks for the events); yields the `WindowTrace`
+    (the bytes and bandwidth: its floor)."""
     trace, runner = WindowTrace(weight_bytes, kv_bytes_per_token, bandwidth), engine.runner
     saved_scheduler = {name: getattr(Scheduler, name) for name in SCHEDULER_PHASES}
     for name, method in saved_scheduler.items():

@@ -150,8 +150,9 @@ def triton_decode_attention(
 
     Long responses (capacity over `decode_launch.SPLIT_KEYS`: response_max_len here, the table's response columns
     times block_size when paged) run split-KV: program (b, h, s) attends to response keys [s * split_len,
-    (s + 1) * split_len) (split 0 also to the prompt and the new key; `decode_launch.BALANCED_SPLITS`: split_len from
-    the slot's own length, a NUM_SPLITS-th of it, instead of the capacity's) and leaves its partial softmax state in a
+    (s + 1) * split_len) (split 0 also to the prompt and the new key; `decode_launch.BALANCED_SPLITS`: instead, the
+    slot's own prompt and response keys shared out evenly in whole key blocks, read on the device) and leaves its
+    partial softmax state (its real query rows) in a
     float32 buffer, which a second kernel combines."""
     if triton is None:
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
@@ -172,11 +173,11 @@ def triton_decode_attention(
         cos, sin, bias, scale * math.log2(math.e), *strides, table_stride, prompt_columns, part_acc, part_ml,
         plan.split_len, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
         HAS_BIAS=rope is not None and qkv_bias is not None, PAGED=paged is not None, BLOCK_SIZE=block_size,
-        ONE_BLOCK=paged is not None and plan.one_block(block_size),
+        ONE_BLOCK=plan.block_id_loads(block_size) if paged is not None else 0,
         **plan.compile_options(), **sizes)
     if plan.num_splits > 1:
-        _combine_splits_kernel[(batch, num_kv_heads)](part_acc, part_ml, response_len, out, *out.stride()[:3],
-                                                      plan.split_len, **sizes)
+        _combine_splits_kernel[(batch, num_kv_heads)](part_acc, part_ml, prompt_len, response_len, out,
+                                                      *out.stride()[:3], plan.split_len, **sizes)
     return out
 
 
@@ -193,10 +194,18 @@ if triton is not None:
         """
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
+        if PAGED and ONE_BLOCK == 2:  # the first iteration's block id, before the loop
+            block = tl.load(table + begin // BLOCK_SIZE, mask=begin < length, other=0).to(tl.int64)
         for start in range(begin, length, BLOCK_N):  # device-side bound: only the slot's own keys are read
             cols = start + offs_n
             kv_mask = (cols[:, None] < length) & (offs_d[None, :] < HEAD_DIM)
-            rows = _key_rows(start, cols, length, stride_l, table, stride_block, PAGED, BLOCK_SIZE, BLOCK_N, ONE_BLOCK)
+            if PAGED and ONE_BLOCK == 2:  # this iteration's block id came with the last one; fetch the next one's
+                rows = block * stride_block + ((start % BLOCK_SIZE) + offs_n).to(tl.int64) * stride_l
+                ahead = start + BLOCK_N
+                block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < length, other=0).to(tl.int64)
+            else:
+                rows = _key_rows(start, cols, length, stride_l, table, stride_block, PAGED, BLOCK_SIZE, BLOCK_N,
+                                 ONE_BLOCK)
             offsets = rows[:, None] + offs_d[None, :]
             k = tl.load(k_base + offsets, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
             v = tl.load(v_base + offsets, mask=kv_mask, other=0.0)
@@ -221,9 +230,10 @@ if triton is not None:
     def _key_rows(start, cols, length, stride_l, table, stride_block, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr):
         """Offsets of keys `cols` (= start + arange(BLOCK_N)) from their head's base: contiguous rows, or (PAGED)
-        through the block table in int64 (a pool spans more elements than int32 counts). ONE_BLOCK (BLOCK_N divides
-        BLOCK_SIZE and `start` is a multiple of BLOCK_N, so the iteration's keys share one block): one block id and
-        consecutive rows in it, which the compiler sees as contiguous; otherwise one id per key."""
+        through the block table in int64 (a pool spans more elements than int32 counts). ONE_BLOCK (1 or 2: BLOCK_N
+        divides BLOCK_SIZE and `start` is a multiple of BLOCK_N, so the iteration's keys share one block): one block id
+        and consecutive rows in it, which the compiler sees as contiguous (2: `_attend` loads the id one iteration
+        ahead instead of calling this); 0: one id per key."""
         if PAGED:
             if ONE_BLOCK:
                 block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
@@ -330,18 +340,22 @@ if triton is not None:
             prompt = tl.load(PROMPT_INDEX + slot).to(tl.int64) * stride_pe + head * stride_ph
             response = slot * stride_rb + head * stride_rh
         split = tl.program_id(2)
-        prompt_len = tl.where(split == 0, tl.load(PROMPT_LEN + slot).to(tl.int32), 0)
-        m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, 0, prompt_len, stride_pl,
-                                m_i, l_i, acc, qk_scale, table, stride_pe, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE,
-                                PAGED, BLOCK_SIZE, ONE_BLOCK)
         response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
         cached = response_len - 1 if WRITE_NEW else response_len
-        begin, end = 0, cached
-        if NUM_SPLITS > 1:
-            if BALANCED:  # this slot's own keys in equal parts (whole key blocks), not the capacity's
-                split_len = _balanced_split_len(cached, NUM_SPLITS, BLOCK_N)
-            begin = split * split_len
-            end = tl.minimum(cached, begin + split_len)
+        if BALANCED and NUM_SPLITS > 1:  # this slot's own prompt and response keys in equal parts
+            full_prompt = tl.load(PROMPT_LEN + slot).to(tl.int32)
+            prompt_begin, prompt_end, begin, end, holds = _balanced_range(split, full_prompt, cached, NUM_SPLITS,
+                                                                          BLOCK_N)
+        else:  # split 0 takes the prompt; the response in parts of split_len keys
+            prompt_begin, prompt_end = 0, tl.where(split == 0, tl.load(PROMPT_LEN + slot).to(tl.int32), 0)
+            begin, end = 0, cached
+            if NUM_SPLITS > 1:
+                begin = split * split_len
+                end = tl.minimum(cached, begin + split_len)
+            holds = (split == 0) | (begin < cached)
+        m_i, l_i, acc = _attend(q, PK + prompt, PV + prompt, prompt_begin, prompt_end, stride_pl,
+                                m_i, l_i, acc, qk_scale, table, stride_pe, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE,
+                                PAGED, BLOCK_SIZE, ONE_BLOCK)
         m_i, l_i, acc = _attend(q, RK + response, RV + response, begin, end, stride_rl, m_i, l_i, acc, qk_scale,
                                 table + prompt_columns, stride_rb, HEAD_DIM, BLOCK_D, BLOCK_N, IEEE, PAGED, BLOCK_SIZE,
                                 ONE_BLOCK)
@@ -367,24 +381,41 @@ if triton is not None:
                                         PAGED, BLOCK_SIZE)
         if NUM_SPLITS > 1:  # the partial state of a split that holds keys (split 0 always), for the combine kernel
             part = (slot * tl.num_programs(1) + head) * NUM_SPLITS + split
-            holds = (split == 0) | (begin < cached)
+            rows = holds & (offs_g < GROUP)  # padded query rows are neither stored nor read back
             tl.store(PART_ACC + part * GROUP_PAD * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc,
-                     mask=holds)
-            tl.store(PART_ML + part * 2 * GROUP_PAD + offs_g, m_i, mask=holds)
-            tl.store(PART_ML + part * 2 * GROUP_PAD + GROUP_PAD + offs_g, l_i, mask=holds)
+                     mask=rows[:, None])
+            tl.store(PART_ML + part * 2 * GROUP_PAD + offs_g, m_i, mask=rows)
+            tl.store(PART_ML + part * 2 * GROUP_PAD + GROUP_PAD + offs_g, l_i, mask=rows)
         else:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
             tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
                      out.to(OUT.dtype.element_ty), mask=row_mask)
 
     @triton.jit
-    def _balanced_split_len(cached, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Response keys per split when a slot's own `cached` keys are shared out evenly: a whole number of key
-        blocks, at least one, so NUM_SPLITS of them cover every key and each split starts on a key block."""
-        return tl.maximum(tl.cdiv(tl.cdiv(tl.maximum(cached, 0), NUM_SPLITS), BLOCK_N), 1) * BLOCK_N
+    def _balanced_blocks(prompt_len, cached, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A slot's key blocks (its prompt's, then its response's, each counted from its own start) and how many of
+        them each split takes: prompt blocks, response blocks, blocks per split (at least one)."""
+        prompt_blocks = tl.cdiv(tl.maximum(prompt_len, 0), BLOCK_N)
+        response_blocks = tl.cdiv(tl.maximum(cached, 0), BLOCK_N)
+        return prompt_blocks, response_blocks, tl.maximum(tl.cdiv(prompt_blocks + response_blocks, NUM_SPLITS), 1)
 
     @triton.jit
-    def _combine_splits_kernel(PART_ACC, PART_ML, RESPONSE_LEN, OUT, stride_ob, stride_oh, stride_og, split_len,
+    def _balanced_range(split, prompt_len, cached, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Split `split`'s keys when a slot's prompt and response keys are shared out evenly in whole key blocks
+        (`BALANCED`): its prompt keys [prompt_begin, prompt_end), its response keys [begin, end) (either range may be
+        empty; each starts on a key block of its part, as the one-block loads need) and whether it holds any (split 0
+        always does: the new key)."""
+        prompt_blocks, response_blocks, per = _balanced_blocks(prompt_len, cached, NUM_SPLITS, BLOCK_N)
+        first, last = split * per, split * per + per  # the split's blocks [first, last) of the slot's sequence
+        prompt_begin = tl.minimum(first, prompt_blocks) * BLOCK_N
+        prompt_end = tl.minimum(tl.minimum(last, prompt_blocks) * BLOCK_N, tl.maximum(prompt_len, 0))
+        begin = tl.maximum(first - prompt_blocks, 0) * BLOCK_N
+        end = tl.minimum(tl.maximum(last - prompt_blocks, 0) * BLOCK_N, tl.maximum(cached, 0))
+        return prompt_begin, prompt_end, begin, end, (split == 0) | (first < prompt_blocks + response_blocks)
+
+    @triton.jit
+    def _combine_splits_kernel(PART_ACC, PART_ML, PROMPT_LEN, RESPONSE_LEN, OUT, stride_ob, stride_oh, stride_og,
+                               split_len,
                                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr,
                                BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_NEW: tl.constexpr,
                                BALANCED: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -396,17 +427,22 @@ if triton is not None:
         response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
         cached = response_len - 1 if WRITE_NEW else response_len
         if BALANCED:
-            split_len = _balanced_split_len(cached, NUM_SPLITS, BLOCK_N)
-        count = tl.maximum(1, tl.cdiv(tl.maximum(cached, 0), split_len))
+            prompt_blocks, response_blocks, per = _balanced_blocks(tl.load(PROMPT_LEN + slot).to(tl.int32), cached,
+                                                                   NUM_SPLITS, BLOCK_N)
+            count = tl.maximum(1, tl.cdiv(prompt_blocks + response_blocks, per))
+        else:
+            count = tl.maximum(1, tl.cdiv(tl.maximum(cached, 0), split_len))
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
         first = (slot * tl.num_programs(1) + head) * NUM_SPLITS
+        rows = offs_g < GROUP  # padded query rows were not stored: they stay empty here
         for split in range(0, count):
             part = first + split
-            m_s = tl.load(PART_ML + part * 2 * GROUP_PAD + offs_g)
-            l_s = tl.load(PART_ML + part * 2 * GROUP_PAD + GROUP_PAD + offs_g)
-            acc_s = tl.load(PART_ACC + part * GROUP_PAD * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :])
+            m_s = tl.load(PART_ML + part * 2 * GROUP_PAD + offs_g, mask=rows, other=float("-inf"))
+            l_s = tl.load(PART_ML + part * 2 * GROUP_PAD + GROUP_PAD + offs_g, mask=rows, other=0.0)
+            acc_s = tl.load(PART_ACC + part * GROUP_PAD * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :],
+                            mask=rows[:, None], other=0.0)
             m_new = tl.maximum(m_i, m_s)
             seen = m_new > float("-inf")  # both -inf: nothing seen yet (a split 0 without keys)
             alpha = tl.where(seen, tl.math.exp2(m_i - m_new), 0.0)

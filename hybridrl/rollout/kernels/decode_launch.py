@@ -11,11 +11,11 @@ and the plan made when a CUDA graph is captured holds for every replay. Nothing 
 
 Split-KV ("flash decoding"): one program per (slot, KV head) walks that slot's whole context alone, so at the tail
 of an uneven batch a few long sequences leave all but a few SMs idle. When the response capacity (the most response
-keys a slot can hold) exceeds `SPLIT_KEYS`, the response keys are cut into `num_splits` partitions of `split_len`
-keys, one program each (at most `split_count` of them: fewer for a wide batch, which already fills the GPU); split 0
-also takes the prompt and this step's new key. Each program leaves its partial softmax state (running max, sum,
-accumulator, float32) in a buffer and a second kernel merges them (log-sum-exp). The grid depends on the capacity
-and the batch (shapes) only, so splits past a slot's own length do no work.
+keys a slot can hold) exceeds `SPLIT_KEYS`, each slot's keys are shared out over `num_splits` programs (at most
+`split_count` of them: fewer for a wide batch, which already fills the GPU): by default (`BALANCED_SPLITS`) its own
+prompt and response keys in equal runs of whole key blocks, read from its lengths on the device; split 0 also takes
+this step's new key. Each program leaves its partial softmax state (running max, sum, accumulator, float32) in a
+buffer and a second kernel merges them (log-sum-exp). The grid depends on the capacity and the batch (shapes) only.
 """
 
 from __future__ import annotations
@@ -33,14 +33,17 @@ SM hide its latency better than more warps per program (`docs/benchmarks.md` has
 WIDE_HEAD_NUM_WARPS = 2
 """Warps per program above head_dim 64 (Qwen2.5-1.5B/7B, Llama 3: 128): with RoPE and the bias inside, one warp
 would need more than 255 registers a thread and spill (the no-spill test reads ptxas' report)."""
-ONE_BLOCK_LOADS = True
-"""Paged: when a loop iteration's keys share one block (`BLOCK_N` divides the block size), load one block id per
-iteration and address its rows as consecutive (False: one id per key, as for any block size; a knob for
-`benchmarks/kernels/paged_sweep.py`)."""
-BALANCED_SPLITS = False
-"""Split-KV: each slot's own response keys shared out evenly over the splits (computed on the device from its length),
-instead of cutting the capacity into fixed `split_len` parts, where a slot far below the capacity leaves all its work
-to its first splits. A knob for `benchmarks/kernels/paged_sweep.py` until measured."""
+BLOCK_ID_LOADS = "iteration"
+"""Paged: how the key loop reads the block table. "iteration": when a loop iteration's keys share one block
+(`BLOCK_N` divides the block size), one block id per iteration, its rows addressed as consecutive; "prefetch": the
+same, each id loaded one iteration ahead, so the key loads need not wait for it; "key": one id per key (what other
+block sizes always do). A knob for `benchmarks/kernels/paged_sweep.py`."""
+BLOCK_ID_MODES = {"key": 0, "iteration": 1, "prefetch": 2}
+BALANCED_SPLITS = True
+"""Split-KV: each slot's own keys, prompt and response, shared out evenly over the splits in whole key blocks
+(computed on the device from its lengths). False: split 0 takes the prompt and the response is cut into
+capacity-sized parts, so a slot far below the capacity leaves all its work to its first splits and split 0 is the
+longest (a knob for `benchmarks/kernels/paged_sweep.py`)."""
 NUM_STAGES = None
 """Software-pipelining stages of the key loop passed to Triton (None: Triton's default); a knob for
 `benchmarks/kernels/paged_sweep.py`."""
@@ -112,10 +115,11 @@ class LaunchPlan:
     balanced: bool = False
     """Split-KV by each slot's own length (`BALANCED_SPLITS`)."""
 
-    def one_block(self, block_size: int) -> bool:
-        """Paged: whether each loop iteration's keys lie in one block (see `ONE_BLOCK_LOADS`); every iteration starts
-        at a multiple of `block_n` (split lengths are whole numbers of it)."""
-        return ONE_BLOCK_LOADS and block_size % self.block_n == 0
+    def block_id_loads(self, block_size: int) -> int:
+        """Paged: the kernel's ONE_BLOCK mode (`BLOCK_ID_MODES` of `BLOCK_ID_LOADS`), 0 (one id per key) unless each
+        loop iteration's keys lie in one block; every iteration starts at a multiple of `block_n` (splits and
+        balanced ranges are whole numbers of it)."""
+        return BLOCK_ID_MODES[BLOCK_ID_LOADS] if block_size % self.block_n == 0 else 0
 
     def compile_options(self) -> dict:
         """The launch options Triton takes besides the grid: warps, and stages when set."""
