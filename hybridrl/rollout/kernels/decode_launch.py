@@ -136,6 +136,17 @@ def launch_plan(group: int, head_dim: int, response_capacity: int, paged: bool, 
                       num_stages=NUM_STAGES, balanced=BALANCED_SPLITS)
 
 
+COMBINE_CHUNK = 4
+"""Splits whose accumulators the combine kernel loads and merges at once."""
+
+
+def combine_sizes(plan: LaunchPlan) -> dict:
+    """The combine kernel's compile-time sizes: the split count padded to a power of two (its max and sum of every
+    split are loaded as one tile) and the splits merged per loop iteration."""
+    padded = 1 << (plan.num_splits - 1).bit_length()
+    return dict(SPLITS_PAD=padded, COMBINE_CHUNK=min(padded, COMBINE_CHUNK))
+
+
 def partial_state(plan: LaunchPlan, batch: int, num_kv_heads: int, placeholder: torch.Tensor) -> tuple:
     """The split programs' float32 buffers: accumulators (B, Hkv, splits, group_pad, block_d) and running max and
     sum (B, Hkv, splits, 2, group_pad); without split-KV, `placeholder` for both (the kernel never touches them)."""
