@@ -91,7 +91,8 @@ def check_split_cases() -> None:
     """Run with TRITON_INTERPRET=1: the prefix-shared (contiguous) kernel with split-KV against the float32
     reference, as `paged_attention_cases` checks the paged one. 32-key splits: uneven random lengths, lengths at the
     split edges (`at_split_edges`), a slot that sees no key, the fused write and RoPE + bias, float32 and float16.
-    8-key splits: `MAX_SPLITS` caps the count, so splits are longer than asked and the last ones hold no key."""
+    These with capacity-sized splits; then 8-key ones (rounded up to 32-key blocks: the last splits hold no key);
+    last, balanced splits (the default: each slot's own keys shared evenly), float32."""
     from hybridrl.rollout.kernels import decode_launch
 
     default = decode_launch.SPLIT_KEYS

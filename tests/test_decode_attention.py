@@ -128,14 +128,20 @@ def test_split_kv_kernel_matches_reference_in_interpret_mode():
                                                                    timeout=900)
 
 
-def test_split_count_gives_wide_batches_few_splits_and_narrow_tails_many():
-    """Worked by hand at capacity 8,192 and 512-key splits, 2 KV heads: 4 slots -> 8 programs, 2048 // 8 = 256
-    wanted, capped at 16; 180 slots -> 360 programs, 2048 // 360 = 5 -> 4 (a power of two); 512 slots -> 2 wanted,
-    raised to the floor of 4; 40 slots -> 80 programs, 25 wanted -> 16; a capacity of 1,000 asks only 2 splits."""
-    plans = {slots: decode_launch.launch_plan(6, 128, 8192, paged=False, slot_heads=2 * slots) for slots in
-             (4, 40, 180, 512)}
-    assert {slots: (plan.num_splits, plan.split_len) for slots, plan in plans.items()} == {
-        4: (16, 512), 40: (16, 512), 180: (4, 2048), 512: (4, 2048)}
+def test_split_count_gives_wide_batches_few_splits_and_narrow_tails_many(monkeypatch):
+    """Worked by hand at capacity 8,192, 2 KV heads: 4 slots -> 8 programs, 2048 // 8 = 256 wanted, capped at 64;
+    180 slots -> 360 programs, 2048 // 360 = 5 -> 4 (a power of two); 512 slots -> 2 wanted, raised to the floor of 4;
+    40 slots -> 80 programs, 25 wanted -> 16. Balanced splits (the default) take that count whatever the capacity
+    (split_len: the capacity's share, rounded up to 32-key blocks); capacity-sized ones no more than 512-key parts of
+    it: 16 at 8,192, 2 at 1,000."""
+    def plans(capacity: int) -> dict:
+        return {slots: (plan.num_splits, plan.split_len) for slots in (4, 40, 180, 512)
+                for plan in [decode_launch.launch_plan(6, 128, capacity, paged=False, slot_heads=2 * slots)]}
+
+    assert plans(8192) == {4: (64, 128), 40: (16, 512), 180: (4, 2048), 512: (4, 2048)}
+    assert plans(1000) == {4: (64, 32), 40: (16, 64), 180: (4, 256), 512: (4, 256)}
+    monkeypatch.setattr(decode_launch, "BALANCED_SPLITS", False)
+    assert plans(8192) == {4: (16, 512), 40: (16, 512), 180: (4, 2048), 512: (4, 2048)}
     assert decode_launch.launch_plan(6, 128, 1000, paged=True, slot_heads=1024).num_splits == 2
     assert decode_launch.launch_plan(6, 128, 512, paged=False, slot_heads=8).num_splits == 1  # fits one split
 
@@ -159,7 +165,7 @@ def test_engine_with_split_kv_kernel_in_interpret_mode_matches_sdpa():
 
 
 def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False, arch: int = 90,
-                              block_size: int | None = None, num_splits: int = 1):
+                              block_size: int | None = None, num_splits: int = 1, block_ids: int | None = None):
     """Compile the kernel ahead of time for sm_<arch> (Triton's own ptxas; no GPU or driver needed); with
     `block_size`, its paged variant (`paged_attention.py`); with `num_splits` > 1, its split-KV variant."""
     from triton.backends.compiler import GPUTarget
@@ -176,7 +182,9 @@ def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool 
     constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=plan.group_pad, BLOCK_D=plan.block_d,
                      BLOCK_N=plan.block_n, IEEE=dtype == "fp32",
                      WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope,  # the variants the engine runs
-                     PAGED=block_size is not None, BLOCK_SIZE=block_size or 1, NUM_SPLITS=num_splits)
+                     PAGED=block_size is not None, BLOCK_SIZE=block_size or 1, NUM_SPLITS=num_splits,
+                     ONE_BLOCK=(plan.block_id_loads(block_size) if block_ids is None else block_ids) if block_size
+                     else 0, BALANCED=plan.balanced)
     return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
                                            target=GPUTarget("cuda", arch, 32), options=dict(num_warps=plan.num_warps))
 
@@ -194,6 +202,44 @@ def test_triton_kernel_compiles_for_hopper(dtype, group, head_dim, rope):
     assert "cubin" in compiled.asm and compiled.metadata.shared < 160 * 1024  # H200: 227 KiB per block
 
 
+def ptxas_report(compiled) -> str:
+    """Triton's own ptxas -v on a compiled kernel's PTX for sm_90a (registers, spills)."""
+    import subprocess
+
+    ptxas = os.path.join(os.path.dirname(decode_attention.triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this triton build ships no ptxas")
+    ptx = Path(tempfile.mkdtemp()) / "kernel.ptx"
+    ptx.write_text(compiled.asm["ptx"])
+    return subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
+                          capture_output=True, text=True, check=True).stderr
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
+@pytest.mark.parametrize("num_splits", [4, 19, 64])
+def test_combine_kernel_and_prefetched_block_ids_compile_for_hopper_without_spills(num_splits):
+    """The split-KV combine kernel (every split's max and sum as one tile, accumulators 4 splits at a time) at
+    Qwen2.5-1.5B's heads for 4, 19 (padded to 32) and 64 splits, and the paged kernel with block ids loaded one
+    iteration ahead (`BLOCK_ID_LOADS="prefetch"`): lowered for sm_90 and within the registers."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not isinstance(decode_attention._combine_splits_kernel, decode_attention.triton.runtime.JITFunction):
+        pytest.skip("the kernel was built in interpret mode (TRITON_INTERPRET is set)")
+    kernel = decode_attention._combine_splits_kernel
+    signature = {name: "constexpr" for name in kernel.arg_names}
+    signature.update(PART_ACC="*fp32", PART_ML="*fp32", PROMPT_LEN="*i64", RESPONSE_LEN="*i64", OUT="*bf16",
+                     stride_ob="i32", stride_oh="i32", stride_og="i32", split_len="i32")
+    plan = decode_launch.LaunchPlan(16, 128, 32, 4, num_splits, 512)
+    constants = dict(GROUP=6, HEAD_DIM=128, GROUP_PAD=16, BLOCK_D=128, NUM_SPLITS=num_splits, WRITE_NEW=True,
+                     BALANCED=True, BLOCK_N=32, **decode_launch.combine_sizes(plan))
+    compiled = decode_attention.triton.compile(ASTSource(kernel, signature, constants),
+                                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert "0 bytes spill stores" in ptxas_report(compiled)
+    prefetch = compile_kernel_for_hopper("bf16", 6, 128, rope=True, block_size=64, num_splits=num_splits, block_ids=2)
+    assert "0 bytes spill stores" in ptxas_report(prefetch)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
 @pytest.mark.parametrize("dtype, group, head_dim, block_size, num_splits", [
     ("bf16", 7, 64, None, 1), ("bf16", 7, 128, None, 1), ("bf16", 8, 128, None, 1), ("fp16", 4, 128, None, 1),
@@ -204,19 +250,10 @@ def test_default_launch_does_not_spill_registers_on_hopper(dtype, group, head_di
     thread, which a GPU run would only show as a slower rollout. Read from Triton's own ptxas (-v). The paged
     variant (block size 64) too, and both layouts' split-KV variants: Qwen2.5-1.5B's heads (group 6, head_dim 128)
     and Qwen2-0.5B's."""
-    import subprocess
-
     if not isinstance(decode_attention._decode_attention_kernel, decode_attention.triton.runtime.JITFunction):
         pytest.skip("the kernel was built in interpret mode (TRITON_INTERPRET is set)")
-    ptxas = os.path.join(os.path.dirname(decode_attention.triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("this triton build ships no ptxas")
-    compiled = compile_kernel_for_hopper(dtype, group, head_dim, rope=True, block_size=block_size,
-                                         num_splits=num_splits)
-    ptx = Path(tempfile.mkdtemp()) / "kernel.ptx"
-    ptx.write_text(compiled.asm["ptx"])
-    report = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
-                            capture_output=True, text=True, check=True).stderr
+    report = ptxas_report(compile_kernel_for_hopper(dtype, group, head_dim, rope=True, block_size=block_size,
+                                                    num_splits=num_splits))
     assert "0 bytes spill stores" in report and "registers" in report, report
 
 

@@ -79,7 +79,7 @@ def forced_splits(count: int, cap: int):
     """Every launch inside runs `count` splits at capacity `cap` whatever the batch (1: one program per slot)."""
     saved = decode_launch.SPLIT_KEYS, decode_launch.split_count
     decode_launch.SPLIT_KEYS = -(-cap // count) if count > 1 else cap
-    decode_launch.split_count = lambda slot_heads: decode_launch.MAX_SPLITS
+    decode_launch.split_count = lambda slot_heads: count
     try:
         yield
     finally:

@@ -52,7 +52,9 @@ MIN_DOT_ROWS = 16
 SPLIT_KEYS = 512
 """Response keys per split program, at the least (the count is capped; see `response_splits`); responses of at most
 this many keys run unsplit."""
-MAX_SPLITS = 16
+MAX_SPLITS = 64
+"""At most this many splits (a narrow tail of long responses: with balanced splits each takes a 64th of its slot's
+keys, a few loop iterations, instead of one program looping over thousands)."""
 MIN_SPLITS = 4
 SPLIT_PROGRAMS = 2048
 """Programs the split grid aims at (`split_count`), chosen from the split-KV table of `benchmarks/kernels/split_kv.py`
@@ -90,7 +92,10 @@ def response_splits(response_capacity: int, split_keys: int | None = None,
     split_keys = split_keys or SPLIT_KEYS
     if response_capacity <= split_keys:
         return None
-    num_splits = min(-(-response_capacity // split_keys), split_count(slot_heads))
+    most = split_count(slot_heads)
+    # Balanced splits share each slot's own keys, so their count need not follow the capacity; capacity-sized ones
+    # get no more splits than `split_keys`-key parts of it.
+    num_splits = most if BALANCED_SPLITS else min(-(-response_capacity // split_keys), most)
     split_len = -(-response_capacity // num_splits)
     return num_splits, -(-split_len // BLOCK_N) * BLOCK_N
 
