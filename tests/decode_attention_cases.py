@@ -92,7 +92,7 @@ def check_split_cases() -> None:
     reference, as `paged_attention_cases` checks the paged one. 32-key splits: uneven random lengths, lengths at the
     split edges (`at_split_edges`), a slot that sees no key, the fused write and RoPE + bias, float32 and float16.
     These with capacity-sized splits; then 8-key ones (rounded up to 32-key blocks: the last splits hold no key);
-    last, balanced splits (the default: each slot's own keys shared evenly), float32."""
+    last, balanced splits (`BALANCED_SPLITS`: each slot's own keys shared evenly), float32."""
     from hybridrl.rollout.kernels import decode_launch
 
     default = decode_launch.SPLIT_KEYS

@@ -7,17 +7,17 @@ write): `512-mixed` (drawn lengths, median 1,024), `128x4k`, `16x8k`, `512x1k` (
 (the tail); `--batches` picks a subset. The paged pool holds only the blocks the lengths fill, in shuffled order (as
 blocks handed out window by window end up); unused table columns point at block 0.
 
-Variants, one knob changed at a time from the engine's default (`decode_launch.launch_plan`: balanced split-KV,
+Variants, one knob changed at a time from the engine's default (`decode_launch.launch_plan`: capacity-sized splits,
 one block id per loop iteration), in this order:
 - `contiguous`: the prefix-shared kernel; `paged bs=64`: the benchmark's blocks;
-- `paged unbalanced`, `contiguous unbalanced`: split 0 takes the prompt, the response cut into capacity-sized parts
-  (`BALANCED_SPLITS` off); `paged e29b985^`: that and one block id per key, the paged kernel before `e29b985`;
+- `paged e29b985^`: one block id per key, the paged kernel before `e29b985`;
+- `paged balanced`, `contiguous balanced`: each slot's own prompt and response keys shared evenly over the splits
+  (`BALANCED_SPLITS`), paged also with 16 to 64 splits at every batch;
 - `paged id prefetch`: each loop iteration's block id loaded one iteration ahead (`BLOCK_ID_LOADS`);
-- `paged splits=S`: S splits at every batch (8 to 64; the default takes `split_count`: 4 to 16);
 - `paged stages=T`, `paged warps=W`, `paged BLOCK_N=N`: pipelining stages of the key loop (Triton's default
   otherwise), warps per program, keys per loop iteration;
-- `paged bs=B`: blocks of B tokens (128, 32, 16); `contiguous splits=S`;
-- `paged splits=4`, `paged stages=1`, `paged warps=8`, `paged id per key`.
+- `paged bs=B`: blocks of B tokens (128, 32, 16); `paged splits=S`: S splits at every batch;
+- `paged stages=1`, `paged warps=8`.
 Each variant is checked against the PyTorch reference on the first layer, then timed over `--layers` layers' caches
 in one CUDA graph (`cuda_timing.graph_time_us`), so each layer is read from HBM. A variant that fails to compile or
 check prints its error and the sweep goes on; past `--budget` seconds the remaining variants are skipped (they run
@@ -139,17 +139,17 @@ def knobs(splits: int | None = None, warps: int | None = None, block_n: int | No
 def variants() -> list[tuple[str, str, int, dict]]:
     """(name, layout, block size, knobs) of every variant (see the module docstring)."""
     rows = [("contiguous", "contiguous", 0, {}), ("paged bs=64", "paged", 64, {}),
-            ("paged unbalanced", "paged", 64, dict(balanced=False)),
-            ("paged e29b985^", "paged", 64, dict(balanced=False, block_ids="key")),
-            ("contiguous unbalanced", "contiguous", 0, dict(balanced=False)),
+            ("paged e29b985^", "paged", 64, dict(block_ids="key")),
+            ("paged balanced", "paged", 64, dict(balanced=True)),
+            ("contiguous balanced", "contiguous", 0, dict(balanced=True)),
             ("paged id prefetch", "paged", 64, dict(block_ids="prefetch"))]
-    rows += [(f"paged splits={count}", "paged", 64, dict(splits=count)) for count in (8, 16, 32, 64)]
+    rows += [(f"paged balanced splits={count}", "paged", 64, dict(balanced=True, splits=count))
+             for count in (16, 32, 64)]
     rows += [(f"paged stages={count}", "paged", 64, dict(stages=count)) for count in (2, 4)]
     rows += [("paged warps=4", "paged", 64, dict(warps=4)), ("paged BLOCK_N=64", "paged", 64, dict(block_n=64))]
     rows += [(f"paged bs={size}", "paged", size, {}) for size in (128, 32, 16)]
-    rows += [(f"contiguous splits={count}", "contiguous", 0, dict(splits=count)) for count in (8, 16, 32)]
-    rows += [("paged splits=4", "paged", 64, dict(splits=4)), ("paged stages=1", "paged", 64, dict(stages=1)),
-             ("paged warps=8", "paged", 64, dict(warps=8)), ("paged id per key", "paged", 64, dict(block_ids="key"))]
+    rows += [(f"paged splits={count}", "paged", 64, dict(splits=count)) for count in (1, 4, 8, 16)]
+    rows += [("paged stages=1", "paged", 64, dict(stages=1)), ("paged warps=8", "paged", 64, dict(warps=8))]
     return rows
 
 

@@ -55,7 +55,7 @@ import math
 
 import torch
 
-from hybridrl.rollout.kernels.decode_launch import combine_sizes, launch_arguments, launch_plan, partial_state
+from hybridrl.rollout.kernels.decode_launch import launch_arguments, launch_plan, partial_state
 
 try:
     import triton
@@ -152,7 +152,7 @@ def triton_decode_attention(
     times block_size when paged) run split-KV: program (b, h, s) attends to response keys [s * split_len,
     (s + 1) * split_len) (split 0 also to the prompt and the new key; `decode_launch.BALANCED_SPLITS`: instead, the
     slot's own prompt and response keys shared out evenly in whole key blocks, read on the device) and leaves its
-    partial softmax state (its real query rows) in a
+    partial softmax state in a
     float32 buffer, which a second kernel combines."""
     if triton is None:
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
@@ -177,7 +177,7 @@ def triton_decode_attention(
         **plan.compile_options(), **sizes)
     if plan.num_splits > 1:
         _combine_splits_kernel[(batch, num_kv_heads)](part_acc, part_ml, prompt_len, response_len, out,
-                                                      *out.stride()[:3], plan.split_len, **combine_sizes(plan), **sizes)
+                                                      *out.stride()[:3], plan.split_len, **sizes)
     return out
 
 
@@ -381,11 +381,10 @@ if triton is not None:
                                         PAGED, BLOCK_SIZE)
         if NUM_SPLITS > 1:  # the partial state of a split that holds keys (split 0 always), for the combine kernel
             part = (slot * tl.num_programs(1) + head) * NUM_SPLITS + split
-            rows = holds & (offs_g < GROUP)  # padded query rows are neither stored nor read back
             tl.store(PART_ACC + part * GROUP_PAD * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc,
-                     mask=rows[:, None])
-            tl.store(PART_ML + part * 2 * GROUP_PAD + offs_g, m_i, mask=rows)
-            tl.store(PART_ML + part * 2 * GROUP_PAD + GROUP_PAD + offs_g, l_i, mask=rows)
+                     mask=holds)
+            tl.store(PART_ML + part * 2 * GROUP_PAD + offs_g, m_i, mask=holds)
+            tl.store(PART_ML + part * 2 * GROUP_PAD + GROUP_PAD + offs_g, l_i, mask=holds)
         else:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
             tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
@@ -418,8 +417,7 @@ if triton is not None:
                                split_len,
                                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr,
                                BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_NEW: tl.constexpr,
-                               BALANCED: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                               COMBINE_CHUNK: tl.constexpr):
+                               BALANCED: tl.constexpr, BLOCK_N: tl.constexpr):
         """One (slot, KV head): merge the partial softmax states of the splits that hold keys into the output."""
         slot = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
@@ -433,28 +431,22 @@ if triton is not None:
             count = tl.maximum(1, tl.cdiv(prompt_blocks + response_blocks, per))
         else:
             count = tl.maximum(1, tl.cdiv(tl.maximum(cached, 0), split_len))
-        first = (slot * tl.num_programs(1) + head) * NUM_SPLITS
-        rows = offs_g < GROUP  # padded query rows were not stored: they stay empty here
-        # Every split's running max and sum at once (SPLITS_PAD >= NUM_SPLITS, GROUP_PAD), then the accumulators CHUNK
-        # splits at a time, each weighted by exp2(its max - the overall max): no chain of loads one split long.
-        splits = tl.arange(0, SPLITS_PAD)
-        held = (splits[:, None] < count) & rows[None, :]
-        ml = PART_ML + (first + splits)[:, None] * 2 * GROUP_PAD + offs_g[None, :]
-        m_s = tl.load(ml, mask=held, other=float("-inf"))
-        m_i = tl.max(m_s, 0)  # -inf only for a row that saw no key (then every weight below is 0)
-        weights = tl.where(m_s > float("-inf"), tl.math.exp2(m_s - m_i[None, :]), 0.0)
-        l_i = tl.sum(weights * tl.load(ml + GROUP_PAD, mask=held, other=0.0), 0)
-        chunk = tl.arange(0, COMBINE_CHUNK)
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        for start in range(0, count, COMBINE_CHUNK):
-            part = first + start + chunk  # (CHUNK,)
-            in_chunk = ((start + chunk)[:, None] < count) & rows[None, :]  # (CHUNK, GROUP_PAD)
-            m_c = tl.load(PART_ML + part[:, None] * 2 * GROUP_PAD + offs_g[None, :], mask=in_chunk,
-                          other=float("-inf"))
-            w_c = tl.where(m_c > float("-inf"), tl.math.exp2(m_c - m_i[None, :]), 0.0)
-            acc_c = tl.load(PART_ACC + part[:, None, None] * GROUP_PAD * BLOCK_D + offs_g[None, :, None] * BLOCK_D
-                            + offs_d[None, None, :], mask=in_chunk[:, :, None], other=0.0)
-            acc += tl.sum(acc_c * w_c[:, :, None], 0)
+        first = (slot * tl.num_programs(1) + head) * NUM_SPLITS
+        for split in range(0, count):
+            part = first + split
+            m_s = tl.load(PART_ML + part * 2 * GROUP_PAD + offs_g)
+            l_s = tl.load(PART_ML + part * 2 * GROUP_PAD + GROUP_PAD + offs_g)
+            acc_s = tl.load(PART_ACC + part * GROUP_PAD * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :])
+            m_new = tl.maximum(m_i, m_s)
+            seen = m_new > float("-inf")  # both -inf: nothing seen yet (a split 0 without keys)
+            alpha = tl.where(seen, tl.math.exp2(m_i - m_new), 0.0)
+            beta = tl.where(seen, tl.math.exp2(m_s - m_new), 0.0)
+            l_i = l_i * alpha + l_s * beta
+            acc = acc * alpha[:, None] + acc_s * beta[:, None]
+            m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         row_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
         tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],

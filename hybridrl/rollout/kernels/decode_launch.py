@@ -11,11 +11,12 @@ and the plan made when a CUDA graph is captured holds for every replay. Nothing 
 
 Split-KV ("flash decoding"): one program per (slot, KV head) walks that slot's whole context alone, so at the tail
 of an uneven batch a few long sequences leave all but a few SMs idle. When the response capacity (the most response
-keys a slot can hold) exceeds `SPLIT_KEYS`, each slot's keys are shared out over `num_splits` programs (at most
-`split_count` of them: fewer for a wide batch, which already fills the GPU): by default (`BALANCED_SPLITS`) its own
-prompt and response keys in equal runs of whole key blocks, read from its lengths on the device; split 0 also takes
-this step's new key. Each program leaves its partial softmax state (running max, sum, accumulator, float32) in a
-buffer and a second kernel merges them (log-sum-exp). The grid depends on the capacity and the batch (shapes) only.
+keys a slot can hold) exceeds `SPLIT_KEYS`, the response keys are cut into `num_splits` partitions of `split_len`
+keys, one program each (at most `split_count` of them: fewer for a wide batch, which already fills the GPU); split 0
+also takes the prompt and this step's new key (`BALANCED_SPLITS`, off: each slot's own prompt and response keys in
+equal runs instead). Each program leaves its partial softmax state (running max, sum, accumulator, float32) in a
+buffer and a second kernel merges them (log-sum-exp). The grid depends on the capacity and the batch (shapes) only,
+so splits past a slot's own length do no work.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ BLOCK_ID_LOADS = "iteration"
 same, each id loaded one iteration ahead, so the key loads need not wait for it; "key": one id per key (what other
 block sizes always do). A knob for `benchmarks/kernels/paged_sweep.py`."""
 BLOCK_ID_MODES = {"key": 0, "iteration": 1, "prefetch": 2}
-BALANCED_SPLITS = True
-"""Split-KV: each slot's own keys, prompt and response, shared out evenly over the splits in whole key blocks
-(computed on the device from its lengths). False: split 0 takes the prompt and the response is cut into
-capacity-sized parts, so a slot far below the capacity leaves all its work to its first splits and split 0 is the
-longest (a knob for `benchmarks/kernels/paged_sweep.py`)."""
+BALANCED_SPLITS = False
+"""Split-KV: True shares each slot's own keys, prompt and response, out evenly over the splits in whole key blocks
+(computed on the device from its lengths). False (the default): split 0 takes the prompt and the response is cut
+into capacity-sized parts, so a slot far below the capacity leaves all its work to its first splits. Balanced splits
+were the default in the session-4 call 2 on the H200 and the long-tail run was no faster (slower at 512 slots, where
+every split then holds keys and the combine merges them all), so it is a knob for `benchmarks/kernels/paged_sweep.py`
+until the sweep has timed it."""
 NUM_STAGES = None
 """Software-pipelining stages of the key loop passed to Triton (None: Triton's default); a knob for
 `benchmarks/kernels/paged_sweep.py`."""
@@ -52,9 +55,8 @@ MIN_DOT_ROWS = 16
 SPLIT_KEYS = 512
 """Response keys per split program, at the least (the count is capped; see `response_splits`); responses of at most
 this many keys run unsplit."""
-MAX_SPLITS = 64
-"""At most this many splits (a narrow tail of long responses: with balanced splits each takes a 64th of its slot's
-keys, a few loop iterations, instead of one program looping over thousands)."""
+MAX_SPLITS = 16
+"""At most this many splits (capacity-sized splits of a capacity of 8,192 are 16 anyway)."""
 MIN_SPLITS = 4
 SPLIT_PROGRAMS = 2048
 """Programs the split grid aims at (`split_count`), chosen from the split-KV table of `benchmarks/kernels/split_kv.py`
@@ -139,17 +141,6 @@ def launch_plan(group: int, head_dim: int, response_capacity: int, paged: bool, 
     return LaunchPlan(group_pad=padded_tile(group), block_d=padded_tile(head_dim), block_n=BLOCK_N,
                       num_warps=default_num_warps(head_dim, paged), num_splits=num_splits, split_len=split_len,
                       num_stages=NUM_STAGES, balanced=BALANCED_SPLITS)
-
-
-COMBINE_CHUNK = 4
-"""Splits whose accumulators the combine kernel loads and merges at once."""
-
-
-def combine_sizes(plan: LaunchPlan) -> dict:
-    """The combine kernel's compile-time sizes: the split count padded to a power of two (its max and sum of every
-    split are loaded as one tile) and the splits merged per loop iteration."""
-    padded = 1 << (plan.num_splits - 1).bit_length()
-    return dict(SPLITS_PAD=padded, COMBINE_CHUNK=min(padded, COMBINE_CHUNK))
 
 
 def partial_state(plan: LaunchPlan, batch: int, num_kv_heads: int, placeholder: torch.Tensor) -> tuple:
