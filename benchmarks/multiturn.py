@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--both-definitions", action="store_true",
                         help="time multi-turn with and without the tool after the last turn (a row each; the "
                              "earlier definition with the first --extend-attention only)")
-    parser.add_argument("--extend-attention", default="matmul",
+    parser.add_argument("--extend-attention", default=llama_forward.extend_attention,
                         help="the observation prefill's attention, or several comma-separated (a row each): "
                              f"{', '.join(llama_forward.EXTEND_ATTENTIONS)}")
     add_engine_arguments(parser, quick="16 prompts, 3 turns x 32 tokens")

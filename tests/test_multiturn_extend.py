@@ -87,7 +87,7 @@ def test_extend_equals_the_reference_and_a_full_forward(family, seed, attention,
     want = extend_reference(w, reference_kv, cos, sin, input_ids, lengths, starts, slots_t, kv_end)
     for bucket in (kv_end, min(MAX_LEN, kv_end + 17)):
         fast_kv = kv.clone()
-        with torch.no_grad():  # as the engine runs it (flex has no CPU backward)
+        with torch.no_grad():  # as the engine runs it
             got = extend(w, fast_kv, cos, sin, input_ids, lengths, starts, slots_t, bucket)
         assert_extended_alike(got, want, fast_kv, reference_kv, kv, contexts, slots, new)
     with torch.no_grad():

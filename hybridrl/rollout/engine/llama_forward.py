@@ -36,7 +36,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import flex_attention
 
 from hybridrl.rollout.engine.weights import Lora, LayerWeights, ModelWeights, unpacked, unwrap
 
@@ -208,10 +207,11 @@ def extend_attention_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor,
 def _masked_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                           positions: torch.Tensor) -> torch.Tensor:
     """`extend`'s attention as two batched matmuls and a float32 softmax: q (P, L, H, D), keys/values (P, Hkv, K, D),
-    positions (P, L) of the queries; key j is visible to a query at position p when j <= p -> (P, L, H, D). Not SDPA:
-    with a mask and grouped heads on CUDA it picked a backend that paid tens of milliseconds of setup for every new
-    (rows, key length), and every resume brings one. The query heads sharing a KV head are folded into the query
-    axis (as decode does), so keys are not repeated. The mask is made from the positions here rather than passed in,
+    positions (P, L) of the queries; key j is visible to a query at position p when j <= p -> (P, L, H, D). The
+    obviously right form the others are tested against. (SDPA with a mask and grouped heads, `enable_gqa`, picked a
+    CUDA backend that paid tens of milliseconds of setup for every new (rows, key length); `_sdpa_folded_attention`
+    folds the heads instead.) The query heads sharing a KV head are folded into the query axis (as decode does), so
+    keys are not repeated. The mask is made from the positions here rather than passed in,
     so that compiled, the upcast, scale, mask and softmax are one pass over the scores, which the matmul writes once
     in the model dtype."""
     rows, length, num_heads, head_dim = q.shape
@@ -225,19 +225,6 @@ def _masked_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     weights = torch.softmax(scores, dim=-1).to(values.dtype).view(rows, num_kv_heads, group * length, key_len)
     out = torch.matmul(weights, values).view(rows, num_kv_heads, group, length, head_dim)
     return out.permute(0, 3, 1, 2, 4).reshape(rows, length, num_heads, head_dim)
-
-
-def _flex_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        positions: torch.Tensor) -> torch.Tensor:
-    """`_masked_gqa_attention` through FlexAttention: the visibility rule as a score modification, so that compiled, the
-    scores never leave the kernel (at 512 rows x 33 ids x ~600 keys they are ~150M elements per layer, written,
-    softmaxed and read again by the matmul form) and grouped heads read their KV head without a copy. Eager (CPU
-    tests) it is flex's unfused reference."""
-    def visible(score, row, head, query, key):
-        return torch.where(key <= positions[row, query], score, -float("inf"))
-
-    out = flex_attention(q.transpose(1, 2), keys, values, score_mod=visible, enable_gqa=True)  # (P, H, L, D)
-    return out.transpose(1, 2)
 
 
 def _sdpa_folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -268,10 +255,12 @@ def _triton_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     return extend_attention(q, keys, values, positions)
 
 
-EXTEND_ATTENTIONS: dict[str, Callable] = {"matmul": _masked_gqa_attention, "flex": _flex_gqa_attention,
-                                          "sdpa": _sdpa_folded_attention, "triton": _triton_gqa_attention}
-"""The attentions `extend` can run, each q (P, L, H, D), keys/values (P, Hkv, K, D), positions (P, L) -> (P, L, H, D)."""
-extend_attention = "matmul"
+EXTEND_ATTENTIONS: dict[str, Callable] = {"sdpa": _sdpa_folded_attention, "matmul": _masked_gqa_attention,
+                                          "triton": _triton_gqa_attention}
+"""The attentions `extend` can run, each q (P, L, H, D), keys/values (P, Hkv, K, D), positions (P, L) -> (P, L, H, D).
+`sdpa` is the default, the fastest of those timed on the multi-turn benchmark's waves on an H200 (docs/benchmarks.md,
+"Multi-turn rollout"); the matmul form is the obviously right one the others are tested against."""
+extend_attention = "sdpa"
 """Which of `EXTEND_ATTENTIONS` `extend` runs: a module setting so that one benchmark process can time them side by side
 (`benchmarks/multiturn.py --extend-attention`); a compiled `extend` recompiles when it changes."""
 

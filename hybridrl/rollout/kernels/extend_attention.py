@@ -48,23 +48,25 @@ def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     out = torch.empty_like(q)
     grid = (triton.cdiv(length * group, BLOCK_M), num_kv_heads, rows)
     _extend_attention_kernel[grid](
-        q, keys, values, positions, out, head_dim ** -0.5,
+        q, keys, values, positions, out,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), positions.stride(0), out.stride(0), out.stride(1),
         out.stride(2), length, key_len,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        SCALE=head_dim ** -0.5, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out
 
 
 if triton is not None:
     @triton.jit
-    def _extend_attention_kernel(q, k, v, positions, out, scale,
+    def _extend_attention_kernel(q, k, v, positions, out,
                                  stride_qp, stride_ql, stride_qh, stride_kp, stride_kh, stride_kn,
                                  stride_vp, stride_vh, stride_vn, stride_pp, stride_op, stride_ol, stride_oh,
                                  length, key_len,
-                                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                                 SCALE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        # SCALE a compile-time constant: torch.compile passes a Python float argument as float64, which would make the
+        # scores and the loop-carried maximum float64.
         row = tl.program_id(2)
         kv_head = tl.program_id(1)
         folded = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -87,7 +89,7 @@ if triton is not None:
             key = start + tl.arange(0, BLOCK_N)
             inside = key < key_len
             keys_t = tl.load(row_k + key[None, :] * stride_kn + dims[:, None], mask=inside[None, :], other=0.0)
-            scores = tl.dot(query, keys_t, input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N)
+            scores = tl.dot(query, keys_t, input_precision=PRECISION) * SCALE  # (BLOCK_M, BLOCK_N)
             scores = tl.where(key[None, :] <= position[:, None], scores, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, 1))
             weights = tl.exp(scores - new_max[:, None])
