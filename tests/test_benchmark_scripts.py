@@ -86,10 +86,12 @@ def test_long_tail_tiny_runs_both_layouts_on_forced_long_tailed_lengths(tmp_path
     report a floor; the default draw is the benchmark's shape: median about 1k, a few at the 8k cap."""
     lengths = long_tail.response_lengths(512, 1024, 1.0, 16, 8192)
     assert 900 <= sorted(lengths)[256] <= 1150 and max(lengths) == 8192 and min(lengths) >= 16
-    stdout = run_script(["-m", "benchmarks.long_tail", "--tiny"], tmp_path)
+    stdout = run_script(["-m", "benchmarks.long_tail", "--tiny", "--trace"], tmp_path)
     assert "paged / contiguous:" in stdout and "floor (computed)" in stdout
     result = json.loads((tmp_path / "long_tail.json").read_text())
     assert set(result["layouts"]) == {"contiguous", "paged"} and result["floor"]["seconds"] > 0
+    for layout in result["layouts"].values():  # --trace: every decode step in some window, by batch bucket
+        assert layout["windows"]["totals"]["steps"] == layout["stats"]["decode_steps"]
     assert result["layouts"]["paged"]["stats"]["kv_blocks_peak"] > 0
     assert result["layouts"]["paged"]["tokens"] == result["layouts"]["contiguous"]["tokens"] == result["lengths"]["total"]
 

@@ -11,7 +11,8 @@ the events (once, after the call) and groups the windows by batch bucket:
 - `floor_ms_per_step`: what those steps must cost at the bandwidth (the weights once, each live sequence's KV);
 - `gap_ms_per_window`: GPU time from the end of one window to the start of the next, i.e. the GPU idle at the sync
   (the blocking read, the host's scheduling, the next launches) plus any prefill launched in between;
-- `host_ms_per_window`: the host phases; `read_progress` is mostly the host waiting for the GPU.
+- `host_ms_per_window`: the host phases run between the previous window's launch and this one's (so the blocking
+  `read_progress` of a window counts in the next one; it is mostly the host waiting for the GPU).
 So a bucket whose gpu_ms_per_step is far above its floor loses time in the kernels, and a large gap loses it on the
 host. Used by `benchmarks/long_tail.py --trace`.
 """
