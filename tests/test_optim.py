@@ -280,3 +280,14 @@ def test_clipping_inside_the_update_equals_clip_grad_norm(device="cpu"):
 def test_clipping_inside_the_update_on_cuda():
     """The same on CUDA: the Triton kernel's rounding of the scaled gradient against torch's CUDA `mul_`."""
     test_clipping_inside_the_update_equals_clip_grad_norm("cuda")
+
+
+def test_noise_bases_are_16_byte_aligned():
+    """Every bucket's rounding counter start sits at a 16-byte boundary, so the update kernel sees one pointer
+    alignment (one Triton build), whatever the bucket's place."""
+    from hybridrl.training.optim import _attach_noise_bases, _Bucket, _Piece
+
+    buckets = [_Bucket(_Piece(*(torch.zeros(4) for _ in range(4)), 4 * i), torch.zeros(9), 7) for i in range(5)]
+    _attach_noise_bases(buckets, torch.device("cpu"))
+    assert [b.noise_base.data_ptr() % 16 for b in buckets] == [0] * 5
+    assert [int(b.noise_base) for b in buckets] == [7 + 4 * i for i in range(5)]

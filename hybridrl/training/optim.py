@@ -502,12 +502,13 @@ def _add_piece(buckets: list[_Bucket], piece: _Piece, hyper: torch.Tensor, noise
 
 def _attach_noise_bases(buckets: list[_Bucket], device: torch.device) -> None:
     """Each rounded bucket's first counter, (step key + offset) mod 2**32, as a one-element tensor on the
-    device: all of them in one host-to-device copy."""
+    device: all of them in one host-to-device copy, each 16 bytes from the last (Triton builds a kernel per
+    alignment of its pointers: one-element slices 8 bytes apart took two builds of the same update kernel)."""
     rounded = [bucket for bucket in buckets if bucket.noise_key is not None]
     if not rounded:
         return
-    starts = torch.tensor([(b.noise_key + b.pieces[0].offset) & _MASK32 for b in rounded], dtype=torch.int64)
+    starts = torch.tensor([[(b.noise_key + b.pieces[0].offset) & _MASK32, 0] for b in rounded], dtype=torch.int64)
     if device.type == "cuda":
         starts = starts.pin_memory().to(device, non_blocking=True)
     for i, bucket in enumerate(rounded):
-        bucket.noise_base = starts[i:i + 1]
+        bucket.noise_base = starts[i, :1]
