@@ -258,8 +258,9 @@ def _triton_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 EXTEND_ATTENTIONS: dict[str, Callable] = {"sdpa": _sdpa_folded_attention, "matmul": _masked_gqa_attention,
                                           "triton": _triton_gqa_attention}
 """The attentions `extend` can run, each q (P, L, H, D), keys/values (P, Hkv, K, D), positions (P, L) -> (P, L, H, D).
-`sdpa` is the default, the fastest of those timed on the multi-turn benchmark's waves on an H200 (docs/benchmarks.md,
-"Multi-turn rollout"); the matmul form is the obviously right one the others are tested against."""
+`sdpa` is the default: on an H200 it beat the matmul form end to end; the Triton kernel's waves ran faster on the GPU
+but its one end-to-end run did not (docs/benchmarks.md, "Multi-turn rollout"), so it waits for a run that alternates
+the two. The matmul form is the obviously right one the others are tested against."""
 extend_attention = "sdpa"
 """Which of `EXTEND_ATTENTIONS` `extend` runs: a module setting so that one benchmark process can time them side by side
 (`benchmarks/multiturn.py --extend-attention`); a compiled `extend` recompiles when it changes."""
