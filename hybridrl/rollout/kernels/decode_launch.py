@@ -43,10 +43,10 @@ BLOCK_ID_MODES = {"key": 0, "iteration": 1, "prefetch": 2}
 BALANCED_SPLITS = False
 """Split-KV: True shares each slot's own keys, prompt and response, out evenly over the splits in whole key blocks
 (computed on the device from its lengths). False (the default): split 0 takes the prompt and the response is cut
-into capacity-sized parts, so a slot far below the capacity leaves all its work to its first splits. Balanced splits
-were the default in the session-4 call 2 on the H200 and the long-tail run was no faster (slower at 512 slots, where
-every split then holds keys and the combine merges them all), so it is a knob for `benchmarks/kernels/paged_sweep.py`
-until the sweep has timed it."""
+into capacity-sized parts, so a slot far below the capacity leaves all its work to its first splits. As the default,
+balanced splits made the long-tail run no faster (slower at 512 slots, where every split then holds keys and the
+combine merges them all; docs/benchmarks.md, long-tail section), so it is a knob for
+`benchmarks/kernels/paged_sweep.py` until the sweep has timed it."""
 NUM_STAGES = None
 """Software-pipelining stages of the key loop passed to Triton (None: Triton's default); a knob for
 `benchmarks/kernels/paged_sweep.py`."""
