@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import types
 
 import pytest
 import torch
@@ -109,6 +110,20 @@ def test_each_extend_attention_equals_the_matmul_form_on_ragged_rows(attention):
         want = llama_forward.EXTEND_ATTENTIONS["matmul"](q, k, v, positions)
         got = llama_forward.EXTEND_ATTENTIONS[attention](q, k, v, positions)
         torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+
+
+def test_the_default_extend_attention_is_the_kernel_on_cuda_with_triton_and_sdpa_otherwise(monkeypatch):
+    """`auto`: the Triton kernel for CUDA tensors where Triton is installed; SDPA on CPU and where Triton is not."""
+    for name in ("sdpa", "triton"):
+        monkeypatch.setitem(llama_forward.EXTEND_ATTENTIONS, name, lambda *tensors, name=name: name)
+    assert llama_forward.extend_attention == "auto"
+    auto = llama_forward.EXTEND_ATTENTIONS["auto"]
+    on_cuda = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(llama_forward, "_TRITON_INSTALLED", True)
+    assert auto(torch.zeros(1), None, None, None) == "sdpa"
+    assert auto(on_cuda, None, None, None) == "triton"
+    monkeypatch.setattr(llama_forward, "_TRITON_INSTALLED", False)
+    assert auto(on_cuda, None, None, None) == "sdpa"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,

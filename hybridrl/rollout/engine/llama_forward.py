@@ -31,6 +31,7 @@ ones run uncaptured. `extend_reference` is its slow, obviously right form.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
@@ -255,13 +256,23 @@ def _triton_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     return extend_attention(q, keys, values, positions)
 
 
-EXTEND_ATTENTIONS: dict[str, Callable] = {"sdpa": _sdpa_folded_attention, "matmul": _masked_gqa_attention,
-                                          "triton": _triton_gqa_attention}
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
+def _auto_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        positions: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel on CUDA where Triton is installed, else SDPA (CPU, or a CUDA install without Triton). On an
+    H200 the kernel's waves take ~16 ms less GPU time per episode than SDPA's, and it won both alternating end-to-end
+    runs (docs/benchmarks.md, "Multi-turn rollout"). Decided while tracing (the device is static there)."""
+    return EXTEND_ATTENTIONS["triton" if q.is_cuda and _TRITON_INSTALLED else "sdpa"](q, keys, values, positions)
+
+
+EXTEND_ATTENTIONS: dict[str, Callable] = {"auto": _auto_gqa_attention, "sdpa": _sdpa_folded_attention,
+                                          "matmul": _masked_gqa_attention, "triton": _triton_gqa_attention}
 """The attentions `extend` can run, each q (P, L, H, D), keys/values (P, Hkv, K, D), positions (P, L) -> (P, L, H, D).
-`sdpa` is the default: on an H200 it beat the matmul form end to end; the Triton kernel's waves ran faster on the GPU
-but its one end-to-end run did not (docs/benchmarks.md, "Multi-turn rollout"), so it waits for a run that alternates
-the two. The matmul form is the obviously right one the others are tested against."""
-extend_attention = "sdpa"
+`auto` (the default) is `triton` on CUDA with Triton installed, else `sdpa`; `sdpa` is the fallback; the matmul form
+is the obviously right one the others are tested against."""
+extend_attention = "auto"
 """Which of `EXTEND_ATTENTIONS` `extend` runs: a module setting so that one benchmark process can time them side by side
 (`benchmarks/multiturn.py --extend-attention`); a compiled `extend` recompiles when it changes."""
 
