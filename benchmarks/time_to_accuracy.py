@@ -11,22 +11,25 @@ reaches, on the same model, task and settings, on one GPU.
    exact match rejects): the demo's SFT config at this model's learning rate, on the device. The periods hold its
    held-out accuracy near half of what it gets right, which leaves room for RL. Saved once; both trainers start
    from it.
-3. **TRL** 1.16 `GRPOTrainer` for `--trl-seconds` of training (its GPU default: float32 master weights, bf16
-   autocast, HF generate), then **hybridrl** (its GPU default: bf16 weights, the built-in engine) until it reaches
-   TRL's final accuracy or `--hybridrl-seconds`. Settings are learning_vs_trl.py's matched ones (prompts x group
-   size per optimizer step, lr, temperature, no KL, token-mean loss, clip 0.2); each side runs in its own process
-   through that script's workers.
+3. Per seed (`--seeds N`: seeds 0 .. N-1, each its own sampling and prompt order, all from the one SFT model):
+   **TRL** 1.16 `GRPOTrainer` for `--trl-seconds` of training (its GPU default: float32 master weights, bf16
+   autocast, HF generate), then each **hybridrl** arm of `--hybridrl-variants` (`default`: its GPU default, bf16
+   weights with stochastic rounding and the built-in engine; `master32`: float32 master weights as TRL keeps)
+   until it reaches that seed's TRL final accuracy or `--hybridrl-seconds`. Settings are learning_vs_trl.py's
+   matched ones (prompts x group size per optimizer step, lr, temperature, no KL, token-mean loss, clip 0.2); each
+   run is its own process through that script's workers.
 
 Both sides are evaluated by one evaluator (`greedy_accuracy.py`: greedy exact match on held-out problems) at the
 same steps: each of the first 10, then every 2nd to 20, every 5th to 50, every `--eval-every`-th after. Training
 wall-clock counts the steps only (each ended by a device sync), not the evaluations nor model loading, and includes
-the first steps (hybridrl's engine capturing its CUDA graphs, TRL's warm-up): it is what a user waits. Printed: each
-side's curve (accuracy against training seconds and samples), the seconds each needs to reach TRL's final accuracy
-(the mean of its last 3 evaluations) and half / 90% of TRL's gain, their ratios (also without each side's first
-step), the step times (first, median of the rest) and the floor of one step. One seed: the budget of one device call
-allows no more, and the demo's spread between seeds is large (docs/benchmarks.md, master weights), so the curves
-matter more than the last digit of a ratio. JSON goes to $OUT/time_to_accuracy.json (else
-<out-dir>/time_to_accuracy.json), rewritten after each phase."""
+the first steps (hybridrl's engine capturing its CUDA graphs, TRL's warm-up): it is what a user waits. Printed per
+seed: each run's curve (accuracy against training seconds and samples), the seconds each needs to reach TRL's final
+accuracy (the mean of its last 3 evaluations) and half / 90% of TRL's gain, each arm's ratio TRL seconds / its
+seconds (also without each side's first step), each run's own final accuracy (its plateau) and step times; then,
+over the seeds, the median and range of each ratio and final accuracy, and the floor of one step. The runs share
+`--budget`: each gets its wanted seconds, all still queued scaled down alike when the seconds left cannot hold them
+(a printed line says what was cut, and a run with under 5 s left is skipped). JSON goes to
+$OUT/time_to_accuracy.json (else <out-dir>/time_to_accuracy.json), rewritten after each run."""
 
 from __future__ import annotations
 
@@ -54,11 +57,17 @@ from hybridrl.training.sft import run_sft
 BODIES = {"0.5b": {k: v for k, v in SHAPES["0.5b"].items() if k != "vocab_size"},  # the character vocabulary instead
           "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, tie_word_embeddings=True)}
-LOAD_SECONDS, EVAL_SHARE = 20.0, 0.3  # per side: start, load and first evaluation; evaluations per training second
+LOAD_SECONDS, EVAL_SHARE = 15.0, 0.3  # per run: start, load and first evaluation; evaluations per training second
+MIN_TRAINING_SECONDS = 5.0  # a run the budget leaves less is skipped: its curve would hold only the first step
 FINAL_EVALUATIONS = 3
 DENSE_EVALUATIONS = [*range(1, 11), *range(12, 21, 2), *range(25, 51, 5)]
 """Steps evaluated besides every --eval-every-th: a fast learner's first steps, where time-to-accuracy is decided."""
 GAIN_FRACTIONS = (0.5, 0.9, 1.0)  # targets: the SFT start plus this share of TRL's gain (1.0: TRL's final accuracy)
+VARIANTS = {"default": [], "master32": ["actor.master_weights=float32"]}
+"""hybridrl's arms: config overrides on top of --hybridrl-overrides. The default keeps bf16 weights and writes the
+float32 AdamW update back with stochastic rounding; at lr 1e-6 an update is a small fraction of bf16's spacing, so
+each step moves a weight by a whole spacing or not at all (unbiased, but noisy). master32 keeps float32 master
+weights as TRL does: run beside the default, it shows whether a plateau below TRL's is that precision."""
 TINY = dict(body="tiny", device="cpu", sft_steps=4, sft_batch_size=8, sft_eval_every=2, steps=3, eval_every=1000,
             prompts_per_step=2, group_size=2, max_eval_samples=16, threads=1, hybridrl_overrides=[])
 
@@ -68,9 +77,34 @@ def training_seconds(left: float, sides: int) -> float:
     return (left - 5 - sides * LOAD_SECONDS) / (1 + EVAL_SHARE)
 
 
+def fitted_seconds(queued: list[float], left: float) -> float:
+    """The training seconds of the first of the `queued` runs (each given as its wanted seconds): what it wants, or,
+    when `left` seconds cannot hold them all with their loads and evaluations, that scaled down as much as all the
+    others (so a cut falls on every remaining run alike, not all on the last)."""
+    return queued[0] * max(0.0, min(1.0, training_seconds(left, sides=len(queued)) / sum(queued)))
+
+
+def arm_name(variant: str) -> str:
+    return "hybridrl" if variant == "default" else f"hybridrl-{variant}"
+
+
+def plan(args: argparse.Namespace, has_trl: bool) -> list[tuple[int, str, float, list[str]]]:
+    """(seed, run name, wanted training seconds, hybridrl overrides) in running order: per seed TRL first (its final
+    accuracy is where the hybridrl arms stop), then each hybridrl variant."""
+    arms = [("trl", args.trl_seconds, [])] if has_trl else []
+    arms += [(arm_name(variant), args.hybridrl_seconds, [*args.hybridrl_overrides, *VARIANTS[variant]])
+             for variant in args.hybridrl_variants]
+    return [(seed, *arm) for seed in range(args.seeds) for arm in arms]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=float, default=370, help="seconds for the whole run; phases shrink to fit")
+    parser.add_argument("--budget", type=float, default=370, help="seconds for the whole run; runs shrink to fit")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="seeds 0 .. N-1: the model and SFT once, then per seed TRL and each hybridrl arm")
+    parser.add_argument("--hybridrl-variants", default="default",
+                        help="hybridrl arms, comma-separated, from: " + ", ".join(VARIANTS)
+                             + " (master32: actor.master_weights=float32)")
     parser.add_argument("--body", choices=sorted(BODIES), default="0.5b")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sft-steps", type=int, default=600,
@@ -120,6 +154,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1.")
     if args.group_size < 2:
         parser.error("--group-size must be at least 2 (GRPO compares the samples of a prompt).")
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1.")
+    args.hybridrl_variants = [name for name in args.hybridrl_variants.split(",") if name]
+    unknown = [name for name in args.hybridrl_variants if name not in VARIANTS]
+    if unknown or not args.hybridrl_variants or len(set(args.hybridrl_variants)) < len(args.hybridrl_variants):
+        parser.error(f"--hybridrl-variants: {', '.join(unknown) or 'none given or one named twice'}; give each "
+                     f"at most once, comma-separated, from: {', '.join(VARIANTS)}.")
     args.pass_k, args.save_models = 0, False  # what learning_vs_trl.spec_for reads beside the settings above
     return args
 
@@ -168,14 +209,15 @@ def sft(args: argparse.Namespace, data: dict[str, Path], init: Path, out: Path) 
     return model, curve
 
 
-def run_side(side: str, spec: dict, out: Path, trl_python: str, timeout: float) -> dict:
-    """One side in its own process (learning_vs_trl.py's workers); a failure or a timeout becomes an `error`, beside
-    the curve up to the worker's last evaluation."""
-    result_path, partial_path = out / f"{side}.json", out / f"{side}.partial.json"
+def run_side(worker: str, name: str, spec: dict, out: Path, trl_python: str, timeout: float) -> dict:
+    """One run (`worker`: trl or hybridrl, its result saved as `name`) in its own process (learning_vs_trl.py's
+    workers); a failure or a timeout becomes an `error`, beside the curve up to the worker's last evaluation."""
+    out.mkdir(parents=True, exist_ok=True)
+    result_path, partial_path = out / f"{name}.json", out / f"{name}.partial.json"
     for path in (result_path, partial_path):
         path.unlink(missing_ok=True)
     threads = str(spec["threads"])
-    command = worker_command(side, {**spec, "partial_path": str(partial_path)}, result_path, trl_python)
+    command = worker_command(worker, {**spec, "partial_path": str(partial_path)}, result_path, trl_python)
     timeout = max(1.0, timeout)
     try:
         done = subprocess.run(command, cwd=ROOT, timeout=timeout,
@@ -186,7 +228,7 @@ def run_side(side: str, spec: dict, out: Path, trl_python: str, timeout: float) 
     if error is None and result_path.is_file():
         return json.loads(result_path.read_text())
     partial = json.loads(partial_path.read_text()) if partial_path.is_file() else {}
-    return {**partial, "side": side, "error": error or "no result file"}
+    return {**partial, "side": name, "error": error or "no result file"}
 
 
 def curve(result: dict, samples_per_step: int) -> list[tuple[int, int, float, float]]:
@@ -200,12 +242,18 @@ def first_reach(points: list[tuple[int, int, float, float]], target: float) -> t
     return next(((step, seconds) for step, _, seconds, accuracy in points if accuracy >= target - 1e-9), None)
 
 
+def final_accuracy(points: list[tuple[int, int, float, float]]) -> float | None:
+    """The mean of the last FINAL_EVALUATIONS evaluations after the start: a plateau's level, not one evaluation's
+    luck (None without a step evaluated)."""
+    trained = [point[3] for point in points[1:]][-FINAL_EVALUATIONS:]
+    return statistics.mean(trained) if trained else None
+
+
 def targets(trl_points: list[tuple[int, int, float, float]]) -> dict[str, float]:
-    """Accuracies to reach: TRL's start plus each GAIN_FRACTIONS share of its gain up to its final accuracy (the
-    mean of its last FINAL_EVALUATIONS evaluations: a plateau's level, not one evaluation's luck); none when TRL
-    gained nothing."""
-    start, final = trl_points[0][3], statistics.mean(point[3] for point in trl_points[1:][-FINAL_EVALUATIONS:])
-    if final <= start:
+    """Accuracies to reach: TRL's start plus each GAIN_FRACTIONS share of its gain up to its final accuracy; none
+    when TRL gained nothing."""
+    start, final = trl_points[0][3], final_accuracy(trl_points)
+    if final is None or final <= start:
         return {}
     return {f"{round(100 * f)}% of TRL's gain": start + f * (final - start) for f in GAIN_FRACTIONS}
 
@@ -225,27 +273,32 @@ def phase_text(phases: list[dict[str, float]]) -> str:
 
 
 def target_line(name: str, target: float, points: dict[str, list], steps: dict[str, dict]) -> tuple[str, dict]:
-    """One target: when each side first reached it and hybridrl's speed-up, counting every training second (what a
-    user waits) and without each side's first step (hybridrl's captures its CUDA graphs)."""
+    """One target: when each run first reached it and each hybridrl arm's speed-up (TRL's seconds / the arm's),
+    counting every training second (what a user waits) and without each side's first step (hybridrl's captures its
+    CUDA graphs)."""
     reached = {side: first_reach(side_points, target) for side, side_points in points.items()}
-    figures = {"accuracy": target, **reached}
+    figures = {"accuracy": target, "reached": reached, "ratio": {}, "ratio_without_first_step": {}}
     cells = [f"{side} {'not reached' if reach is None else f'{reach[1]:.1f} s (step {reach[0]})'}"
              for side, reach in reached.items()]
-    line = f"to {100 * target:.1f}% ({name}): " + ", ".join(cells)
-    trl, ours = reached.get("trl"), reached.get("hybridrl")
-    if trl and ours and ours[0] > 0:
-        figures["ratio"] = trl[1] / ours[1]
-        line += f": hybridrl {figures['ratio']:.2f}x faster (goal >= 5x)"
+    speedups, trl = [], reached.get("trl")
+    for arm, ours in reached.items():
+        if arm == "trl" or not (trl and ours and ours[0] > 0):
+            continue
+        figures["ratio"][arm] = trl[1] / ours[1]
+        text = f"{arm} {figures['ratio'][arm]:.2f}x faster"
         if trl[0] > 1 and ours[0] > 1:
-            figures["ratio_without_first_step"] = ((trl[1] - steps["trl"]["first_step_s"])
-                                                   / (ours[1] - steps["hybridrl"]["first_step_s"]))
-            line += f"; {figures['ratio_without_first_step']:.2f}x without each side's first step"
-    return line, figures
+            figures["ratio_without_first_step"][arm] = ((trl[1] - steps["trl"]["first_step_s"])
+                                                        / (ours[1] - steps[arm]["first_step_s"]))
+            text += f" ({figures['ratio_without_first_step'][arm]:.2f}x without each side's first step)"
+        speedups.append(text)
+    line = f"to {100 * target:.1f}% ({name}): " + ", ".join(cells)
+    return line + (": " + "; ".join(speedups) + " (goal >= 5x)" if speedups else ""), figures
 
 
 def summary(results: dict, samples_per_step: int) -> tuple[list[str], dict]:
-    """Lines to print (curves, times to each target, ratios, step times) and the same figures as a dict."""
-    lines, figures = [], {"targets": {}, "steps": {}}
+    """One seed's lines to print (curves, step times, each run's final accuracy, times to each target, ratios) and
+    the same figures as a dict."""
+    lines, figures = [], {"targets": {}, "steps": {}, "final": {}}
     points = {side: curve(r, samples_per_step) for side, r in results.items() if "accuracy" in r}
     for side, side_points in points.items():
         facts = figures["steps"][side] = step_facts(results[side])
@@ -255,6 +308,12 @@ def summary(results: dict, samples_per_step: int) -> tuple[list[str], dict]:
             lines.append(f"{side}: {facts['steps']} steps of {samples_per_step} samples; first step "
                          f"{facts['first_step_s']:.2f} s, median of the rest {facts['median_step_s']:.3f} s"
                          + phase_text(results[side].get("phase_seconds", [])))
+    for side, side_points in points.items():
+        final = figures["final"][side] = final_accuracy(side_points)
+        if final is not None:
+            lines.append(f"{side}: final {100 * final:.1f}% (mean of its last {FINAL_EVALUATIONS} evaluations), "
+                         f"best {100 * max(point[3] for point in side_points[1:]):.1f}%, from "
+                         f"{100 * side_points[0][3]:.1f}% at step 0")
     if "trl" not in points:
         lines.append("no TRL curve: no target accuracy, so no time-to-accuracy ratio")
         return lines, figures
@@ -264,11 +323,62 @@ def summary(results: dict, samples_per_step: int) -> tuple[list[str], dict]:
     for name, target in goals.items():
         line, figures["targets"][name] = target_line(name, target, points, figures["steps"])
         lines.append(line)
-    steps = figures["steps"]
-    if all(steps.get(side, {}).get("median_step_s") for side in ("trl", "hybridrl")):
-        ratio = steps["trl"]["median_step_s"] / steps["hybridrl"]["median_step_s"]
-        lines.append(f"median step: TRL / hybridrl = {ratio:.2f}x (same samples per step)")
+    steps, figures["step_ratio"] = figures["steps"], {}
+    for arm in (side for side in points if side != "trl"):
+        if steps["trl"]["median_step_s"] and steps[arm]["median_step_s"]:
+            figures["step_ratio"][arm] = steps["trl"]["median_step_s"] / steps[arm]["median_step_s"]
+            lines.append(f"median step: TRL / {arm} = {figures['step_ratio'][arm]:.2f}x (same samples per step)")
     return lines, figures
+
+
+def spread(values: list[float]) -> dict | None:
+    """Median and range of `values` (None when there are none)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)} \
+        if values else None
+
+
+def spread_text(figures: dict, unit: str = "x") -> str:
+    """'3.50x (median of 2; 3.40-3.60)', accuracies as percentages (unit '%')."""
+    scale, digits = (100, 1) if unit == "%" else (1, 2)
+    text = f"{scale * figures['median']:.{digits}f}{unit}"
+    if figures["n"] > 1:
+        text += f" (median of {figures['n']}; {scale * figures['min']:.{digits}f}-{scale * figures['max']:.{digits}f})"
+    return text
+
+
+def ratio_text(arm: str, figures: dict | None, seeds: int) -> str:
+    if figures is None:
+        return f"{arm} reached it in none of {seeds} seeds"
+    return f"{arm} {spread_text(figures)} faster" + (
+        f" (reached it in {figures['n']} of {seeds} seeds)" if figures["n"] < seeds else "")
+
+
+def across_seeds(per_seed: dict[int, dict]) -> tuple[list[str], dict]:
+    """Each ratio and each run's final accuracy over the seeds: median and range, and in how many seeds a target
+    was reached (a ratio exists only where both reached it)."""
+    seeds = len(per_seed)
+    names = [name for figures in per_seed.values() for name in figures["targets"]]
+    runs = [side for figures in per_seed.values() for side in figures["final"]]
+    lines, result = [], {"targets": {}, "final": {}, "step_ratio": {}}
+    for name in dict.fromkeys(names):
+        arms = dict.fromkeys(arm for figures in per_seed.values() for arm in figures["final"] if arm != "trl")
+        result["targets"][name] = {kind: {arm: spread([figures["targets"][name][kind][arm]
+                                                      for figures in per_seed.values()
+                                                      if arm in figures["targets"].get(name, {}).get(kind, {})])
+                                          for arm in arms} for kind in ("ratio", "ratio_without_first_step")}
+        lines.append(f"to {name}: " + "; ".join(ratio_text(arm, result["targets"][name]["ratio"][arm], seeds)
+                                                 for arm in arms))
+    for side in dict.fromkeys(runs):
+        result["final"][side] = spread([figures["final"][side] for figures in per_seed.values()
+                                        if figures["final"].get(side) is not None])
+        if result["final"][side]:
+            lines.append(f"{side}'s final accuracy: {spread_text(result['final'][side], '%')}")
+        if side != "trl":
+            result["step_ratio"][side] = spread([figures["step_ratio"][side] for figures in per_seed.values()
+                                                 if side in figures.get("step_ratio", {})])
+            if result["step_ratio"][side]:
+                lines.append(f"median step: TRL / {side} = {spread_text(result['step_ratio'][side])}")
+    return lines, result
 
 
 class Run:
@@ -315,29 +425,37 @@ def prepare(args: argparse.Namespace, out: Path, run: Run) -> tuple[Path, dict[s
     return model, data
 
 
-def race(args: argparse.Namespace, spec: dict, out: Path, run: Run, has_trl: bool) -> dict:
-    """TRL for its budget, then hybridrl until TRL's final accuracy (when TRL gained) or its own budget."""
-    results = {}
-    if has_trl:
-        share = args.trl_seconds / (args.trl_seconds + args.hybridrl_seconds)
-        budget = min(args.trl_seconds, max(5.0, share * training_seconds(run.left(), sides=2)))
-        run.say(f"TRL: {budget:.0f} s of training")
-        results["trl"] = run_side("trl", {**spec, "max_seconds": budget, "out_dir": str(out / "trl_run")}, out,
-                                  args.trl_python, run.left() - LOAD_SECONDS - 15)
-        run.save("trl", results["trl"])
-    goals = targets(curve(results["trl"], 1)) if "accuracy" in results.get("trl", {}) else {}
-    target = goals.get(f"{round(100 * GAIN_FRACTIONS[-1])}% of TRL's gain")  # TRL's final accuracy, if it gained
-    budget = min(args.hybridrl_seconds, max(5.0, training_seconds(run.left(), sides=1)))
-    run.say(f"hybridrl: up to {budget:.0f} s of training" + (
-        f", stopping at TRL's final accuracy {100 * target:.1f}% (mean of its last {FINAL_EVALUATIONS} evaluations)"
-        if target is not None else ""))
-    hybridrl_spec = {**spec, "max_seconds": budget, "out_dir": str(out / "hybridrl_run"),
-                     **({"target_accuracy": target} if target is not None else {})}
-    results["hybridrl"] = run_side("hybridrl", hybridrl_spec, out, args.trl_python, run.left() - 5)
-    run.save("hybridrl", results["hybridrl"])
-    for side, result in results.items():
-        if "error" in result:
-            run.say(f"{side} failed: {result['error']}")
+def run_seeds(args: argparse.Namespace, spec: dict, out: Path, run: Run, has_trl: bool) -> dict[int, dict]:
+    """Every planned run in order, each given its share of the seconds left; a hybridrl arm stops at its seed's TRL
+    final accuracy (when TRL gained) or at its own budget. Returns {seed: {run name: result}}."""
+    queue, results = plan(args, has_trl), {}
+    for index, (seed, name, wanted, overrides) in enumerate(queue):
+        later = len(queue) - index - 1
+        seconds, left = fitted_seconds([queued[2] for queued in queue[index:]], run.left()), run.left()
+        share = f"{left:.0f} s left for {later + 1} run{'s' if later else ''}"
+        if seconds < MIN_TRAINING_SECONDS:
+            run.say(f"seed {seed} {name}: skipped, {share} (raise --budget)")
+            run.save(f"seed{seed}/{name}", {"skipped": share})
+            continue
+        cut = f" (cut from {wanted:.0f} s: {share})" if seconds < wanted - 0.5 else ""
+        seed_results, stop = results.setdefault(seed, {}), {}
+        if name != "trl" and "accuracy" in seed_results.get("trl", {}):
+            stop = targets(curve(seed_results["trl"], 1))
+            stop = {"target_accuracy": stop[f"{round(100 * GAIN_FRACTIONS[-1])}% of TRL's gain"]} if stop else {}
+        run.say(f"seed {seed} {name}: up to {seconds:.0f} s of training{cut}" + (
+            f", stopping at TRL's final accuracy {100 * stop['target_accuracy']:.1f}% (mean of its last "
+            f"{FINAL_EVALUATIONS} evaluations)" if stop else ""))
+        run_spec = {**spec, "seed": seed, "max_seconds": seconds, "out_dir": str(out / f"seed{seed}" / f"{name}_run"),
+                    "hybridrl_overrides": overrides, **stop}
+        result = seed_results[name] = run_side("trl" if name == "trl" else "hybridrl", name, run_spec,
+                                               out / f"seed{seed}", args.trl_python,
+                                               run.left() - 5 - later * LOAD_SECONDS)
+        run.save(f"seed{seed}/{name}", result)
+        points = curve(result, 1) if "accuracy" in result else []
+        final = final_accuracy(points) if points else None
+        run.say(f"seed {seed} {name}: " + (f"failed: {result['error']}; " if "error" in result else "")
+                + f"{len(result.get('step_seconds', []))} steps, {result.get('train_seconds', 0.0):.1f} s of training"
+                + (f", final {100 * final:.1f}%" if final is not None else ""))
     return results
 
 
@@ -353,19 +471,24 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     model, data = prepare(args, out, run)
     spec = {**spec_for(args, 0, model, data), "device": args.device, "eval_steps": DENSE_EVALUATIONS}
-    results = race(args, spec, out, run, has_trl)
-    lines, figures = summary(results, args.prompts_per_step * args.group_size)
+    results = run_seeds(args, spec, out, run, has_trl)
+    samples_per_step = args.prompts_per_step * args.group_size
+    per_seed = {seed: summary(seed_results, samples_per_step) for seed, seed_results in results.items()}
+    seed_lines, figures = across_seeds({seed: seed_figures for seed, (_, seed_figures) in per_seed.items()})
     prompts = [json.loads(line)["prompt"] for line in data["train"].read_text().splitlines()]
     figures["floor"] = step_floor(model, args, round(statistics.mean(map(len, prompts))))  # a character is a token
+    figures["seeds"] = {seed: seed_figures for seed, (_, seed_figures) in per_seed.items()}
     run.save("summary", figures)
     model_name = f"the SFT model {args.sft_model}" if args.sft_model else f"{args.body} body"
     print(f"\ntime to accuracy ({model_name}, demo task, {args.prompts_per_step} prompts x {args.group_size} "
-          f"samples per step, lr {args.lr}, one seed; training seconds exclude evaluations):")
-    print("\n".join(lines))
-    for side, facts in figures["steps"].items():
-        if facts["median_step_s"]:
-            print(f"{side}'s median step is {facts['median_step_s'] / figures['floor']['step_s']:.1f}x the floor of "
-                  f"one step ({1000 * figures['floor']['step_s']:.1f} ms at the H200's rates)")
+          f"samples per step, lr {args.lr}; training seconds exclude evaluations):")
+    for seed, (lines, _) in per_seed.items():
+        print(f"-- seed {seed}\n" + "\n".join(lines))
+    print(f"-- over {len(per_seed)} seed{'s' if len(per_seed) > 1 else ''}\n" + "\n".join(seed_lines))
+    for side, seed_figures in figures["seeds"].get(0, {}).get("steps", {}).items():
+        if seed_figures["median_step_s"]:
+            print(f"{side}'s median step (seed 0) is {seed_figures['median_step_s'] / figures['floor']['step_s']:.1f}x "
+                  f"the floor of one step ({1000 * figures['floor']['step_s']:.1f} ms at the H200's rates)")
     run.say(f"done; JSON in {run.path}")
 
 
