@@ -4,6 +4,7 @@ steady one of the real trainer, 358M-parameter Qwen2.5-0.5B body with the demo's
 
     python -m benchmarks.profiling.update_cost            # one GPU, random init (no SFT): ~1 minute
     python -m benchmarks.profiling.update_cost --tiny     # CPU, a tiny body: that it runs
+    python -m benchmarks.profiling.update_cost --compare-graphs   # eager against CUDA graphs, alternating
 
 Printed: each step's phases (`timing/*`); the first update's Python profile (cumulative seconds per function: what
 compiles or warms up) and torch.compile's frame counters; then one steady batch updated `--repeats` times
@@ -11,7 +12,9 @@ compiles or warms up) and torch.compile's frame counters; then one steady batch 
 rollout), alternating, the host syncs one steady update makes (`torch.cuda.set_sync_debug_mode`) and a
 torch.profiler table of one steady update (self CPU time per operation, and the kernels' GPU time), with the
 update's wall time against its GPU busy time. At this size the update is bound by the host, so the gap between the
-two is what fewer launches, passes and syncs can win."""
+two is what fewer launches, passes and syncs can win. `--compare-graphs` builds the trainer with `actor.cuda_graphs=true`
+(`training/graphed_pass.py`) and alternates the steady updates between its graphs and the eager pass (the runner
+taken away), then syncs and profiles both."""
 
 from __future__ import annotations
 
@@ -110,6 +113,23 @@ def timed_updates(trainer, batch, repeats: int) -> dict[str, list[tuple[float, i
     return runs
 
 
+def graph_modes(trainer) -> dict:
+    """`--compare-graphs`: the trainer's graph runner (`parts.actor_graphs`) on and taken away (eager)."""
+    return {"CUDA graphs": trainer.parts.actor_graphs, "eager": None}
+
+
+def timed_graph_modes(trainer, batch, repeats: int) -> dict[str, list[tuple[float, int]]]:
+    """Updates with the graph runner and without, alternating (the same trainer, batch and process)."""
+    modes = graph_modes(trainer)
+    runs = {name: [] for name in modes}
+    for _ in range(repeats):
+        for name, runner in modes.items():
+            trainer.parts.actor_graphs = runner
+            runs[name].append(timed_update(trainer, batch))
+    trainer.parts.actor_graphs = modes["CUDA graphs"]
+    return runs
+
+
 def count_syncs(trainer, batch) -> int:
     """Host syncs of one update, as torch's sync debug mode warns about them (CUDA only; -1 elsewhere)."""
     if not torch.cuda.is_available():
@@ -158,8 +178,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cudnn-attention", action="store_true",
                         help="torch.backends.cuda.enable_cudnn_sdp(False): SDPA picks flash or memory-efficient "
                              "attention instead of cuDNN's (whose kernels are built at a shape's first call)")
+    parser.add_argument("--compare-graphs", action="store_true",
+                        help="actor.cuda_graphs=true, and the steady updates alternate graphs and eager")
     parser.add_argument("--out-dir", default="runs/update_cost")
     args = parser.parse_args(argv)
+    if args.compare_graphs:
+        args.overrides = [*args.overrides, "actor.cuda_graphs=true"]
     args.body, args.device = ("tiny", "cpu") if args.tiny else ("0.5b", "cuda" if torch.cuda.is_available() else "cpu")
     if args.tiny:
         args.steps, args.repeats = min(args.steps, 2), min(args.repeats, 2)
@@ -180,13 +204,17 @@ def main(argv: list[str] | None = None) -> None:
     batch = steady_batch(trainer)
     print(f"steady batch: {tuple(batch.input_ids.shape)}, {int(batch.attention_mask.sum())} real tokens, "
           f"response width {batch.response_length}")
-    for name, runs in timed_updates(trainer, batch, args.repeats).items():
+    timed = timed_graph_modes if args.compare_graphs else timed_updates
+    for name, runs in timed(trainer, batch, args.repeats).items():
         seconds = [run[0] for run in runs]
         print(f"steady update, {name}: median {statistics.median(seconds):.4f} s, min {min(seconds):.4f} s over "
               f"{len(seconds)}; cudaMalloc segments per update {statistics.median(run[1] for run in runs):.0f}",
               flush=True)
-    print(f"host syncs in one update: {count_syncs(trainer, batch)}")
-    profile_table(trainer, batch, args.rows)
+    modes = graph_modes(trainer) if args.compare_graphs else {"": trainer.parts.actor_graphs}
+    for name, runner in modes.items():
+        trainer.parts.actor_graphs = runner
+        print(f"{name or 'this'} update: host syncs in one update: {count_syncs(trainer, batch)}")
+        profile_table(trainer, batch, args.rows)
 
 
 if __name__ == "__main__":

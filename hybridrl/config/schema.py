@@ -381,6 +381,16 @@ class ActorConfig:
     offload_during_rollout: bool = False
     """Hybrid engine: move optimizer state to CPU memory while generating (room for a larger KV cache),
     and back before the update; the switch time is logged as `perf/weight_sync_s`."""
+    cuda_graphs: bool | Literal["auto"] = False
+    """Replay the update's training pass (forward, loss and backward of a micro-batch) as a CUDA graph
+    (`training/graphed_pass.py`): each micro-batch is padded to a bucket shape (rows to the micro-batch size,
+    columns up to a few bucket widths), the first update of a shape runs eagerly, the second captures it.
+    Saves the host's kernel launches where they, not the GPU, set the update's time (short sequences). Costs:
+    the gradients (2 bytes per bf16 parameter) and the captured pass's activations stay allocated between
+    updates. `auto`: on CUDA for micro-batches small enough to be host-bound
+    (`graphed_pass.AUTO_MAX_PARAMETER_TOKENS`); off, with the reason logged, where the pass cannot be captured
+    (CPU, several GPUs, LoRA, gradient checkpointing, model.compile, packing by tokens, shared prompts,
+    attention other than sdpa/eager)."""
 
 
 @dataclass

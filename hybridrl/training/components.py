@@ -39,6 +39,7 @@ from hybridrl.rollout.engine.backend import BuiltinBackend
 from hybridrl.rollout.engine.kernel_choices import auto_compiles, light_rollout
 from hybridrl.rollout.hf import HFBackend
 from hybridrl.training.episodes import EPISODE_COLUMNS, EpisodeRollout, build_environment, build_episode_rollout
+from hybridrl.training.graphed_pass import GraphedPass, build_graphed_pass
 from hybridrl.training.optim import build_optimizer, build_scheduler
 from hybridrl.training.shared_prompt import attention_problem, uses_flex_attention
 
@@ -64,6 +65,7 @@ class Components:
     eval_dataset: PromptDataset | None
     reference_offload: HostOffloadedWeights | None = None  # `model.reference_offload`: weights on the host
     episodes: EpisodeRollout | None = None  # `env`: multi-turn episodes (`episodes.py`); None: one turn
+    actor_graphs: GraphedPass | None = None  # `actor.cuda_graphs`: the update's pass as CUDA graphs; None: eager
 
 
 def resolve_device(name: str) -> torch.device:
@@ -256,4 +258,5 @@ def build_components(config: Config, actor: HFModel | None = None, reward_fn: An
         critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
         rollout=rollout, setup=setup, rewards=rewards, dataset=dataset, eval_dataset=eval_dataset,
         reference_offload=reference_offload,
-        episodes=build_episode_rollout(config, environment, tokenizer, rollout, pad_id, setup))
+        episodes=build_episode_rollout(config, environment, tokenizer, rollout, pad_id, setup),
+        actor_graphs=build_graphed_pass(config, model, device, setup.world_size))

@@ -174,7 +174,8 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
                       position_ids: torch.Tensor, response_length: int, temperature: float = 1.0,
                       with_entropy: bool = False, chunk_tokens: int | None = None,
                       pack: bool | None = None, real_tokens: int | None = None,
-                      prompt_layout: PromptLayout | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      prompt_layout: PromptLayout | None = None,
+                      fixed_shape: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(response token t | prefix) for the last `response_length` columns: (B, R) float32, and entropy.
 
     `pack`: remove padding by packing sequences into rows (None: when at least 1/8 of the tokens are padding and
@@ -183,6 +184,8 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     and rows without any padding then run with no mask at all (causal attention, no mask checks).
     `prompt_layout`: which prompt each row answers (and its lengths, on the host); rows of one prompt then
     share one pass over it (`shared_prompt.py`, `actor.share_prompt_tokens`).
+    `fixed_shape`: the padded rows as they are, with their attention mask, whatever the padding (no packing, no
+    host read): the same kernels at every call, as a CUDA graph of the pass needs (`graphed_pass.py`).
     Values at padded response positions are 0.
     """
     model, context = _model_and_context(model)
@@ -196,6 +199,8 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
         attention_options = flex_kernel_options(model, input_ids.device)
     else:
         attention_options = {}
+        if fixed_shape:
+            pack, real_tokens = False, -1  # never packed, the mask always kept
         if real_tokens is None:
             real_tokens = int(attention_mask.sum().item())
         plan = None

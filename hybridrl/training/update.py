@@ -121,13 +121,23 @@ def clip_and_step(parameters: list[torch.nn.Parameter], optimizer: torch.optim.O
     return norm_value, loss_value
 
 
-def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Generator, micro_loss,
+def with_backward(micro_loss):
+    """`micro_loss(part, norm, rows) -> (loss, stats)` as a micro-step for `run_epochs`: the loss's backward, then
+    the loss detached and the stats."""
+    def micro_step(part: RolloutBatch, norm: dict[str, float], rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        loss, stats = micro_loss(part, norm, rows)
+        loss.backward()
+        return loss.detach(), stats
+    return micro_step
+
+
+def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Generator, micro_step,
                model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float,
                loss_name: str, check_loss, loss_mask: torch.Tensor | None = None,
                share_prompts: bool = False) -> dict[str, float]:
     """Shuffled mini-batches (one optimizer step each) over `ppo_epochs`, gradients accumulated over
-    micro-batches. `micro_loss(part, norm, rows) -> (loss, stats)` with stats that are means over the loss's
-    tokens; returns them averaged over every rank's loss tokens (so they do not depend on how the batch was
+    micro-batches. `micro_step(part, norm, rows) -> (detached loss, stats)` runs a micro-batch's forward and
+    backward (`with_backward`), with stats that are means over the loss's tokens; returns them averaged over every rank's loss tokens (so they do not depend on how the batch was
     cut into micro-batches or ranks), and the loss and gradient norm summed within a mini-batch and averaged
     over mini-batches.
 
@@ -158,9 +168,8 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
         with fsdp.gathered_for_micro_batches(model, gather_once):
             for index, micro in enumerate(micros):
                 fsdp.sync_gradients(model, index == len(micros) - 1, gather_once)
-                loss, stats = micro_loss(batch.select(micro), norm, micro)
-                loss.backward()
-                loss_value = loss.detach().float()
+                loss_value, stats = micro_step(batch.select(micro), norm, micro)
+                loss_value = loss_value.float()
                 mini_loss = loss_value if mini_loss is None else mini_loss + loss_value.to(mini_loss.device)
                 weight = token_mask[host_to_device(micro, token_mask.device)].sum().float()
                 tokens = tokens + weight
@@ -177,8 +186,36 @@ def run_epochs(parts, config: Config, batch: RolloutBatch, generator: torch.Gene
             **{key: value / num_minis for key, value in per_mini.items()}}
 
 
+def actor_pass(actor: torch.nn.Module, part: RolloutBatch, norm: dict, temperature: float, a, reuse_old_logp: bool,
+               **logprob_options) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """The policy loss of a micro-batch (`a`: `config.algorithm`), its detached stats and the detached log-probs
+    (B, R). `reuse_old_logp`: the old log-probs are these log-probs (on-policy, `actor.reuse_logprobs_on_policy`).
+    `logprob_options` go to `response_logprobs`. Free of host syncs with `fixed_shape=True`: what a CUDA graph of the
+    pass captures (`graphed_pass.py`)."""
+    logp, entropy = response_logprobs(actor, part.input_ids, part.attention_mask, part.position_ids,
+                                      part.response_length, temperature, with_entropy=True, **logprob_options)
+    mask = part.response_mask if part.loss_mask is None else part.loss_mask
+    old_logp = logp.detach() if reuse_old_logp else part.old_logp
+    loss, stats = algorithms.policy_loss(
+        logp, old_logp, part.advantages, mask, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
+        dual_clip=a.dual_clip, aggregation=a.loss_aggregation, ratio_level=a.ratio_level,
+        sampler_logp=part.sampler_logp, correction_cap=a.rollout_correction_cap, loss_type=a.policy_loss,
+        sapo_temperatures=(a.sapo_temperature_positive, a.sapo_temperature_negative),
+        sequence_mask_threshold=a.rollout_sequence_mask_threshold, **norm)
+    entropy_term = algorithms.aggregate_loss(entropy, mask, a.loss_aggregation, **norm)
+    loss = loss - a.entropy_coef * entropy_term
+    stats = {**stats, "entropy": algorithms.masked_mean(entropy.detach(), mask)}
+    if part.ref_logp is not None and not a.kl_in_reward:
+        kl = algorithms.kl_penalty(logp, part.ref_logp, a.kl_estimator)
+        loss = loss + a.kl_coef * algorithms.aggregate_loss(kl, mask, a.loss_aggregation, **norm)
+    if part.ref_logp is not None:
+        stats["kl"] = algorithms.masked_mean(algorithms.kl_penalty(logp.detach(), part.ref_logp, a.kl_estimator), mask)
+    return loss, stats, logp.detach()
+
+
 def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Generator, step: int) -> dict[str, float]:
-    """Policy-gradient epochs over the rollout batch; returns averaged `actor/*` metrics."""
+    """Policy-gradient epochs over the rollout batch; returns averaged `actor/*` metrics. Micro-batches run through
+    the actor's CUDA graphs where `actor.cuda_graphs` built them (`parts.actor_graphs`), else eagerly."""
     a = config.algorithm
     # On-policy (compute_logprobs skipped the old-policy pass): each row's old log-probs are its own
     # detached log-probs in the one update pass; kept to fill batch.old_logp for the rollout metrics.
@@ -187,37 +224,29 @@ def update_actor(parts, config: Config, batch: RolloutBatch, generator: torch.Ge
     share = config.actor.share_prompt_tokens
     layout = PromptLayout.of(batch.attention_mask, batch.input_ids.shape[1] - batch.response_length,
                              batch.prompt_index.tolist()) if share else None
+    temperature, graphs = batch.sampling.temperature, getattr(parts, "actor_graphs", None)
+    rows_per_micro = min(config.actor.micro_batch_size, config.actor.mini_batch_size or len(batch))
 
-    def micro_loss(part: RolloutBatch, norm: dict[str, float], rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        logp, entropy = response_logprobs(parts.actor, part.input_ids, part.attention_mask, part.position_ids,
-                                          part.response_length, batch.sampling.temperature, with_entropy=True,
-                                          real_tokens=sum(lengths[row] for row in rows.tolist()),
-                                          prompt_layout=layout.select(rows.tolist()) if share else None)
-        mask = part.response_mask if part.loss_mask is None else part.loss_mask
-        old_logp = part.old_logp
+    def graphed(part: RolloutBatch, norm: dict) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        return actor_pass(parts.actor, part, norm, temperature, a, reused is not None, fixed_shape=True)
+
+    def micro_step(part: RolloutBatch, norm: dict[str, float], rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        result = graphs.run(part, norm, rows_per_micro, graphed) if graphs is not None else None
+        if result is None:
+            loss, stats, logp = actor_pass(parts.actor, part, norm, temperature, a, reused is not None,
+                                           real_tokens=sum(lengths[row] for row in rows.tolist()),
+                                           prompt_layout=layout.select(rows.tolist()) if share else None)
+            loss.backward()
+            result = loss.detach(), stats, logp
+        loss, stats, logp = result
         if reused is not None:
-            old_logp = logp.detach()
-            reused[host_to_device(rows, reused.device)] = old_logp.float()
-        loss, stats = algorithms.policy_loss(
-            logp, old_logp, part.advantages, mask, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
-            dual_clip=a.dual_clip, aggregation=a.loss_aggregation, ratio_level=a.ratio_level,
-            sampler_logp=part.sampler_logp, correction_cap=a.rollout_correction_cap, loss_type=a.policy_loss,
-            sapo_temperatures=(a.sapo_temperature_positive, a.sapo_temperature_negative),
-            sequence_mask_threshold=a.rollout_sequence_mask_threshold, **norm)
-        entropy_term = algorithms.aggregate_loss(entropy, mask, a.loss_aggregation, **norm)
-        loss = loss - a.entropy_coef * entropy_term
-        stats = {**stats, "entropy": algorithms.masked_mean(entropy.detach(), mask)}
-        if part.ref_logp is not None and not a.kl_in_reward:
-            kl = algorithms.kl_penalty(logp, part.ref_logp, a.kl_estimator)
-            loss = loss + a.kl_coef * algorithms.aggregate_loss(kl, mask, a.loss_aggregation, **norm)
-        if part.ref_logp is not None:
-            stats["kl"] = algorithms.masked_mean(algorithms.kl_penalty(logp.detach(), part.ref_logp, a.kl_estimator), mask)
+            reused[host_to_device(rows, reused.device)] = logp.float()
         return loss, stats
 
     def check_loss(loss: float) -> None:
         check_finite(loss, "actor loss", step, "lower actor.lr, check rewards, or raise actor.max_grad_norm clipping.")
 
-    metrics = run_epochs(parts, config, batch, generator, micro_loss, parts.actor, parts.actor_optimizer,
+    metrics = run_epochs(parts, config, batch, generator, micro_step, parts.actor, parts.actor_optimizer,
                          config.actor.max_grad_norm, "policy_loss", check_loss, batch.loss_mask, share_prompts=share)
     if reused is not None:
         batch.old_logp = process_group.all_reduce(reused, parts.setup)  # ranks hold disjoint rows
@@ -240,7 +269,7 @@ def update_critic(parts, config: Config, batch: RolloutBatch, generator: torch.G
     def check_loss(loss: float) -> None:
         check_finite(loss, "critic loss", 0, "lower critic.lr or check rewards.")
 
-    metrics = run_epochs(parts, config, batch, generator, micro_loss, parts.critic, parts.critic_optimizer,
+    metrics = run_epochs(parts, config, batch, generator, with_backward(micro_loss), parts.critic, parts.critic_optimizer,
                          config.critic.max_grad_norm, "value_loss", check_loss)
     parts.critic_scheduler.step()
     metrics = {f"critic/{key}": value for key, value in metrics.items()}
