@@ -245,9 +245,9 @@ class GraphedPass:
                  compute: Pass) -> _Captured:
         static = {name: tensor.clone() for name, tensor in inputs.items()}
         static_norm = norm_values.clone()
-        graph = torch.cuda.CUDAGraph()
+        graph, stream = torch.cuda.CUDAGraph(), self._side_stream()
         # thread_local: another thread's host sync (an asynchronous rollout worker) does not break this capture
-        with torch.cuda.graph(graph, pool=self.pool, stream=self._side_stream(), capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
             loss, stats, logp = compute(dataclasses.replace(padded, **static), normalizers(static_norm))
             loss.backward()
         return _Captured(graph, static, static_norm, (loss.detach(), stats, logp))
