@@ -90,14 +90,16 @@ def test_every_arm_gets_its_ratio_and_the_seeds_their_median_and_range():
 
 
 def test_the_budget_leaves_each_side_its_load_time_and_evaluations():
-    # 200 s left, two sides: 200 - 5 - 2 x 15 = 165 s, of which 1 / 1.3 trains
-    assert tta.training_seconds(200, sides=2) == pytest.approx(165 / 1.3)
-    assert tta.training_seconds(100, sides=1) == pytest.approx(80 / 1.3)
+    # 200 s left, two sides: 200 - 5 - 2 x 12 = 171 s, of which 1 / 1.3 trains
+    assert tta.training_seconds(200, sides=2) == pytest.approx(171 / 1.3)
+    assert tta.training_seconds(100, sides=1) == pytest.approx(83 / 1.3)
 
 
 def test_a_short_budget_cuts_every_queued_run_alike():
-    # 200 s left for runs wanting 60, 30, 30: (200 - 5 - 45) / 1.3 = 115.4 s for 120 wanted, so 60 x 115.4 / 120
-    assert tta.fitted_seconds([60, 30, 30], 200) == pytest.approx(60 * (150 / 1.3) / 120)
+    # 200 s left for runs wanting 60, 30, 30: (200 - 5 - 36) / 1.3 = 122.3 s for 120 wanted: ample
+    assert tta.fitted_seconds([60, 30, 30], 200) == 60
+    # 150 s: (150 - 5 - 36) / 1.3 = 83.8 s for 120 wanted, so 60 x 83.8 / 120
+    assert tta.fitted_seconds([60, 30, 30], 150) == pytest.approx(60 * (109 / 1.3) / 120)
     assert tta.fitted_seconds([30, 30], 1000) == 30  # room enough: what it wants
     assert tta.fitted_seconds([30, 30], 20) == 0  # not even the loads fit
 
@@ -131,19 +133,20 @@ def test_seeds_run_trl_first_then_each_arm_stopping_at_that_seeds_trl_final(tmp_
 def test_runs_the_budget_cannot_hold_are_cut_with_a_line_and_skipped_below_5_seconds(tmp_path, monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(tta, "run_side", fake_worker_results(calls))
-    # 100 s for 4 runs wanting 110 + 70 twice: (100 - 5 - 60) / 1.3 = 26.9 s for 360 wanted, each cut to 7.5%
-    args = tta.parse_args(["--seeds", "2", "--budget", "100"])
+    # 100 s for 4 runs wanting 110 + 70 twice: (100 - 5 - 48) / 1.3 = 36.2 s for 360 wanted, each cut to 10%
+    args = tta.parse_args(["--seeds", "2", "--budget", "100", "--trl-seconds", "110", "--hybridrl-seconds", "70"])
     tta.run_seeds(args, {"threads": 1}, tmp_path, tta.Run(args, tmp_path), has_trl=True)
-    # the fake runs take no time, so the next run shares the same 100 s with the two after it: (100 - 50) / 1.3 for
+    # the fake runs take no time, so the next run shares the same 100 s with the two after it: (100 - 41) / 1.3 for
     # 70 + 110 + 70 wanted
-    assert [call[3] for call in calls[:2]] == pytest.approx([110 * (35 / 1.3) / 360, 70 * (50 / 1.3) / 250], rel=1e-3)
-    assert "seed 0 trl: up to 8 s of training (cut from 110 s: 100 s left for 4 runs)" in capsys.readouterr().out
+    assert [call[3] for call in calls[:2]] == pytest.approx([110 * (47 / 1.3) / 360, 70 * (59 / 1.3) / 250], rel=1e-3)
+    assert "seed 0 trl: up to 11 s of training (cut from 110 s: 100 s left for 4 runs)" in capsys.readouterr().out
     calls.clear()
-    args = tta.parse_args(["--seeds", "1", "--budget", "40"])  # (40 - 35) / 1.3 = 3.8 s for both: TRL skipped
+    # (36 - 29) / 1.3 = 5.4 s for 110 + 70 wanted: TRL's 3.3 s is under 5 s, so it is skipped
+    args = tta.parse_args(["--seeds", "1", "--budget", "36", "--trl-seconds", "110", "--hybridrl-seconds", "70"])
     tta.run_seeds(args, {"threads": 1}, tmp_path, tta.Run(args, tmp_path), has_trl=True)
-    assert "seed 0 trl: skipped, 40 s left for 2 runs (raise --budget)" in capsys.readouterr().out
-    # then hybridrl alone: (40 - 20) / 1.3 = 15.4 s for its 70 wanted, over 5 s: it runs, with no TRL target
-    assert [call[2:5] for call in calls] == [("hybridrl", pytest.approx(20 / 1.3, rel=1e-3), None)]
+    assert "seed 0 trl: skipped, 36 s left for 2 runs (raise --budget)" in capsys.readouterr().out
+    # then hybridrl alone: (36 - 17) / 1.3 = 14.6 s for its 70 wanted, over 5 s: it runs, with no TRL target
+    assert [call[2:5] for call in calls] == [("hybridrl", pytest.approx(19 / 1.3, rel=1e-3), None)]
 
 
 def test_variants_and_seeds_are_checked():
