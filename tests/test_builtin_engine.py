@@ -622,7 +622,8 @@ def test_a_new_sampler_is_warmed_up_before_capture_even_at_known_shapes(monkeypa
     """A greedy call after a sampled one with the same tensor shapes: the greedy sampler has never run, so its
     first step must run for real (a warm-up, where a compiled sampler compiles) before any capture; capturing it
     straight away compiled inside the CUDA-graph capture, which fails. The same call again captures without a
-    warm-up; a new temperature, batch or length warms up again. Tokens equal the engine without graphs."""
+    warm-up; a new temperature, batch or length warms up again. Tokens equal the engine without graphs. (Runs are not
+    kept, so every call captures: a kept run's graphs would replay without any capture, `test_kept_runs.py`.)"""
     model = make_model("qwen2")
     prompts = [[3, 4, 5], [9, 10, 11], [12, 13, 14], [15, 16, 17], [1, 2, 3], [6, 7, 8], [18, 19, 20], [21, 22, 23]]
     calls = [(prompts[:4], SamplingParams(max_new_tokens=8, n=2, temperature=1.0, seed=1, ignore_eos=True)),
@@ -631,7 +632,7 @@ def test_a_new_sampler_is_warmed_up_before_capture_even_at_known_shapes(monkeypa
              (prompts, SamplingParams(max_new_tokens=8, temperature=0.7, seed=2, ignore_eos=True)),
              (prompts[:3], SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)),
              (prompts[:5], SamplingParams(max_new_tokens=12, n=3, temperature=1.0, top_p=0.8, seed=3, ignore_eos=True))]
-    engine, graphs = engine_with_recorded_graphs(model, monkeypatch, sync_every=3)
+    engine, graphs = engine_with_recorded_graphs(model, monkeypatch, sync_every=3, keep_runs=False)
     reference = BuiltinBackend(model, sync_every=3, use_cuda_graphs=False)
     for index, (call_prompts, params) in enumerate(calls):
         graphs.events.clear()

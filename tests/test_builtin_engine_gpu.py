@@ -20,7 +20,8 @@ def test_cuda_graphs_match_eager_and_hf(family):
     model = (make_lora_model("qwen2") if family == "qwen2-lora" else make_model(family)).cuda()
     prompts = [[i + 1, i + 2, i + 3, i + 4][: 1 + i % 4] for i in range(9)]
     greedy = SamplingParams(max_new_tokens=20, temperature=0, n=2)
-    graphed_engine = BuiltinBackend(model, max_num_seqs=5, sync_every=3)  # compiled by default on CUDA
+    # compiled by default on CUDA; nothing kept, so the second call captures again (`test_kept_runs.py` keeps)
+    graphed_engine = BuiltinBackend(model, max_num_seqs=5, sync_every=3, keep_runs=False)
     graphed = graphed_engine.generate(prompts, greedy)
     assert graphed_engine.last_stats["graphs_captured"] >= 1 and graphed_engine.last_stats["compiled"]
     assert graphed_engine.last_stats["captures_without_warmup"] == 0
@@ -40,7 +41,7 @@ def test_cuda_graphs_match_eager_and_hf(family):
                                 pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"))
         assert generation.token_ids == output[0, len(prompt):].tolist()
     sampled = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, n=3, seed=5)
-    sampling_engine = BuiltinBackend(model, max_num_seqs=4)
+    sampling_engine = BuiltinBackend(model, max_num_seqs=4, keep_runs=False)
     graphed = sampling_engine.generate(prompts, sampled)
     eager = BuiltinBackend(model, max_num_seqs=4, use_cuda_graphs=False, compile=False).generate(prompts, sampled)
     assert [g.token_ids for g in graphed] == [g.token_ids for g in eager]
@@ -64,12 +65,13 @@ def test_cuda_graphs_match_eager_and_hf(family):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_repeated_rollouts_hold_no_more_memory():
-    """Each rollout captures its graphs again (the KV cache is freed in between); what it leaves allocated
-    must not grow from one rollout to the next (a new warm-up stream per rollout would hold a new cuBLAS
-    workspace every step)."""
+@pytest.mark.parametrize("keep_runs", [False, True])
+def test_repeated_rollouts_hold_no_more_memory(keep_runs):
+    """Each rollout captures its graphs again (the KV cache is freed in between), or replays those of the run kept
+    from the rollout before; what it leaves allocated must not grow from one rollout to the next (a new warm-up
+    stream per rollout would hold a new cuBLAS workspace every step)."""
     model = make_model("qwen2").cuda()
-    engine = BuiltinBackend(model, max_num_seqs=4, release_after_generate=True)
+    engine = BuiltinBackend(model, max_num_seqs=4, release_after_generate=True, keep_runs=keep_runs)
     params = SamplingParams(max_new_tokens=8, temperature=0.8, n=2, seed=1)
     held = []
     for _ in range(4):
@@ -77,7 +79,7 @@ def test_repeated_rollouts_hold_no_more_memory():
         engine.release_memory()
         torch.cuda.synchronize()
         held.append(torch.cuda.memory_allocated())
-    assert engine.last_stats["graphs_captured"] >= 1
+    assert engine.last_stats["graphs_kept" if keep_runs else "graphs_captured"] >= 1
     assert held[1] == held[2] == held[3], held
 
 
@@ -88,7 +90,8 @@ def test_prefill_capture_and_slot_bookkeeping_never_wait_for_the_gpu(monkeypatch
     synchronizing op among them (`tensor[index] = 1` copies the 1 from pageable memory) would leave the GPU
     idle every rollout. Under sync debug mode "error" any such op raises."""
     model = make_model("qwen2").cuda()
-    engine = BuiltinBackend(model, max_num_seqs=5, sync_every=3)  # continuous batching: prefill waves, frees
+    # continuous batching: prefill waves, frees; nothing kept, so the second call captures again
+    engine = BuiltinBackend(model, max_num_seqs=5, sync_every=3, keep_runs=False)
     params = SamplingParams(max_new_tokens=9, temperature=0.8, n=2, seed=3)
     first = engine.generate(PROMPTS, params)  # compiles and warms every shape
 

@@ -11,7 +11,9 @@ loop over the two:
 4. sync: read which slots finished (stop token or length), check stop strings on the host, harvest finished
    sequences and free their slots, compact the live ones into a smaller bucket; back to 2 while anything waits
    or runs;
-5. end: free the KV cache and graphs (unless `release_after_generate=False`) and report `last_stats`.
+5. end: free the KV cache and graphs (unless `release_after_generate=False`) and report `last_stats`; a small call
+   keeps them for the next call of its shape instead (`kept_runs.py`: a trainer's short rollouts are mostly this
+   fixed cost otherwise).
 
 Host syncs happen every `sync_every` steps, or earlier when the next length limit is due. A slot that finishes
 between syncs idles until the next one. Prompt-major output order, as in `base.py`.
@@ -63,6 +65,8 @@ class BuiltinBackend:
     the tokens they sampled, and re-admitted, their context is prefilled again and decoding continues after them;
     `last_stats` counts `preemptions` and `refilled_tokens`), read by its own attention (`kernels/paged_attention.py`);
     "contiguous" the layouts above (room for the longest response in every slot); "auto" is contiguous.
+    keep_runs: keep a small call's KV cache, state and CUDA graphs for the next call of the same shape and sampler
+    (`kept_runs.py`; `last_stats["graphs_kept"]` counts the graphs replayed from an earlier call).
     """
 
     supports = staticmethod(_supports)
@@ -85,6 +89,7 @@ class BuiltinBackend:
         dequantize_4bit: bool | str = "auto",
         kv_cache: str = "auto",
         kv_block_size: int = 64,
+        keep_runs: bool = True,
     ) -> None:
         ok, reason = _supports(model)
         if not ok:
@@ -106,7 +111,7 @@ class BuiltinBackend:
         self.sync_every, self.release_after_generate = sync_every, release_after_generate
         self.options = EngineOptions(kv_cache_memory, max_num_seqs, max_prefill_tokens, use_cuda_graphs, compile,
                                      attention, fuse_qkv, fuse_gate_up, sampler, dequantize_4bit, kv_cache,
-                                     kv_block_size)
+                                     kv_block_size, keep_runs)
         self.runner = ModelRunner(model, self.options)
         self.last_stats: dict = {}
 
@@ -154,7 +159,7 @@ class BuiltinBackend:
             finished = True
         finally:
             self.runner.record_scheduling(scheduler)
-            self.last_stats = self.runner.end(finished, release=self.release_after_generate)  # 5.
+            self.last_stats = self.runner.end(finished, release=self.release_after_generate, keep=True)  # 5.
         return results
 
     @torch.no_grad()
@@ -177,9 +182,11 @@ class BuiltinBackend:
         with torch.no_grad():  # grad mode is per thread, and run_sync may run this on a thread of its own
             return await loop.run()
 
-    def release_memory(self) -> None:
-        """Free the KV cache and CUDA graphs now (a `generate` with `release_after_generate=False` keeps them)."""
-        self.runner.release()
+    def release_memory(self, keep_small: bool = True) -> None:
+        """Free the KV cache and CUDA graphs now (a `generate` with `release_after_generate=False` keeps them), except
+        a small call's, kept for the next call of its shape (`kept_runs.py`) unless `keep_small=False` or the device
+        is short of memory."""
+        self.runner.release(keep=keep_small)
 
     def _harvest(self, scheduler: Scheduler, params: SamplingParams, stop_ids: set[int], results: list) -> None:
         """At a sync point: read the slots' progress, turn finished sequences (and those cut by a stop string)

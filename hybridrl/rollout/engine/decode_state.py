@@ -34,6 +34,14 @@ class DecodeState:
         self.stop_ids = host_to_device(torch.tensor(stop_ids or [-1], dtype=torch.long), device)
         self.max_new_tokens = max_new_tokens
 
+    def reset(self) -> None:
+        """Back to the state of a new `DecodeState`, in place (a kept run's graphs read these very tensors)."""
+        for tensor in (self.last_token, self.prompt_len, self.prompt_entry, self.out_tokens, self.out_logprobs,
+                       self.uniform_table):
+            tensor.zero_()
+        self.gen_len.fill_(1)
+        self.done.fill_(True)
+
     def per_slot(self) -> list[torch.Tensor]:
         return [self.last_token, self.prompt_len, self.prompt_entry, self.gen_len, self.done, self.out_tokens,
                 self.out_logprobs, self.uniform_table]

@@ -12,8 +12,9 @@ Triton sampling kernels run). Two calls with the same tensor shapes but a differ
 sampled one) are different signatures: without that, the new sampler compiled inside the capture.
 
 Graphs point at the tensors of one `generate` call (its KV cache, its per-slot state), so they are dropped when
-those are freed; the set of warmed signatures lives as long as the engine, so a later call of the same shapes and
-sampler captures without a warm-up, and the host can record the graph while the GPU still runs the prefill.
+those are freed, or kept with them for the next call of the same shape (`take`, `restore`; `kept_runs.py`); the set
+of warmed signatures lives as long as the engine, so a later call of the same shapes and sampler captures without a
+warm-up, and the host can record the graph while the GPU still runs the prefill.
 """
 
 from __future__ import annotations
@@ -48,9 +49,19 @@ def step_signature(batch: int, kv_len: int, sampler: Hashable, tensors) -> tuple
 
 
 @dataclass
+class CapturedGraphs:
+    """One call's graphs, their static inputs and memory pool, set aside to be replayed by a later call (`take`)."""
+
+    graphs: dict
+    inputs: dict
+    pool: object
+
+
+@dataclass
 class CaptureCounts:
     """What the graphs did during one `generate` call (reported in `last_stats`)."""
 
+    captured: int = 0
     captures_without_warmup: int = 0
     warmup_s: float = 0.0
 
@@ -76,6 +87,17 @@ class DecodeGraphs:
         stay."""
         self.graphs, self.inputs, self.tried_ahead, self.pool = {}, {}, set(), None
 
+    def take(self) -> CapturedGraphs:
+        """This call's graphs, set aside (for a later call on the same tensors); this object starts empty again."""
+        captured = CapturedGraphs(self.graphs, self.inputs, self.pool)
+        self.drop()
+        return captured
+
+    def restore(self, captured: CapturedGraphs) -> None:
+        """Replay `captured` (graphs recorded on the tensors this call reuses) instead of capturing them again."""
+        self.drop()
+        self.graphs, self.inputs, self.pool = captured.graphs, captured.inputs, captured.pool
+
     def step(self, key: Hashable, signature: Callable[[], tuple], run_step: Callable[[], None],
              counts: CaptureCounts, before_replay: Callable[[], None] = lambda: None) -> None:
         """Run one decode step of shape `key`: replay its graph, or warm up (if `signature()` is new) and capture
@@ -91,6 +113,7 @@ class DecodeGraphs:
                 self.warmed.add(signature)
             counts.captures_without_warmup += warmed
             graph = self.capture(key, run_step, synchronize=not warmed)
+            counts.captured += 1
             counts.warmup_s += time.perf_counter() - start
             if not warmed:
                 return
@@ -110,6 +133,7 @@ class DecodeGraphs:
         if signature() not in self.warmed:
             return False
         self.capture(key, run_step, synchronize=False)
+        counts.captured += 1
         counts.captures_without_warmup += 1
         counts.warmup_s += time.perf_counter() - start
         return True

@@ -6,8 +6,9 @@ the fused and dequantized copies that `resolve_weights` makes from the weights a
 the layout of the chosen `AttentionPath`, the per-slot `DecodeState`, the RoPE table, the seeded generator and the
 decode functions. Across calls it keeps what is costly to make and does not depend on the call's tensors: the
 compiled pieces (compiled once per engine: the trainer calls `generate` every step with the same shapes, so later
-calls reuse the compiled code) and the set of warmed step signatures (`graphs.py`); the CUDA graphs point at one
-call's KV cache and are captured again each call.
+calls reuse the compiled code) and the set of warmed step signatures (`graphs.py`). The CUDA graphs point at one
+call's KV cache and state: a small call keeps them, with the cache and state, for the next call of its shape
+(`kept_runs.py`); other calls capture them again.
 
 Nothing here synchronizes with the host except `read_progress` and `read_outputs`, which the engine calls at its
 sync points; host lists go to the device in one pinned, non-blocking copy (`host_to_device`).
@@ -23,6 +24,7 @@ from hybridrl.devices import host_to_device, release_cached_memory
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.decode_state import DecodeState, compiled_sample_and_record, sample_and_record
 from hybridrl.rollout.engine.graphs import CaptureCounts, DecodeGraphs, step_signature
+from hybridrl.rollout.engine.kept_runs import KeptRun, KeptRuns, run_key, weight_addresses
 from hybridrl.rollout.engine.kernel_choices import (
     AttentionPath,
     attention_path,
@@ -33,7 +35,14 @@ from hybridrl.rollout.engine.kernel_choices import (
     sampling_kernels_on,
 )
 from hybridrl.rollout.engine.blocks import BlockAllocator
-from hybridrl.rollout.engine.kv_cache import CacheGeometry, PagedKVCache, PrefixSharedKVCache, SlotKVCache, max_slots
+from hybridrl.rollout.engine.kv_cache import (
+    CacheGeometry,
+    PagedKVCache,
+    PrefixSharedKVCache,
+    SlotKVCache,
+    _round_up,
+    max_slots,
+)
 from hybridrl.rollout.engine.llama_forward import (
     EAGER_DECODE,
     DecodeFunctions,
@@ -72,6 +81,7 @@ class EngineOptions:
     dequantize_4bit: bool | str = "auto"
     kv_cache: str = "auto"
     kv_block_size: int = 64
+    keep_runs: bool = True
 
 
 @dataclass
@@ -82,6 +92,8 @@ class GenerateStats:
     decode_steps: int = 0
     prefill_waves: int = 0
     graphs_captured: int = 0
+    """Graphs recorded in this call; `graphs_kept` were recorded by an earlier call of this shape and replayed."""
+    graphs_kept: int = 0
     captures_without_warmup: int = 0
     warmup_s: float = 0.0
     compiled: bool = False
@@ -137,6 +149,22 @@ class RunState:
     counts: CaptureCounts = field(default_factory=CaptureCounts)
     kept: dict[int, KeptResponse] = field(default_factory=dict)
     """Paged: what preempted sequences had sampled, by sequence index, until their re-admission (`preemption.py`)."""
+    key: tuple | None = None
+    """What the run's tensors were made for (`kept_runs.run_key`); None for a layout that is never kept (paged)."""
+    addresses: tuple | None = None
+    """`kept_runs.weight_addresses` of the run's weights (with a key)."""
+
+
+def decode_step(run: RunState, batch: int, kv_len: int) -> None:
+    """Forward + sample + bookkeeping for slots 0..batch-1 of `run`, entirely on device (graph-capturable). The run
+    is bound when a step is captured, as a CUDA graph binds its tensors: a graph kept for a later call replays the
+    tensors of the call that captured it (`kept_runs.py` says when those are the later call's too)."""
+    state = run.state
+    logits = run.cache.decode(run.weights, run.cos, run.sin, state.last_token[:batch], state.prompt_len[:batch],
+                              state.gen_len[:batch], state.prompt_entry[:batch], kv_len, run.functions)
+    run.sampler(logits, run.settings, state.uniform_table[:batch], state.done[:batch], state.gen_len[:batch],
+                state.last_token[:batch], state.out_tokens[:batch], state.out_logprobs[:batch],
+                state.stop_ids, state.max_new_tokens)
 
 
 class ModelRunner:
@@ -149,6 +177,7 @@ class ModelRunner:
         self._packed_sizes: list[int] | None = None  # per layer, the bytes of its 4-bit weights at full precision
         self.cache: SlotKVCache | PrefixSharedKVCache | PagedKVCache | None = None
         self.run: RunState | None = None
+        self.kept = KeptRuns()
 
     # ---- one call -----------------------------------------------------------------------------------
     def begin(self, prompts: list[list[int]], params: SamplingParams, stop_ids: list[int],
@@ -173,30 +202,44 @@ class ModelRunner:
             raise ValueError(f"prompt + max_new_tokens ({geometry.max_len}) exceeds the model's sliding window "
                              f"({weights.sliding_window}); the built-in engine does not implement windowed caches.")
         num_sequences = num_sequences or len(prompts) * params.n
-        num_slots = self._allocate(geometry, path, num_sequences, device, dtype)
         settings = SamplerSettings(params.temperature, params.top_k, params.top_p, params.min_p)
+        key = None if path.layout is PagedKVCache or dequantized else run_key(
+            path.name, (_round_up(geometry.longest_prompt), _round_up(geometry.max_new_tokens), geometry.max_len),
+            len(prompts), num_sequences, params.max_new_tokens, stop_ids, settings, dtype, device)
+        kept = self.kept.take(key) if key is not None else None
+        addresses = weight_addresses(weights) if key is not None else None
+        if kept is not None:  # the same shape as a kept call: its tensors, and its graphs if the weights stayed put
+            num_slots, self.cache, state, cos, sin = kept.num_slots, kept.cache, kept.state, kept.cos, kept.sin
+            state.reset()
+            self.graphs.drop()
+            if kept.addresses == addresses:
+                self.graphs.restore(kept.graphs)
+        else:
+            num_slots = self._allocate(geometry, path, num_sequences, device, dtype)
+            state = DecodeState(num_slots, params.max_new_tokens, stop_ids, device)
+            cos, sin = rope_table(self.model, geometry.max_len, device, dtype)
         generator = torch.Generator(device=device)
         if params.seed is not None:
             generator.manual_seed(params.seed)
         else:
             generator.seed()
         uniforms = torch.rand(num_sequences, params.max_new_tokens, generator=generator, device=device)
-        cos, sin = rope_table(self.model, geometry.max_len, device, dtype)
         functions, sampler = self._decode_functions(device)
         # A 4-bit base is dequantized by bitsandbytes inside each step; whether its kernels capture into a
         # CUDA graph is unverified, so such models run the step uncaptured (per-layer work is large anyway).
         packed = any(is_packed_4bit(getattr(layer, name)) for layer in weights.layers for name in MATRICES)
         stats = GenerateStats(
-            num_slots=num_slots, compiled=self._compiles(device), attention=path.name,
+            num_slots=num_slots, graphs_kept=len(self.graphs.graphs), compiled=self._compiles(device),
+            attention=path.name,
             rope_in_attention=path.layout is not SlotKVCache and rotates_projections(weights),
             kv_cache="paged" if path.layout is PagedKVCache else "contiguous",
             kv_blocks=getattr(self.cache, "num_blocks", 0),
             fuse_gate_up=any(layer.gate_up_weight is not None for layer in weights.layers),
             dequantized_4bit_layers=dequantized,
             sampler=sampler_name(self.options.sampler, settings, device, weights.lm_head.shape[0]))
-        self.run = RunState(weights, self.cache, DecodeState(num_slots, params.max_new_tokens, stop_ids, device),
-                            uniforms, settings, generator, cos, sin, functions, sampler,
-                            self.options.use_cuda_graphs and not packed and device.type == "cuda", timeline, stats)
+        self.run = RunState(weights, self.cache, state, uniforms, settings, generator, cos, sin, functions, sampler,
+                            self.options.use_cuda_graphs and not packed and device.type == "cuda", timeline, stats,
+                            key=key, addresses=addresses)  # key None: never kept (paged; dequantized copies)
         return num_slots
 
     def block_allocator(self) -> BlockAllocator | None:
@@ -218,14 +261,19 @@ class ModelRunner:
             self.run.cache.clear_rows(host_to_device(torch.tensor(evicted), self.run.state.done.device))
         self.run.cache.write_blocks(writes)
 
-    def end(self, finished: bool, release: bool) -> dict:
-        """Close the call: its stats as a dict, and the KV cache freed when `release`."""
+    def end(self, finished: bool, release: bool, keep: bool = False) -> dict:
+        """Close the call: its stats as a dict, and the KV cache freed when `release`. `keep`: a finished call small
+        enough is kept for the next call of its shape (`kept_runs.py`), its graphs with it."""
         run, self.run = self.run, None
         stats = run.stats
-        stats.graphs_captured = len(self.graphs.graphs)
+        stats.graphs_captured = run.counts.captured
         stats.captures_without_warmup, stats.warmup_s = run.counts.captures_without_warmup, run.counts.warmup_s
         if finished:
             run.timeline.mark("harvested")
+        device = run.state.done.device
+        if keep and self.options.keep_runs and finished and run.key is not None and self.kept.fits(run.cache, run.state, run.weights, device):
+            self.kept.put(KeptRun(run.key, run.state.done.shape[0], run.cache, run.state, run.cos, run.sin,
+                                  self.graphs.take(), run.addresses), run.weights)
         if release:
             self.release()
         if finished:  # not after an error: reading the events would wait on a GPU that may have failed
@@ -233,14 +281,19 @@ class ModelRunner:
             stats.timeline_ms = run.timeline.report()
         return vars(stats).copy()
 
-    def release(self, empty_cache: bool = True) -> None:
+    def release(self, empty_cache: bool = True, keep: bool = True) -> None:
         """Free the KV cache and the graphs that point at it; with `empty_cache`, the allocator's unused blocks go
         back to the driver when the device is short of memory (`devices.release_cached_memory`, as at the trainer's
-        phase switch: handed back every rollout, the next phase took each segment again with a cudaMalloc)."""
+        phase switch: handed back every rollout, the next phase took each segment again with a cudaMalloc), and
+        then the kept runs go too, as they do without `keep`."""
         self.cache, self.run = None, None
         self.graphs.drop()
-        if empty_cache:
-            release_cached_memory(next(self.model.parameters()).device)
+        if not keep:
+            self.kept.clear()
+        device = next(self.model.parameters()).device
+        if empty_cache and release_cached_memory(device) and self.kept.runs:
+            self.kept.clear()
+            release_cached_memory(device)
 
     # ---- setup --------------------------------------------------------------------------------------
     def _weights(self) -> tuple[ModelWeights, int]:
@@ -253,7 +306,8 @@ class ModelRunner:
         packed_sizes = self._packed_sizes
         dequantize = (auto_dequantized_layers(self.model) if options.dequantize_4bit == "auto" and any(packed_sizes)
                       else len(packed_sizes) if options.dequantize_4bit is True else 0)
-        weights = resolve_weights(self.model, options.fuse_qkv, fuse_gate_up, dequantize_layers=dequantize)
+        weights = resolve_weights(self.model, options.fuse_qkv, fuse_gate_up, dequantize_layers=dequantize,
+                                  into=self.kept.weights)
         return weights, sum(size > 0 for size in packed_sizes[:dequantize])
 
     def _allocate(self, geometry: CacheGeometry, path: AttentionPath, num_sequences: int, device, dtype) -> int:
@@ -400,10 +454,10 @@ class ModelRunner:
         run = self.run
         for _ in range(steps):
             if not run.use_graphs:
-                self._decode_step(batch, kv_len)
+                decode_step(run, batch, kv_len)
                 continue
             self.graphs.step((batch, kv_len), lambda: self.step_signature(batch, kv_len),
-                             lambda: self._decode_step(batch, kv_len), run.counts,
+                             lambda: decode_step(run, batch, kv_len), run.counts,
                              before_replay=lambda: run.timeline.mark("replay"))
         run.stats.decode_steps += steps
 
@@ -414,22 +468,13 @@ class ModelRunner:
         run = self.run
         if run.use_graphs and kv_len:
             self.graphs.capture_ahead((batch, kv_len), lambda: self.step_signature(batch, kv_len),
-                                      lambda: self._decode_step(batch, kv_len), run.counts)
+                                      lambda: decode_step(run, batch, kv_len), run.counts)
 
     def step_signature(self, batch: int, kv_len: int) -> tuple:
         """What the decode step of this call at (batch, kv_len) is specialised for (see `graphs.py`)."""
         run = self.run
         return step_signature(batch, kv_len, (run.settings, run.stats.sampler),
                               (run.weights, run.cache, run.state, run.cos, run.sin))
-
-    def _decode_step(self, batch: int, kv_len: int) -> None:
-        """Forward + sample + bookkeeping for slots 0..batch-1, entirely on device (graph-capturable)."""
-        run, state = self.run, self.run.state
-        logits = run.cache.decode(run.weights, run.cos, run.sin, state.last_token[:batch], state.prompt_len[:batch],
-                                  state.gen_len[:batch], state.prompt_entry[:batch], kv_len, run.functions)
-        run.sampler(logits, run.settings, state.uniform_table[:batch], state.done[:batch], state.gen_len[:batch],
-                    state.last_token[:batch], state.out_tokens[:batch], state.out_logprobs[:batch],
-                    state.stop_ids, state.max_new_tokens)
 
     # ---- sync points --------------------------------------------------------------------------------
     def read_progress(self, batch: int) -> tuple[list[int], list[int]]:

@@ -3,9 +3,10 @@
 The engine never copies weights: `resolve_weights` collects references to the tensors of
 `model.model.layers[i]...` (the very tensors the optimizer updates) into `ModelWeights`, which the forward
 functions (`llama_forward.py`) read; call it again every `generate`, so modules the trainer replaced and adapters it
-switched on or off are seen. The only copies are the opt-in ones made here for the duration of one call: q/k/v or
-gate/up stacked into one matrix (`fuse_qkv`, `fuse_gate_up`: one matmul instead of several in a step that is bound
-by its kernel count) and full-precision copies of a 4-bit base's layers (`dequantize_layers`).
+switched on or off are seen. The only copies are the opt-in ones made here, every call (in place where an earlier
+call's copy fits, so that kept CUDA graphs read them: `kept_runs.py`): q/k/v or gate/up stacked into one matrix
+(`fuse_qkv`, `fuse_gate_up`: one matmul instead of several in a step that is bound by its kernel count) and
+full-precision copies of a 4-bit base's layers (`dequantize_layers`).
 
 `supports` says, in one line, whether the engine can run a model: Llama 2/3, Qwen2/2.5 (q/k/v bias), Qwen3 (per-head
 q/k RMSNorm), Mistral; RoPE types whose frequencies do not depend on the sequence length; silu MLPs; float weights
@@ -205,29 +206,41 @@ def _bias(linear) -> torch.Tensor | None:
     return linear.bias if getattr(linear, "bias", None) is not None else None
 
 
-def fused_qkv(lw: LayerWeights) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def stacked(parts: tuple[torch.Tensor, ...], into: torch.Tensor | None) -> torch.Tensor:
+    """`parts` concatenated along dim 0: into `into` in place when it is a buffer of that shape, dtype and device
+    (the one an earlier call made, which kept CUDA graphs read), else into a new tensor."""
+    shape = (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
+    if into is not None and tuple(into.shape) == shape and into.dtype == parts[0].dtype \
+            and into.device == parts[0].device:
+        return torch.cat(parts, out=into)
+    return torch.cat(parts)
+
+
+def fused_qkv(lw: LayerWeights, into: LayerWeights | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """q/k/v weights stacked into one (q + 2 kv, hidden) matrix and their biases (zeros where a projection
-    has none), or None when any of them carries a LoRA adapter or is 4-bit (the engine then keeps three matmuls)."""
+    has none), or None when any of them carries a LoRA adapter or is 4-bit (the engine then keeps three matmuls).
+    `into`: a layer whose stacked buffers are rewritten in place where their shapes still fit (`stacked`)."""
     if lw.q_lora or lw.k_lora or lw.v_lora or any(map(is_packed_4bit, (lw.q_weight, lw.k_weight, lw.v_weight))):
         return None
-    weight = torch.cat((lw.q_weight, lw.k_weight, lw.v_weight))
+    weight = stacked((lw.q_weight, lw.k_weight, lw.v_weight), into and into.qkv_weight)
     biases = (lw.q_bias, lw.k_bias, lw.v_bias)
     if all(b is None for b in biases):
         return weight, None
-    return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0])
-                              for b, w in zip(biases, (lw.q_weight, lw.k_weight, lw.v_weight))])
+    return weight, stacked(tuple(b if b is not None else w.new_zeros(w.shape[0])
+                                 for b, w in zip(biases, (lw.q_weight, lw.k_weight, lw.v_weight))),
+                           into and into.qkv_bias)
 
 
-def fused_gate_up(lw: LayerWeights) -> torch.Tensor | None:
+def fused_gate_up(lw: LayerWeights, into: LayerWeights | None = None) -> torch.Tensor | None:
     """gate and up weights stacked into one (2 * intermediate, hidden) matrix, or None with a LoRA adapter
-    or 4-bit weights on either."""
+    or 4-bit weights on either; `into` as for `fused_qkv`."""
     if lw.gate_lora or lw.up_lora or is_packed_4bit(lw.gate_weight) or is_packed_4bit(lw.up_weight):
         return None
-    return torch.cat((lw.gate_weight, lw.up_weight))
+    return stacked((lw.gate_weight, lw.up_weight), into and into.gate_up_weight)
 
 
 def resolve_weights(model, fuse_qkv: bool = False, fuse_gate_up: bool = False,
-                    dequantize_layers: int = 0) -> ModelWeights:
+                    dequantize_layers: int = 0, into: ModelWeights | None = None) -> ModelWeights:
     """Collect references to the model's tensors; call again whenever modules may have been replaced.
 
     `fuse_qkv` adds, per layer, a copy of q/k/v stacked into one matrix, so a decode step runs one
@@ -236,7 +249,9 @@ def resolve_weights(model, fuse_qkv: bool = False, fuse_gate_up: bool = False,
     them, so one kernel fewer per layer is time saved. The copies are made here, so they reflect the
     weights as they are now: resolve again after every optimizer step. `dequantize_layers` replaces the bitsandbytes
     4-bit weights of that many layers (from the first) by full-precision copies made here (kept while the result
-    is), so the decode step runs them as for a full-precision base instead of dequantizing them at every step."""
+    is), so the decode step runs them as for a full-precision base instead of dequantizing them at every step.
+    `into`: weights an earlier call resolved, whose stacked copies are rewritten in place (the same tensors, today's
+    values) where the shapes still fit, so that CUDA graphs captured on them stay valid (`kept_runs.py`)."""
     ok, reason = supports(model)
     if not ok:
         raise ValueError(f"the built-in rollout engine cannot run this model: {reason}; use rollout.backend=hf.")
@@ -261,11 +276,12 @@ def resolve_weights(model, fuse_qkv: bool = False, fuse_gate_up: bool = False,
         ))
         if index < dequantize_layers:
             layers[-1] = unpacked(layers[-1])
-        fused = fused_qkv(layers[-1]) if fuse_qkv else None
+        earlier = into.layers[index] if into is not None and index < len(into.layers) else None
+        fused = fused_qkv(layers[-1], earlier) if fuse_qkv else None
         if fused is not None:
             layers[-1].qkv_weight, layers[-1].qkv_bias = fused
         if fuse_gate_up:
-            layers[-1].gate_up_weight = fused_gate_up(layers[-1])
+            layers[-1].gate_up_weight = fused_gate_up(layers[-1], earlier)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return ModelWeights(
         embed=inner.embed_tokens.weight, layers=layers, final_norm=inner.norm.weight,
