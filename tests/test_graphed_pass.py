@@ -164,9 +164,10 @@ def test_auto_leaves_micro_batches_large_enough_to_keep_the_gpu_busy_eager(monke
     assert "large enough to keep the GPU busy" in caplog.text
 
 
-def updates(tmp_path, dtype: torch.dtype, mode: str, num_updates: int = 4, device: str = "cuda"):
+def updates(tmp_path, dtype: torch.dtype, mode: str, num_updates: int = 6, device: str = "cuda"):
     """`num_updates` updates of a tiny Qwen2 over batches of 12 rows (micro-batches of 8 and 4, so the second
-    is padded by rows) whose true widths differ from update to update within one bucket; `mode`: eager (no graphs),
+    is padded by rows) whose true widths differ from update to update, alternating between two buckets (responses of
+    up to 5 and up to 10 tokens: 8 and 12 response columns); `mode`: eager (no graphs),
     graphs, or padded (the graphs' padded pass, never captured). Returns the trainer, the parameters before and after,
     and each update's metrics."""
     from conftest import toy_prompts
@@ -189,7 +190,7 @@ def updates(tmp_path, dtype: torch.dtype, mode: str, num_updates: int = 4, devic
     before = [p.detach().clone() for p in trainer.parts.actor.parameters()]
     history = []
     for seed in range(num_updates):
-        batch = random_batch(100 + seed, num_prompts=6, samples=2).to(device)
+        batch = random_batch(100 + seed, num_prompts=6, samples=2, max_new_tokens=(5, 10)[seed % 2]).to(device)
         batch.old_logp = batch.ref_logp = None  # on-policy: the update's own log-probs are the old ones
         trainer.step_count += 1
         if mode == "graphs" and seed == num_updates - 1:  # captured by now: a replay makes no host sync
@@ -211,14 +212,14 @@ def updates(tmp_path, dtype: torch.dtype, mode: str, num_updates: int = 4, devic
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graphed_updates_equal_the_padded_eager_ones_bitwise_and_the_eager_ones_within_rounding(tmp_path, dtype):
-    """4 updates (optimizer steps between them, batches of other true widths in the same bucket): the graphs give
+    """6 updates (optimizer steps between them; two buckets, each met with other true widths): the graphs give
     the padded eager pass's parameters bit for bit (the same kernels); against the unpadded eager update (other
     matmul shapes, normalisers divided as tensors) the parameters' change agrees within rounding."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     runs = {mode: updates(tmp_path, dtype, mode) for mode in ("eager", "graphs", "padded")}
     runner = runs["graphs"][0].parts.actor_graphs
-    assert len(runner.graphs) == 1 and sum(runner.uses.values()) == 2  # warm-up, then captured; replays after
+    assert len(runner.graphs) == 2 and list(runner.uses.values()) == [2, 2]  # warm-up, then captured; replays after
     (_, start, eager, eager_history), (_, _, graphs, graph_history), (_, _, padded, _) = (
         runs["eager"], runs["graphs"], runs["padded"])
     assert all(torch.equal(a, b) for a, b in zip(graphs, padded))
