@@ -246,10 +246,12 @@ def first_reach(points: list[tuple[int, int, float, float]], target: float) -> t
     return next(((step, seconds) for step, _, seconds, accuracy in points if accuracy >= target - 1e-9), None)
 
 
-def final_accuracy(points: list[tuple[int, int, float, float]]) -> float | None:
+def final_accuracy(points: list[tuple[int, int, float, float]], before: int = 0) -> float | None:
     """The mean of the last FINAL_EVALUATIONS evaluations after the start: a plateau's level, not one evaluation's
-    luck (None without a step evaluated)."""
-    trained = [point[3] for point in points[1:]][-FINAL_EVALUATIONS:]
+    luck (None without a step evaluated); with `before` = 1, of the FINAL_EVALUATIONS evaluations before those (how
+    much the level still moved)."""
+    trained = [point[3] for point in points[1:]]
+    trained = trained[:max(0, len(trained) - before * FINAL_EVALUATIONS)][-FINAL_EVALUATIONS:]
     return statistics.mean(trained) if trained else None
 
 
@@ -314,9 +316,11 @@ def summary(results: dict, samples_per_step: int) -> tuple[list[str], dict]:
                          + phase_text(results[side].get("phase_seconds", [])))
     for side, side_points in points.items():
         final = figures["final"][side] = final_accuracy(side_points)
+        earlier = figures.setdefault("final_before", {})[side] = final_accuracy(side_points, before=1)
         if final is not None:
-            lines.append(f"{side}: final {100 * final:.1f}% (mean of its last {FINAL_EVALUATIONS} evaluations), "
-                         f"best {100 * max(point[3] for point in side_points[1:]):.1f}%, from "
+            lines.append(f"{side}: final {100 * final:.1f}% (mean of its last {FINAL_EVALUATIONS} evaluations"
+                         + (f"; the {FINAL_EVALUATIONS} before them {100 * earlier:.1f}%" if earlier is not None else "")
+                         + f"), best {100 * max(point[3] for point in side_points[1:]):.1f}%, from "
                          f"{100 * side_points[0][3]:.1f}% at step 0")
     if "trl" not in points:
         lines.append("no TRL curve: no target accuracy, so no time-to-accuracy ratio")

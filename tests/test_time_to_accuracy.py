@@ -38,10 +38,14 @@ def test_targets_times_and_ratios_by_hand():
     assert figures["steps"]["trl"] == {"steps": 20, "first_step_s": 1.5, "median_step_s": 1.0}
     # each run's own final: TRL (0.40 + 0.38 + 0.42) / 3, hybridrl's two trained evaluations (0.39 + 0.41) / 2
     assert figures["final"] == pytest.approx({"trl": 0.40, "hybridrl": 0.40})
+    # the evaluations before TRL's last 3: step 5's alone (30%); hybridrl has none before its last 3
+    assert figures["final_before"] == {"trl": pytest.approx(0.30), "hybridrl": None}
     assert "to 40.0% (100% of TRL's gain): trl 10.0 s (step 10), hybridrl 2.0 s (step 10): hybridrl 5.00x faster" \
         in "\n".join(lines)
     assert "step 5 (1280 samples, 1.0 s) 39.0%" in lines[2]
     assert "hybridrl: final 40.0% (mean of its last 3 evaluations), best 41.0%, from 20.0% at step 0" in lines
+    assert "trl: final 40.0% (mean of its last 3 evaluations; the 3 before them 30.0%), best 42.0%, from 20.0% at " \
+           "step 0" in lines
     assert lines[-1] == "median step: TRL / hybridrl = 5.00x (same samples per step)"
 
 
