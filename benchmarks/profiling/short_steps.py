@@ -4,6 +4,7 @@ per step, on the TTA's model shape and settings.
     python -m benchmarks.profiling.short_steps                      # one GPU: 8 steps, profiles, cold compile caches
     python -m benchmarks.profiling.short_steps --profile none       # the same, without the profiler's overhead
     python -m benchmarks.profiling.short_steps --tiny               # CPU, a tiny model: checks the script
+    python -m benchmarks.profiling.short_steps --evaluate-first     # step 1 as in the TTA run: after an evaluation
 
 The model is `time_to_accuracy.py`'s (the Qwen2.5-0.5B body with the demo's character tokenizer), random init (no
 SFT: the step's cost does not depend on what the model knows, only on how long its responses are, and the demo caps
@@ -21,7 +22,9 @@ them at 6 tokens), and the trainer is the TTA's own (`learning_vs_trl.hybridrl_t
    its row in the table is marked.
 
 The compile caches (inductor's, Triton's) start empty unless `--warm-cache`: a user's first run pays for them, and a
-warm cache from an earlier run would hide that. JSON goes to $OUT/short_steps.json (else <out-dir>/short_steps.json).
+warm cache from an earlier run would hide that. `--evaluate-first` runs the TTA's held-out evaluation (HF `generate`,
+greedy, on 64 rows; untimed) before step 1, as the TTA run does: the process's first cuBLAS and SDPA calls then
+happen there, not in the first rollout. JSON goes to $OUT/short_steps.json (else <out-dir>/short_steps.json).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import time_to_accuracy as tta
+from benchmarks.greedy_accuracy import greedy_accuracy, read_rows
 from benchmarks.learning_vs_trl import hybridrl_trainer, spec_for
 from hybridrl.data.tasks import write_arithmetic_task
 from hybridrl.cli import DEMO_TEACHERS
@@ -203,7 +207,8 @@ def step_row(step: int, metrics: dict, engine: dict, seconds: dict, profiled: se
     row["update_compile"] = seconds.get(("update", "compile"), 0.0) + seconds.get(("logprobs", "compile"), 0.0)
     row["update_triton"] = seconds.get(("update", "triton"), 0.0) + seconds.get(("logprobs", "triton"), 0.0)
     row["timing"] = {key: value for key, value in metrics.items() if key.startswith("timing/")}
-    row["engine"] = {key: engine.get(key) for key in ("graphs_captured", "captures_without_warmup", "warmup_s",
+    row["engine"] = {key: engine.get(key) for key in ("graphs_captured", "graphs_kept", "captures_without_warmup",
+                                                      "warmup_s",
                                                       "compiled", "attention", "sampler", "num_slots", "decode_steps")}
     return row
 
@@ -229,6 +234,7 @@ def print_table(rows: list[dict]) -> None:
               f"{statistics.median(r['timing'].get('timing/step_s', 0.0) for r in steady):.4f} s")
     first = rows[0]
     print(f"step 1 engine: {first['engine']}")
+    print(f"step {rows[-1]['step']} engine: {rows[-1]['engine']}")
     print(f"step 1 other timing keys: { {k: round(v, 4) for k, v in first['timing'].items()} }")
 
 
@@ -257,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "or 'none'")
     parser.add_argument("--warm-cache", action="store_true",
                         help="keep inductor's and Triton's default cache directories (default: fresh, empty ones)")
+    parser.add_argument("--evaluate-first", action="store_true",
+                        help="evaluate 64 held-out rows (HF generate, untimed) before step 1, as the TTA run does")
     parser.add_argument("--out-dir", default="runs/short_steps")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the script")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -291,6 +299,14 @@ def main(argv: list[str] | None = None) -> dict:
           f"{settings.prompts_per_step} prompts x {settings.group_size} samples, {settings.max_new_tokens} new tokens; "
           f"overrides {settings.hybridrl_overrides}; compile caches {'warm' if args.warm_cache else 'fresh'}; "
           f"ready after {time.perf_counter() - started:.1f} s", flush=True)
+    if args.evaluate_first:
+        started_evaluation = time.perf_counter()
+        accuracy = greedy_accuracy(trainer.parts.actor, trainer.parts.tokenizer, read_rows(data["eval"])[:64],
+                                   settings.max_new_tokens)
+        if cuda:
+            torch.cuda.synchronize()
+        print(f"evaluated first (untimed): accuracy {accuracy:.3f} in {time.perf_counter() - started_evaluation:.2f} s",
+              flush=True)
     clocks, profile = Clocks(), profiled_phases(args.profile, args.steps)
     watch_phases(trainer, clocks, profile, cuda)
     with instrumented(clocks) as missing:
