@@ -246,3 +246,24 @@ def test_updates_through_the_padded_pass_equal_eager_ones_within_rounding_on_cpu
     for eager_row, padded_row in zip(eager_history, padded_history):
         for key in ("actor/grad_norm", "actor/policy_loss", "actor/entropy", "actor/clipfrac"):
             assert padded_row[key] == pytest.approx(eager_row[key], rel=1e-4, abs=1e-7), key
+
+
+def test_a_failed_capture_is_logged_once_and_the_pass_runs_eagerly_from_then_on(monkeypatch, caplog):
+    model, _ = tiny_actor()
+    config = load_config(None)
+    batch = random_batch(3)
+    norm = mini_batch_normalizers(batch, torch.arange(len(batch)), batch.loss_mask)
+    runner = GraphedPass(list(model.parameters()), auto=False)
+
+    def refuse(*args):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+    monkeypatch.setattr(runner, "_capture", refuse)
+
+    def compute(part, norm_values):
+        return actor_pass(model, part, norm_values, 1.0, config.algorithm, False, fixed_shape=True)
+    with caplog.at_level(logging.WARNING):
+        results = [runner.run(batch, norm, 8, compute) for _ in range(3)]
+    assert all(result is not None for result in results) and not runner.graphs and not runner.capture
+    assert caplog.text.count("capturing the update's pass failed (CUDA error: operation not permitted") == 1
+    assert results[0][2].shape == batch.response_mask.shape
+    assert torch.equal(results[0][0], results[2][0])  # the same pass, eagerly (the weights did not move)

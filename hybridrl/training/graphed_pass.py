@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from hybridrl.config.schema import Config
 from hybridrl.devices import host_to_device
+from hybridrl.rollout.engine.graph_rng import begin_capture
 from hybridrl.training.batch import RolloutBatch
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,7 @@ class GraphedPass:
         self.grads: list[torch.Tensor] | None = None
         self.stream: torch.cuda.Stream | None = None
         self.pool = None
+        self.generator: torch.Generator | None = None
         self.logged: set[str] = set()
 
     def run(self, part: RolloutBatch, norm: dict[str, float], num_rows: int,
@@ -196,25 +198,31 @@ class GraphedPass:
         norm_values = normalizer_tensor(norm, part.input_ids.device)
         key = (shape, tuple((name, tensor.dtype) for name, tensor in inputs.items()))
         self.attach_gradients()
-        captured = self.graphs.get(key)
+        captured = self.graphs.get(key) or self._captured_at_second_use(key, padded, inputs, norm_values, compute)
         if captured is None:
-            self.uses[key] = self.uses.get(key, 0) + 1
-            if self.uses[key] == 1 or not self.capture or len(self.graphs) >= MAX_GRAPHS:
-                loss, stats, logp = self._eager(padded, norm_values, compute)
-                return loss, stats, logp[:rows, :response]
-            try:
-                captured = self.graphs[key] = self._capture(padded, inputs, norm_values, compute)
-            except RuntimeError as error:  # e.g. a host sync inside the pass: nothing ran, the gradients are as they were
-                self.capture = False
-                message = str(error).splitlines()[0] if str(error) else type(error).__name__
-                logger.warning("actor.cuda_graphs: capturing the update's pass failed (%s); it runs eagerly from now "
-                               "on", message)
-                loss, stats, logp = self._eager(padded, norm_values, compute)
-                return loss, stats, logp[:rows, :response]
+            loss, stats, logp = self._eager(padded, norm_values, compute)
+            return loss, stats, logp[:rows, :response]
         captured.load(inputs, norm_values)
         captured.graph.replay()
         loss, stats, logp = captured.outputs  # overwritten by the next replay: copies
         return loss.clone(), {key: value.clone() for key, value in stats.items()}, logp[:rows, :response].clone()
+
+    def _captured_at_second_use(self, key: tuple, padded: RolloutBatch, inputs: dict[str, torch.Tensor],
+                                norm_values: torch.Tensor, compute: Pass) -> _Captured | None:
+        """The graph of a shape met before (captured now), or None: its first use (the eager warm-up), capture off,
+        `MAX_GRAPHS` reached, or a capture that failed (logged; capture is then off for the run)."""
+        self.uses[key] = self.uses.get(key, 0) + 1
+        if self.uses[key] == 1 or not self.capture or len(self.graphs) >= MAX_GRAPHS:
+            return None
+        try:
+            self.graphs[key] = self._capture(padded, inputs, norm_values, compute)
+        except RuntimeError as error:  # e.g. a host sync inside the pass: nothing ran, the gradients are as they were
+            self.capture = False
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            logger.warning("actor.cuda_graphs: capturing the update's pass failed (%s); it runs eagerly from now on",
+                           message)
+            return None
+        return self.graphs[key]
 
     def _eager_because(self, reason: str) -> None:
         if reason not in self.logged:
@@ -226,6 +234,7 @@ class GraphedPass:
         if self.stream is None:
             self.stream = torch.cuda.Stream()
             self.pool = torch.cuda.graph_pool_handle()  # one pool for every shape: they never run at once
+            self.generator = torch.Generator(device=torch.device("cuda", torch.cuda.current_device()))
         return self.stream
 
     def _eager(self, padded: RolloutBatch, norm_values: torch.Tensor, compute: Pass):
@@ -246,10 +255,17 @@ class GraphedPass:
         static = {name: tensor.clone() for name, tensor in inputs.items()}
         static_norm = norm_values.clone()
         graph, stream = torch.cuda.CUDAGraph(), self._side_stream()
-        # thread_local: another thread's host sync (an asynchronous rollout worker) does not break this capture
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-            loss, stats, logp = compute(dataclasses.replace(padded, **static), normalizers(static_norm))
-            loss.backward()
+        torch.cuda.synchronize()  # the warm-up's work done (recording launches nothing; replays follow in order)
+        with torch.cuda.stream(stream):
+            # As the engine captures (`graph_rng.begin_capture`): thread-local error mode, so an asynchronous rollout
+            # worker's host sync in another thread does not break this capture, and a generator of its own in place
+            # of the default one, which the pass never draws from and the worker's threads may
+            begin_capture(graph, self.pool, self.generator)
+            try:
+                loss, stats, logp = compute(dataclasses.replace(padded, **static), normalizers(static_norm))
+                loss.backward()
+            finally:
+                graph.capture_end()
         return _Captured(graph, static, static_norm, (loss.detach(), stats, logp))
 
     def attach_gradients(self) -> None:
