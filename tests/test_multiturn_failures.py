@@ -91,14 +91,14 @@ def test_a_pause_while_tools_start_does_not_split_the_turns_that_ended_together(
     """The host stalls for 15 ms in the middle of recording 8 ended turns (a stand-in for a collection or a slow
     decode), so the second half's tools start, and answer, 15 ms after the first half's: those answers are expected
     (each call is as old as the first answer's was) and the 8 still resume as one wave per turn boundary."""
-    record = EpisodeRun.add_turn
+    text_of = EpisodeRun.turn_text  # what the harvest asks of each ended turn before starting its tool
 
-    def stalling(self, ids, logprobs, reason, **options):
+    def stalling(self, ids, reason):
         if self.session.sample == 4:
             time.sleep(0.015)
-        return record(self, ids, logprobs, reason, **options)
+        return text_of(self, ids, reason)
 
-    monkeypatch.setattr(EpisodeRun, "add_turn", stalling)
+    monkeypatch.setattr(EpisodeRun, "turn_text", stalling)
     monkeypatch.setattr(engine_multiturn, "_START_EVERY", 1)  # each call starts as soon as its turn is recorded
     engine = BuiltinBackend(make_model("llama"), tokenizer=TOKENIZER, sync_every=16)
     episodes = engine.generate_episodes(make_sessions(FixedLatency, [{}] * 8, n=1, name="fixed.py:FixedLatency"),

@@ -52,6 +52,9 @@ Choices:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import threading
 import time
 
 import torch
@@ -70,6 +73,29 @@ GATHER_QUIET_S = 0.002
 """With nothing live, environment answers that follow each other by less than this (or a tenth of a full decode
 block, if longer) are resumed as one wave."""
 _START_EVERY = 8
+_PAUSES = {"count": 0, "was_enabled": True}
+_PAUSE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def collections_paused():
+    """Automatic garbage collection off while episode loops run (in any thread; on again when the last one ends, if it
+    was on before the first). A multi-turn call allocates most of its objects at turn boundaries (hundreds of tasks,
+    results, messages, the turns' lists), so that is where the collector's young-generation passes land, each walking
+    the episodes' long id lists, while the GPU waits for the boundary's resume; paused, the objects are walked once,
+    in the first collection after the call. A call's cyclic garbage waits for that collection too."""
+    with _PAUSE_LOCK:
+        if _PAUSES["count"] == 0:
+            _PAUSES["was_enabled"] = gc.isenabled()
+            gc.disable()
+        _PAUSES["count"] += 1
+    try:
+        yield
+    finally:
+        with _PAUSE_LOCK:
+            _PAUSES["count"] -= 1
+            if _PAUSES["count"] == 0 and _PAUSES["was_enabled"]:
+                gc.enable()
 
 
 class EpisodeLoop:
@@ -92,6 +118,10 @@ class EpisodeLoop:
         self.step_seconds = 0.0  # wall time per decode step of the latest full block
 
     async def run(self) -> list[Episode]:
+        with collections_paused():
+            return await self._run()
+
+    async def _run(self) -> list[Episode]:
         runner, params = self.runner, self.params
         num_slots = runner.begin(self.prompts, params, self.stop_ids, num_sequences=len(self.runs),
                                  max_len=self.budget.max_episode_tokens)
@@ -100,6 +130,8 @@ class EpisodeLoop:
                               self.backend.sync_every, params.max_new_tokens)
         self.pending: dict[asyncio.Task, int] = {}  # environment step -> slot
         self.started_at: dict[asyncio.Task, float] = {}  # environment step -> when the harvest started it
+        self.answers: list[asyncio.Task] = []  # finished environment steps not yet collected, in finishing order
+        self.waiter: asyncio.Future | None = None  # set when an answer comes in (`_answers_within`)
         self.ready: list[tuple[int, list[int]]] = []  # slot -> observation ids to prefill
         finished = False
         try:
@@ -153,17 +185,38 @@ class EpisodeLoop:
         so that after the last one only its own bookkeeping is left before the wave resumes."""
         block = self.step_seconds * self.backend.sync_every
         quiet = max(GATHER_QUIET_S, 0.1 * block)
-        answered, waiting = await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
+        await self._answers_within(None)
         now = time.perf_counter()
-        latency = min(now - self.started_at[task] for task in answered)
-        expected = max((self.started_at[task] + latency for task in waiting), default=now)
+        latency = min(now - self.started_at[task] for task in self.answers)
+        self._collect(scheduler)
+        expected = max((self.started_at[task] + latency for task in self.pending), default=now)
         deadline = min(expected + quiet, now + (block or latency))
-        while waiting:
-            self._collect(scheduler, answered)
-            timeout = max(deadline - time.perf_counter(), quiet)
-            answered, waiting = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            if not answered:
+        while self.pending:
+            if not await self._answers_within(max(deadline - time.perf_counter(), quiet)):
                 return
+            self._collect(scheduler)
+
+    def _answered(self, task: asyncio.Task) -> None:
+        """A started environment step finished (its done callback): queue it for `_collect`, wake `_answers_within`.
+        One callback per step, where `asyncio.wait` over the pending steps would add and remove one on every step still
+        waiting at each wake-up, hundreds of times per turn boundary."""
+        self.answers.append(task)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def _answers_within(self, timeout: float | None) -> bool:
+        """Whether an answer is in, after waiting up to `timeout` seconds (None: until one is) for the first."""
+        if not self.answers:
+            loop = asyncio.get_running_loop()
+            self.waiter = waiter = loop.create_future()
+            timer = None if timeout is None else loop.call_later(timeout, _settle, waiter)
+            try:
+                await waiter
+            finally:
+                self.waiter = None
+                if timer is not None:
+                    timer.cancel()
+        return bool(self.answers)
 
     def _apply_blocks(self, scheduler: Scheduler, preempted: list) -> None:
         """Paged: write the block-table rows the scheduler changed, then park the preempted sequences' slots (after
@@ -225,17 +278,19 @@ class EpisodeLoop:
             texts.append(run.turn_text(ids[:item.length], item.reason))
             task = start_task(run.session.step(texts[-1]))
             self.pending[task], self.started_at[task] = item.slot, time.perf_counter()
+            task.add_done_callback(self._answered)
             if count % _START_EVERY == 0 and not EAGER_TASKS:
                 await asyncio.sleep(0)
         # Recorded once every step has started: the steps need only the text, and the tools' latency hides this.
         for item, ids, row_logprobs, text in zip(ended, token_rows, logprobs[slots, :width].tolist(), texts):
             self.runs[item.sequence.index].record_turn(ids[:item.length], row_logprobs[:item.length], text)
 
-    def _collect(self, scheduler: Scheduler, answered=None) -> None:
-        """Finished environment steps (`answered`, or every pending one that is done): end the episode (free its slot)
-        or queue its observation."""
+    def _collect(self, scheduler: Scheduler) -> None:
+        """Finished environment steps (`answers`, in the order they finished): end the episode (free its slot) or queue
+        its observation."""
+        answers, self.answers = self.answers, []
         ended = []
-        for task in [t for t in self.pending if t.done()] if answered is None else answered:
+        for task in answers:
             slot = self.pending.pop(task)
             del self.started_at[task]
             run = self.runs[scheduler.paused[slot].index]
@@ -246,3 +301,8 @@ class EpisodeLoop:
             else:
                 self.ready.append((slot, ids))
         self.runner.free(ended)
+
+
+def _settle(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -1,0 +1,87 @@
+"""The episode loop's host side (`engine/multiturn.py`): garbage collection paused while it runs, and the runner-less
+stand-in that `benchmarks/profiling/turn_host.py --stub-runner` times it with."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+from benchmarks.multiturn import FixedIds, SlowTool
+from benchmarks.profiling.turn_host import StubRunner
+from hybridrl.envs.base import EnvironmentSession
+from hybridrl.envs.rendering import ObservationRenderer
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine import multiturn as engine_multiturn
+from hybridrl.rollout.engine.backend import BuiltinBackend
+from hybridrl.rollout.engine.multiturn import collections_paused
+from hybridrl.rollout.multiturn import EpisodeBudget, make_sessions
+from test_multiturn import TOKENIZER, make_model
+from test_multiturn_failures import FixedLatency
+
+
+class GcProbe(FixedLatency):
+    """Records, at every step, whether automatic garbage collection is on."""
+
+    seen: list[bool] = []
+
+    async def step(self, text):
+        GcProbe.seen.append(gc.isenabled())
+        return await super().step(text)
+
+
+def test_garbage_collection_is_off_while_episodes_run_and_back_on_after():
+    GcProbe.seen = []
+    engine = BuiltinBackend(make_model("llama"), tokenizer=TOKENIZER)
+    assert gc.isenabled()
+    episodes = engine.generate_episodes(make_sessions(GcProbe, [{}] * 3, n=1, name="probe.py:GcProbe"),
+                                        ObservationRenderer(TOKENIZER),
+                                        SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True),
+                                        EpisodeBudget())
+    assert [episode.num_turns for episode in episodes] == [3] * 3
+    assert GcProbe.seen == [False] * 9 and gc.isenabled()
+
+
+def test_paused_collections_resume_when_the_last_pause_ends_in_any_thread_and_only_if_they_were_on():
+    inner_entered, outer_may_leave = threading.Event(), threading.Event()
+    states = []
+
+    def other_loop():
+        with collections_paused():
+            inner_entered.set()
+            outer_may_leave.wait(5)
+        states.append(gc.isenabled())  # this thread's pause ended, the main thread's has not
+
+    with collections_paused():
+        thread = threading.Thread(target=other_loop)
+        thread.start()
+        assert inner_entered.wait(5)
+        outer_may_leave.set()
+        thread.join(5)
+        states.append(gc.isenabled())
+    assert states == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        with collections_paused():
+            pass
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()
+    assert engine_multiturn._PAUSES["count"] == 0
+
+
+def test_the_stub_runner_drives_the_loop_through_whole_episodes():
+    """`turn_host --stub-runner` times the loop with `StubRunner` in place of the model's runner: the episodes it
+    makes have every turn at its forced length, the stub's ids under the loss mask, each observation after its turn."""
+    engine = BuiltinBackend(make_model("llama"), tokenizer=TOKENIZER)
+    engine.runner = StubRunner()
+    observation = list(range(10, 14))
+    sessions = [EnvironmentSession(lambda row: SlowTool(row, 3, 0.001), {"ids": [1, 2, 3]}, name="slow", sample=i)
+                for i in range(5)]
+    episodes = engine.generate_episodes(sessions, FixedIds(observation),
+                                        SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=0),
+                                        EpisodeBudget(max_turns=3, max_episode_tokens=64))
+    turn = [7] * 4
+    for episode in episodes:
+        assert episode.token_ids == [1, 2, 3] + turn + observation + turn + observation + turn
+        assert episode.num_sampled_tokens == 12 and episode.done_reason == "done"
+    assert engine.last_stats["decode_steps"] == 3 * 3  # each turn's first token comes from its prefill
