@@ -1,5 +1,5 @@
 """The episode loop's host side (`engine/multiturn.py`): garbage collection paused while it runs, and the runner-less
-stand-in that `benchmarks/profiling/turn_host.py --stub-runner` times it with."""
+stand-in that the profiling tools' `--stub-runner` times it with."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import gc
 import threading
 
 from benchmarks.multiturn import FixedIds, SlowTool
-from benchmarks.profiling.turn_host import StubRunner
+from benchmarks.profiling.multiturn_trace import StubRunner
 from hybridrl.envs.base import EnvironmentSession
 from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.rollout.base import SamplingParams
@@ -70,8 +70,9 @@ def test_paused_collections_resume_when_the_last_pause_ends_in_any_thread_and_on
 
 
 def test_the_stub_runner_drives_the_loop_through_whole_episodes():
-    """`turn_host --stub-runner` times the loop with `StubRunner` in place of the model's runner: the episodes it
-    makes have every turn at its forced length, the stub's ids under the loss mask, each observation after its turn."""
+    """`--stub-runner` (turn_host, multiturn_trace) times the loop with `StubRunner` in place of the model's runner:
+    the episodes it makes have every turn at its forced length, the stub's ids under the loss mask, each observation
+    after its turn."""
     engine = BuiltinBackend(make_model("llama"), tokenizer=TOKENIZER)
     engine.runner = StubRunner()
     observation = list(range(10, 14))

@@ -27,7 +27,9 @@ import inspect
 import json
 import os
 import time
+import types
 
+import numpy
 import torch
 
 from benchmarks import multiturn as bench
@@ -55,6 +57,7 @@ class Recorder:
         self.calls: list[dict] = []
         self.host = collections.Counter()
         self.started = time.perf_counter()
+        self.last_sync: float | None = None  # when the latest `read_progress` returned
         self.gc_ms, self.gc_count = 0.0, 0
 
     def full_collection(self, phase: str, info: dict) -> None:
@@ -90,6 +93,8 @@ class Recorder:
                 result = fn(*args, **kwargs)
                 took = time.perf_counter() - start
                 recorder.host[name] += took
+                if name == "sync":
+                    recorder.last_sync = start + took
                 if name in (*RUNNER_PHASES, FORWARD):
                     recorder.calls.append(dict(name=name, host_ms=1e3 * (start - recorder.started), begin=begin,
                                                end=event(), host_call_ms=1e3 * took, **describe(*args)))
@@ -109,7 +114,10 @@ class Recorder:
                 bucket[0] += call["gpu_ms"]
                 bucket[1] += call["steps"]
         busy = sum(seconds for name, seconds in gpu.items() if name != FORWARD)  # the forward is inside extend
-        return dict(wall_s=wall, gpu_s=dict(gpu), gpu_waiting_s=wall - busy,
+        prefills = [call["host_ms"] for call in self.calls if call["name"] == "prefill"]
+        edges = dict(first_prefill_ms=round(prefills[0], 2) if prefills else None,
+                     after_last_sync_ms=round(1e3 * (self.started + wall - self.last_sync), 2) if self.last_sync else None)
+        return dict(wall_s=wall, gpu_s=dict(gpu), gpu_waiting_s=wall - busy, edges=edges,
                     host_s={k: round(v, 4) for k, v in self.host.items()},
                     ms_per_step={k: round(ms / steps, 3) for k, (ms, steps) in per_bucket.items()},
                     gc_full_ms=round(self.gc_ms, 1), gc_full_collections=self.gc_count,
@@ -200,10 +208,106 @@ def instrument(engine: BuiltinBackend, recorder: Recorder, loops: list[type]) ->
     runner.extend = recorder.timed("extend", runner.extend, lambda r: dict(rows=len(r)))
     instrument_forwards(lambda function, name: recorder.timed(name, function, describe_forward))
     runner.prefill = recorder.timed("prefill", runner.prefill, lambda p, a: dict(rows=len(a)))
-    runner.graphs.capture = recorder.timed("capture", runner.graphs.capture)
+    runner.read_progress = recorder.timed("sync", runner.read_progress)
+    if hasattr(runner, "graphs"):  # not on `turn_host.StubRunner`
+        runner.graphs.capture = recorder.timed("capture", runner.graphs.capture)
     for loop in loops:
         for name in LOOP_PHASES:
             setattr(loop, name, recorder.timed(name, getattr(loop, name)))
+
+
+class StubRunner:
+    """The runner's interface as the episode loop (and `generate`) use it, with no model: prefills and resumes put a
+    slot's turn at its first token, decode steps add to the live slots' counts (up to `max_new_tokens`, where a slot
+    reads as done), outputs are fixed ids and log-probs. Turns end at their length limit (the benchmark's forced
+    lengths), so no stop token is needed. The device is a clock: each launch keeps it busy for the time the H200 took
+    for it (`STUB_DEVICE_MS`: a decode step at 512 rows, a prompt token, an observation token) after the later of its
+    launch and the previous work's end, and `read_progress` sleeps until it is idle, so the host's work overlaps the
+    device's as on the GPU and the loop's waves form as they do there (with free decode steps, its waits would be
+    judged against a block of no length)."""
+
+    def __init__(self, device_ms: dict[str, float] | None = None) -> None:
+        self.device_ms = dict(STUB_DEVICE_MS, **(device_ms or {}))
+        self.run = types.SimpleNamespace(stats=types.SimpleNamespace(idle_s=0.0))
+        self.idle_at = 0.0
+
+    def _busy(self, milliseconds: float) -> None:
+        self.idle_at = max(self.idle_at, time.perf_counter()) + milliseconds / 1e3
+
+    def begin(self, prompts, params, stop_ids, num_sequences=None, max_len=None, keep=False) -> int:
+        self.run.stats = types.SimpleNamespace(idle_s=0.0, decode_steps=0)
+        slots, self.max_new_tokens = num_sequences or len(prompts) * params.n, params.max_new_tokens
+        self.generated, self.live = [0] * slots, set()
+        self.tokens = numpy.full((slots, params.max_new_tokens), 7, dtype=numpy.int64)
+        self.logprobs = numpy.full((slots, params.max_new_tokens), -1.0, dtype=numpy.float32)
+        return slots
+
+    def prefill(self, prompts, admitted) -> None:
+        self._busy(self.device_ms["prompt token"] * sum(len(prompts[s.prompt_index]) for s in
+                                                         {s.prompt_index: s for s in admitted}.values()))
+        self._start([sequence.slot for sequence in admitted])
+
+    def extend(self, resumes) -> None:
+        self._busy(self.device_ms["observation token"] * sum(len(ids) for _, ids, _, _ in resumes))
+        self._start([slot for slot, _, _, _ in resumes])
+
+    def _start(self, slots) -> None:
+        for slot in slots:
+            self.generated[slot] = 1
+        self.live.update(slots)
+
+    def decode(self, batch: int, kv_len: int, steps: int) -> None:
+        self._busy(self.device_ms["decode step"] * steps)
+        self.run.stats.decode_steps += steps
+        for slot in self.live:
+            self.generated[slot] = min(self.generated[slot] + steps, self.max_new_tokens)
+
+    def read_progress(self, rows: int):
+        time.sleep(max(0.0, self.idle_at - time.perf_counter()))
+        return [int(count >= self.max_new_tokens) for count in self.generated[:rows]], self.generated[:rows]
+
+    def read_outputs(self, rows: int, columns: int | None = None):
+        return self.tokens[:rows, :columns], self.logprobs[:rows, :columns]
+
+    def pause(self, slots) -> None:
+        self.live.difference_update(slots)
+
+    free = pause
+
+    def move(self, moves) -> None:
+        for source, destination in moves:
+            self.generated[destination] = self.generated[source]
+            if source in self.live:
+                self.live.discard(source)
+                self.live.add(destination)
+
+    def end(self, finished: bool, release: bool, keep: bool = False) -> dict:
+        time.sleep(max(0.0, self.idle_at - time.perf_counter()))
+        return dict(vars(self.run.stats))
+
+    def block_allocator(self):
+        return None
+
+    def kv_len(self, furthest: int) -> int:
+        return furthest
+
+    def capture_decode_ahead(self, batch: int, kv_len: int) -> None:
+        pass
+
+    def preempt(self, sequences) -> None:
+        pass
+
+    def write_blocks(self, writes, evicted=()) -> None:
+        pass
+
+    def record_scheduling(self, scheduler) -> None:
+        pass
+
+
+STUB_DEVICE_MS = {"decode step": 3.45, "prompt token": 35.0 / 16384, "observation token": 35.0 / 16896}
+"""What `StubRunner` takes the device to be busy for, from an H200 trace of the benchmark (0.5B shape): a decode step
+of 512 rows at ~500 keys; a prompt token (64 prompts x 256 in 35 ms); an observation token (the Triton extend's wave
+of 512 x 33 in ~35 ms)."""
 
 
 def load_loop(path: str) -> type:
@@ -219,9 +323,13 @@ def parse_and_set_up(parser: argparse.ArgumentParser, fixed: list[str] = ()) -> 
     file's (in alternation, so that both share the process, the machine's load and the GPU's clocks)."""
     parser.add_argument("--loop", help="a file whose EpisodeLoop runs in alternation with the engine's own (before "
                                        "and after a change)")
+    parser.add_argument("--stub-runner", action="store_true",
+                        help="`StubRunner` in place of the engine's runner: the loop's host work alone, no model")
     own, rest = parser.parse_known_args()
     args = bench.parse_args([*fixed, *rest])
     device, model, prompts, engine = bench.set_up(args)
+    if own.stub_runner:
+        engine.runner = StubRunner()
     loops = {"engine loop": backend_module.EpisodeLoop}
     if own.loop:
         loops["--loop"] = load_loop(own.loop)
@@ -251,7 +359,9 @@ def summary_line(name: str, run: dict, report: dict) -> str:
     return (f"{name}: wall {report['wall_s']:.3f} s ({run['tokens_per_s']:,.0f} tok/s); GPU busy: {gpu}; GPU waiting "
             f"{report['gpu_waiting_s']:.3f} s; {counts}\n    host s {report['host_s']}\n    ms/step by batch x "
             f"kv_len {report['ms_per_step']}\n    full GC: {report['gc_full_collections']} collections, "
-            f"{report['gc_full_ms']} ms; extend forwards, ms: {forwards}"
+            f"{report['gc_full_ms']} ms; extend forwards, ms: {forwards}\n    first prefill launched "
+            f"{report['edges']['first_prefill_ms']} ms after the call began; last sync to the call's end "
+            f"{report['edges']['after_last_sync_ms']} ms"
             + "".join(f"\n    boundary {i}, ms after the sync: {boundary}" for i, boundary in
                       enumerate(report.get("boundaries", []))))
 

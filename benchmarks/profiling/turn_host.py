@@ -11,7 +11,7 @@ boundary (a boundary: the turns of a batch end, their tools start, their answers
 3-turn episode has 3, the last one ending the episode). `--profile` adds one more call with cProfile on inside those
 phases only, and its top functions by own and by cumulative time (cProfile slows Python, so read those as shares).
 The CPU forward of 512 rows is slow on a shared 2-core machine: `--prompt-len 32 --turn-len 16` keeps the 512 turns
-of each boundary and cuts the decode steps. `--stub-runner` replaces the engine's runner with `StubRunner` (no model:
+of each boundary and cuts the decode steps. `--stub-runner` replaces the engine's runner with `multiturn_trace.StubRunner` (no model:
 every call returns at once, decode steps only count), so a call's wall time is the loop's host work and the tools'
 latency alone, steady enough on a loaded machine to compare two loops.
 """
@@ -25,9 +25,6 @@ import functools
 import inspect
 import pstats
 import time
-import types
-
-import numpy
 
 from benchmarks import multiturn as bench
 from benchmarks.profiling.multiturn_trace import instrument_forwards, parse_and_set_up
@@ -46,74 +43,6 @@ LAST_START = "  harvest -> last tool started"
 FORWARD = "extend forward"
 """The observation prefill's forward inside the runner's `extend` (`multiturn_trace.instrument_forwards`): the model's
 work, taken out of the boundary's host time."""
-
-
-class StubRunner:
-    """The runner's interface as the episode loop uses it, with no model and no tensors to compute: prefills and
-    resumes put a slot's turn at its first token, decode steps add to the live slots' counts, outputs are fixed ids
-    and log-probs. Turns end at their per-turn limit (the benchmark's forced lengths), so no stop token is needed."""
-
-    def __init__(self) -> None:
-        self.run = types.SimpleNamespace(stats=types.SimpleNamespace(idle_s=0.0))
-
-    def begin(self, prompts, params, stop_ids, num_sequences=None, max_len=None, keep=False) -> int:
-        self.run.stats = types.SimpleNamespace(idle_s=0.0, decode_steps=0)
-        self.generated, self.live = [0] * num_sequences, set()
-        self.tokens = numpy.full((num_sequences, params.max_new_tokens), 7, dtype=numpy.int64)
-        self.logprobs = numpy.full((num_sequences, params.max_new_tokens), -1.0, dtype=numpy.float32)
-        return num_sequences
-
-    def prefill(self, prompts, admitted) -> None:
-        self._start([sequence.slot for sequence in admitted])
-
-    def extend(self, resumes) -> None:
-        self._start([slot for slot, _, _, _ in resumes])
-
-    def _start(self, slots) -> None:
-        for slot in slots:
-            self.generated[slot] = 1
-        self.live.update(slots)
-
-    def decode(self, batch: int, kv_len: int, steps: int) -> None:
-        self.run.stats.decode_steps += steps
-        for slot in self.live:
-            self.generated[slot] += steps
-
-    def read_progress(self, rows: int):
-        return [0] * rows, self.generated[:rows]
-
-    def read_outputs(self, rows: int, columns: int | None = None):
-        return self.tokens[:rows, :columns], self.logprobs[:rows, :columns]
-
-    def pause(self, slots) -> None:
-        self.live.difference_update(slots)
-
-    free = pause
-
-    def move(self, moves) -> None:
-        for source, destination in moves:
-            self.generated[destination] = self.generated[source]
-            if source in self.live:
-                self.live.discard(source)
-                self.live.add(destination)
-
-    def end(self, finished: bool, release: bool, keep: bool = False) -> dict:
-        return dict(vars(self.run.stats))
-
-    def block_allocator(self):
-        return None
-
-    def kv_len(self, furthest: int) -> int:
-        return furthest
-
-    def capture_decode_ahead(self, batch: int, kv_len: int) -> None:
-        pass
-
-    def preempt(self, sequences) -> None:
-        pass
-
-    def record_scheduling(self, scheduler) -> None:
-        pass
 
 
 class Phases:
@@ -190,10 +119,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--stub-runner", action="store_true", help="time the loop's host work alone (`StubRunner`)")
     own, args, _, _, prompts, engine, loops = parse_and_set_up(parser, ["--tiny", "--repeats", "1"])
-    if own.stub_runner:
-        engine.runner = StubRunner()
     phases = Phases()
     instrument(engine, phases, list(loops.values()))
     best: dict[str, tuple[float, dict]] = {}
