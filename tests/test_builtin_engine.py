@@ -609,8 +609,8 @@ def engine_with_recorded_graphs(model, monkeypatch, **options) -> tuple[BuiltinB
     engine.runner.graphs = graphs = RecordingGraphs()
     begin = engine.runner.begin
 
-    def begin_with_graphs(*args):
-        num_slots = begin(*args)
+    def begin_with_graphs(*args, **kwargs):
+        num_slots = begin(*args, **kwargs)
         engine.runner.run.use_graphs = True
         return num_slots
 
@@ -659,9 +659,10 @@ def test_step_signature_tells_samplers_and_shapes_apart():
 
 def test_the_step_signature_is_computed_only_for_steps_without_a_graph(monkeypatch):
     """The signature walks every tensor the step reads: computing it at every replayed step costs host time
-    on each decode step. It is needed only when a (batch, kv_len) has no graph yet."""
+    on each decode step. It is needed only when a (batch, kv_len) has no graph yet. (Nothing kept: a kept call's
+    prefill is a graph too, `test_kept_runs.py`.)"""
     model = make_model("llama")
-    engine, graphs = engine_with_recorded_graphs(model, monkeypatch, sync_every=4)
+    engine, graphs = engine_with_recorded_graphs(model, monkeypatch, sync_every=4, keep_runs=False)
     computed = []
     signature = engine.runner.step_signature
     monkeypatch.setattr(engine.runner, "step_signature", lambda *args: computed.append(args) or signature(*args))

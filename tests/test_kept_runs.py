@@ -59,6 +59,23 @@ def test_a_kept_graph_replays_weights_changed_in_place_and_gives_the_references_
         assert engine.last_stats["graphs_captured"] == 0
 
 
+def test_new_prompts_of_the_same_shape_replay_the_prefill_graph_with_their_own_ids(monkeypatch):
+    """A trainer's next batch: other prompts, the same counts and longest length. The kept prefill graph (and the
+    decode graphs) replay on the new ids, index lists and lengths, copied into the graph's static inputs."""
+    model = make_model("qwen2")
+    engine, graphs, reference = kept_engine(model, monkeypatch)
+    engine.generate(PROMPTS, SAMPLED)
+    assert any(key[0] == "prefill" for key in engine.runner.kept.runs[next(iter(engine.runner.kept.runs))].graphs.graphs)
+    for seed in range(3):
+        generator = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(1, 30, (len(prompt) if seed < 2 else 5 - index % 3,), generator=generator).tolist()
+                   for index, prompt in enumerate(PROMPTS)]
+        prompts[0] = prompts[0][:4] + [7] * (5 - len(prompts[0][:4]))  # the longest stays 5 tokens
+        graphs.events.clear()
+        same_outputs(engine.generate(prompts, SAMPLED), reference.generate(prompts, SAMPLED))
+        assert engine.last_stats["graphs_kept"] >= 2 and graphs.events == [], seed  # prefill + decode replayed
+
+
 def test_a_replaced_weight_drops_the_kept_graphs(monkeypatch):
     """A parameter the trainer replaced (a new tensor: a module swapped, FSDP's gathered copy) has a new address:
     the kept graphs would replay the old one, so they are dropped and the steps captured again."""
@@ -128,8 +145,9 @@ def test_stacked_rewrites_a_fitting_buffer_in_place():
 @pytest.mark.parametrize("options", [dict(), dict(attention="sdpa", compile=False, sampler="torch")],
                          ids=["default", "light"])
 def test_kept_cuda_graphs_replay_the_weights_as_they_are_now(options):
-    """Real CUDA graphs: an engine's kept graphs after two in-place changes of every weight and one replaced weight
-    give the tokens of an engine that keeps nothing and captures afresh, log-probs within float rounding."""
+    """Real CUDA graphs: an engine's kept graphs (prefill and decode) after two in-place changes of every weight and
+    one replaced weight, each call with new prompts of the same shape, give the tokens of an engine that keeps
+    nothing and captures afresh, log-probs within float rounding."""
     model = make_model("qwen2").cuda()
     engine = BuiltinBackend(model, max_num_seqs=64, sync_every=2, fuse_gate_up=True, **options)
     reference = BuiltinBackend(model, max_num_seqs=64, sync_every=2, fuse_gate_up=True, keep_runs=False, **options)
@@ -138,7 +156,8 @@ def test_kept_cuda_graphs_replay_the_weights_as_they_are_now(options):
     engine.release_memory()
     assert engine.runner.kept.runs
     down = model.model.layers[1].mlp.down_proj
-    for change in ("in place", "in place", "replaced"):
+    for index, change in enumerate(("in place", "in place", "replaced")):
+        prompts = [[(token * 7 + index) % 40 + 1 for token in prompt] for prompt in prompts]
         if change == "replaced":
             down.weight = torch.nn.Parameter(down.weight.detach() * -2.0)
         else:
@@ -146,7 +165,7 @@ def test_kept_cuda_graphs_replay_the_weights_as_they_are_now(options):
                 for parameter in model.parameters():
                     parameter.add_(0.3 * torch.randn_like(parameter))
         outputs = engine.generate(prompts, SAMPLED)
-        assert (engine.last_stats["graphs_kept"] > 0) == (change == "in place"), change
+        assert (engine.last_stats["graphs_kept"] >= 2) == (change == "in place"), change  # prefill + decode
         expected = reference.generate(prompts, SAMPLED)
         assert [g.token_ids for g in outputs] == [g.token_ids for g in expected], change
         for a, b in zip(outputs, expected):

@@ -138,7 +138,7 @@ class BuiltinBackend:
             raise ValueError(f"response_lengths needs one length in [1, max_new_tokens] per sequence "
                              f"({num_sequences}); got {len(response_lengths)} values.")
         stop_ids = sorted(set(params.stop_token_ids) | set(self._eos_ids(params)))
-        num_slots = self.runner.begin(prompts, params, stop_ids)  # 1. weights, KV cache, per-slot state
+        num_slots = self.runner.begin(prompts, params, stop_ids, keep=True)  # 1. weights, KV cache, per-slot state
         scheduler = Scheduler([i // params.n for i in range(num_sequences)], [len(p) for p in prompts], num_slots,
                               self.runner.block_allocator(), self.sync_every, params.max_new_tokens, response_lengths,
                               limits_at_sync=True)
@@ -159,7 +159,7 @@ class BuiltinBackend:
             finished = True
         finally:
             self.runner.record_scheduling(scheduler)
-            self.last_stats = self.runner.end(finished, release=self.release_after_generate, keep=True)  # 5.
+            self.last_stats = self.runner.end(finished, release=self.release_after_generate)  # 5.
         return results
 
     @torch.no_grad()

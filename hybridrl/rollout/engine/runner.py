@@ -23,6 +23,7 @@ import torch
 from hybridrl.devices import host_to_device, release_cached_memory
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.decode_state import DecodeState, compiled_sample_and_record, sample_and_record
+from hybridrl.rollout.engine import prefill_graph
 from hybridrl.rollout.engine.graphs import CaptureCounts, DecodeGraphs, step_signature
 from hybridrl.rollout.engine.kept_runs import KeptRun, KeptRuns, run_key, weight_addresses
 from hybridrl.rollout.engine.kernel_choices import (
@@ -150,7 +151,8 @@ class RunState:
     kept: dict[int, KeptResponse] = field(default_factory=dict)
     """Paged: what preempted sequences had sampled, by sequence index, until their re-admission (`preemption.py`)."""
     key: tuple | None = None
-    """What the run's tensors were made for (`kept_runs.run_key`); None for a layout that is never kept (paged)."""
+    """What the run's tensors were made for (`kept_runs.run_key`); None when the run will not be kept (not asked
+    for; the paged layout, dequantized copies: remade every call; too large)."""
     addresses: tuple | None = None
     """`kept_runs.weight_addresses` of the run's weights (with a key)."""
 
@@ -181,9 +183,11 @@ class ModelRunner:
 
     # ---- one call -----------------------------------------------------------------------------------
     def begin(self, prompts: list[list[int]], params: SamplingParams, stop_ids: list[int],
-              num_sequences: int | None = None, max_len: int | None = None) -> int:
-        """Resolve the weights, allocate the KV cache and the per-slot state; returns the number of slots.
-        Multi-turn: `num_sequences` episodes (default len(prompts) * n) whose slots hold `max_len` positions."""
+              num_sequences: int | None = None, max_len: int | None = None, keep: bool = False) -> int:
+        """Resolve the weights, allocate the KV cache and the per-slot state (or take a kept run's); returns the
+        number of slots. Multi-turn: `num_sequences` episodes (default len(prompts) * n) whose slots hold `max_len`
+        positions. `keep`: the call may be kept for the next of its shape, if small enough (`kept_runs.py`); then its
+        small prefills run as CUDA graphs too (`_prefill_chunk`), which only a kept run replays often enough."""
         timeline = Timeline(next(self.model.parameters()).device)
         weights, dequantized = self._weights()
         device, dtype = weights.lm_head.device, weights.lm_head.dtype
@@ -237,9 +241,11 @@ class ModelRunner:
             fuse_gate_up=any(layer.gate_up_weight is not None for layer in weights.layers),
             dequantized_4bit_layers=dequantized,
             sampler=sampler_name(self.options.sampler, settings, device, weights.lm_head.shape[0]))
+        keepable = keep and self.options.keep_runs and key is not None and self.kept.fits(self.cache, state, weights,
+                                                                                              device)
         self.run = RunState(weights, self.cache, state, uniforms, settings, generator, cos, sin, functions, sampler,
                             self.options.use_cuda_graphs and not packed and device.type == "cuda", timeline, stats,
-                            key=key, addresses=addresses)  # key None: never kept (paged; dequantized copies)
+                            key=key if keepable else None, addresses=addresses)
         return num_slots
 
     def block_allocator(self) -> BlockAllocator | None:
@@ -261,17 +267,16 @@ class ModelRunner:
             self.run.cache.clear_rows(host_to_device(torch.tensor(evicted), self.run.state.done.device))
         self.run.cache.write_blocks(writes)
 
-    def end(self, finished: bool, release: bool, keep: bool = False) -> dict:
-        """Close the call: its stats as a dict, and the KV cache freed when `release`. `keep`: a finished call small
-        enough is kept for the next call of its shape (`kept_runs.py`), its graphs with it."""
+    def end(self, finished: bool, release: bool) -> dict:
+        """Close the call: its stats as a dict, and the KV cache freed when `release`. A finished call begun with
+        `keep` (and small enough) is kept for the next call of its shape (`kept_runs.py`), its graphs with it."""
         run, self.run = self.run, None
         stats = run.stats
         stats.graphs_captured = run.counts.captured
         stats.captures_without_warmup, stats.warmup_s = run.counts.captures_without_warmup, run.counts.warmup_s
         if finished:
             run.timeline.mark("harvested")
-        device = run.state.done.device
-        if keep and self.options.keep_runs and finished and run.key is not None and self.kept.fits(run.cache, run.state, run.weights, device):
+        if finished and run.key is not None:
             self.kept.put(KeptRun(run.key, run.state.done.shape[0], run.cache, run.state, run.cos, run.sin,
                                   self.graphs.take(), run.addresses), run.weights)
         if release:
@@ -411,11 +416,29 @@ class ModelRunner:
                        [sequence.entry for sequence in sequences], list(write_rows), list(write_to),
                        [sequence.index for sequence in sequences]]
         sizes = [len(values) for values in index_lists]
-        on_device = host_to_device(torch.tensor([v for values in index_lists for v in values], dtype=torch.long), device)
-        lengths, rows_t, slots_t, entries, write_rows_t, write_to_t, indices = on_device.split(sizes)
-        store = run.cache.prompt_store(write_rows_t, write_to_t, lengths, length)
-        logits = prefill(run.weights, None, run.cos, run.sin, host_to_device(input_ids, device), lengths, None, None,
-                         run.functions.prefill_layer, store=store)
+        host = torch.cat((input_ids.flatten(), torch.tensor([v for values in index_lists for v in values],
+                                                            dtype=torch.long)))
+        graphed = prefill_graph.graphs_prefill(run.use_graphs, run.key is not None, len(chunk), length)
+        key = ("prefill", len(chunk), length, tuple(sizes))
+        if graphed:  # a kept run's small prefill: its inputs in the graph's static buffer (`prefill_graph.py`)
+            on_device, logits = prefill_graph.static_inputs(self.graphs, key, host,
+                                                            (len(chunk), run.weights.lm_head.shape[0]), device)
+        else:
+            on_device = host_to_device(host, device)
+        ids = on_device[:input_ids.numel()].view(input_ids.shape)
+        lengths, rows_t, slots_t, entries, write_rows_t, write_to_t, indices = on_device[input_ids.numel():].split(sizes)
+
+        def forward() -> torch.Tensor:
+            store = run.cache.prompt_store(write_rows_t, write_to_t, lengths, length)
+            return prefill(run.weights, None, run.cos, run.sin, ids, lengths, None, None, run.functions.prefill_layer,
+                           store=store)
+
+        if graphed:
+            logits = prefill_graph.replay(self.graphs, key, logits, lambda: step_signature(
+                len(chunk), length, ("prefill", tuple(sizes)), (run.weights, run.cache, on_device, run.cos, run.sin)),
+                forward, run.counts)
+        else:
+            logits = forward()
         uniforms = run.uniforms[indices]
         state.uniform_table[slots_t] = uniforms  # column 0 draws the first token, column i the (i+1)-th
         tokens, logprobs = sample(logits[rows_t], run.settings, uniforms[:, 0])
