@@ -11,9 +11,9 @@ from benchmarks.profiling.multiturn_trace import StubRunner
 from hybridrl.envs.base import EnvironmentSession
 from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.engine import multiturn as engine_multiturn
+from hybridrl.rollout import multiturn as rollout_multiturn
 from hybridrl.rollout.engine.backend import BuiltinBackend
-from hybridrl.rollout.engine.multiturn import collections_paused
+from hybridrl.rollout.multiturn import collections_paused
 from hybridrl.rollout.multiturn import EpisodeBudget, make_sessions
 from test_multiturn import TOKENIZER, make_model
 from test_multiturn_failures import FixedLatency
@@ -66,7 +66,7 @@ def test_paused_collections_resume_when_the_last_pause_ends_in_any_thread_and_on
         assert not gc.isenabled()  # off before: left off
     finally:
         gc.enable()
-    assert engine_multiturn._PAUSES["count"] == 0
+    assert rollout_multiturn._PAUSES["count"] == 0
 
 
 def test_the_stub_runner_drives_the_loop_through_whole_episodes():

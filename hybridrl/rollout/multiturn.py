@@ -24,6 +24,9 @@ Choices:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -177,15 +180,41 @@ class EpisodeRun:
         self.episode.done_reason, self.done = reason, True
 
 
+_PAUSES = {"count": 0, "was_enabled": True}
+_PAUSE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def collections_paused():
+    """Automatic garbage collection off while episodes start and run (in any thread; on again when the last pause
+    ends, if it was on before the first). A multi-turn call allocates most of its objects where the GPU waits: at its
+    start (sessions reset, episode records) and at turn boundaries (hundreds of tasks, results, messages, the turns'
+    lists), so that is where the collector's young-generation passes land, each walking the episodes' long id lists;
+    paused, those objects are walked once, in the first collection after. Cyclic garbage waits for that one too."""
+    with _PAUSE_LOCK:
+        if _PAUSES["count"] == 0:
+            _PAUSES["was_enabled"] = gc.isenabled()
+            gc.disable()
+        _PAUSES["count"] += 1
+    try:
+        yield
+    finally:
+        with _PAUSE_LOCK:
+            _PAUSES["count"] -= 1
+            if _PAUSES["count"] == 0 and _PAUSES["was_enabled"]:
+                gc.enable()
+
+
 async def start_runs(sessions: Sequence[EnvironmentSession], renderer: ObservationRenderer, budget: EpisodeBudget,
                      stop_ids: set[int]) -> list[EpisodeRun]:
     """Reset every environment at once and render each episode's prompt; if that fails (an environment raises, a
     prompt is over the budget), every session is closed before the error propagates, since no caller holds them
     as runs yet."""
     try:
-        first = await asyncio.gather(*(start_task(session.reset()) for session in sessions))
-        return [EpisodeRun(session, renderer, budget, messages, stop_ids)
-                for session, messages in zip(sessions, first)]
+        with collections_paused():
+            first = await asyncio.gather(*(start_task(session.reset()) for session in sessions))
+            return [EpisodeRun(session, renderer, budget, messages, stop_ids)
+                    for session, messages in zip(sessions, first)]
     except BaseException:
         await asyncio.gather(*(session.close() for session in sessions), return_exceptions=True)
         raise

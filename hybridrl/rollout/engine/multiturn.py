@@ -52,9 +52,6 @@ Choices:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
-import threading
 import time
 
 import torch
@@ -66,38 +63,13 @@ from hybridrl.rollout.engine.kernel_choices import attention_path
 from hybridrl.rollout.engine.kv_cache import PrefixSharedKVCache
 from hybridrl.rollout.engine.runner import KV_LEN_BUCKET
 from hybridrl.rollout.engine.scheduler import Scheduler
-from hybridrl.rollout.multiturn import EpisodeRun, close_runs
+from hybridrl.rollout.multiturn import EpisodeRun, close_runs, collections_paused
 
 _SEED_STRIDE = 1_000_003
 GATHER_QUIET_S = 0.002
 """With nothing live, environment answers that follow each other by less than this (or a tenth of a full decode
 block, if longer) are resumed as one wave."""
 _START_EVERY = 8
-_PAUSES = {"count": 0, "was_enabled": True}
-_PAUSE_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def collections_paused():
-    """Automatic garbage collection off while episode loops run (in any thread; on again when the last one ends, if it
-    was on before the first). A multi-turn call allocates most of its objects at turn boundaries (hundreds of tasks,
-    results, messages, the turns' lists), so that is where the collector's young-generation passes land, each walking
-    the episodes' long id lists, while the GPU waits for the boundary's resume; paused, the objects are walked once,
-    in the first collection after the call. A call's cyclic garbage waits for that collection too."""
-    with _PAUSE_LOCK:
-        if _PAUSES["count"] == 0:
-            _PAUSES["was_enabled"] = gc.isenabled()
-            gc.disable()
-        _PAUSES["count"] += 1
-    try:
-        yield
-    finally:
-        with _PAUSE_LOCK:
-            _PAUSES["count"] -= 1
-            if _PAUSES["count"] == 0 and _PAUSES["was_enabled"]:
-                gc.enable()
-
-
 class EpisodeLoop:
     """One `generate_episodes` call on a `BuiltinBackend` (see the module docstring for its phases)."""
 
