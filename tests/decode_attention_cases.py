@@ -92,16 +92,17 @@ def check_split_cases() -> None:
     reference, as `paged_attention_cases` checks the paged one. 32-key splits: uneven random lengths, lengths at the
     split edges (`at_split_edges`), a slot that sees no key, the fused write and RoPE + bias, float32 and float16.
     These with capacity-sized splits; then 8-key ones (rounded up to 32-key blocks: the last splits hold no key);
-    last, balanced splits (`BALANCED_SPLITS`: each slot's own keys shared evenly), float32."""
+    last, balanced splits (`balanced_splits`: each slot's own keys shared evenly), float32. The batch picks one or
+    the other in the engine; here `BALANCED_MAX_SLOT_HEADS` forces each at every batch."""
     from hybridrl.rollout.kernels import decode_launch
 
-    default = decode_launch.SPLIT_KEYS
+    default = decode_launch.SPLIT_KEYS, decode_launch.BALANCED_MAX_SLOT_HEADS
     for split_keys, dtypes, balanced in ((32, (torch.float32, torch.float16), False), (8, (torch.float32,), False),
                                          (32, (torch.float32,), True)):  # balanced: each slot's keys shared evenly
-        decode_launch.SPLIT_KEYS, decode_launch.BALANCED_SPLITS = split_keys, balanced
+        decode_launch.SPLIT_KEYS, decode_launch.BALANCED_MAX_SLOT_HEADS = split_keys, (1 << 30) * balanced
         for seed, shape in enumerate(SPLIT_CASES):
-            plan = decode_launch.launch_plan(shape[2], shape[3], shape[6], paged=False)
-            assert plan.num_splits > 1 and shape[6] % plan.split_len != 0, (shape, plan)
+            plan = decode_launch.launch_plan(shape[2], shape[3], shape[6], paged=False, slot_heads=shape[0] * shape[1])
+            assert plan.num_splits > 1 and plan.balanced == balanced and shape[6] % plan.split_len != 0, (shape, plan)
             for dtype in dtypes:
                 case = make_case(seed, *shape, dtype=dtype)
                 edges = at_split_edges(case, plan.split_len)
@@ -113,7 +114,7 @@ def check_split_cases() -> None:
         blind = make_case(9, *SPLIT_CASES[1])
         blind["prompt_len"][2], blind["response_len"][2] = 0, 0
         assert torch.equal(triton_decode_attention(**blind)[2], torch.zeros(3, 4, 32))
-    decode_launch.SPLIT_KEYS, decode_launch.BALANCED_SPLITS = default, False
+    decode_launch.SPLIT_KEYS, decode_launch.BALANCED_MAX_SLOT_HEADS = default
     print("split kernel cases passed")
 
 

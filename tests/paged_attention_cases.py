@@ -81,20 +81,19 @@ less than its slot's keys would show."""
 def check_kernel_cases() -> None:
     """Run with TRITON_INTERPRET=1: the paged kernel against the contiguous reference (float32, float16; the
     interpreter's bf16 dot is unusable, see decode_attention_cases)."""
-    # One program per slot and head; split-KV over 32-key splits; the same with each slot's keys shared out evenly;
-    # block ids of blocks of 64 (twice the key block) read per iteration or one iteration ahead.
-    saved = decode_launch.BALANCED_SPLITS, decode_launch.BLOCK_ID_LOADS
-    for split_keys, balanced, block_ids in ((None, False, "iteration"), (32, False, "iteration"),
-                                            (32, True, "iteration"), (None, False, "prefetch"), (32, True, "prefetch")):
-        decode_launch.SPLIT_KEYS, decode_launch.BALANCED_SPLITS = split_keys or SPLIT_KEYS, balanced
-        decode_launch.BLOCK_ID_LOADS = block_ids
-        prefetch = block_ids == "prefetch"
+    # One program per slot and head; split-KV over 32-key splits, capacity-sized, then each slot's keys shared out
+    # evenly (forced at every batch: the engine picks by batch). Blocks of 64 (twice the key block) load one block id
+    # per iteration, one ahead; blocks of 16 and 5 one id per key.
+    saved = decode_launch.BALANCED_MAX_SLOT_HEADS
+    for split_keys, balanced in ((None, False), (32, False), (32, True)):
+        decode_launch.SPLIT_KEYS = split_keys or SPLIT_KEYS
+        decode_launch.BALANCED_MAX_SLOT_HEADS = (1 << 30) * balanced
         for seed, shape in enumerate(CASES + [LONG_RESPONSES] * balanced):
             # the interpreter runs every program in turn: at most 16 splits (the engine's `MAX_SPLITS` too)
             decode_launch.MAX_SPLITS = min(16, MAX_SPLITS)
-            for block_size in (64,) if prefetch else BLOCK_SIZES[:3 if split_keys is None or balanced else 2]:
-                for dtype in (torch.float32, torch.float16)[:1 if balanced or prefetch else 2]:
+            for block_size in BLOCK_SIZES:
+                for dtype in (torch.float32, torch.float16)[:1 if balanced or block_size == 64 else 2]:
                     check_paged(triton_paged_decode_attention, seed, shape, block_size, dtype, TOLERANCE[dtype])
-    decode_launch.SPLIT_KEYS, (decode_launch.BALANCED_SPLITS, decode_launch.BLOCK_ID_LOADS) = SPLIT_KEYS, saved
+    decode_launch.SPLIT_KEYS, decode_launch.BALANCED_MAX_SLOT_HEADS = SPLIT_KEYS, saved
     decode_launch.MAX_SPLITS = MAX_SPLITS
     print("paged kernel cases passed")

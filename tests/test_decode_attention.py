@@ -132,17 +132,19 @@ def test_split_count_gives_wide_batches_few_splits_and_narrow_tails_many(monkeyp
     """Worked by hand at capacity 8,192 and 512-key splits, 2 KV heads: 4 slots -> 8 programs, 2048 // 8 = 256
     wanted, capped at 16; 180 slots -> 360 programs, 2048 // 360 = 5 -> 4 (a power of two); 512 slots -> 2 wanted,
     raised to the floor of 4; 40 slots -> 80 programs, 25 wanted -> 16; a capacity of 1,000 asks only 2 splits.
-    Balanced splits (`BALANCED_SPLITS`) take split_count whatever the capacity (split_len: the capacity's share,
-    rounded up to 32-key blocks)."""
+    Balanced splits (up to `BALANCED_MAX_SLOT_HEADS` = 64 pairs: 4 slots here, not 40) take split_count whatever
+    the capacity (split_len: the capacity's share, rounded up to 32-key blocks)."""
     def plans(capacity: int) -> dict:
-        return {slots: (plan.num_splits, plan.split_len) for slots in (4, 40, 180, 512)
+        return {slots: (plan.num_splits, plan.split_len, plan.balanced) for slots in (4, 40, 180, 512)
                 for plan in [decode_launch.launch_plan(6, 128, capacity, paged=False, slot_heads=2 * slots)]}
 
-    assert plans(8192) == {4: (16, 512), 40: (16, 512), 180: (4, 2048), 512: (4, 2048)}
-    assert decode_launch.launch_plan(6, 128, 1000, paged=True, slot_heads=1024).num_splits == 2
-    monkeypatch.setattr(decode_launch, "BALANCED_SPLITS", True)
-    assert plans(1000) == {4: (16, 64), 40: (16, 64), 180: (4, 256), 512: (4, 256)}
-    assert decode_launch.launch_plan(6, 128, 512, paged=False, slot_heads=8).num_splits == 1  # fits one split
+    assert decode_launch.BALANCED_MAX_SLOT_HEADS == 64
+    assert plans(8192) == {4: (16, 512, True), 40: (16, 512, False), 180: (4, 2048, False), 512: (4, 2048, False)}
+    assert plans(1000) == {4: (16, 64, True), 40: (2, 512, False), 180: (2, 512, False), 512: (2, 512, False)}
+    monkeypatch.setattr(decode_launch, "BALANCED_MAX_SLOT_HEADS", 1 << 30)  # balanced at every batch
+    assert plans(1000) == {4: (16, 64, True), 40: (16, 64, True), 180: (4, 256, True), 512: (4, 256, True)}
+    unsplit = decode_launch.launch_plan(6, 128, 512, paged=False, slot_heads=8)  # fits one split
+    assert unsplit.num_splits == 1 and not unsplit.balanced
 
 
 @pytest.mark.slow
@@ -164,9 +166,10 @@ def test_engine_with_split_kv_kernel_in_interpret_mode_matches_sdpa():
 
 
 def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False, arch: int = 90,
-                              block_size: int | None = None, num_splits: int = 1, block_ids: int | None = None):
+                              block_size: int | None = None, num_splits: int = 1, balanced: bool = False):
     """Compile the kernel ahead of time for sm_<arch> (Triton's own ptxas; no GPU or driver needed); with
-    `block_size`, its paged variant (`paged_attention.py`); with `num_splits` > 1, its split-KV variant."""
+    `block_size`, its paged variant (`paged_attention.py`); with `num_splits` > 1, its split-KV variant (`balanced`:
+    each slot's own keys shared evenly)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -182,9 +185,13 @@ def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool 
                      BLOCK_N=plan.block_n, IEEE=dtype == "fp32",
                      WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope,  # the variants the engine runs
                      PAGED=block_size is not None, BLOCK_SIZE=block_size or 1, NUM_SPLITS=num_splits,
-                     ONE_BLOCK=(plan.block_id_loads(block_size) if block_ids is None else block_ids) if block_size
-                     else 0, BALANCED=plan.balanced if block_ids is None else True)
-    return decode_attention.triton.compile(ASTSource(kernel, signature, constants),
+                     ONE_BLOCK=block_size is not None and plan.one_block(block_size), BALANCED=balanced)
+    # What a launch at the engine's shapes specializes: pointers 16-byte aligned, strides multiples of 16 (heads of 64
+    # or 128; the block table's row stride, its column count, need not be).
+    aligned = [index for index, name in enumerate(kernel.arg_names)
+               if signature[name].startswith("*") or (name.startswith("stride") and name != "stride_tb")]
+    attrs = {(index,): [["tt.divisibility", 16]] for index in aligned}
+    return decode_attention.triton.compile(ASTSource(kernel, signature, constants, attrs),
                                            target=GPUTarget("cuda", arch, 32), options=dict(num_warps=plan.num_warps))
 
 
@@ -218,8 +225,8 @@ def ptxas_report(compiled) -> str:
 @pytest.mark.parametrize("num_splits", [4, 16])
 def test_combine_kernel_and_prefetched_block_ids_compile_for_hopper_without_spills(num_splits):
     """The split-KV combine kernel with balanced splits at Qwen2.5-1.5B's heads, and the paged kernel with balanced
-    splits and block ids loaded one iteration ahead (`BLOCK_ID_LOADS="prefetch"`), both knobs: lowered for sm_90 and
-    within the registers."""
+    splits and block ids loaded one iteration ahead (blocks of 64, as the engine's narrow batches run it): lowered
+    for sm_90 and within the registers."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -234,7 +241,7 @@ def test_combine_kernel_and_prefetched_block_ids_compile_for_hopper_without_spil
     compiled = decode_attention.triton.compile(ASTSource(kernel, signature, constants),
                                                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert "0 bytes spill stores" in ptxas_report(compiled)
-    prefetch = compile_kernel_for_hopper("bf16", 6, 128, rope=True, block_size=64, num_splits=num_splits, block_ids=2)
+    prefetch = compile_kernel_for_hopper("bf16", 6, 128, rope=True, block_size=64, num_splits=num_splits, balanced=True)
     assert "0 bytes spill stores" in ptxas_report(prefetch)
 
 
@@ -244,8 +251,9 @@ def test_combine_kernel_and_prefetched_block_ids_compile_for_hopper_without_spil
     ("bf16", 6, 128, 64, 16), ("bf16", 7, 64, 64, 16), ("bf16", 6, 128, None, 16), ("bf16", 7, 64, None, 16)])
 def test_default_launch_does_not_spill_registers_on_hopper(dtype, group, head_dim, block_size, num_splits):
     """The default warps per program (`default_num_warps`: one up to head_dim 64, two above) keep the engine's
-    kernel (RoPE and bias inside) within 255 registers for sm_90: at head_dim 128 one warp spills ~340 bytes per
-    thread, which a GPU run would only show as a slower rollout. Read from Triton's own ptxas (-v). The paged
+    kernel (RoPE and bias inside) within 255 registers for sm_90: at head_dim 128 the paged kernel spills at one warp
+    (and, compiled without the launch's alignment specialization, the contiguous one did too, ~340 bytes per thread),
+    which a GPU run would only show as a slower rollout. Read from Triton's own ptxas (-v). The paged
     variant (block size 64) too, and both layouts' split-KV variants: Qwen2.5-1.5B's heads (group 6, head_dim 128)
     and Qwen2-0.5B's."""
     if not isinstance(decode_attention._decode_attention_kernel, decode_attention.triton.runtime.JITFunction):

@@ -3,21 +3,18 @@ contiguous (prefix-shared) kernel and the bandwidth floor.
 
 Shapes as `benchmarks/long_tail.py` runs them (Qwen2.5-1.5B heads: 2 KV heads, group 6, head_dim 128; bf16; prompt
 512 shared by 8 samples; response capacity `--cap` 8,192; the engine's call with RoPE, q/k/v bias and the fused cache
-write): `512-mixed` (drawn lengths, median 1,024), `128x4k`, `16x8k`, `512x1k` (the whole batch early on), `4x8k`
-(the tail); `--batches` picks a subset. The paged pool holds only the blocks the lengths fill, in shuffled order (as
-blocks handed out window by window end up); unused table columns point at block 0.
+write): `512-mixed` (drawn lengths, median 1,024), `128x4k`, `64x6k`, `32x8k`, `16x8k`, `512x1k` (the whole batch
+early on), `4x8k` (the tail); `--batches` picks a subset. The paged pool holds only the blocks the lengths fill, in
+shuffled order (as blocks handed out window by window end up); unused table columns point at block 0.
 
-Variants, one knob changed at a time from the engine's default (`decode_launch.launch_plan`: capacity-sized splits,
-one block id per loop iteration), in this order:
-- `contiguous`: the prefix-shared kernel; `paged bs=64`: the benchmark's blocks;
-- `paged e29b985^`: one block id per key, the paged kernel before `e29b985`;
-- `paged balanced`, `contiguous balanced`: each slot's own prompt and response keys shared evenly over the splits
-  (`BALANCED_SPLITS`), paged also with 16 to 64 splits at every batch;
-- `paged id prefetch`: each loop iteration's block id loaded one iteration ahead (`BLOCK_ID_LOADS`);
-- `paged stages=T`, `paged warps=W`, `paged BLOCK_N=N`: pipelining stages of the key loop (Triton's default
-  otherwise), warps per program, keys per loop iteration;
-- `paged bs=B`: blocks of B tokens (128, 32, 16); `paged splits=S`: S splits at every batch;
-- `paged stages=1`, `paged warps=8`.
+Variants, in this order (the engine's plan, `decode_launch.launch_plan`: block ids loaded one iteration ahead,
+balanced splits up to `BALANCED_MAX_SLOT_HEADS` (slot, KV head) pairs and capacity-sized ones above):
+- `contiguous`, `paged bs=64`: the engine's plan for each layout (the long-tail run's blocks of 64);
+- `... capacity`, `... balanced`: the same with capacity-sized, or balanced, splits at every batch, which places
+  the threshold;
+- `... BLOCK_N=64`: 64 keys per loop iteration instead of `BLOCK_N`, with the engine's split choice and with each
+  split kind forced.
+The contiguous plan first, then every paged variant, then the other contiguous ones.
 Each variant is checked against the PyTorch reference on the first layer, then timed over `--layers` layers' caches
 in one CUDA graph (`cuda_timing.graph_time_us`), so each layer is read from HBM. A variant that fails to compile or
 check prints its error and the sweep goes on; past `--budget` seconds the remaining variants are skipped (they run
@@ -30,7 +27,6 @@ Prints a table (µs per layer-step; % of floor); JSON to $OUT/paged_sweep.json w
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -41,7 +37,8 @@ import numpy as np
 import torch
 
 from benchmarks.kernels.cuda_timing import graph_time_us
-from benchmarks.kernels.split_kv import GROUP, HEAD_DIM, KV_HEADS, PROMPT_LEN, SAMPLES_PER_PROMPT, layer_case
+from benchmarks.kernels.split_kv import (GROUP, HEAD_DIM, KV_HEADS, PROMPT_LEN, SAMPLES_PER_PROMPT, floor_us,
+                                         kernel_sweep_parser, layer_case)
 from hybridrl.rollout.kernels import decode_launch
 from hybridrl.rollout.kernels.decode_attention import reference_decode_attention, triton_decode_attention
 from hybridrl.rollout.kernels.paged_attention import reference_paged_decode_attention, triton_paged_decode_attention
@@ -55,8 +52,8 @@ TOLERANCE = dict(atol=2e-2, rtol=2e-2)
 def batches(cap: int) -> dict[str, list[int]]:
     """Response keys per slot of each live shape (see the module docstring); drawn lengths are seeded."""
     drawn = np.clip(np.round(1024 * np.exp(np.random.default_rng(0).standard_normal(512))), 16, cap)
-    return {"512-mixed": drawn.astype(int).tolist(), "128x4k": [4096] * 128, "16x8k": [cap - 3] * 16,
-            "512x1k": [1024] * 512, "4x8k": [cap - 1] * 4}
+    return {"512-mixed": drawn.astype(int).tolist(), "128x4k": [4096] * 128, "64x6k": [min(6144, cap)] * 64,
+            "32x8k": [cap - 5] * 32, "16x8k": [cap - 3] * 16, "512x1k": [1024] * 512, "4x8k": [cap - 1] * 4}
 
 
 def paged_case(seed: int, lengths: list[int], cap: int, block_size: int) -> tuple[dict, tuple]:
@@ -108,49 +105,35 @@ def check(case: dict, extras: tuple, ours, reference) -> None:
     torch.testing.assert_close(out, expected, **TOLERANCE)
 
 
+SPLIT_KINDS = {None: None, "capacity": -1, "balanced": 1 << 30}
+"""`BALANCED_MAX_SLOT_HEADS` for a split kind: None keeps the engine's threshold; -1 (no grid is that small) gives
+capacity-sized splits at every batch; a bound no grid exceeds gives balanced ones at every batch."""
+
+
 @contextlib.contextmanager
-def knobs(splits: int | None = None, warps: int | None = None, block_n: int | None = None,
-          stages: int | None = None, block_ids: str | None = None, balanced: bool | None = None):
-    """Launches inside use the given knob (None: the default plan's)."""
-    saved = (decode_launch.SPLIT_KEYS, decode_launch.split_count, decode_launch.default_num_warps,
-             decode_launch.BLOCK_N, decode_launch.NUM_STAGES, decode_launch.BLOCK_ID_LOADS,
-             decode_launch.BALANCED_SPLITS)
-    if balanced is not None:
-        decode_launch.BALANCED_SPLITS = balanced
-    if block_ids is not None:
-        decode_launch.BLOCK_ID_LOADS = block_ids
+def knobs(splits: str | None = None, block_n: int | None = None):
+    """Launches inside use the given split kind (`SPLIT_KINDS`) and keys per loop iteration (None: the engine's)."""
+    saved = decode_launch.BLOCK_N, decode_launch.BALANCED_MAX_SLOT_HEADS
     if splits is not None:
-        decode_launch.SPLIT_KEYS = 1 << 30 if splits == 1 else 1
-        decode_launch.split_count = lambda slot_heads: splits
-    if warps is not None:
-        decode_launch.default_num_warps = lambda head_dim, paged=False: warps
+        decode_launch.BALANCED_MAX_SLOT_HEADS = SPLIT_KINDS[splits]
     if block_n is not None:
         decode_launch.BLOCK_N = block_n
-    if stages is not None:
-        decode_launch.NUM_STAGES = stages
     try:
         yield
     finally:
-        (decode_launch.SPLIT_KEYS, decode_launch.split_count, decode_launch.default_num_warps,
-         decode_launch.BLOCK_N, decode_launch.NUM_STAGES, decode_launch.BLOCK_ID_LOADS,
-         decode_launch.BALANCED_SPLITS) = saved
+        decode_launch.BLOCK_N, decode_launch.BALANCED_MAX_SLOT_HEADS = saved
 
 
 def variants() -> list[tuple[str, str, int, dict]]:
     """(name, layout, block size, knobs) of every variant (see the module docstring)."""
-    rows = [("contiguous", "contiguous", 0, {}), ("paged bs=64", "paged", 64, {}),
-            ("paged e29b985^", "paged", 64, dict(block_ids="key")),
-            ("paged balanced", "paged", 64, dict(balanced=True)),
-            ("contiguous balanced", "contiguous", 0, dict(balanced=True)),
-            ("paged id prefetch", "paged", 64, dict(block_ids="prefetch"))]
-    rows += [(f"paged balanced splits={count}", "paged", 64, dict(balanced=True, splits=count))
-             for count in (16, 32, 64)]
-    rows += [(f"paged stages={count}", "paged", 64, dict(stages=count)) for count in (2, 4)]
-    rows += [("paged warps=4", "paged", 64, dict(warps=4)), ("paged BLOCK_N=64", "paged", 64, dict(block_n=64))]
-    rows += [(f"paged bs={size}", "paged", size, {}) for size in (128, 32, 16)]
-    rows += [(f"paged splits={count}", "paged", 64, dict(splits=count)) for count in (1, 4, 8, 16)]
-    rows += [("paged stages=1", "paged", 64, dict(stages=1)), ("paged warps=8", "paged", 64, dict(warps=8))]
-    return rows
+    def row(layout: str, splits: str | None = None, block_n: int | None = None) -> tuple[str, str, int, dict]:
+        name = " ".join(part for part in ("contiguous" if layout == "contiguous" else "paged bs=64",
+                                          block_n and f"BLOCK_N={block_n}", splits) if part)
+        return name, layout, 64 if layout == "paged" else 0, dict(splits=splits, block_n=block_n)
+
+    paged = [row("paged", splits, block_n) for block_n in (None, 64) for splits in SPLIT_KINDS]
+    contiguous = [row("contiguous", splits, block_n) for block_n in (None, 64) for splits in SPLIT_KINDS]
+    return contiguous[:1] + paged + contiguous[1:]  # the paged rows first after the baseline: the budget may end
 
 
 def time_variant(cases: list, attention) -> float:
@@ -161,18 +144,8 @@ def time_variant(cases: list, attention) -> float:
     return graph_time_us(all_layers, calls=max(2, 20 // len(cases)), replays=10, per_call=len(cases))
 
 
-def floor_us(lengths: list[int], bandwidth_tbs: float) -> float:
-    """The bytes one layer must read (prompt entries once, each slot's response KV) at the given bandwidth."""
-    entries = max(1, len(lengths) // SAMPLES_PER_PROMPT)
-    return (entries * PROMPT_LEN + sum(lengths)) * KV_HEADS * HEAD_DIM * 4 / (bandwidth_tbs * 1e12) * 1e6
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels.paged_sweep", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cap", type=int, default=8192)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
+    parser = kernel_sweep_parser("paged_sweep", __doc__)
     parser.add_argument("--budget", type=float, default=90.0, help="seconds; later variants are skipped")
     parser.add_argument("--batches", default="", help="comma-separated subset of the shapes")
     args = parser.parse_args()
@@ -206,11 +179,11 @@ def main() -> None:
             value = results[name][shape]
             shown = (f"{value:.1f} us ({100 * floors[shape] / value:.0f}% of floor)" if isinstance(value, float)
                      else value)
-            print(f"{shape:>10} {name:>22}: {shown}", flush=True)
-    print(f"\n{'variant':>22} " + " ".join(f"{name:>10}" for name in shapes))
-    print(f"{'floor':>22} " + " ".join(f"{floors[name]:>10.1f}" for name in shapes))
+            print(f"{shape:>10} {name:>32}: {shown}", flush=True)
+    print(f"\n{'variant':>32} " + " ".join(f"{name:>10}" for name in shapes))
+    print(f"{'floor':>32} " + " ".join(f"{floors[name]:>10.1f}" for name in shapes))
     for name, row in results.items():
-        print(f"{name:>22} " + " ".join(f"{row[s]:>10.1f}" if isinstance(row.get(s), float) else f"{'-':>10}"
+        print(f"{name:>32} " + " ".join(f"{row[s]:>10.1f}" if isinstance(row.get(s), float) else f"{'-':>10}"
                                         for s in shapes))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "paged_sweep.json"), "w") as handle:

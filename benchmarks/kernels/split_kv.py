@@ -113,13 +113,19 @@ def floor_us(lengths: list[int], bandwidth_tbs: float) -> float:
     return (entries * PROMPT_LEN + sum(lengths)) * token_bytes / (bandwidth_tbs * 1e12) * 1e6
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels.split_kv", description=__doc__,
+def kernel_sweep_parser(script: str, doc: str) -> argparse.ArgumentParser:
+    """The options this script and `paged_sweep.py` share: the response capacity, the layers timed in turn and the
+    bandwidth of the floor."""
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.kernels.{script}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cap", type=int, default=8192, help="response capacity per slot (max_new_tokens)")
     parser.add_argument("--layers", type=int, default=4, help="layers' caches timed in turn (HBM, not L2)")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.2)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = kernel_sweep_parser("split_kv", __doc__).parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels/split_kv.py needs a CUDA GPU (it times Triton kernels).")
     counts = [1, 4, 8, 16]

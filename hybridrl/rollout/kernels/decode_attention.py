@@ -150,10 +150,10 @@ def triton_decode_attention(
 
     Long responses (capacity over `decode_launch.SPLIT_KEYS`: response_max_len here, the table's response columns
     times block_size when paged) run split-KV: program (b, h, s) attends to response keys [s * split_len,
-    (s + 1) * split_len) (split 0 also to the prompt and the new key; `decode_launch.BALANCED_SPLITS`: instead, the
-    slot's own prompt and response keys shared out evenly in whole key blocks, read on the device) and leaves its
-    partial softmax state in a
-    float32 buffer, which a second kernel combines."""
+    (s + 1) * split_len) (split 0 also to the prompt and the new key; in a narrow batch,
+    `decode_launch.balanced_splits`: instead, the slot's own prompt and response keys shared out evenly in whole key
+    blocks, read on the device) and leaves its partial softmax state in a float32 buffer, which a second kernel
+    combines."""
     if triton is None:
         raise ImportError("triton_decode_attention needs the triton package (pip install triton); "
                           "use attention='sdpa' or the reference on machines without it.")
@@ -173,8 +173,7 @@ def triton_decode_attention(
         cos, sin, bias, scale * math.log2(math.e), *strides, table_stride, prompt_columns, part_acc, part_ml,
         plan.split_len, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
         HAS_BIAS=rope is not None and qkv_bias is not None, PAGED=paged is not None, BLOCK_SIZE=block_size,
-        ONE_BLOCK=plan.block_id_loads(block_size) if paged is not None else 0,
-        **plan.compile_options(), **sizes)
+        ONE_BLOCK=paged is not None and plan.one_block(block_size), num_warps=plan.num_warps, **sizes)
     if plan.num_splits > 1:
         _combine_splits_kernel[(batch, num_kv_heads)](part_acc, part_ml, prompt_len, response_len, out,
                                                       *out.stride()[:3], plan.split_len, **sizes)
@@ -191,21 +190,23 @@ if triton is not None:
 
         q (GROUP_PAD, BLOCK_D); m_i, l_i (GROUP_PAD,) float32 in log2 units; acc (GROUP_PAD, BLOCK_D) float32.
         PAGED: key i lies in block table[i // BLOCK_SIZE] (k_base then points at the pool's head), row i % BLOCK_SIZE.
+        ONE_BLOCK (`LaunchPlan.one_block`: each iteration's keys share one block): one block id per iteration, loaded
+        one iteration ahead so the key loads need not wait for it, and consecutive rows in that block, which the
+        compiler sees as contiguous.
         """
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        if PAGED and ONE_BLOCK == 2:  # the first iteration's block id, before the loop
+        if PAGED and ONE_BLOCK:  # the first iteration's block id, before the loop
             block = tl.load(table + begin // BLOCK_SIZE, mask=begin < length, other=0).to(tl.int64)
         for start in range(begin, length, BLOCK_N):  # device-side bound: only the slot's own keys are read
             cols = start + offs_n
             kv_mask = (cols[:, None] < length) & (offs_d[None, :] < HEAD_DIM)
-            if PAGED and ONE_BLOCK == 2:  # this iteration's block id came with the last one; fetch the next one's
+            if PAGED and ONE_BLOCK:  # this iteration's block id came with the last one; fetch the next one's
                 rows = block * stride_block + ((start % BLOCK_SIZE) + offs_n).to(tl.int64) * stride_l
                 ahead = start + BLOCK_N
                 block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < length, other=0).to(tl.int64)
             else:
-                rows = _key_rows(start, cols, length, stride_l, table, stride_block, PAGED, BLOCK_SIZE, BLOCK_N,
-                                 ONE_BLOCK)
+                rows = _key_rows(cols, length, stride_l, table, stride_block, PAGED, BLOCK_SIZE)
             offsets = rows[:, None] + offs_d[None, :]
             k = tl.load(k_base + offsets, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
             v = tl.load(v_base + offsets, mask=kv_mask, other=0.0)
@@ -227,20 +228,13 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
-    def _key_rows(start, cols, length, stride_l, table, stride_block, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr):
-        """Offsets of keys `cols` (= start + arange(BLOCK_N)) from their head's base: contiguous rows, or (PAGED)
-        through the block table in int64 (a pool spans more elements than int32 counts). ONE_BLOCK (1 or 2: BLOCK_N
-        divides BLOCK_SIZE and `start` is a multiple of BLOCK_N, so the iteration's keys share one block): one block id
-        and consecutive rows in it, which the compiler sees as contiguous (2: `_attend` loads the id one iteration
-        ahead instead of calling this); 0: one id per key."""
+    def _key_rows(cols, length, stride_l, table, stride_block, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """Offsets of keys `cols` from their head's base: contiguous rows, or (PAGED, block sizes that `BLOCK_N` does
+        not divide) one block id per key through the block table, in int64 (a pool spans more elements than int32
+        counts)."""
         if PAGED:
-            if ONE_BLOCK:
-                block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
-                rows = block * stride_block + ((start % BLOCK_SIZE) + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_l
-            else:
-                blocks = tl.load(table + cols // BLOCK_SIZE, mask=cols < length, other=0).to(tl.int64)
-                rows = blocks * stride_block + (cols % BLOCK_SIZE).to(tl.int64) * stride_l
+            blocks = tl.load(table + cols // BLOCK_SIZE, mask=cols < length, other=0).to(tl.int64)
+            rows = blocks * stride_block + (cols % BLOCK_SIZE).to(tl.int64) * stride_l
         else:
             rows = cols * stride_l
         return rows

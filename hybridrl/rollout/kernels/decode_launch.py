@@ -11,12 +11,13 @@ and the plan made when a CUDA graph is captured holds for every replay. Nothing 
 
 Split-KV ("flash decoding"): one program per (slot, KV head) walks that slot's whole context alone, so at the tail
 of an uneven batch a few long sequences leave all but a few SMs idle. When the response capacity (the most response
-keys a slot can hold) exceeds `SPLIT_KEYS`, the response keys are cut into `num_splits` partitions of `split_len`
-keys, one program each (at most `split_count` of them: fewer for a wide batch, which already fills the GPU); split 0
-also takes the prompt and this step's new key (`BALANCED_SPLITS`, off: each slot's own prompt and response keys in
-equal runs instead). Each program leaves its partial softmax state (running max, sum, accumulator, float32) in a
-buffer and a second kernel merges them (log-sum-exp). The grid depends on the capacity and the batch (shapes) only,
-so splits past a slot's own length do no work.
+keys a slot can hold) exceeds `SPLIT_KEYS`, the keys are cut over `num_splits` programs per (slot, KV head) (at most
+`split_count` of them: fewer for a wide batch, which already fills the GPU), in one of two ways chosen by the batch
+(`balanced_splits`): capacity-sized splits (response keys in parts of `split_len`; split 0 also takes the prompt and
+this step's new key) for wide batches, or balanced splits (each slot's own prompt and response keys in equal runs of
+whole key blocks, read on the device) for narrow ones. Each program leaves its partial softmax state (running max,
+sum, accumulator, float32) in a buffer and a second kernel merges them (log-sum-exp). The grid depends on the
+capacity and the batch (shapes) only, so splits past a slot's own length do no work.
 """
 
 from __future__ import annotations
@@ -34,22 +35,14 @@ SM hide its latency better than more warps per program (`docs/benchmarks.md` has
 WIDE_HEAD_NUM_WARPS = 2
 """Warps per program above head_dim 64 (Qwen2.5-1.5B/7B, Llama 3: 128): with RoPE and the bias inside, one warp
 would need more than 255 registers a thread and spill (the no-spill test reads ptxas' report)."""
-BLOCK_ID_LOADS = "iteration"
-"""Paged: how the key loop reads the block table. "iteration": when a loop iteration's keys share one block
-(`BLOCK_N` divides the block size), one block id per iteration, its rows addressed as consecutive; "prefetch": the
-same, each id loaded one iteration ahead, so the key loads need not wait for it; "key": one id per key (what other
-block sizes always do). A knob for `benchmarks/kernels/paged_sweep.py`."""
-BLOCK_ID_MODES = {"key": 0, "iteration": 1, "prefetch": 2}
-BALANCED_SPLITS = False
-"""Split-KV: True shares each slot's own keys, prompt and response, out evenly over the splits in whole key blocks
-(computed on the device from its lengths). False (the default): split 0 takes the prompt and the response is cut
-into capacity-sized parts, so a slot far below the capacity leaves all its work to its first splits. As the default,
-balanced splits made the long-tail run no faster (slower at 512 slots, where every split then holds keys and the
-combine merges them all; docs/benchmarks.md, long-tail section), so it is a knob for
-`benchmarks/kernels/paged_sweep.py` until the sweep has timed it."""
-NUM_STAGES = None
-"""Software-pipelining stages of the key loop passed to Triton (None: Triton's default); a knob for
-`benchmarks/kernels/paged_sweep.py`."""
+BALANCED_MAX_SLOT_HEADS = 64
+"""Balanced splits for grids of at most this many (slot, KV head) pairs (batch 32 at 2 KV heads), capacity-sized
+splits above. In a narrow batch the programs do not fill the GPU, so a step lasts as long as its longest program:
+with capacity-sized splits that is split 0 (the whole prompt plus `split_len` response keys, twice the others at
+a 512-token prompt), with balanced ones every split holds an equal share. In a wide batch the grid runs in several
+waves anyway, and balanced splits only add work: every split of every slot then holds keys, and the combine merges
+them all, where capacity-sized splits past a slot's length return at once (`docs/benchmarks.md`, "Decode attention
+kernel", has the sweep that set the threshold)."""
 MIN_DOT_ROWS = 16
 """`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
 SPLIT_KEYS = 512
@@ -82,6 +75,12 @@ def split_count(slot_heads: int) -> int:
     return max(MIN_SPLITS, min(MAX_SPLITS, 1 << (wanted.bit_length() - 1)))
 
 
+def balanced_splits(slot_heads: int) -> bool:
+    """Whether a grid of `slot_heads` (batch x KV heads) pairs shares each slot's own keys out evenly over its
+    splits (`BALANCED_MAX_SLOT_HEADS` says why the batch decides)."""
+    return slot_heads <= BALANCED_MAX_SLOT_HEADS
+
+
 def response_splits(response_capacity: int, split_keys: int | None = None,
                     slot_heads: int = 1) -> tuple[int, int] | None:
     """(num_splits, split_len) for responses of up to `response_capacity` keys, or None (one program per slot and
@@ -97,7 +96,7 @@ def response_splits(response_capacity: int, split_keys: int | None = None,
     most = split_count(slot_heads)
     # Balanced splits share each slot's own keys, so their count need not follow the capacity; capacity-sized ones
     # get no more splits than `split_keys`-key parts of it.
-    num_splits = most if BALANCED_SPLITS else min(-(-response_capacity // split_keys), most)
+    num_splits = most if balanced_splits(slot_heads) else min(-(-response_capacity // split_keys), most)
     split_len = -(-response_capacity // num_splits)
     return num_splits, -(-split_len // BLOCK_N) * BLOCK_N
 
@@ -117,20 +116,15 @@ class LaunchPlan:
     """Programs per (slot, KV head): 1 without split-KV."""
     split_len: int
     """Response keys per split program (0 without split-KV)."""
-    num_stages: int | None = None
-    """Pipelining stages (None: Triton's default)."""
     balanced: bool = False
-    """Split-KV by each slot's own length (`BALANCED_SPLITS`)."""
+    """Split-KV by each slot's own length (`balanced_splits`)."""
 
-    def block_id_loads(self, block_size: int) -> int:
-        """Paged: the kernel's ONE_BLOCK mode (`BLOCK_ID_MODES` of `BLOCK_ID_LOADS`), 0 (one id per key) unless each
-        loop iteration's keys lie in one block; every iteration starts at a multiple of `block_n` (splits and
-        balanced ranges are whole numbers of it)."""
-        return BLOCK_ID_MODES[BLOCK_ID_LOADS] if block_size % self.block_n == 0 else 0
-
-    def compile_options(self) -> dict:
-        """The launch options Triton takes besides the grid: warps, and stages when set."""
-        return dict(num_warps=self.num_warps) | ({} if self.num_stages is None else dict(num_stages=self.num_stages))
+    def one_block(self, block_size: int) -> bool:
+        """Paged: whether each loop iteration's keys lie in one block (`BLOCK_N` divides the block size; every
+        iteration starts at a multiple of `block_n`, as splits and balanced ranges are whole numbers of it). Then the
+        kernel loads one block id per iteration, one iteration ahead, so the key loads need not wait for it; other
+        block sizes load one id per key."""
+        return block_size % self.block_n == 0
 
 
 def launch_plan(group: int, head_dim: int, response_capacity: int, paged: bool, slot_heads: int = 1) -> LaunchPlan:
@@ -140,7 +134,7 @@ def launch_plan(group: int, head_dim: int, response_capacity: int, paged: bool, 
     num_splits, split_len = response_splits(response_capacity, slot_heads=slot_heads) or (1, 0)
     return LaunchPlan(group_pad=padded_tile(group), block_d=padded_tile(head_dim), block_n=BLOCK_N,
                       num_warps=default_num_warps(head_dim, paged), num_splits=num_splits, split_len=split_len,
-                      num_stages=NUM_STAGES, balanced=BALANCED_SPLITS)
+                      balanced=num_splits > 1 and balanced_splits(slot_heads))
 
 
 def partial_state(plan: LaunchPlan, batch: int, num_kv_heads: int, placeholder: torch.Tensor) -> tuple:
