@@ -56,7 +56,7 @@ from hybridrl.rollout.engine.preemption import KeptResponse, keep_sampled, refil
 from hybridrl.rollout.engine.resume import Resume, extend_resumes
 from hybridrl.rollout.engine.sampling import SamplerSettings, sample
 from hybridrl.rollout.engine.scheduler import Scheduler, SequenceSlot, prefill_chunks
-from hybridrl.rollout.engine.weights import MATRICES, ModelWeights, is_packed_4bit, resolve_weights
+from hybridrl.rollout.engine.weights import ModelWeights, resolve_weights
 from hybridrl.rollout.timeline import Timeline
 
 _GIB = 1024**3
@@ -189,7 +189,7 @@ class ModelRunner:
         positions. `keep`: the call may be kept for the next of its shape, if small enough (`kept_runs.py`); then its
         small prefills run as CUDA graphs too (`_prefill_chunk`), which only a kept run replays often enough."""
         timeline = Timeline(next(self.model.parameters()).device)
-        weights, dequantized = self._weights()
+        weights, dequantized, packed = self._weights()
         device, dtype = weights.lm_head.device, weights.lm_head.dtype
         path = attention_path(self.options.attention, device, self.options.kv_cache)
         longest, new_tokens = max(map(len, prompts)), params.max_new_tokens
@@ -231,7 +231,6 @@ class ModelRunner:
         functions, sampler = self._decode_functions(device)
         # A 4-bit base is dequantized by bitsandbytes inside each step; whether its kernels capture into a
         # CUDA graph is unverified, so such models run the step uncaptured (per-layer work is large anyway).
-        packed = any(is_packed_4bit(getattr(layer, name)) for layer in weights.layers for name in MATRICES)
         stats = GenerateStats(
             num_slots=num_slots, graphs_kept=len(self.graphs.graphs), compiled=self._compiles(device),
             attention=path.name,
@@ -301,9 +300,9 @@ class ModelRunner:
             release_cached_memory(device)
 
     # ---- setup --------------------------------------------------------------------------------------
-    def _weights(self) -> tuple[ModelWeights, int]:
-        """References to the weights as they are now (fused and dequantized copies remade every call), and how
-        many layers of a 4-bit base were copied at full precision."""
+    def _weights(self) -> tuple[ModelWeights, int, bool]:
+        """References to the weights as they are now (fused and dequantized copies remade every call), how many
+        layers of a 4-bit base were copied at full precision, and whether any 4-bit layer is left packed."""
         options = self.options
         fuse_gate_up = auto_fuses_gate_up(self.model) if options.fuse_gate_up == "auto" else options.fuse_gate_up
         if self._packed_sizes is None:  # the walk over every projection is host time; a model's packing is fixed
@@ -313,7 +312,7 @@ class ModelRunner:
                       else len(packed_sizes) if options.dequantize_4bit is True else 0)
         weights = resolve_weights(self.model, options.fuse_qkv, fuse_gate_up, dequantize_layers=dequantize,
                                   into=self.kept.weights)
-        return weights, sum(size > 0 for size in packed_sizes[:dequantize])
+        return weights, sum(size > 0 for size in packed_sizes[:dequantize]), any(packed_sizes[dequantize:])
 
     def _allocate(self, geometry: CacheGeometry, path: AttentionPath, num_sequences: int, device, dtype) -> int:
         """Allocate the KV cache in the path's layout for as many slots as the budget allows; returns the slot count."""
