@@ -2,8 +2,8 @@
 
 The default plan (`hybridrl/rollout/kernels/decode_launch.py`) cuts responses of a capacity above `SPLIT_KEYS` into
 splits, one program each, merged by a second kernel: as many as the capacity asks, at most `split_count(batch x KV
-heads)` (4 for wide batches, up to `MAX_SPLITS` for narrow tails); the same rule for the contiguous
-(prefix-shared) and the paged layout. This script times the contiguous kernel both ways on batches shaped like the
+heads)` (4 for wide batches, up to `MAX_SPLITS` for narrow tails, whose keys are then shared out by each slot's own
+length: `balanced_splits`); the same rule for the contiguous (prefix-shared) and the paged layout. This script times the contiguous kernel both ways on batches shaped like the
 long-tail rollout (`benchmarks/long_tail.py`): Qwen2.5-1.5B's heads (2 KV heads, group 6, head_dim 128), bf16, prompt
 512 shared by 8 samples, response capacity `--cap` (8,192), the engine's call (raw q and K/V, RoPE and the q/k/v bias
 inside the kernel, the fused cache write). Each launch is checked against the PyTorch reference first, then timed
