@@ -215,17 +215,22 @@ def sft(args: argparse.Namespace, data: dict[str, Path], init: Path, out: Path) 
 
 def run_side(worker: str, name: str, spec: dict, out: Path, trl_python: str, timeout: float) -> dict:
     """One run (`worker`: trl or hybridrl, its result saved as `name`) in its own process (learning_vs_trl.py's
-    workers); a failure or a timeout becomes an `error`, beside the curve up to the worker's last evaluation."""
+    workers); a failure or a timeout becomes an `error`, beside the curve up to the worker's last evaluation. Each
+    run gets empty Triton and Inductor caches, so every seed's first step pays its kernel builds as a first run on a
+    fresh machine does (else the runs after the first would find them built)."""
     out.mkdir(parents=True, exist_ok=True)
-    result_path, partial_path = out / f"{name}.json", out / f"{name}.partial.json"
+    result_path, partial_path, caches = out / f"{name}.json", out / f"{name}.partial.json", out / f"{name}_caches"
     for path in (result_path, partial_path):
         path.unlink(missing_ok=True)
+    shutil.rmtree(caches, ignore_errors=True)
     threads = str(spec["threads"])
     command = worker_command(worker, {**spec, "partial_path": str(partial_path)}, result_path, trl_python)
     timeout = max(1.0, timeout)
     try:
         done = subprocess.run(command, cwd=ROOT, timeout=timeout,
-                              env={**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
+                              env={**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+                                   "TRITON_CACHE_DIR": str(caches / "triton"),
+                                   "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor")})
         error = f"exit status {done.returncode} (its output is above)" if done.returncode else None
     except subprocess.TimeoutExpired:
         error = f"cut after {timeout:.0f} s (the run's --budget)"

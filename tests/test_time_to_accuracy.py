@@ -213,9 +213,13 @@ def test_a_worker_cut_by_the_budget_keeps_its_curve_up_to_its_last_evaluation(tm
     """run_side passes the worker a partial_path; a worker killed at its timeout leaves the curve it wrote there."""
     def fake_worker(side, spec, out, trl_python):
         partial = {"side": side, "accuracy": {"0": 0.25}, "seconds_at_eval": {"0": 0.0}, "step_seconds": []}
-        return [sys.executable, "-c", f"import json, time; open({spec['partial_path']!r}, 'w').write("
-                                      f"json.dumps({partial!r})); time.sleep(60)"]
+        return [sys.executable, "-c", f"import json, os, time; open({spec['partial_path']!r}, 'w').write(json.dumps("
+                                      f"{{**{partial!r}, 'caches': os.environ['TRITON_CACHE_DIR']}})); time.sleep(60)"]
 
     monkeypatch.setattr(tta, "worker_command", fake_worker)
+    stale = tmp_path / "trl_caches" / "triton" / "built"
+    stale.mkdir(parents=True)
     result = tta.run_side("trl", "trl", {"threads": 1}, tmp_path, "python", timeout=3)
     assert result["error"] == "cut after 3 s (the run's --budget)" and result["accuracy"] == {"0": 0.25}
+    # each run's own Triton cache, emptied before it starts: its first step pays the kernel builds
+    assert result["caches"] == str(tmp_path / "trl_caches" / "triton") and not stale.exists()
