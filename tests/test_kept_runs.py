@@ -171,3 +171,26 @@ def test_kept_cuda_graphs_replay_the_weights_as_they_are_now(options):
         for a, b in zip(outputs, expected):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5), change
         engine.release_memory()
+
+
+def test_a_trainer_keeps_its_rollout_run_and_trains_bitwise_as_without(tmp_path, monkeypatch):
+    """Three GRPO steps with the built-in engine (CPU: no graphs, so the kept KV cache and state are what is reused,
+    under weights the optimizer changed in place): the run is kept between steps, and the trained weights equal,
+    bit for bit, those of a trainer whose runs are never kept."""
+    from test_trainer import make_trainer
+
+    def trained(kept_share: float, out):
+        monkeypatch.setattr(kept_runs, "KEEP_MAX_SHARE", kept_share)
+        trainer = make_trainer(out, trainer__total_steps=3, rollout__backend="builtin", actor__lr=1e-2)
+        kept_after = []
+        step = trainer.step
+        for _ in range(3):
+            step()
+            kept_after.append(len(trainer.parts.rollout.runner.kept.runs))
+        return [p.detach().clone() for p in trainer.parts.actor.parameters()], kept_after
+
+    weights, kept_after = trained(kept_runs.KEEP_MAX_SHARE, tmp_path / "kept")
+    assert kept_after == [1, 1, 1]
+    reference, never = trained(0.0, tmp_path / "fresh")
+    assert never == [0, 0, 0]
+    assert all(torch.equal(a, b) for a, b in zip(weights, reference))

@@ -6,7 +6,8 @@ call's fixed cost (allocating and zeroing the cache and state, recording the dec
 host time while the GPU idles) is most of the rollout. So a finished call's run is kept under a key that names
 everything its tensors and graphs were made for (`run_key`); the next call of that key takes it back, resets the
 state in place and replays the graphs. The KV cache is reused as it is: a slot's stale keys lie past its length,
-where attention gives them no weight, as they do when a slot is reused within one call.
+where attention gives them a weight of zero (they are finite: a forward wrote them), as when a slot is reused within
+one call.
 
 A CUDA graph replays the addresses it recorded. Weights updated in place (the optimizer's step; the stacked q/k/v and
 gate/up copies, which `resolve_weights(into=...)` rewrites in place) keep their addresses, so a kept graph reads
