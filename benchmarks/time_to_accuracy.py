@@ -213,24 +213,35 @@ def sft(args: argparse.Namespace, data: dict[str, Path], init: Path, out: Path) 
     return model, curve
 
 
-def run_side(worker: str, name: str, spec: dict, out: Path, trl_python: str, timeout: float) -> dict:
+CACHES = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}  # kernel caches: variable -> folder
+
+
+def use_caches(folder: Path) -> dict[str, str]:
+    """The environment variables that point Triton's and Inductor's caches into `folder`."""
+    return {variable: str(folder / name) for variable, name in CACHES.items()}
+
+
+def run_side(worker: str, name: str, spec: dict, out: Path, trl_python: str, timeout: float,
+             start_caches: Path | None = None) -> dict:
     """One run (`worker`: trl or hybridrl, its result saved as `name`) in its own process (learning_vs_trl.py's
     workers); a failure or a timeout becomes an `error`, beside the curve up to the worker's last evaluation. Each
-    run gets empty Triton and Inductor caches, so every seed's first step pays its kernel builds as a first run on a
-    fresh machine does (else the runs after the first would find them built)."""
+    run gets Triton and Inductor caches of its own, copied from `start_caches` (what the SFT built) or empty, so every
+    seed and arm starts from the same kernel builds as the first run does (else later runs would find the earlier
+    runs' builds and skip them in their first step)."""
     out.mkdir(parents=True, exist_ok=True)
     result_path, partial_path, caches = out / f"{name}.json", out / f"{name}.partial.json", out / f"{name}_caches"
     for path in (result_path, partial_path):
         path.unlink(missing_ok=True)
     shutil.rmtree(caches, ignore_errors=True)
+    if start_caches is not None and start_caches.is_dir():
+        shutil.copytree(start_caches, caches)
     threads = str(spec["threads"])
     command = worker_command(worker, {**spec, "partial_path": str(partial_path)}, result_path, trl_python)
     timeout = max(1.0, timeout)
     try:
         done = subprocess.run(command, cwd=ROOT, timeout=timeout,
                               env={**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                                   "TRITON_CACHE_DIR": str(caches / "triton"),
-                                   "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor")})
+                                   **use_caches(caches)})
         error = f"exit status {done.returncode} (its output is above)" if done.returncode else None
     except subprocess.TimeoutExpired:
         error = f"cut after {timeout:.0f} s (the run's --budget)"
@@ -438,9 +449,11 @@ def prepare(args: argparse.Namespace, out: Path, run: Run) -> tuple[Path, dict[s
     return model, data
 
 
-def run_seeds(args: argparse.Namespace, spec: dict, out: Path, run: Run, has_trl: bool) -> dict[int, dict]:
-    """Every planned run in order, each given its share of the seconds left; a hybridrl arm stops at its seed's TRL
-    final accuracy (when TRL gained) or at its own budget. Returns {seed: {run name: result}}."""
+def run_seeds(args: argparse.Namespace, spec: dict, out: Path, run: Run, has_trl: bool,
+              start_caches: Path | None = None) -> dict[int, dict]:
+    """Every planned run in order, each given its share of the seconds left and a copy of `start_caches` (run_side);
+    a hybridrl arm stops at its seed's TRL final accuracy (when TRL gained) or at its own budget. Returns
+    {seed: {run name: result}}."""
     queue, results = plan(args, has_trl), {}
     for index, (seed, name, wanted, overrides) in enumerate(queue):
         later = len(queue) - index - 1
@@ -463,7 +476,7 @@ def run_seeds(args: argparse.Namespace, spec: dict, out: Path, run: Run, has_trl
         started = time.time()
         result = seed_results[name] = run_side("trl" if name == "trl" else "hybridrl", name, run_spec,
                                                out / f"seed{seed}", args.trl_python,
-                                               run.left() - 5 - later * LOAD_SECONDS)
+                                               run.left() - 5 - later * LOAD_SECONDS, start_caches)
         result["wall_s"] = time.time() - started  # loading and evaluations included: what the budget pays
         run.save(f"seed{seed}/{name}", result)
         points = curve(result, 1) if "accuracy" in result else []
@@ -485,9 +498,12 @@ def main(argv: list[str] | None = None) -> None:
         run.say(f"TRL skipped: {args.trl_python} cannot import trl (make its environment with: {TRL_VENV_HINT}, or "
                 "on the GPU machine install .bench/'s wheels); hybridrl runs for its budget alone")
     torch.set_num_threads(args.threads)
+    start_caches = out / "caches_after_sft"  # the kernels this process builds (SFT's) are where every run starts
+    shutil.rmtree(start_caches, ignore_errors=True)
+    os.environ.update(use_caches(start_caches))
     model, data = prepare(args, out, run)
     spec = {**spec_for(args, 0, model, data), "device": args.device, "eval_steps": DENSE_EVALUATIONS}
-    results = run_seeds(args, spec, out, run, has_trl)
+    results = run_seeds(args, spec, out, run, has_trl, start_caches)
     samples_per_step = args.prompts_per_step * args.group_size
     per_seed = {seed: summary(seed_results, samples_per_step) for seed, seed_results in results.items()}
     seed_lines, figures = across_seeds({seed: seed_figures for seed, (_, seed_figures) in per_seed.items()})

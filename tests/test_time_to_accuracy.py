@@ -110,7 +110,7 @@ def test_a_short_budget_cuts_every_queued_run_alike():
 
 def fake_worker_results(calls: list):
     """A run_side that records each run and returns a made-up curve: TRL reaches 50%, each hybridrl arm 75%."""
-    def run_side(worker, name, spec, out, trl_python, timeout):
+    def run_side(worker, name, spec, out, trl_python, timeout, start_caches=None):
         calls.append((spec["seed"], worker, name, spec["max_seconds"], spec.get("target_accuracy"),
                       spec["hybridrl_overrides"]))
         top = 0.5 if worker == "trl" else 0.75
@@ -217,9 +217,12 @@ def test_a_worker_cut_by_the_budget_keeps_its_curve_up_to_its_last_evaluation(tm
                                       f"{{**{partial!r}, 'caches': os.environ['TRITON_CACHE_DIR']}})); time.sleep(60)"]
 
     monkeypatch.setattr(tta, "worker_command", fake_worker)
-    stale = tmp_path / "trl_caches" / "triton" / "built"
+    stale, built = tmp_path / "trl_caches" / "triton" / "stale", tmp_path / "after_sft" / "triton" / "built"
     stale.mkdir(parents=True)
-    result = tta.run_side("trl", "trl", {"threads": 1}, tmp_path, "python", timeout=3)
+    built.mkdir(parents=True)
+    result = tta.run_side("trl", "trl", {"threads": 1}, tmp_path, "python", timeout=3,
+                          start_caches=tmp_path / "after_sft")
     assert result["error"] == "cut after 3 s (the run's --budget)" and result["accuracy"] == {"0": 0.25}
-    # each run's own Triton cache, emptied before it starts: its first step pays the kernel builds
-    assert result["caches"] == str(tmp_path / "trl_caches" / "triton") and not stale.exists()
+    # each run's own Triton cache: what the SFT built, nothing an earlier run left
+    assert result["caches"] == str(tmp_path / "trl_caches" / "triton")
+    assert (tmp_path / "trl_caches" / "triton" / "built").is_dir() and not stale.exists()
