@@ -212,12 +212,20 @@ async def start_runs(sessions: Sequence[EnvironmentSession], renderer: Observati
     as runs yet."""
     try:
         with collections_paused():
-            first = await asyncio.gather(*(start_task(session.reset()) for session in sessions))
             return [EpisodeRun(session, renderer, budget, messages, stop_ids)
-                    for session, messages in zip(sessions, first)]
+                    for session, messages in zip(sessions, await _results([session.reset() for session in sessions]))]
     except BaseException:
         await asyncio.gather(*(session.close() for session in sessions), return_exceptions=True)
         raise
+
+
+async def _results(coroutines: list) -> list:
+    """The coroutines' results, run at once as tasks; those that needed no waiting are done as they start (eager tasks,
+    Python 3.12+) and are read directly, without a gather's callback per task through the event loop."""
+    tasks = [start_task(coroutine) for coroutine in coroutines]
+    if all(task.done() for task in tasks):
+        return [task.result() for task in tasks]
+    return list(await asyncio.gather(*tasks))
 
 
 async def close_runs(runs: Sequence[EpisodeRun]) -> None:

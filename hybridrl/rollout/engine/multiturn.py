@@ -250,7 +250,10 @@ class EpisodeLoop:
             texts.append(run.turn_text(ids[:item.length], item.reason))
             task = start_task(run.session.step(texts[-1]))
             self.pending[task], self.started_at[task] = item.slot, time.perf_counter()
-            task.add_done_callback(self._answered)
+            if task.done():  # eagerly, with no waiting (a final answer's step): no callback through the event loop
+                self.answers.append(task)
+            else:
+                task.add_done_callback(self._answered)
             if count % _START_EVERY == 0 and not EAGER_TASKS:
                 await asyncio.sleep(0)
         # Recorded once every step has started: the steps need only the text, and the tools' latency hides this.
