@@ -86,3 +86,22 @@ def test_the_stub_runner_drives_the_loop_through_whole_episodes():
         assert episode.token_ids == [1, 2, 3] + turn + observation + turn + observation + turn
         assert episode.num_sampled_tokens == 12 and episode.done_reason == "done"
     assert engine.last_stats["decode_steps"] == 3 * 3  # each turn's first token comes from its prefill
+
+
+def test_the_episodes_records_are_made_after_the_first_prefill_is_launched(monkeypatch):
+    """The record of each episode (its prompt's ids, mask and log-prob lists) is made while the GPU runs the first
+    prefill, not before it with the GPU waiting; the episodes are the same."""
+    events = []
+    make_record = rollout_multiturn.EpisodeRun.make_record
+    monkeypatch.setattr(rollout_multiturn.EpisodeRun, "make_record",
+                        lambda run: (events.append("record"), make_record(run))[1])
+    engine = BuiltinBackend(make_model("llama"), tokenizer=TOKENIZER)
+    engine.runner = StubRunner()
+    prefill = engine.runner.prefill
+    engine.runner.prefill = lambda prompts, admitted: (events.append("prefill"), prefill(prompts, admitted))[1]
+    sessions = [EnvironmentSession(lambda row: SlowTool(row, 2, 0.001), {"ids": [1, 2, 3]}, name="slow", sample=i)
+                for i in range(4)]
+    episodes = engine.generate_episodes(sessions, FixedIds([9]), SamplingParams(max_new_tokens=2, ignore_eos=True),
+                                        EpisodeBudget(max_turns=2, max_episode_tokens=64))
+    assert events == ["prefill"] + ["record"] * 4
+    assert all(episode.token_ids == [1, 2, 3, 7, 7, 9, 7, 7] for episode in episodes)

@@ -92,20 +92,33 @@ class EpisodeRun:
                  messages: list[dict[str, Any]], stop_ids: set[int]):
         self.session, self.renderer, self.budget, self.stop_ids = session, renderer, budget, stop_ids
         self.messages = [dict(m) for m in messages]
-        self.episode = Episode(messages=self.messages)
-        self.episode.add_prompt(renderer.prompt_ids(self.messages))
+        self.prompt_ids: list[int] = renderer.prompt_ids(self.messages)
+        self._episode: Episode | None = None
         self.last_turn_ids: list[int] = []
         self.done = False
-        if len(self.episode.token_ids) >= budget.max_episode_tokens:
+        if len(self.prompt_ids) >= budget.max_episode_tokens:
             raise PromptOverBudgetError(
                 f"the first messages environment {session.name!r} gave sample {session.sample} ({_preview(messages)}) "
-                f"render to a prompt of {len(self.episode.token_ids)} tokens, which leaves none to sample under "
+                f"render to a prompt of {len(self.prompt_ids)} tokens, which leaves none to sample under "
                 f"max_episode_tokens={budget.max_episode_tokens}; raise env.max_episode_tokens above "
-                f"{len(self.episode.token_ids)} or shorten that data row's prompt.")
+                f"{len(self.prompt_ids)} or shorten that data row's prompt.")
+
+    @property
+    def episode(self) -> Episode:
+        """The record, made from the prompt at first use (`make_record`)."""
+        if self._episode is None:
+            self.make_record()
+        return self._episode
+
+    def make_record(self) -> None:
+        """Start the episode's record with its prompt. The engine makes hundreds at a call's start: it does so once the
+        first prefill is launched, while the GPU runs it, not before with the GPU waiting."""
+        self._episode = Episode(messages=self.messages)
+        self._episode.add_prompt(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.episode.token_ids)
+        return len(self.prompt_ids) if self._episode is None else len(self._episode.token_ids)
 
     def turn_limit(self, max_new_tokens: int) -> int:
         """Tokens the next assistant turn may sample: the per-turn cap or what the episode budget leaves."""

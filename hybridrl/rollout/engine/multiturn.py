@@ -82,7 +82,7 @@ class EpisodeLoop:
         self.backend, self.runner, self.runs, self.params = backend, backend.runner, runs, params
         self.stop_ids = stop_ids
         distinct: dict[tuple[int, ...], int] = {}
-        self.prompt_of = [distinct.setdefault(tuple(r.episode.token_ids), len(distinct)) for r in runs]
+        self.prompt_of = [distinct.setdefault(tuple(r.prompt_ids), len(distinct)) for r in runs]
         self.prompts = [list(p) for p in distinct]
         self.budget = budget
         self.seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
@@ -105,7 +105,7 @@ class EpisodeLoop:
         self.answers: list[asyncio.Task] = []  # finished environment steps not yet collected, in finishing order
         self.waiter: asyncio.Future | None = None  # set when an answer comes in (`_answers_within`)
         self.ready: list[tuple[int, list[int]]] = []  # slot -> observation ids to prefill
-        finished = False
+        finished = records_made = False
         try:
             while scheduler.has_work or scheduler.paused:
                 admitted = scheduler.admit()  # 2.
@@ -114,6 +114,10 @@ class EpisodeLoop:
                         sequence.limit = self.runs[sequence.index].turn_limit(params.max_new_tokens)
                     self._apply_blocks(scheduler, [])
                     runner.prefill(self.prompts, admitted)
+                    if not records_made:  # the episodes' records, made while the GPU runs the first prefill
+                        for run in self.runs:
+                            run.make_record()
+                        records_made = True
                 self._resume(scheduler)  # 3.
                 self._apply_blocks(scheduler, scheduler.reserve())  # paged: blocks for the next window
                 if scheduler.live:
