@@ -5,6 +5,7 @@ padded pass equals the unpadded one within rounding: loss, log-probs, gradients)
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from hybridrl.training.graphed_pass import (
     capture_problem,
     normalizers,
     pad_micro_batch,
+    too_large_for_auto,
 )
 from hybridrl.training.update import actor_pass, mini_batch_normalizers
 
@@ -132,7 +134,7 @@ def test_static_gradients_are_views_of_one_buffer_zeroed_for_a_new_mini_batch_an
     assert all(p.grad is g for p, g in zip(params, runner.grads)) and all((p.grad == 0).all() for p in params)
 
 
-def test_cuda_graphs_setting_and_the_reasons_it_falls_back(caplog):
+def test_cuda_graphs_setting_and_the_reasons_it_falls_back(caplog, monkeypatch):
     model, _ = tiny_actor()
     cuda = torch.device("cuda")
     assert capture_problem(load_config(None), model, cuda, 1) is None
@@ -147,7 +149,11 @@ def test_cuda_graphs_setting_and_the_reasons_it_falls_back(caplog):
     assert "flash_attention_2" in capture_problem(load_config(None), model, cuda, 1)
     model.config._attn_implementation = "sdpa"
     assert build_graphed_pass(load_config(None, actor__cuda_graphs=False), model, cuda, 1) is None
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**40))
     assert isinstance(build_graphed_pass(load_config(None, actor__cuda_graphs="auto"), model, cuda, 1), GraphedPass)
+    numel = sum(p.numel() for p in model.parameters())
+    assert too_large_for_auto(list(model.parameters()), 16 * 4 * numel) is None  # float32 gradients: 1/16 exactly
+    assert "would stay allocated through the rollout" in too_large_for_auto(list(model.parameters()), 16 * 4 * numel - 1)
     with caplog.at_level(logging.INFO):
         assert build_graphed_pass(load_config(None, actor__cuda_graphs=True), model, torch.device("cpu"), 1) is None
     assert "the update runs eagerly: the device is not CUDA" in caplog.text

@@ -387,8 +387,9 @@ class ActorConfig:
     columns up to a few bucket widths), the first update of a shape runs eagerly, the second captures it.
     Saves the host's kernel launches where they, not the GPU, set the update's time (short sequences). Costs:
     the gradients (2 bytes per bf16 parameter) and the captured pass's activations stay allocated between
-    updates. `auto`: on CUDA for micro-batches small enough to be host-bound
-    (`graphed_pass.AUTO_MAX_PARAMETER_TOKENS`); off, with the reason logged, where the pass cannot be captured
+    updates. `auto`: on CUDA for micro-batches small enough to be host-bound and gradients small beside the
+    device's memory (`graphed_pass.AUTO_MAX_PARAMETER_TOKENS`, `AUTO_MAX_GRADIENT_SHARE`); off, with the reason
+    logged, where the pass cannot be captured
     (CPU, several GPUs, LoRA, gradient checkpointing, model.compile, packing by tokens, shared prompts,
     attention other than sdpa/eager)."""
 

@@ -43,6 +43,11 @@ AUTO_MAX_PARAMETER_TOKENS = 4e12
 launch the eager pass. Larger passes are bound by the GPU, where a graph saves nothing and its memory pool would keep
 their activations allocated between updates."""
 
+AUTO_MAX_GRADIENT_SHARE = 1 / 16
+"""`auto` graphs only models whose gradients take at most this share of the device's memory: the graphs keep them
+allocated through the rollout too, where a large model's KV cache needs the room (a 7B model's bf16 gradients are 15
+GiB, a tenth of an H200)."""
+
 MAX_GRAPHS = 8
 """Shapes captured per run at most; a shape beyond them runs eagerly (each graph keeps its activations' memory)."""
 
@@ -143,12 +148,24 @@ def build_graphed_pass(config: Config, model: torch.nn.Module, device: torch.dev
     setting = config.actor.cuda_graphs
     if setting is False:
         return None
+    params = [p for p in model.parameters() if p.requires_grad]
     problem = capture_problem(config, model, device, world_size)
+    if problem is None and setting == "auto":
+        problem = too_large_for_auto(params, torch.cuda.get_device_properties(device).total_memory)
     if problem is not None:
         log = logger.warning if setting is True else logger.info
         log("actor.cuda_graphs=%s: the update runs eagerly: %s", setting, problem)
         return None
-    return GraphedPass([p for p in model.parameters() if p.requires_grad], auto=setting == "auto")
+    return GraphedPass(params, auto=setting == "auto")
+
+
+def too_large_for_auto(params: list[torch.nn.Parameter], device_memory: int) -> str | None:
+    """Why `auto` leaves these parameters' pass eager (`AUTO_MAX_GRADIENT_SHARE`), or None."""
+    gradient_bytes = sum(p.numel() * p.element_size() for p in params)
+    if gradient_bytes <= AUTO_MAX_GRADIENT_SHARE * device_memory:
+        return None
+    return (f"its gradients ({gradient_bytes / 2**30:.1f} GiB) would stay allocated through the rollout, more than "
+            f"{AUTO_MAX_GRADIENT_SHARE:.3g} of the device's memory (actor.cuda_graphs=true graphs it anyway)")
 
 
 @dataclasses.dataclass
