@@ -243,15 +243,14 @@ class EpisodeLoop:
         tokens, logprobs = self.runner.read_outputs(rows)
         ended = scheduler.harvest(done, tokens, set(self.stop_ids), cut, pause=True)
         slots = [item.slot for item in ended]
-        self.runner.pause(slots)
         # One conversion of every ended row to Python lists (of ints and floats), not one per row and then one per
         # element: at 512 turns a boundary that is most of the harvest's own host time.
         width = max((item.length for item in ended), default=0)
-        token_rows = tokens[slots, :width].tolist()
+        token_rows = [ids[:item.length] for item, ids in zip(ended, tokens[slots, :width].tolist())]
         texts = []
         for count, (item, ids) in enumerate(zip(ended, token_rows), 1):
             run = self.runs[item.sequence.index]
-            texts.append(run.turn_text(ids[:item.length], item.reason))
+            texts.append(run.turn_text(ids, item.reason))
             task = start_task(run.session.step(texts[-1]))
             self.pending[task], self.started_at[task] = item.slot, time.perf_counter()
             if task.done():  # eagerly, with no waiting (a final answer's step): no callback through the event loop
@@ -260,9 +259,11 @@ class EpisodeLoop:
                 task.add_done_callback(self._answered)
             if count % _START_EVERY == 0 and not EAGER_TASKS:
                 await asyncio.sleep(0)
-        # Recorded once every step has started: the steps need only the text, and the tools' latency hides this.
+        # Once every step has started (the steps need only the text, and the tools' latency hides this): the paused
+        # slots marked on the device (before the next decode block), the turns recorded.
+        self.runner.pause(slots)
         for item, ids, row_logprobs, text in zip(ended, token_rows, logprobs[slots, :width].tolist(), texts):
-            self.runs[item.sequence.index].record_turn(ids[:item.length], row_logprobs[:item.length], text)
+            self.runs[item.sequence.index].record_turn(ids, row_logprobs[:item.length], text)
 
     def _collect(self, scheduler: Scheduler) -> None:
         """Finished environment steps (`answers`, in the order they finished): end the episode (free its slot) or queue
