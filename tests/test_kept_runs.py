@@ -60,8 +60,9 @@ def test_a_kept_graph_replays_weights_changed_in_place_and_gives_the_references_
 
 
 def test_new_prompts_of_the_same_shape_replay_the_prefill_graph_with_their_own_ids(monkeypatch):
-    """A trainer's next batch: other prompts, the same counts and longest length. The kept prefill graph (and the
-    decode graphs) replay on the new ids, index lists and lengths, copied into the graph's static inputs."""
+    """A trainer's next batch: other prompts, the same counts and longest length, another seed. The kept prefill graph
+    (and the decode graphs) replay on the new ids, index lists and lengths, copied into the graph's static inputs,
+    and on the new seed's uniforms, drawn into the kept tensor the graph reads."""
     model = make_model("qwen2")
     engine, graphs, reference = kept_engine(model, monkeypatch)
     engine.generate(PROMPTS, SAMPLED)
@@ -71,8 +72,9 @@ def test_new_prompts_of_the_same_shape_replay_the_prefill_graph_with_their_own_i
         prompts = [torch.randint(1, 30, (len(prompt) if seed < 2 else 5 - index % 3,), generator=generator).tolist()
                    for index, prompt in enumerate(PROMPTS)]
         prompts[0] = prompts[0][:4] + [7] * (5 - len(prompts[0][:4]))  # the longest stays 5 tokens
+        params = SamplingParams(max_new_tokens=6, temperature=1.0, n=3, seed=100 + seed, ignore_eos=True)
         graphs.events.clear()
-        same_outputs(engine.generate(prompts, SAMPLED), reference.generate(prompts, SAMPLED))
+        same_outputs(engine.generate(prompts, params), reference.generate(prompts, params))
         assert engine.last_stats["graphs_kept"] >= 2 and graphs.events == [], seed  # prefill + decode replayed
 
 

@@ -82,6 +82,8 @@ class KeptRun:
     num_slots: int
     cache: object
     state: DecodeState
+    uniforms: torch.Tensor
+    """Each sequence's uniforms, drawn anew into this tensor every call (the prefill graph reads it)."""
     cos: torch.Tensor
     sin: torch.Tensor
     graphs: CapturedGraphs

@@ -4,9 +4,9 @@ A short rollout's prefill is small (the time-to-accuracy run's: 32 prompts of ~6
 from the host: tens of milliseconds of launches for a millisecond of GPU work, every rollout. A run that is kept for
 the next call of its shape replays the same prefill shapes call after call, so its small prefills are captured once
 and replayed after that: the host copies the chunk's ids and index lists into the graph's static buffer (one copy)
-and replays. The logits go to a static output outside the graph's memory pool, copied there inside the graph, so a
-warm-up run (whose result is the one used: a step that warms up is not replayed) and a replay leave them in the same
-place. Calls that are not kept would capture as often as they run, so they launch the prefill as before.
+and replays. The graph covers the prefill, the first token's draw (from the run's uniforms, drawn into a kept tensor)
+and the per-slot state it writes, so it has no output of its own. Calls that are not kept would capture as often as
+they run, so they launch the prefill as before.
 
 The graph reads the run's weights, KV cache and RoPE table: kept with them, and dropped with them when the weights'
 addresses change (`kept_runs.weight_addresses`).
@@ -14,11 +14,9 @@ addresses change (`kept_runs.weight_addresses`).
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from hybridrl.rollout.engine.graphs import CaptureCounts, DecodeGraphs
+from hybridrl.rollout.engine.graphs import DecodeGraphs
 
 PREFILL_GRAPH_MAX_TOKENS = 4096
 """Prefills of at most this many padded tokens are captured: larger ones keep the GPU busy while the host launches."""
@@ -30,22 +28,11 @@ def graphs_prefill(use_graphs: bool, kept: bool, num_prompts: int, length: int) 
     return use_graphs and kept and num_prompts * length <= PREFILL_GRAPH_MAX_TOKENS
 
 
-def static_inputs(graphs: DecodeGraphs, key: tuple, host: torch.Tensor, logits_shape: tuple[int, int],
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The static (inputs, logits) buffers of the graph `key`, made on first use, with `host` (a 1-D CPU tensor:
-    the ids and index lists) copied into the inputs in one non-blocking copy from pinned memory."""
+def static_inputs(graphs: DecodeGraphs, key: tuple, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The static input buffer of the graph `key`, made on first use, with `host` (a 1-D CPU tensor: the ids and
+    index lists) copied into it in one non-blocking copy from pinned memory."""
     static = graphs.inputs.get(key)
     if static is None:
-        static = (torch.empty(host.shape, dtype=host.dtype, device=device),
-                  torch.empty(logits_shape, dtype=torch.float32, device=device))
-        graphs.inputs[key] = static
-    static[0].copy_(host.pin_memory() if device.type == "cuda" else host, non_blocking=True)
+        static = graphs.inputs[key] = torch.empty(host.shape, dtype=host.dtype, device=device)
+    static.copy_(host.pin_memory() if device.type == "cuda" else host, non_blocking=True)
     return static
-
-
-def replay(graphs: DecodeGraphs, key: tuple, logits: torch.Tensor, signature: Callable[[], tuple],
-           forward: Callable[[], torch.Tensor], counts: CaptureCounts) -> torch.Tensor:
-    """`forward()` (the prefill over the static inputs) through the graph `key`, captured first if the call has none
-    (`DecodeGraphs.step`: warmed up first for a new signature); its logits, in the static `logits`."""
-    graphs.step(key, signature, lambda: logits.copy_(forward()), counts)
-    return logits

@@ -212,8 +212,14 @@ class ModelRunner:
             len(prompts), num_sequences, params.max_new_tokens, stop_ids, settings, dtype, device)
         kept = self.kept.take(key) if key is not None else None
         addresses = weight_addresses(weights) if key is not None else None
+        generator = torch.Generator(device=device)
+        if params.seed is not None:
+            generator.manual_seed(params.seed)
+        else:
+            generator.seed()
         if kept is not None:  # the same shape as a kept call: its tensors, and its graphs if the weights stayed put
             num_slots, self.cache, state, cos, sin = kept.num_slots, kept.cache, kept.state, kept.cos, kept.sin
+            uniforms = torch.rand(kept.uniforms.shape, generator=generator, device=device, out=kept.uniforms)
             state.reset()
             self.graphs.drop()
             if kept.addresses == addresses:
@@ -222,12 +228,7 @@ class ModelRunner:
             num_slots = self._allocate(geometry, path, num_sequences, device, dtype)
             state = DecodeState(num_slots, params.max_new_tokens, stop_ids, device)
             cos, sin = rope_table(self.model, geometry.max_len, device, dtype)
-        generator = torch.Generator(device=device)
-        if params.seed is not None:
-            generator.manual_seed(params.seed)
-        else:
-            generator.seed()
-        uniforms = torch.rand(num_sequences, params.max_new_tokens, generator=generator, device=device)
+            uniforms = torch.rand(num_sequences, params.max_new_tokens, generator=generator, device=device)
         functions, sampler = self._decode_functions(device)
         # A 4-bit base is dequantized by bitsandbytes inside each step; whether its kernels capture into a
         # CUDA graph is unverified, so such models run the step uncaptured (per-layer work is large anyway).
@@ -276,8 +277,8 @@ class ModelRunner:
         if finished:
             run.timeline.mark("harvested")
         if finished and run.key is not None:
-            self.kept.put(KeptRun(run.key, run.state.done.shape[0], run.cache, run.state, run.cos, run.sin,
-                                  self.graphs.take(), run.addresses), run.weights)
+            self.kept.put(KeptRun(run.key, run.state.done.shape[0], run.cache, run.state, run.uniforms, run.cos,
+                                  run.sin, self.graphs.take(), run.addresses), run.weights)
         if release:
             self.release()
         if finished:  # not after an error: reading the events would wait on a GPU that may have failed
@@ -419,36 +420,34 @@ class ModelRunner:
                                                             dtype=torch.long)))
         graphed = prefill_graph.graphs_prefill(run.use_graphs, run.key is not None, len(chunk), length)
         key = ("prefill", len(chunk), length, tuple(sizes))
-        if graphed:  # a kept run's small prefill: its inputs in the graph's static buffer (`prefill_graph.py`)
-            on_device, logits = prefill_graph.static_inputs(self.graphs, key, host,
-                                                            (len(chunk), run.weights.lm_head.shape[0]), device)
-        else:
-            on_device = host_to_device(host, device)
+        # A kept run's small prefill: its inputs in the graph's static buffer (`prefill_graph.py`)
+        on_device = (prefill_graph.static_inputs(self.graphs, key, host, device) if graphed
+                     else host_to_device(host, device))
         ids = on_device[:input_ids.numel()].view(input_ids.shape)
         lengths, rows_t, slots_t, entries, write_rows_t, write_to_t, indices = on_device[input_ids.numel():].split(sizes)
 
-        def forward() -> torch.Tensor:
+        def prefill_and_first_tokens() -> None:
             store = run.cache.prompt_store(write_rows_t, write_to_t, lengths, length)
-            return prefill(run.weights, None, run.cos, run.sin, ids, lengths, None, None, run.functions.prefill_layer,
-                           store=store)
+            logits = prefill(run.weights, None, run.cos, run.sin, ids, lengths, None, None,
+                             run.functions.prefill_layer, store=store)
+            uniforms = run.uniforms[indices]
+            state.uniform_table[slots_t] = uniforms  # column 0 draws the first token, column i the (i+1)-th
+            tokens, logprobs = sample(logits[rows_t], run.settings, uniforms[:, 0])
+            state.last_token[slots_t] = tokens
+            state.prompt_len[slots_t] = lengths[rows_t]
+            run.cache.begin_sequences(slots_t, lengths[rows_t])
+            state.prompt_entry[slots_t] = entries
+            state.gen_len.index_fill_(0, slots_t, 1)  # not `[slots_t] = 1`: that synchronizes (see `free`)
+            state.out_tokens[slots_t, 0] = tokens
+            state.out_logprobs[slots_t, 0] = logprobs
+            state.done[slots_t] = state.is_stop(tokens) | (state.max_new_tokens <= 1)
 
         if graphed:
-            logits = prefill_graph.replay(self.graphs, key, logits, lambda: step_signature(
-                len(chunk), length, ("prefill", tuple(sizes)), (run.weights, run.cache, on_device, run.cos, run.sin)),
-                forward, run.counts)
+            self.graphs.step(key, lambda: step_signature(len(chunk), length, ("prefill", tuple(sizes), run.settings),
+                             (run.weights, run.cache, run.state, run.uniforms, on_device, run.cos, run.sin)),
+                             prefill_and_first_tokens, run.counts)
         else:
-            logits = forward()
-        uniforms = run.uniforms[indices]
-        state.uniform_table[slots_t] = uniforms  # column 0 draws the first token, column i the (i+1)-th
-        tokens, logprobs = sample(logits[rows_t], run.settings, uniforms[:, 0])
-        state.last_token[slots_t] = tokens
-        state.prompt_len[slots_t] = lengths[rows_t]
-        run.cache.begin_sequences(slots_t, lengths[rows_t])
-        state.prompt_entry[slots_t] = entries
-        state.gen_len.index_fill_(0, slots_t, 1)  # not `[slots_t] = 1`: that synchronizes (see `free`)
-        state.out_tokens[slots_t, 0] = tokens
-        state.out_logprobs[slots_t, 0] = logprobs
-        state.done[slots_t] = state.is_stop(tokens) | (state.max_new_tokens <= 1)
+            prefill_and_first_tokens()
 
     def extend(self, resumes: list[Resume]) -> None:
         """Multi-turn resumes, each (slot, ids, start, key): feed `ids` at positions start.. onto the slot's own KV,
