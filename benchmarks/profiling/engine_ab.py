@@ -43,6 +43,19 @@ def parse_option_set(text: str) -> tuple[str, dict]:
     return name, parsed
 
 
+TTA_OPTIONS = dict(attention="sdpa", compile=False, sampler="torch")
+"""The light rollout's engine options (`kernel_choices.light_rollout`), which the TTA's trainer picks."""
+
+
+def tta_rollout(device: str = "cuda") -> tuple:
+    """The time-to-accuracy run's rollout: (model, prompts, sampling params); see the module docstring."""
+    generator = torch.Generator().manual_seed(1)
+    model = build_model(device, {**GRPO_05B, "vocab_size": 64})
+    lengths = torch.randint(4, 8, (32,), generator=generator).tolist()
+    prompts = [torch.randint(1, 64, (length,), generator=generator).tolist() for length in lengths]
+    return model, prompts, SamplingParams(max_new_tokens=6, temperature=1.0, n=8, seed=0, ignore_eos=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sets", nargs="+", help="NAME:key=value,... (one per engine)")
@@ -53,17 +66,14 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/profiling/engine_ab.py needs a CUDA GPU.")
-    generator = torch.Generator().manual_seed(1)
     if args.tta:
-        model = build_model("cuda", {**GRPO_05B, "vocab_size": 64})
-        lengths = torch.randint(4, 8, (32,), generator=generator).tolist()
-        prompts = [torch.randint(1, 64, (length,), generator=generator).tolist() for length in lengths]
-        args.response_len, base = 6, dict(attention="sdpa", compile=False, sampler="torch")
+        (model, prompts, params), base = tta_rollout(), TTA_OPTIONS
+        args.response_len = params.max_new_tokens
     else:
-        model = build_model("cuda")
+        model, base = build_model("cuda"), {}
+        generator = torch.Generator().manual_seed(1)
         prompts = torch.randint(0, model.config.vocab_size, (args.prompts, 256), generator=generator).tolist()
-        base = {}
-    params = SamplingParams(max_new_tokens=args.response_len, temperature=1.0, n=8, seed=0, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=args.response_len, temperature=1.0, n=8, seed=0, ignore_eos=True)
     engines = {name: BuiltinBackend(model, **{**base, **options}) for name, options in map(parse_option_set, args.sets)}
     for engine in engines.values():  # compile, load kernels, capture once
         engine.generate(prompts, params)
