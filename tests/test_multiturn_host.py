@@ -13,7 +13,7 @@ from hybridrl.envs.rendering import ObservationRenderer
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout import multiturn as rollout_multiturn
 from hybridrl.rollout.engine.backend import BuiltinBackend
-from hybridrl.rollout.multiturn import collections_paused
+from hybridrl.rollout.multiturn import collect_due, collections_paused
 from hybridrl.rollout.multiturn import EpisodeBudget, make_sessions
 from test_multiturn import TOKENIZER, make_model
 from test_multiturn_failures import FixedLatency
@@ -67,6 +67,22 @@ def test_paused_collections_resume_when_the_last_pause_ends_in_any_thread_and_on
     finally:
         gc.enable()
     assert rollout_multiturn._PAUSES["count"] == 0
+
+
+def test_with_collections_paused_the_engine_runs_the_pass_that_is_due_itself():
+    """`collect_due` (called after GPU work is launched) collects the young generation once it is over its threshold,
+    and leaves it alone below."""
+    with collections_paused():
+        gc.collect()
+        kept = [[] for _ in range(gc.get_threshold()[0] // 2)]
+        before = gc.get_count()[0]
+        collect_due()
+        assert gc.get_count()[0] >= before  # below the threshold: nothing collected
+        kept += [[] for _ in range(gc.get_threshold()[0] * 2)]
+        assert gc.get_count()[0] > gc.get_threshold()[0]  # automatic collection is off
+        collect_due()
+        assert gc.get_count()[0] < 10
+    assert len(kept) > 0
 
 
 def test_the_stub_runner_drives_the_loop_through_whole_episodes():

@@ -63,7 +63,7 @@ from hybridrl.rollout.engine.kernel_choices import attention_path
 from hybridrl.rollout.engine.kv_cache import PrefixSharedKVCache
 from hybridrl.rollout.engine.runner import KV_LEN_BUCKET
 from hybridrl.rollout.engine.scheduler import Scheduler
-from hybridrl.rollout.multiturn import EpisodeRun, close_runs, collections_paused
+from hybridrl.rollout.multiturn import EpisodeRun, close_runs, collect_due, collections_paused
 
 _SEED_STRIDE = 1_000_003
 GATHER_QUIET_S = 0.002
@@ -118,6 +118,7 @@ class EpisodeLoop:
                         for run in self.runs:
                             run.make_record()
                         records_made = True
+                    collect_due()
                 self._resume(scheduler)  # 3.
                 self._apply_blocks(scheduler, scheduler.reserve())  # paged: blocks for the next window
                 if scheduler.live:
@@ -128,6 +129,7 @@ class EpisodeLoop:
                     # The next key bucket, recorded while the GPU runs this block, when the turn (or a resume's
                     # observation) may reach it soon.
                     runner.capture_decode_ahead(batch, runner.kv_len(furthest + KV_LEN_BUCKET // 2))
+                    collect_due()  # garbage collection paused (`run`): its passes run here, while the GPU decodes
                     self.decode_blocks += 1
                     await self._harvest(scheduler)  # 5.
                     if steps == self.backend.sync_every:  # a full block; a short one is mostly its harvest
