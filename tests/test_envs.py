@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 
 import pytest
@@ -142,6 +143,47 @@ def test_unusable_step_results_are_refused(env_file, name, problem):
         run_sync(session(env_file, name).step("x"))
     line = next(i for i, text in enumerate(env_file.read_text().splitlines(), 1) if f"class {name}(" in text) + 1
     assert f"envs.py:{line} in step) in step 1 for sample 0" in str(error.value)  # the user's step, by file:line
+
+
+def test_rewards_must_be_finite_numbers_other_than_bools_from_sync_and_async_steps():
+    """The async path (no worker thread, the engine's common case) checks what the sync one does, and says the same."""
+    import numpy
+
+    def environment(reward, is_async):
+        async def async_step(text):
+            return StepResult(reward=reward)
+        return type("Env", (), dict(reset=lambda self: [], step=(lambda self, text: async_step(text)) if is_async
+                                    else (lambda self, text: StepResult(reward=reward))))
+
+    for reward, usable in ((1.0, True), (2, True), (numpy.float32(0.5), True), (None, True), (float("inf"), False),
+                           (numpy.float32("nan"), False), (True, False), ("1", False)):
+        for is_async in (False, True):
+            env = EnvironmentSession(lambda row: environment(reward, is_async)(), {}, name="env.py:Env", sample=3)
+            env._async_step = is_async  # a lambda returning a coroutine reads as sync: say which path to take
+            if usable:
+                assert run_sync(env.step("x")).reward == reward
+            else:
+                with pytest.raises(EnvironmentCodeError, match=re.escape(f"returned reward {reward!r}; a reward "
+                                                                         "must be a finite number or None")
+                                   + ".* in step 1 for sample 3"):
+                    run_sync(env.step("x"))
+
+
+def test_an_async_step_that_raises_is_one_sentence():
+    class Raising:
+        def __init__(self, row):
+            pass
+
+        async def reset(self):
+            return []
+
+        async def step(self, text):
+            raise KeyError(text)
+
+    env = EnvironmentSession(Raising, {}, name="env.py:Raising", sample=2)
+    with pytest.raises(EnvironmentCodeError, match=r"environment 'env.py:Raising' raised KeyError: 'x' .*in step 1 "
+                                                   r"for sample 2; fix the environment"):
+        run_sync(env.step("x"))
 
 
 def test_unusable_messages_are_refused(env_file):
