@@ -95,6 +95,7 @@ class EpisodeRun:
         self.prompt_ids: list[int] = renderer.prompt_ids(self.messages)
         self._episode: Episode | None = None
         self.last_turn_ids: list[int] = []
+        self.num_turns = 0  # assistant turns recorded (the episode's `num_turns`, without counting its spans)
         self.done = False
         if len(self.prompt_ids) >= budget.max_episode_tokens:
             raise PromptOverBudgetError(
@@ -147,6 +148,7 @@ class EpisodeRun:
         and floats), and the assistant message. The engine's harvest does this after it has started every ended turn's
         environment step, which needs only the text."""
         self.episode.add_sampled(ids, logprobs)
+        self.num_turns += 1
         self.last_turn_ids = ids
         self.messages.append({"role": "assistant", "content": text})
 
@@ -157,7 +159,7 @@ class EpisodeRun:
         self.episode.tool_calls.extend(result.info.get("tool_calls", []))
         if result.done:
             return self._end("done")
-        if self.episode.num_turns >= self.budget.max_turns:
+        if self.num_turns >= self.budget.max_turns:
             return self._end("max_turns")
         if not result.observation:
             raise EnvironmentCodeError(f"environment {self.session.name!r} returned no observation with done=False"
@@ -171,19 +173,19 @@ class EpisodeRun:
                 f"the chat template cannot render the observation environment {self.session.name!r} gave in step "
                 f"{self.session.num_steps} for sample {self.session.sample} ({_preview(result.observation)}): {error}"
             ) from error
-        ids = self._truncated(ids, [*self.messages, *result.observation])
+        ids = self._truncated(ids, result.observation)
         if self.num_tokens + len(ids) >= self.budget.max_episode_tokens:
             return self._end("max_tokens")  # unshown, so not in `messages` either (as with done and max_turns)
         self.messages.extend(result.observation)
         self.episode.add_observation(ids)
         return ids
 
-    def _truncated(self, ids: list[int], conversation: list[dict[str, Any]]) -> list[int]:
+    def _truncated(self, ids: list[int], observation: list[dict[str, Any]]) -> list[int]:
         """`ids` cut to `max_observation_tokens`: first ids + marker + the template's next-turn opening."""
         limit = self.budget.max_observation_tokens
         if len(ids) <= limit:
             return ids
-        opening = self.renderer.next_turn_opening(conversation)
+        opening = self.renderer.next_turn_opening([*self.messages, *observation])
         room = max(0, limit - len(opening))
         marker = self.renderer.encode(self.budget.truncation_marker)[:room]
         return ids[:room - len(marker)] + marker + opening

@@ -219,7 +219,7 @@ class EpisodeLoop:
             if sequence.needs_context:  # its blocks were taken while it was paused: from the prompt's end, or all
                 start = 0 if sequence.fills_entry else len(self.prompts[self.prompt_of[sequence.index]])
                 sequence.needs_context = False
-            key = self.seed * _SEED_STRIDE + sequence.index * 1009 + run.episode.num_turns  # the turn's uniforms
+            key = self.seed * _SEED_STRIDE + sequence.index * 1009 + run.num_turns  # the turn's uniforms
             resumes.append((slot, run.episode.token_ids[start:], start, key))
         self._apply_blocks(scheduler, preempted)
         if resumes:
