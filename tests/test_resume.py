@@ -4,6 +4,7 @@ reference, and whole episodes through the graph path (replayed eagerly on CPU) a
 
 from __future__ import annotations
 
+import array
 import os
 import sys
 from types import SimpleNamespace
@@ -95,10 +96,15 @@ def test_a_batch_padded_to_its_graph_bucket_equals_the_reference_and_hides_its_p
     assert_extended_alike(got, want, kv, reference_kv, reference_kv, contexts, slots, new)
 
 
-def test_host_batch_lays_out_ids_lengths_slots_starts_and_keys():
+@pytest.mark.parametrize("as_array", [False, True])
+def test_host_batch_lays_out_ids_lengths_slots_starts_and_keys(as_array):
     """Ragged rows right-padded with 0, padding rows (length 0) resuming the first row's slot right after its new ids,
-    keys cut to 63 bits (int64 on the device), all in one flat buffer."""
-    resumes = [(3, [5, 6, 7], 10, 2**64 + 5), (1, [8], 4, 7)]
+    keys cut to 63 bits (int64 on the device), all in one flat buffer; the ids given as lists or as int64 arrays (the
+    episode loop converts them as the answers come in)."""
+    rows = [[5, 6, 7], [8]]
+    if as_array:
+        rows = [array.array("q", ids) for ids in rows]
+    resumes = [(3, rows[0], 10, 2**64 + 5), (1, rows[1], 4, 7)]
     batch = host_batch(resumes, 4, 5, "cpu")
     assert batch.input_ids.tolist() == [[5, 6, 7, 0, 0], [8, 0, 0, 0, 0], [0] * 5, [0] * 5]
     assert batch.lengths.tolist() == [3, 1, 0, 0]

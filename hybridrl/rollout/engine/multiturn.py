@@ -51,6 +51,7 @@ Choices:
 
 from __future__ import annotations
 
+import array
 import asyncio
 import time
 
@@ -104,7 +105,7 @@ class EpisodeLoop:
         self.started_at: dict[asyncio.Task, float] = {}  # environment step -> when the harvest started it
         self.answers: list[asyncio.Task] = []  # finished environment steps not yet collected, in finishing order
         self.waiter: asyncio.Future | None = None  # set when an answer comes in (`_answers_within`)
-        self.ready: list[tuple[int, list[int]]] = []  # slot -> observation ids to prefill
+        self.ready: list[tuple[int, list[int], array.array]] = []  # slot, observation ids, the ids to feed
         finished = records_made = False
         try:
             while scheduler.has_work or scheduler.paused:
@@ -206,21 +207,22 @@ class EpisodeLoop:
 
     def _resume(self, scheduler: Scheduler) -> None:
         resumes, preempted, deferred = [], [], []
-        for slot, ids in self.ready:
+        for slot, ids, feed in self.ready:
             sequence = scheduler.paused[slot]
             run = self.runs[sequence.index]
             # Before the prefill: the paged layout takes the blocks it writes here, or has the resume wait.
             resumed, taken = scheduler.resume(slot, run.num_tokens, run.turn_limit(self.params.max_new_tokens))
             preempted += taken
             if not resumed:
-                deferred.append((slot, ids))
+                deferred.append((slot, ids, feed))
                 continue
             start = run.num_tokens - len(ids) - 1  # the last sampled token's position: its KV is not written yet
             if sequence.needs_context:  # its blocks were taken while it was paused: from the prompt's end, or all
                 start = 0 if sequence.fills_entry else len(self.prompts[self.prompt_of[sequence.index]])
                 sequence.needs_context = False
+                feed = run.episode.token_ids[start:]
             key = self.seed * _SEED_STRIDE + sequence.index * 1009 + run.num_turns  # the turn's uniforms
-            resumes.append((slot, run.episode.token_ids[start:], start, key))
+            resumes.append((slot, feed, start, key))
         self._apply_blocks(scheduler, preempted)
         if resumes:
             # Evicted episodes that took their prompt's blocks anew write its KV first: another sample of the prompt
@@ -281,7 +283,10 @@ class EpisodeLoop:
                 scheduler.finish(slot)
                 ended.append(slot)
             else:
-                self.ready.append((slot, ids))
+                # What the resume feeds (the turn's last sampled token, whose KV no decode step wrote, then the
+                # observation) as int64 already: converted here, while other tools are still out, not in the batch
+                # built after the last answer (`resume.host_batch` copies an int64 array whole).
+                self.ready.append((slot, ids, array.array("q", run.episode.token_ids[-len(ids) - 1:])))
         self.runner.free(ended)
 
 

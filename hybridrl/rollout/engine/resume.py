@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import array
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy
 import torch
@@ -41,8 +41,9 @@ from hybridrl.rollout.engine.llama_forward import extend_hidden
 from hybridrl.rollout.engine.sampling import sample
 from hybridrl.rollout.engine.scheduler import prefill_chunks
 
-Resume = tuple[int, list[int], int, int]
-"""(slot, ids, start, key): feed `ids` at positions start.. of the slot; `key` seeds the turn's uniforms."""
+Resume = tuple[int, Sequence[int], int, int]
+"""(slot, ids, start, key): feed `ids` (a list, or an int64 `array.array`, which `host_batch` copies whole) at
+positions start.. of the slot; `key` seeds the turn's uniforms."""
 
 GRAPH_MAX_TOKENS = 4096
 """Waves of at most this many tokens, padded to their bucket, run as CUDA graphs (GPU only)."""
