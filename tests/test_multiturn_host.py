@@ -4,6 +4,9 @@ stand-in that the profiling tools' `--stub-runner` times it with."""
 from __future__ import annotations
 
 import gc
+import pathlib
+import subprocess
+import sys
 import threading
 
 from benchmarks.multiturn import FixedIds, SlowTool
@@ -121,3 +124,16 @@ def test_the_episodes_records_are_made_after_the_first_prefill_is_launched(monke
                                         EpisodeBudget(max_turns=2, max_episode_tokens=64))
     assert events == ["prefill"] + ["record"] * 4
     assert all(episode.token_ids == [1, 2, 3, 7, 7, 9, 7, 7] for episode in episodes)
+
+
+def test_the_trace_tool_runs_the_loops_on_the_stub_and_reports_the_calls_edges():
+    """`multiturn_trace --stub-runner` end to end on CPU (the engine's loop and a --loop file in alternation): every
+    boundary's marks, the call's edges and the table."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "benchmarks.profiling.multiturn_trace", "--tiny", "--quick", "--prompts",
+                          "2", "--n", "2", "--stub-runner", "--repeats", "1", "--loop",
+                          "hybridrl/rollout/engine/multiturn.py"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("first prefill launched") >= 5  # single turn, then each loop in two rounds
+    assert "boundary 1, ms after the sync: {'tools': 4" in out.stdout and "resume_waves 2" in out.stdout
+    assert "multi-turn / single-turn tokens/s:" in out.stdout
