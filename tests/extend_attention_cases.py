@@ -27,4 +27,35 @@ def check_kernel_cases() -> None:
             positions = (starts + torch.arange(length)).clamp(max=keys - 1)
             want = _masked_gqa_attention(q.float(), k.float(), v.float(), positions).to(dtype)
             torch.testing.assert_close(extend_attention(q, k, v, positions), want, **TOLERANCE[dtype])
+            # In place: the rows' keys as slots of a larger cache, in another order, with room past `keys`.
+            slots = torch.randperm(rows + 3, generator=generator)[:rows]
+            cache_k, cache_v = (torch.randn(rows + 3, kv_heads, keys + 20, head_dim, generator=generator).to(dtype)
+                                for _ in range(2))
+            cache_k[slots, :, :keys], cache_v[slots, :, :keys] = k, v
+            got = extend_attention(q, cache_k, cache_v, positions, slots)
+            torch.testing.assert_close(got, want, **TOLERANCE[dtype])
     print("extend attention kernel: ok")
+
+
+def check_extend_in_place() -> None:
+    """The whole `extend` with the kernel reading each row's slot of the per-slot cache in place (its path on CUDA,
+    taken here by naming "triton") equals it with the obviously right masked matmuls over gathered slots: logits and
+    the KV written, float32, uneven rows in an order unlike the slots', a key bucket past the longest row."""
+    from hybridrl.rollout.engine import llama_forward
+    from test_multiturn import make_model
+    from test_multiturn_extend import filled_cache, resume_batch
+
+    model = make_model("qwen2")
+    w, kv, cos, sin, contexts = filled_cache(model, 0)
+    new, input_ids, lengths, starts, slots, kv_end = resume_batch(contexts, [3, 0, 4], 0, model.config.vocab_size)
+    results = {}
+    for name in ("triton", "matmul"):
+        llama_forward.extend_attention = name
+        assert llama_forward.reads_slots_in_place(input_ids.device) == (name == "triton")
+        cache = kv.clone()
+        with torch.no_grad():
+            results[name] = (llama_forward.extend(w, cache, cos, sin, input_ids, lengths, starts, slots, kv_end + 5),
+                             cache)
+    torch.testing.assert_close(results["triton"][0], results["matmul"][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(results["triton"][1], results["matmul"][1], atol=1e-5, rtol=0)  # later layers: rounding
+    print("extend in place: ok")

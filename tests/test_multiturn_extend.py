@@ -136,6 +136,16 @@ def test_the_extend_attention_kernel_equals_the_matmul_form_in_the_interpreter()
     assert "ok" in run_in_interpreter("extend_attention_cases", "check_kernel_cases")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (it is optional; the other attentions cover CPU)")
+def test_extend_with_the_kernel_reading_slots_in_place_equals_the_matmul_form_in_the_interpreter():
+    """`extend` as it runs on CUDA with the default attention (the kernel reads each row's slot of the cache, no
+    gathered copy), in TRITON_INTERPRET=1 on CPU, against the masked matmuls over gathered slots."""
+    from decode_attention_cases import run_in_interpreter  # tests/ is on sys.path under pytest
+
+    assert "ok" in run_in_interpreter("extend_attention_cases", "check_extend_in_place")
+
+
 def test_the_compiled_pieces_are_called_with_dynamic_dimensions_that_exist(monkeypatch):
     """`compiled_decode_functions` marks rows, length and key length dynamic on the extend pieces' tensors; with
     torch.compile standing aside (identity), a wrong dimension index would raise here and the result must not change."""

@@ -130,9 +130,9 @@ def test_the_trace_tool_runs_the_loops_on_the_stub_and_reports_the_calls_edges()
     """`multiturn_trace --stub-runner` end to end on CPU (the engine's loop and a --loop file in alternation): every
     boundary's marks, the call's edges and the table."""
     root = pathlib.Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "-m", "benchmarks.profiling.multiturn_trace", "--tiny", "--quick", "--prompts",
-                          "2", "--n", "2", "--stub-runner", "--repeats", "1", "--loop",
-                          "hybridrl/rollout/engine/multiturn.py"], cwd=root, capture_output=True, text=True, timeout=300)
+    command = ["-m", "benchmarks.profiling.multiturn_trace", "--tiny", "--quick", "--prompts", "2", "--n", "2",
+               "--stub-runner", "--repeats", "1", "--loop", "hybridrl/rollout/engine/multiturn.py"]
+    out = subprocess.run([sys.executable, *command], cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("first prefill launched") >= 5  # single turn, then each loop in two rounds
     assert "boundary 1, ms after the sync: {'tools': 4" in out.stdout and "resume_waves 2" in out.stdout

@@ -116,7 +116,8 @@ class Recorder:
         busy = sum(seconds for name, seconds in gpu.items() if name != FORWARD)  # the forward is inside extend
         prefills = [call["host_ms"] for call in self.calls if call["name"] == "prefill"]
         edges = dict(first_prefill_ms=round(prefills[0], 2) if prefills else None,
-                     after_last_sync_ms=round(1e3 * (self.started + wall - self.last_sync), 2) if self.last_sync else None)
+                     after_last_sync_ms=round(1e3 * (self.started + wall - self.last_sync), 2)
+                     if self.last_sync else None)
         return dict(wall_s=wall, gpu_s=dict(gpu), gpu_waiting_s=wall - busy, edges=edges,
                     host_s={k: round(v, 4) for k, v in self.host.items()},
                     ms_per_step={k: round(ms / steps, 3) for k, (ms, steps) in per_bucket.items()},

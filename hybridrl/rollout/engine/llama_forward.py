@@ -194,13 +194,18 @@ def extend_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos: torch
     return q, torch.stack((k, v))
 
 
-def extend_attention_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, q: torch.Tensor,
-                             kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def extend_attention_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+                             positions: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
     """`extend`, after the KV write: attention over the slot's keys (`_masked_gqa_attention`), o projection,
     residual, post-attention RMSNorm, MLP, residual. h (P, L, hidden), q (P, L, H, D) from `extend_inputs`, kv
-    (2, P, Hkv, K, D) the rows' slots read back after the write, positions (P, L) -> h."""
+    (2, P, Hkv, K, D) the rows' slots read back after the write, positions (P, L) -> h. With `slots` (P,) (the
+    Triton kernel on the per-slot cache, `reads_slots_in_place`), kv is the layer's whole cache (2, S, Hkv, max_len,
+    D) and the kernel reads each row's slot in place."""
     rows, length, _ = h.shape
-    attn = EXTEND_ATTENTIONS[extend_attention](q, kv[0], kv[1], positions)
+    if slots is None:
+        attn = EXTEND_ATTENTIONS[extend_attention](q, kv[0], kv[1], positions)
+    else:
+        attn = _triton_gqa_attention(q, kv[0], kv[1], positions, slots)
     h = h + _linear(attn.reshape(rows, length, w.num_heads * w.head_dim), lw.o_weight, lw.o_bias, lw.o_lora)
     return h + _mlp(lw, rms_norm(h, lw.post_norm, w.rms_eps))
 
@@ -247,13 +252,14 @@ def _sdpa_folded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
                                                                                            head_dim)
 
 
-def _triton_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          positions: torch.Tensor) -> torch.Tensor:
+def _triton_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                          slots: torch.Tensor | None = None) -> torch.Tensor:
     """`_masked_gqa_attention` in one Triton kernel with an online softmax (`kernels/extend_attention.py`): the scores
-    stay in registers, and each row reads its keys only up to its furthest query."""
+    stay in registers, and each row reads its keys only up to its furthest query (with `slots`, from its slot of the
+    cache in place)."""
     from hybridrl.rollout.kernels.extend_attention import extend_attention  # Triton: an optional dependency
 
-    return extend_attention(q, keys, values, positions)
+    return extend_attention(q, keys, values, positions, slots)
 
 
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
@@ -265,6 +271,13 @@ def _auto_gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     H200 the kernel's waves take ~16 ms less GPU time per episode than SDPA's, and it won both alternating end-to-end
     runs (docs/benchmarks.md, "Multi-turn rollout"). Decided while tracing (the device is static there)."""
     return EXTEND_ATTENTIONS["triton" if q.is_cuda and _TRITON_INSTALLED else "sdpa"](q, keys, values, positions)
+
+
+def reads_slots_in_place(device: torch.device) -> bool:
+    """Whether `extend` on the per-slot cache hands its attention the layer's whole cache and the rows' slots instead
+    of a gathered copy of those slots (a copy of every row's keys and values up to the key bucket, per layer): the
+    Triton kernel (`extend_attention` "triton", or "auto" on CUDA with Triton) reads each row's slot in place."""
+    return extend_attention == "triton" or (extend_attention == "auto" and device.type == "cuda" and _TRITON_INSTALLED)
 
 
 EXTEND_ATTENTIONS: dict[str, Callable] = {"auto": _auto_gqa_attention, "sdpa": _sdpa_folded_attention,
@@ -355,7 +368,7 @@ def compiled_decode_functions() -> DecodeFunctions:
         length from wave to wave: those dimensions of the tensors after (w, lw) are dynamic, one compilation."""
         def call(w, lw, *tensors):
             for tensor, dims in zip(tensors, dims_per_tensor):
-                for dim in dims:
+                for dim in dims if tensor is not None else ():
                     torch._dynamo.maybe_mark_dynamic(tensor, dim)
             return fn(w, lw, *tensors)
         return call
@@ -364,8 +377,8 @@ def compiled_decode_functions() -> DecodeFunctions:
                            dynamic_dims(compiled[3], (0, 1), (0,), (0,)),
                            # h (P, L, hidden), cos and sin (P, L, D)
                            dynamic_dims(compiled[4], (0, 1), (0, 1), (0, 1)),
-                           # h (P, L, hidden), q (P, L, H, D), kv (2, P, Hkv, K, D), positions (P, L)
-                           dynamic_dims(compiled[5], (0, 1), (0, 1), (1, 3), (0, 1)))
+                           # h (P, L, hidden), q (P, L, H, D), kv (2, P, Hkv, K, D), positions (P, L), slots (P,)
+                           dynamic_dims(compiled[5], (0, 1), (0, 1), (1, 3), (0, 1), (0,)))
 
 
 def extend(w: ModelWeights, kv_cache: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
@@ -409,21 +422,24 @@ def extend_hidden(w: ModelWeights, kv_cache: torch.Tensor, cos_table: torch.Tens
     # Padding positions stay inside the per-slot cache; the RoPE table covers every position of the call.
     max_len = kv_cache.shape[4] if access is None else cos_table.shape[0]
     positions = (starts[:, None] + torch.arange(length, device=input_ids.device)).clamp_(max=max_len - 1)  # (P, L)
-    write, read = (access or functools.partial(_per_slot_access, kv_cache, slots, kv_end))(positions, lengths)
+    in_place = access is None and reads_slots_in_place(input_ids.device)
+    write, read = (access or functools.partial(_per_slot_access, kv_cache, slots, kv_end, in_place))(positions,
+                                                                                                     lengths)
     h = F.embedding(input_ids, w.embed)  # (P, L, hidden)
     cos, sin = cos_table[positions], sin_table[positions]  # (P, L, D)
     for layer_index, lw in enumerate(w.layers):
         lw = unpacked(lw)
         q, kv = functions.extend_inputs(w, lw, h, cos, sin)
         write(layer_index, kv)
-        h = functions.extend_attention_and_mlp(w, lw, h, q, read(layer_index), positions)
+        h = functions.extend_attention_and_mlp(w, lw, h, q, read(layer_index), positions, slots if in_place else None)
     return h[torch.arange(num_rows, device=h.device), lengths - 1]  # (P, hidden)
 
 
-def _per_slot_access(kv_cache: torch.Tensor, slots: torch.Tensor, kv_end: int, positions: torch.Tensor,
-                     lengths: torch.Tensor):
+def _per_slot_access(kv_cache: torch.Tensor, slots: torch.Tensor, kv_end: int, in_place: bool,
+                     positions: torch.Tensor, lengths: torch.Tensor):
     """`extend`'s KV write and read on the per-slot cache (layers, 2, slots, Hkv, max_len, D): one `index_put` into a
-    flat view of the layer's cache (index made once per call), one gather of the rows' slots up to kv_end."""
+    flat view of the layer's cache (index made once per call), one gather of the rows' slots up to kv_end (`in_place`:
+    the layer's cache as it is, for an attention that reads the rows' slots there)."""
     num_kv_heads, max_len, head_dim = kv_cache.shape[3], kv_cache.shape[4], kv_cache.shape[5]
     heads = torch.arange(num_kv_heads, device=slots.device)
     # Where token (p, l) of KV head j goes in a layer's cache seen as (2, slots * Hkv * max_len, D): (P, L, Hkv).
@@ -433,7 +449,7 @@ def _per_slot_access(kv_cache: torch.Tensor, slots: torch.Tensor, kv_end: int, p
         kv_cache[layer_index].view(2, -1, head_dim)[:, destination] = kv
 
     def read(layer_index: int) -> torch.Tensor:
-        return kv_cache[layer_index, :, slots, :, :kv_end]
+        return kv_cache[layer_index] if in_place else kv_cache[layer_index, :, slots, :, :kv_end]
     return write, read
 
 

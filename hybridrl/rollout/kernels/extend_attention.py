@@ -35,10 +35,11 @@ BLOCK_M = 64
 BLOCK_N = 64
 
 
-def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     positions: torch.Tensor) -> torch.Tensor:
-    """q (P, L, H, D), keys/values (P, Hkv, K, D), positions (P, L) of the queries -> (P, L, H, D): softmax over the keys
-    j <= each query's position (see the module docstring)."""
+def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                     slots: torch.Tensor | None = None) -> torch.Tensor:
+    """q (P, L, H, D), keys/values (P, Hkv, K, D), positions (P, L) of the queries -> (P, L, H, D): softmax over the
+    keys j <= each query's position (see the module docstring). `slots` (P,): keys/values are instead a per-slot cache
+    layer's (S, Hkv, max_len, D) and row p reads slot slots[p] in place, with no gathered copy of the rows' slots."""
     if triton is None:
         raise ImportError("the extend attention kernel needs Triton; install the triton package (it comes with "
                           "torch's CUDA builds) or use another extend attention.")
@@ -48,23 +49,24 @@ def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     out = torch.empty_like(q)
     grid = (triton.cdiv(length * group, BLOCK_M), num_kv_heads, rows)
     _extend_attention_kernel[grid](
-        q, keys, values, positions, out,
+        q, keys, values, positions, positions if slots is None else slots, out,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), positions.stride(0), out.stride(0), out.stride(1),
         out.stride(2), length, key_len,
         SCALE=head_dim ** -0.5, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", IN_PLACE=slots is not None)
     return out
 
 
 if triton is not None:
     @triton.jit
-    def _extend_attention_kernel(q, k, v, positions, out,
+    def _extend_attention_kernel(q, k, v, positions, slots, out,
                                  stride_qp, stride_ql, stride_qh, stride_kp, stride_kh, stride_kn,
                                  stride_vp, stride_vh, stride_vn, stride_pp, stride_op, stride_ol, stride_oh,
                                  length, key_len,
                                  SCALE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                                 IN_PLACE: tl.constexpr):
         # SCALE a compile-time constant: torch.compile passes a Python float argument as float64, which would make the
         # scores and the loop-carried maximum float64.
         row = tl.program_id(2)
@@ -82,8 +84,12 @@ if triton is not None:
         running_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        row_k = k + row.to(tl.int64) * stride_kp + kv_head * stride_kh
-        row_v = v + row.to(tl.int64) * stride_vp + kv_head * stride_vh
+        if IN_PLACE:  # the row's keys are its slot's in the cache
+            source = tl.load(slots + row).to(tl.int64)
+        else:
+            source = row.to(tl.int64)
+        row_k = k + source * stride_kp + kv_head * stride_kh
+        row_v = v + source * stride_vp + kv_head * stride_vh
         end = tl.minimum(tl.max(position, 0) + 1, key_len)
         for start in range(0, end, BLOCK_N):
             key = start + tl.arange(0, BLOCK_N)
