@@ -400,7 +400,8 @@ def extend(w: ModelWeights, kv_cache: torch.Tensor, cos_table: torch.Tensor, sin
     kernels, ~5.7 GB of traffic, ~137 GB over 24 layers (~33 ms at 4.2 TB/s before any inefficiency), beside the
     projections' and MLP's ~12 TFLOP (~16 ms at peak). Compiled, those five are one pass (read the bf16 scores,
     write bf16 weights: ~1.1 GB per layer) and norm/RoPE/fold, SiLU-mul and residuals fuse; the gather of the slots'
-    K/V is ~0.3 GB per layer.
+    K/V is ~0.3 GB per layer, which the Triton kernel (the CUDA default) does without: it reads each row's slot of the
+    cache in place (`reads_slots_in_place`).
 
     `access(positions, lengths)` -> (write(layer, kv), read(layer)) replaces those two indexing ops for another
     cache layout (the paged one: `PagedKVCache.extend_access`; `kv_cache` is then unused)."""
