@@ -132,17 +132,21 @@ def test_split_count_gives_wide_batches_few_splits_and_narrow_tails_many(monkeyp
     """Worked by hand at capacity 8,192 and 512-key splits, 2 KV heads: 4 slots -> 8 programs, 2048 // 8 = 256
     wanted, capped at 16; 180 slots -> 360 programs, 2048 // 360 = 5 -> 4 (a power of two); 512 slots -> 2 wanted,
     raised to the floor of 4; 40 slots -> 80 programs, 25 wanted -> 16; a capacity of 1,000 asks only 2 splits.
-    Balanced splits (up to `BALANCED_MAX_SLOT_HEADS` = 64 pairs: 4 slots here, not 40) take split_count whatever
-    the capacity (split_len: the capacity's share, rounded up to 32-key blocks)."""
+    16 slots -> 32 programs, 64 wanted -> 16; 17 slots -> 34 programs, 60 wanted -> 32 -> 16. Balanced splits (up
+    to `BALANCED_MAX_SLOT_HEADS` = 32 pairs: 4 and 16 slots here, not 17) take split_count whatever the capacity
+    (split_len: the capacity's share, rounded up to 32-key blocks)."""
     def plans(capacity: int) -> dict:
-        return {slots: (plan.num_splits, plan.split_len, plan.balanced) for slots in (4, 40, 180, 512)
+        return {slots: (plan.num_splits, plan.split_len, plan.balanced) for slots in (4, 16, 17, 40, 180, 512)
                 for plan in [decode_launch.launch_plan(6, 128, capacity, paged=False, slot_heads=2 * slots)]}
 
-    assert decode_launch.BALANCED_MAX_SLOT_HEADS == 64
-    assert plans(8192) == {4: (16, 512, True), 40: (16, 512, False), 180: (4, 2048, False), 512: (4, 2048, False)}
-    assert plans(1000) == {4: (16, 64, True), 40: (2, 512, False), 180: (2, 512, False), 512: (2, 512, False)}
+    assert decode_launch.BALANCED_MAX_SLOT_HEADS == 32
+    assert plans(8192) == {4: (16, 512, True), 16: (16, 512, True), 17: (16, 512, False), 40: (16, 512, False),
+                           180: (4, 2048, False), 512: (4, 2048, False)}
+    assert plans(1000) == {4: (16, 64, True), 16: (16, 64, True), 17: (2, 512, False), 40: (2, 512, False),
+                           180: (2, 512, False), 512: (2, 512, False)}
     monkeypatch.setattr(decode_launch, "BALANCED_MAX_SLOT_HEADS", 1 << 30)  # balanced at every batch
-    assert plans(1000) == {4: (16, 64, True), 40: (16, 64, True), 180: (4, 256, True), 512: (4, 256, True)}
+    assert plans(1000) == {4: (16, 64, True), 16: (16, 64, True), 17: (16, 64, True), 40: (16, 64, True),
+                           180: (4, 256, True), 512: (4, 256, True)}
     unsplit = decode_launch.launch_plan(6, 128, 512, paged=False, slot_heads=8)  # fits one split
     assert unsplit.num_splits == 1 and not unsplit.balanced
 

@@ -35,14 +35,14 @@ SM hide its latency better than more warps per program (`docs/benchmarks.md` has
 WIDE_HEAD_NUM_WARPS = 2
 """Warps per program above head_dim 64 (Qwen2.5-1.5B/7B, Llama 3: 128): with RoPE and the bias inside, one warp
 would need more than 255 registers a thread and spill (the no-spill test reads ptxas' report)."""
-BALANCED_MAX_SLOT_HEADS = 64
-"""Balanced splits for grids of at most this many (slot, KV head) pairs (batch 32 at 2 KV heads), capacity-sized
+BALANCED_MAX_SLOT_HEADS = 32
+"""Balanced splits for grids of at most this many (slot, KV head) pairs (batch 16 at 2 KV heads), capacity-sized
 splits above. In a narrow batch the programs do not fill the GPU, so a step lasts as long as its longest program:
 with capacity-sized splits that is split 0 (the whole prompt plus `split_len` response keys, twice the others at
 a 512-token prompt), with balanced ones every split holds an equal share. In a wide batch the grid runs in several
 waves anyway, and balanced splits only add work: every split of every slot then holds keys, and the combine merges
-them all, where capacity-sized splits past a slot's length return at once (`docs/benchmarks.md`, "Decode attention
-kernel", has the sweep that set the threshold)."""
+them all, where capacity-sized splits past a slot's length return at once. In the sweep (`docs/benchmarks.md`,
+"Paged kernel: launch sweep") balanced splits won at 16 and 4 slots of 8k keys, tied or lost from 32 slots up."""
 MIN_DOT_ROWS = 16
 """`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
 SPLIT_KEYS = 512
