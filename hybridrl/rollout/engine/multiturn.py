@@ -195,6 +195,8 @@ class EpisodeLoop:
                 self.waiter = None
                 if timer is not None:
                     timer.cancel()
+            if not self.answers:  # the timeout: a step that finished in the same pass has its callback queued behind
+                await asyncio.sleep(0)
         return bool(self.answers)
 
     def _apply_blocks(self, scheduler: Scheduler, preempted: list) -> None:
