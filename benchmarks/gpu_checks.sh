@@ -25,7 +25,7 @@
 #   7b         full-parameter GRPO of the 7B shape on one GPU (benchmarks/full_7b_one_gpu.py)                  330
 #   tta        time to accuracy against TRL (benchmarks/time_to_accuracy.py: a 0.5B-shape model taught the demo task by
 #              SFT once, then per seed TRL for a budget and each hybridrl arm until that seed's TRL final accuracy);
-#              TRL from .bench/ as in grpo; $TTA_BUDGET seconds (default 540: two seeds) and more arguments from
+#              TRL from .bench/ as in grpo; $TTA_BUDGET seconds (default 465: two seeds) and more arguments from
 #              $TTA_ARGS (e.g. --hybridrl-variants default,master32)                        TTA_BUDGET + 25
 #   grpo       the GRPO step table (benchmarks/grpo_step.py) with TRL beside it, TRL first; 6 steps, the 6th
 #              profiled and left out of the mean, its Chrome trace saved to $OUT as trace_<mode>.json.gz
@@ -98,7 +98,7 @@ for part in "${PARTS[@]}"; do
         echo "== full_7b_one_gpu: exit $? after $(elapsed)"; tail -12 "$OUT/full_7b_one_gpu.log" ;;
     tta)
         with_trl || echo "== TRL skipped: no .bench/trl-*.whl here (git-ignored: carry .bench)"
-        budget=${TTA_BUDGET:-540}
+        budget=${TTA_BUDGET:-465}
         timeout -k 20 $(( budget + 25 )) python3 -m benchmarks.time_to_accuracy --budget "$budget" ${TTA_ARGS:-} \
             > "$OUT/time_to_accuracy.log" 2>&1
         echo "== time_to_accuracy: exit $? after $(elapsed)"  # below: progress lines, then the summary without curves

@@ -100,7 +100,7 @@ def plan(args: argparse.Namespace, has_trl: bool) -> list[tuple[int, str, float,
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=float, default=540, help="seconds for the whole run; runs shrink to fit")
+    parser.add_argument("--budget", type=float, default=465, help="seconds for the whole run; runs shrink to fit")
     parser.add_argument("--seeds", type=int, default=2,
                         help="seeds 0 .. N-1: the model and SFT once, then per seed TRL and each hybridrl arm")
     parser.add_argument("--hybridrl-variants", default="default",
@@ -114,10 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sft-batch-size", type=int, default=128)
     parser.add_argument("--sft-eval-every", type=int, default=600,
                         help="SFT steps between held-out evaluations (default: before and after only)")
-    parser.add_argument("--trl-seconds", type=float, default=75,
+    parser.add_argument("--trl-seconds", type=float, default=65,
                         help="TRL's training wall-clock per seed (with the defaults two seeds of TRL and two hybridrl "
                              "arms fit the budget on an H200; docs/benchmarks.md says why this length)")
-    parser.add_argument("--hybridrl-seconds", type=float, default=33,
+    parser.add_argument("--hybridrl-seconds", type=float, default=20,
                         help="each hybridrl arm's training wall-clock at most, per seed (it stops at TRL's final "
                              "accuracy; the default allows it about as many steps as TRL's budget on an H200)")
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps at most, each side")
