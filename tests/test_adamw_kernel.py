@@ -84,3 +84,16 @@ def test_a_kernel_that_fails_to_build_falls_back_with_a_warning(monkeypatch):
         got = optim.kernel_update(weights, grad, torch.zeros(10), torch.zeros(10), None, hyper)
     assert torch.equal(got, want)
     assert torch.equal(optim.kernel_update(weights, grad, torch.zeros(10), torch.zeros(10), None, hyper), want)
+
+
+def test_the_triton_cache_key_is_computed_in_the_background():
+    """LeanAdamW on CUDA starts `triton_key` (Triton's hash of itself, 0.4 s at a process's first kernel lookup) in a
+    thread, so the first optimizer step finds it cached."""
+    from hybridrl.training import adamw_kernel
+
+    if adamw_kernel.triton_key is None:
+        pytest.skip("needs Triton 3")
+    adamw_kernel.triton_key.cache_clear()
+    thread = adamw_kernel.prefetch_cache_key()
+    thread.join(timeout=120)
+    assert not thread.is_alive() and adamw_kernel.triton_key.cache_info().currsize == 1

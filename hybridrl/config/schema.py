@@ -381,7 +381,7 @@ class ActorConfig:
     offload_during_rollout: bool = False
     """Hybrid engine: move optimizer state to CPU memory while generating (room for a larger KV cache),
     and back before the update; the switch time is logged as `perf/weight_sync_s`."""
-    cuda_graphs: bool | Literal["auto"] = False
+    cuda_graphs: bool | Literal["auto"] = "auto"
     """Replay the update's training pass (forward, loss and backward of a micro-batch) as a CUDA graph
     (`training/graphed_pass.py`): each micro-batch is padded to a bucket shape (rows to the micro-batch size,
     columns up to a few bucket widths), the first update of a shape runs eagerly, the second captures it.

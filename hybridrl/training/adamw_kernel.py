@@ -13,6 +13,8 @@ everything as it was. `TRITON_INTERPRET=1` set before the first import runs the 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 try:
@@ -20,6 +22,10 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: optim.adamw_chunk runs eagerly
     triton = None
+try:  # Triton 3: the hash of Triton's own sources and library that starts every kernel's cache key
+    from triton.runtime.cache import triton_key
+except ImportError:
+    triton_key = None
 
 BLOCK = 1024
 """Elements per program: enough to keep the loads wide; the update is bound by memory traffic."""
@@ -68,6 +74,24 @@ if triton is not None:
             bits = updated.to(tl.int32, bitcast=True)
             updated = ((bits + noise) & -65536).to(tl.float32, bitcast=True)
         tl.store(OUT + offsets, updated.to(OUT.dtype.element_ty), mask=valid)
+
+
+def prefetch_cache_key() -> threading.Thread | None:
+    """Compute `triton_key` in a background thread (the thread, or None without Triton 3). Computed once per process,
+    at the first kernel a process looks up: it hashes Triton's sources and its ~400 MB library, 0.4 s of the first
+    optimizer step on the GPU machines. Started when the optimizer is built, it is ready by the first step (a rollout
+    comes first); the hashing releases the GIL, so the main thread goes on meanwhile."""
+    if triton_key is None:
+        return None
+
+    def compute() -> None:
+        try:
+            triton_key()
+        except Exception:  # noqa: BLE001 - an unusual install; the first kernel lookup computes (or reports) it
+            pass
+    thread = threading.Thread(target=compute, name="triton-cache-key", daemon=True)
+    thread.start()
+    return thread
 
 
 def available(device: torch.device) -> bool:
