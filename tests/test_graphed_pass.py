@@ -42,8 +42,8 @@ def random_batch(seed: int, num_prompts: int = 3, samples: int = 2, max_new_toke
     response of those lengths, so the batch's width is known; other rows shorter): a padded batch as a rollout builds
     it, with advantages, a loss mask with holes, sampler and reference log-probs."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 60, (max_prompt if i == 0 else int(torch.randint(2, max_prompt + 1, (1,), generator=g)),),
-                             generator=g).tolist() for i in range(num_prompts)]
+    lengths = [max_prompt] + torch.randint(2, max_prompt + 1, (num_prompts - 1,), generator=g).tolist()
+    prompts = [torch.randint(3, 60, (length,), generator=g).tolist() for length in lengths]
     generations = []
     for index in range(num_prompts):
         for sample in range(samples):
@@ -97,7 +97,8 @@ def test_padded_pass_equals_the_unpadded_one_in_loss_logprobs_and_gradients(aggr
     for padded in (False, True):
         model.zero_grad(set_to_none=True)
         if padded:
-            shape = bucket_shape(len(batch) + 3, batch.input_ids.shape[1] - batch.response_length, batch.response_length)
+            response = batch.response_length
+            shape = bucket_shape(len(batch) + 3, batch.input_ids.shape[1] - response, response)
             part = pad_micro_batch(batch, *shape)
             loss, stats, logp = actor_pass(model, part, normalizers(graphed_pass.normalizer_tensor(norm, "cpu")), 1.0,
                                            config.algorithm, reuse, fixed_shape=True)
@@ -235,7 +236,8 @@ def test_graphed_updates_equal_the_padded_eager_ones_bitwise_and_the_eager_ones_
     change = torch.cat([(a - s).float().flatten() for a, s in zip(eager, start)])
     gap = torch.cat([(a - b).float().flatten() for a, b in zip(graphs, eager)])
     relative = (gap.norm() / change.norm()).item()
-    print(f"{dtype}: |graphs - eager| / |eager - start| = {relative:.2e}, elements differing {(gap != 0).float().mean():.3f}")
+    print(f"{dtype}: |graphs - eager| / |eager - start| = {relative:.2e}, "
+          f"elements differing {(gap != 0).float().mean():.3f}")
     assert change.norm() > 0 and relative < (1e-3 if dtype == torch.float32 else 0.1)
     for eager_row, graph_row in zip(eager_history, graph_history):
         for key in ("actor/grad_norm", "actor/policy_loss", "actor/entropy"):
@@ -251,7 +253,8 @@ def test_updates_through_the_padded_pass_equal_eager_ones_within_rounding_on_cpu
     change = torch.cat([(a - s).flatten() for a, s in zip(eager, start)])
     gap = torch.cat([(a - b).flatten() for a, b in zip(padded, eager)])
     assert change.norm() > 0 and gap.norm() / change.norm() < 1e-4
-    assert sum(trainer.parts.actor_graphs.uses.values()) == 6 and not trainer.parts.actor_graphs.graphs  # 3 x 2 micro-batches
+    runner = trainer.parts.actor_graphs
+    assert sum(runner.uses.values()) == 6 and not runner.graphs  # 3 updates x 2 micro-batches, all eager
     for eager_row, padded_row in zip(eager_history, padded_history):
         for key in ("actor/grad_norm", "actor/policy_loss", "actor/entropy", "actor/clipfrac"):
             assert padded_row[key] == pytest.approx(eager_row[key], rel=1e-4, abs=1e-7), key

@@ -269,8 +269,8 @@ def update_critic(parts, config: Config, batch: RolloutBatch, generator: torch.G
     def check_loss(loss: float) -> None:
         check_finite(loss, "critic loss", 0, "lower critic.lr or check rewards.")
 
-    metrics = run_epochs(parts, config, batch, generator, with_backward(micro_loss), parts.critic, parts.critic_optimizer,
-                         config.critic.max_grad_norm, "value_loss", check_loss)
+    metrics = run_epochs(parts, config, batch, generator, with_backward(micro_loss), parts.critic,
+                         parts.critic_optimizer, config.critic.max_grad_norm, "value_loss", check_loss)
     parts.critic_scheduler.step()
     metrics = {f"critic/{key}": value for key, value in metrics.items()}
     return process_group.reduce_metrics(metrics, parts.setup, sum_keys=["critic/value_loss"])
