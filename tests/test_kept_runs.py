@@ -196,3 +196,31 @@ def test_a_trainer_keeps_its_rollout_run_and_trains_bitwise_as_without(tmp_path,
     reference, never = trained(0.0, tmp_path / "fresh")
     assert never == [0, 0, 0]
     assert all(torch.equal(a, b) for a, b in zip(weights, reference))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_kept_call_takes_its_run_back_and_replays_its_prefill_without_waiting_for_the_gpu(monkeypatch):
+    """The second call of a shape: taking the kept run (state reset, uniforms drawn in place, weight addresses) and
+    its prefill (inputs copied into the graph's static buffer, replay) queue work without one host synchronisation,
+    so the host runs ahead of the GPU as in the first call (sync debug mode "error" raises on any)."""
+    model = make_model("qwen2").cuda()
+    engine = BuiltinBackend(model, max_num_seqs=64, attention="sdpa", compile=False, sampler="torch")
+    prompts = [[i + 1, i + 2, i + 3, i + 4][: 2 + i % 3] for i in range(8)]
+    first = engine.generate(prompts, SAMPLED)
+    engine.release_memory()
+
+    def strict(method):
+        def call(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return method(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return call
+
+    monkeypatch.setattr(engine.runner, "begin", strict(engine.runner.begin))
+    monkeypatch.setattr(engine.runner, "prefill", strict(engine.runner.prefill))
+    again = engine.generate(prompts, SAMPLED)
+    assert engine.last_stats["graphs_kept"] >= 2 and engine.last_stats["graphs_captured"] == 0
+    assert [g.token_ids for g in again] == [g.token_ids for g in first]
