@@ -29,11 +29,12 @@ from hybridrl.training.update import actor_pass, mini_batch_normalizers
 
 
 def test_bucket_widths_are_powers_of_two_and_one_and_a_half_times_them():
-    assert [bucket_width(n) for n in (1, 8, 9, 12, 13, 16, 17, 24, 25, 33, 49, 100)] == \
-        [8, 8, 12, 12, 16, 16, 24, 24, 32, 48, 64, 128]
-    # response columns to their bucket first, then the whole width (at least 16)
-    assert bucket_shape(256, 6, 6) == (256, 16, 8)
-    assert bucket_shape(256, 7, 5) == (256, 16, 8)
+    assert [bucket_width(n) for n in (1, 5, 6, 7, 8, 9, 12, 13, 16, 17, 24, 25, 33, 49, 100)] == \
+        [4, 6, 6, 8, 8, 12, 12, 16, 16, 24, 24, 32, 48, 64, 128]
+    # response columns to their bucket first, then the whole width (at least 8)
+    assert bucket_shape(256, 6, 6) == (256, 12, 6)  # the time-to-accuracy batch: no padding
+    assert bucket_shape(256, 7, 5) == (256, 16, 6)
+    assert bucket_shape(4, 1, 1) == (4, 8, 4)
     assert bucket_shape(64, 30, 20) == (64, 64, 24)
 
 
@@ -167,7 +168,8 @@ def test_auto_leaves_micro_batches_large_enough_to_keep_the_gpu_busy_eager(monke
     model, _ = tiny_actor()
     batch = random_batch(2)
     numel = sum(p.numel() for p in model.parameters())
-    monkeypatch.setattr(graphed_pass, "AUTO_MAX_PARAMETER_TOKENS", numel * 8 * 16 - 1)  # just below 8 rows x 16
+    rows, width, _ = bucket_shape(8, batch.input_ids.shape[1] - batch.response_length, batch.response_length)
+    monkeypatch.setattr(graphed_pass, "AUTO_MAX_PARAMETER_TOKENS", numel * rows * width - 1)  # just below the bucket
     with caplog.at_level(logging.INFO):
         assert GraphedPass(list(model.parameters()), auto=True).run(batch, {}, 8, None) is None
     assert "large enough to keep the GPU busy" in caplog.text
@@ -176,7 +178,7 @@ def test_auto_leaves_micro_batches_large_enough_to_keep_the_gpu_busy_eager(monke
 def updates(tmp_path, dtype: torch.dtype, mode: str, num_updates: int = 6, device: str = "cuda"):
     """`num_updates` updates of a tiny Qwen2 over batches of 12 rows (micro-batches of 8 and 4, so the second
     is padded by rows) whose widths differ from update to update, alternating between two buckets (prompts of 3-5
-    tokens and responses of 4-5, then 2-4 and 9-10: 16 columns with 8 or 12 of response); `mode`: eager (no graphs),
+    tokens and responses of 5-6: 12 columns, 6 of response; then 2-4 and 9-10: 16 and 12); `mode`: eager (no graphs),
     graphs, or padded (the graphs' padded pass, never captured). Returns the trainer, the parameters before and after,
     and each update's metrics."""
     from conftest import toy_prompts
@@ -199,7 +201,7 @@ def updates(tmp_path, dtype: torch.dtype, mode: str, num_updates: int = 6, devic
     before = [p.detach().clone() for p in trainer.parts.actor.parameters()]
     history = []
     for seed in range(num_updates):
-        batch = random_batch(100 + seed, num_prompts=6, samples=2, max_new_tokens=(5, 10)[seed % 2] - seed // 2 % 2,
+        batch = random_batch(100 + seed, num_prompts=6, samples=2, max_new_tokens=(6, 10)[seed % 2] - seed // 2 % 2,
                              max_prompt=(5, 4)[seed % 2] - seed // 2 % 3).to(device)  # widths vary in a bucket
         batch.old_logp = batch.ref_logp = None  # on-policy: the update's own log-probs are the old ones
         trainer.step_count += 1
