@@ -94,11 +94,12 @@ class EnvironmentSession:
             if not callable(getattr(self.env, method, None)):
                 raise EnvironmentCodeError(f"environment {name!r} made {type(self.env).__name__} for sample {sample}, "
                                        f"which has no {method}() method; give it reset() and step(assistant_text).")
-        # Asked once, not at every step: an engine starts hundreds of steps at each turn boundary.
+        # Asked once, not at every call: an engine starts hundreds of resets and steps at once.
         self._async_step = inspect.iscoroutinefunction(self.env.step)
+        self._async_reset = inspect.iscoroutinefunction(self.env.reset)
 
     async def reset(self) -> list[Message]:
-        messages = await self._call("reset()", self.env.reset)
+        messages = await self._call("reset()", self.env.reset, is_async=self._async_reset)
         return self._checked_messages(messages, "reset()", self.env.reset)
 
     async def step(self, assistant_text: str) -> StepResult:

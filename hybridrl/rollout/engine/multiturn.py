@@ -104,7 +104,8 @@ class EpisodeLoop:
         self.pending: dict[asyncio.Task, int] = {}  # environment step -> slot
         self.started_at: dict[asyncio.Task, float] = {}  # environment step -> when the harvest started it
         self.answers: list[asyncio.Task] = []  # finished environment steps not yet collected, in finishing order
-        self.waiter: asyncio.Future | None = None  # set when an answer comes in (`_answers_within`)
+        self.waiter: asyncio.Future | None = None  # set when an answer comes in or the alarm rings (`_next_wake`)
+        self.rang = False  # the gather's alarm has rung (`_gather_answers`)
         self.ready: list[tuple[int, list[int], array.array]] = []  # slot, observation ids, the ids to feed
         finished = records_made = False
         try:
@@ -164,40 +165,55 @@ class EpisodeLoop:
         so that after the last one only its own bookkeeping is left before the wave resumes."""
         block = self.step_seconds * self.backend.sync_every
         quiet = max(GATHER_QUIET_S, 0.1 * block)
-        await self._answers_within(None)
-        now = time.perf_counter()
+        await self._next_wake()
+        now = last = time.perf_counter()
         latency = min(now - self.started_at[task] for task in self.answers)
         self._collect(scheduler)
         expected = max((self.started_at[task] + latency for task in self.pending), default=now)
         deadline = min(expected + quiet, now + (block or latency))
-        while self.pending:
-            if not await self._answers_within(max(deadline - time.perf_counter(), quiet)):
-                return
-            self._collect(scheduler)
+        # One alarm, at the deadline and then `quiet` after the latest answer, not a timer made and cancelled at each of
+        # hundreds of wake-ups: the gather ends when it rings with no answer in the last `quiet` seconds.
+        loop = asyncio.get_running_loop()
+        alarm = loop.call_later(max(deadline - now, quiet), self._ring)
+        try:
+            while self.pending:
+                await self._next_wake()
+                if not self.answers:  # the alarm: a step that finished in its pass has its callback queued behind it
+                    await asyncio.sleep(0)
+                if self.answers:
+                    last = time.perf_counter()
+                    self._collect(scheduler)
+                if self.rang and self.pending:
+                    self.rang = False
+                    if time.perf_counter() - last >= quiet:
+                        return
+                    alarm = loop.call_later(last + quiet - time.perf_counter(), self._ring)
+        finally:
+            alarm.cancel()
+            self.rang = False
 
     def _answered(self, task: asyncio.Task) -> None:
-        """A started environment step finished (its done callback): queue it for `_collect`, wake `_answers_within`.
+        """A started environment step finished (its done callback): queue it for `_collect`, wake `_next_wake`.
         One callback per step, where `asyncio.wait` over the pending steps would add and remove one on every step still
         waiting at each wake-up, hundreds of times per turn boundary."""
         self.answers.append(task)
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
-    async def _answers_within(self, timeout: float | None) -> bool:
-        """Whether an answer is in, after waiting up to `timeout` seconds (None: until one is) for the first."""
-        if not self.answers:
-            loop = asyncio.get_running_loop()
-            self.waiter = waiter = loop.create_future()
-            timer = None if timeout is None else loop.call_later(timeout, _settle, waiter)
+    def _ring(self) -> None:
+        """The gather's alarm (`_gather_answers`)."""
+        self.rang = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def _next_wake(self) -> None:
+        """Until an answer is in or the gather's alarm has rung (at once if either happened already)."""
+        if not (self.answers or self.rang):
+            self.waiter = asyncio.get_running_loop().create_future()
             try:
-                await waiter
+                await self.waiter
             finally:
                 self.waiter = None
-                if timer is not None:
-                    timer.cancel()
-            if not self.answers:  # the timeout: a step that finished in the same pass has its callback queued behind
-                await asyncio.sleep(0)
-        return bool(self.answers)
 
     def _apply_blocks(self, scheduler: Scheduler, preempted: list) -> None:
         """Paged: write the block-table rows the scheduler changed, then park the preempted sequences' slots (after
@@ -290,8 +306,3 @@ class EpisodeLoop:
                 # built after the last answer (`resume.host_batch` copies an int64 array whole).
                 self.ready.append((slot, ids, array.array("q", run.episode.token_ids[-len(ids) - 1:])))
         self.runner.free(ended)
-
-
-def _settle(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
