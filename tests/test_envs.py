@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import re
+import signal
 import time
 
 import pytest
@@ -167,6 +168,28 @@ def test_rewards_must_be_finite_numbers_other_than_bools_from_sync_and_async_ste
                                                                          "must be a finite number or None")
                                    + ".* in step 1 for sample 3"):
                     run_sync(env.step("x"))
+
+
+def test_run_sync_hands_the_result_over_without_writing_it_out():
+    """`asyncio.run`, putting back the SIGINT handler on the main thread, formats the task it ran (with its result)
+    into a message it drops: a multi-turn call's result is hundreds of episodes, so `run_sync` keeps it out of that
+    task."""
+    written = []
+
+    class Result:
+        def __repr__(self):
+            written.append(self)
+            return "Result()"
+
+    async def make():
+        return Result()
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a plain `python` process
+    try:
+        assert isinstance(run_sync(make()), Result)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert not written
 
 
 def test_an_async_step_that_raises_is_one_sentence():

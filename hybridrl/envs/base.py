@@ -212,10 +212,22 @@ def start_task(coroutine: Any) -> asyncio.Task:
 def run_sync(coroutine: Any) -> Any:
     """Runs a coroutine to its end from synchronous code (tests, the reference backend), also where this thread
     already runs an event loop (a Jupyter cell), where `asyncio.run` refuses: it then runs on a loop of its own in
-    a helper thread while the caller waits (a synchronous caller blocks its loop either way)."""
+    a helper thread while the caller waits (a synchronous caller blocks its loop either way).
+
+    The result is handed over outside the task `asyncio.run` runs: on the main thread, as it puts back the SIGINT
+    handler, `signal.signal` formats the old handler (which holds that task) into an error message it then drops, and
+    the task's text includes its result's (a multi-turn call's: the first episodes with every id and log-prob written
+    out, milliseconds at the end of every call)."""
+    result = []
+
+    async def main() -> None:
+        result.append(await coroutine)
+
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coroutine)
+        asyncio.run(main())
+        return result[0]
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridrl-run-sync") as pool:
-        return pool.submit(asyncio.run, coroutine).result()
+        pool.submit(asyncio.run, main()).result()
+    return result[0]
