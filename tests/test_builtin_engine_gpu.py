@@ -13,6 +13,17 @@ from hybridrl.rollout.engine.decode_state import DecodeState
 from hybridrl.rollout.engine.kernel_choices import triton_available
 
 
+def without_host_syncs(method):
+    """`method` run under sync debug mode "error": any host synchronisation inside it raises."""
+    def call(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return call
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen2-lora"])
@@ -95,19 +106,10 @@ def test_prefill_capture_and_slot_bookkeeping_never_wait_for_the_gpu(monkeypatch
     params = SamplingParams(max_new_tokens=9, temperature=0.8, n=2, seed=3)
     first = engine.generate(PROMPTS, params)  # compiles and warms every shape
 
-    def strict(method):
-        def call(*args, **kwargs):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return method(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return call
-
-    monkeypatch.setattr(engine.runner, "prefill", strict(engine.runner.prefill))
-    monkeypatch.setattr(engine.runner.graphs, "capture", strict(engine.runner.graphs.capture))
-    monkeypatch.setattr(engine.runner, "move", strict(engine.runner.move))
-    monkeypatch.setattr(DecodeState, "free", strict(DecodeState.free))
+    monkeypatch.setattr(engine.runner, "prefill", without_host_syncs(engine.runner.prefill))
+    monkeypatch.setattr(engine.runner.graphs, "capture", without_host_syncs(engine.runner.graphs.capture))
+    monkeypatch.setattr(engine.runner, "move", without_host_syncs(engine.runner.move))
+    monkeypatch.setattr(DecodeState, "free", without_host_syncs(DecodeState.free))
     again = engine.generate(PROMPTS, params)
     assert engine.last_stats["captures_without_warmup"] >= 1 and engine.last_stats["prefill_waves"] >= 2
     assert [g.token_ids for g in again] == [g.token_ids for g in first]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_builtin_engine import engine_with_recorded_graphs, make_model
+from test_builtin_engine_gpu import without_host_syncs
 
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine import kept_runs
@@ -210,17 +211,8 @@ def test_a_kept_call_takes_its_run_back_and_replays_its_prefill_without_waiting_
     first = engine.generate(prompts, SAMPLED)
     engine.release_memory()
 
-    def strict(method):
-        def call(*args, **kwargs):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return method(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return call
-
-    monkeypatch.setattr(engine.runner, "begin", strict(engine.runner.begin))
-    monkeypatch.setattr(engine.runner, "prefill", strict(engine.runner.prefill))
+    monkeypatch.setattr(engine.runner, "begin", without_host_syncs(engine.runner.begin))
+    monkeypatch.setattr(engine.runner, "prefill", without_host_syncs(engine.runner.prefill))
     again = engine.generate(prompts, SAMPLED)
     assert engine.last_stats["graphs_kept"] >= 2 and engine.last_stats["graphs_captured"] == 0
     assert [g.token_ids for g in again] == [g.token_ids for g in first]
