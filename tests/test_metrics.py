@@ -51,9 +51,13 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     # The offline .wandb file is a log of protobuf records; each history record carries the values as JSON text.
-    deadline = time.time() + 20  # the wandb service process may still be flushing after finish()
-    while b"perf/tokens_per_s" not in (records := next(runs[0].glob("*.wandb")).read_bytes()) and time.time() < deadline:
-        time.sleep(0.1)
+    # The wandb service process may still be flushing after finish(): wait until every step's values are written.
+    expected = [b"reward/mean", b"perf/tokens_per_s", b"samples"] + [
+        json.dumps(metrics[key]).encode() for metrics in STEPS for key in ("reward/mean", "perf/tokens_per_s")]
+    deadline = time.time() + 60
+    while not all(part in (records := next(runs[0].glob("*.wandb")).read_bytes()) for part in expected) \
+            and time.time() < deadline:
+        time.sleep(0.2)
     assert b"reward/mean" in records and b"perf/tokens_per_s" in records and b"samples" in records
     for metrics in STEPS:
         assert json.dumps(metrics["reward/mean"]).encode() in records
