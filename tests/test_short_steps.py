@@ -61,3 +61,25 @@ def test_tiny_run_splits_the_rollout_and_profiles_the_chosen_phases(tmp_path):
         assert row["before_decode"] == pytest.approx(sum(parts.values()))
         assert row["rollout"] >= row["before_decode"] + row["decode"]
         assert row["update"] > 0
+
+
+def test_first_step_refuses_an_unknown_variant():
+    from benchmarks.profiling.first_step import VARIANTS, main
+
+    with pytest.raises(SystemExit, match="unknown warm"):
+        main(["--variants", "plain,warm"])
+    assert {"plain", "cprofile", "no-cuda-cache", "fresh-pyc"} <= set(VARIANTS)
+
+
+def test_short_steps_loads_a_given_model_and_profiles_step_one(tmp_path):
+    from benchmarks.time_to_accuracy import build_model
+
+    build_model("tiny", "cpu", tmp_path / "model")
+    env = {**os.environ, "OUT": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.profiling.short_steps", "--tiny", "--steps", "2",
+                           "--profile", "none", "--model-dir", str(tmp_path / "model"), "--cprofile-step1", "5",
+                           "--out-dir", str(tmp_path / "runs")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("under cProfile, by") == 2 and "step 2 under cProfile" not in done.stdout
+    assert not (tmp_path / "runs" / "tiny" / "init").exists()  # the given model, none built

@@ -31,8 +31,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import tempfile
 import time
@@ -238,11 +241,21 @@ def print_table(rows: list[dict]) -> None:
     print(f"step 1 other timing keys: { {k: round(v, 4) for k, v in first['timing'].items()} }")
 
 
-def timed_step(trainer, clocks: Clocks, step: int, profile: set[tuple[int, str]], cuda: bool) -> dict:
+def timed_step(trainer, clocks: Clocks, step: int, profile: set[tuple[int, str]], cuda: bool,
+               cprofile_top: int = 0) -> dict:
+    """One trainer step, its phases split by `clocks`; under cProfile (its `cprofile_top` costliest functions
+    printed) when that is not 0."""
     clocks.take()
-    metrics = trainer.step()
-    if cuda:
-        torch.cuda.synchronize()
+    profiler = cProfile.Profile() if cprofile_top else None
+    with profiler or contextlib.nullcontext():
+        metrics = trainer.step()
+        if cuda:
+            torch.cuda.synchronize()
+    if profiler is not None:
+        for order in ("cumulative", "tottime"):
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(cprofile_top)
+            print(f"step {step} under cProfile, by {order}:\n" + text.getvalue().split("\n\n", 1)[-1], flush=True)
     engine = getattr(trainer.parts.rollout, "last_stats", None) or {}
     seconds, items = clocks.take()
     row = step_row(step, {k: float(v) for k, v in metrics.items() if k.startswith("timing/")}, engine, seconds,
@@ -266,6 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--evaluate-first", action="store_true",
                         help="evaluate 64 held-out rows (HF generate, untimed) before step 1, as the TTA run does")
     parser.add_argument("--out-dir", default="runs/short_steps")
+    parser.add_argument("--model-dir", default=None,
+                        help="load this saved model (as the TTA's workers do) instead of building a random one here")
+    parser.add_argument("--cprofile-step1", type=int, default=0, metavar="N",
+                        help="run step 1 under cProfile and print its N costliest functions (cumulative and own "
+                             "time); slows step 1's Python work")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the script")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="more hybridrl config overrides, after the TTA's (e.g. rollout.engine.compile=false)")
@@ -289,12 +307,14 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     data = write_arithmetic_task(out / "data", **DEMO_TEACHERS["arithmetic"],
                                  **({"num_train": 64, "num_eval": 16} if args.tiny else {}))
-    params = tta.build_model(settings.body, settings.device, out / "init")
+    model_dir = Path(args.model_dir) if args.model_dir else out / "init"
+    params = None if args.model_dir else tta.build_model(settings.body, settings.device, model_dir)
     if cuda:
         torch.cuda.empty_cache()
     settings.steps = args.steps
-    spec = {**spec_for(settings, 0, out / "init", data), "device": settings.device, "out_dir": str(out / "run")}
+    spec = {**spec_for(settings, 0, model_dir, data), "device": settings.device, "out_dir": str(out / "run")}
     trainer = hybridrl_trainer(spec)
+    params = params or sum(p.numel() for p in trainer.parts.actor.parameters())
     print(f"{settings.body} body, {params / 1e6:.1f}M parameters on {settings.device}; "
           f"{settings.prompts_per_step} prompts x {settings.group_size} samples, {settings.max_new_tokens} new tokens; "
           f"overrides {settings.hybridrl_overrides}; compile caches {'warm' if args.warm_cache else 'fresh'}; "
@@ -312,7 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
     with instrumented(clocks) as missing:
         if missing:
             print(f"not timed (not found in this torch/triton): {', '.join(missing)}")
-        rows = [timed_step(trainer, clocks, step, profile, cuda) for step in range(1, args.steps + 1)]
+        rows = [timed_step(trainer, clocks, step, profile, cuda, args.cprofile_step1 if step == 1 else 0)
+                for step in range(1, args.steps + 1)]
     print_table(rows)
     report = {"args": vars(args), "date": time.strftime("%Y-%m-%d"), "params": params, "not_timed": missing,
               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "steps": rows}

@@ -1,0 +1,105 @@
+"""Why the time-to-accuracy run's first hybridrl step costs what it does, and why it differs between runs: the TTA's
+first step (`short_steps.py --evaluate-first`) in several fresh processes, one after another, each loading the same
+saved model and starting from its own copy of the same Triton and Inductor caches (as the TTA's runs do).
+
+    python -m benchmarks.profiling.first_step                      # one GPU: 5 processes, ~70 s
+    python -m benchmarks.profiling.first_step --tiny               # CPU, a tiny model: checks the script
+
+Each process is a variant: `plain`, `cprofile` (step 1 under cProfile: where its seconds go), `no-cuda-cache`
+(`CUDA_CACHE_DISABLE=1`: the driver's on-disk cache of kernels compiled from PTX not used) and `fresh-pyc`
+(`PYTHONPYCACHEPREFIX` an empty folder: every module compiled to bytecode again). The TTA's first hybridrl run paid
+~1.4 s more in its first step than the runs after it, each with the same copied kernel caches: if the first process
+here is slower than the second, something outside those caches persists between processes; the last two variants
+say whether it is the driver's cache or Python's bytecode. Between processes: the size of the driver's cache
+(`~/.nv/ComputeCache`) and the number of `.pyc` files in the checkout and in torch, triton and transformers (a
+first process compiles the bytecode of every module that has none yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import time_to_accuracy as tta
+
+ROOT = Path(__file__).resolve().parents[2]
+VARIANTS = {
+    "plain": ([], {}),
+    "cprofile": (["--cprofile-step1", "40"], {}),
+    "no-cuda-cache": ([], {"CUDA_CACHE_DISABLE": "1"}),
+    "fresh-pyc": ([], {"PYTHONPYCACHEPREFIX": "{scratch}/pycache"}),
+}
+"""variant -> (short_steps.py arguments, environment variables; `{scratch}` a new empty folder per process)."""
+
+
+def disk_state() -> str:
+    """The driver's PTX cache size and the count of bytecode files in the checkout: what a process leaves behind."""
+    compute_cache = Path.home() / ".nv" / "ComputeCache"
+    size = sum(f.stat().st_size for f in compute_cache.rglob("*") if f.is_file()) if compute_cache.is_dir() else 0
+    folders = {"checkout": [ROOT / "hybridrl", ROOT / "benchmarks"],
+               "torch, triton, transformers": [Path(sysconfig.get_paths()["purelib"]) / name
+                                               for name in ("torch", "triton", "transformers")]}
+    pyc = {name: sum(1 for folder in paths if folder.is_dir() for _ in folder.rglob("*.pyc"))
+           for name, paths in folders.items()}
+    return f"~/.nv/ComputeCache {size / 2**20:.1f} MiB; .pyc files: " + ", ".join(f"{n} {c}" for n, c in pyc.items())
+
+
+def child(variant: str, index: int, args: argparse.Namespace, model_dir: Path, start_caches: Path,
+          out: Path) -> float:
+    """One fresh process of `variant`; returns its wall seconds."""
+    extra, environment = VARIANTS[variant]
+    scratch = Path(tempfile.mkdtemp(prefix=f"first_step_{index}_"))
+    caches = scratch / "caches"
+    shutil.copytree(start_caches, caches)
+    env = {**os.environ, **tta.use_caches(caches), **{k: v.format(scratch=scratch) for k, v in environment.items()}}
+    env["OUT"] = str(out / f"{index}_{variant}")
+    command = [sys.executable, "-m", "benchmarks.profiling.short_steps", "--steps", str(args.steps), "--profile",
+               "none", "--evaluate-first", "--warm-cache", "--model-dir", str(model_dir), "--out-dir",
+               str(scratch / "run"), *(["--tiny"] if args.tiny else []), *extra]
+    print(f"\n==== process {index}: {variant} ({' '.join(f'{k}={v}' for k, v in environment.items()) or 'as is'})",
+          flush=True)
+    started = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, env=env, timeout=args.timeout)
+    took = time.perf_counter() - started
+    shutil.rmtree(scratch, ignore_errors=True)
+    print(f"==== process {index} took {took:.1f} s; after it: {disk_state()}", flush=True)
+    return took
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default="plain,plain,cprofile,no-cuda-cache,fresh-pyc",
+                        help=f"comma-separated, run in this order; from {', '.join(VARIANTS)}")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=45.0, help="seconds per process")
+    parser.add_argument("--out-dir", default="runs/first_step")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the script")
+    args = parser.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}.")
+    settings = tta.parse_args(["--tiny"] if args.tiny else [])
+    out = Path(os.environ.get("OUT") or args.out_dir).resolve()
+    work = Path(args.out_dir).resolve() / ("tiny" if args.tiny else settings.body)
+    start_caches = work / "caches_start"  # what this process builds (nothing, or the model's first kernels)
+    shutil.rmtree(start_caches, ignore_errors=True)
+    start_caches.mkdir(parents=True)
+    os.environ.update(tta.use_caches(start_caches))
+    started = time.perf_counter()
+    tta.build_model(settings.body, settings.device, work / "init")
+    print(f"model {settings.body} saved in {time.perf_counter() - started:.1f} s; before the first process: "
+          f"{disk_state()}", flush=True)
+    took = [child(variant, index, args, work / "init", start_caches, out) for index, variant in enumerate(variants)]
+    print("\nprocess seconds: " + ", ".join(f"{i} {v} {t:.1f}" for i, (v, t) in enumerate(zip(variants, took))))
+
+
+if __name__ == "__main__":
+    main()
