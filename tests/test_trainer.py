@@ -361,6 +361,29 @@ def test_the_first_step_freezes_what_warm_up_built_and_later_steps_do_not(tmp_pa
     assert calls == [1], "only once: what later steps allocate stays collectable"
 
 
+def test_freezing_collects_the_young_generations_only(monkeypatch):
+    """A full collection walks every object the imports made (a large share of a short first step); the young
+    generations hold what the step just left dead."""
+    import weakref
+
+    from hybridrl.training import trainer as trainer_module
+
+    class Cycle:
+        pass
+
+    dead = Cycle()
+    dead.self = dead
+    gone = weakref.ref(dead)
+    del dead
+    generations, collect = [], gc.collect
+    monkeypatch.setattr(gc, "collect", lambda generation=2: generations.append(generation) or collect(generation))
+    gc.unfreeze()
+    trainer_module.freeze_warm_up_objects()
+    assert generations == [1], "no full collection"
+    assert gone() is None, "the cycle the step left dead was collected, not frozen"
+    assert gc.get_freeze_count() > 0
+
+
 def test_activation_checkpointing_is_switched_on_without_a_deprecation_warning():
     """transformers 5.2x renamed `gradient_checkpointing_enable`; the old name warned on every run."""
     import warnings

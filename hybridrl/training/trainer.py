@@ -527,8 +527,12 @@ def freeze_warm_up_objects() -> None:
     include all that `torch.compile` and graph capture made: such a walk stops its rank in the middle of a step,
     and with several processes the others wait for it at the next collective. Frozen objects are never walked
     again, so later full collections see only what later steps allocate. (A frozen object that
-    later becomes part of unreachable cycles is not reclaimed: at most what the first step left alive.)"""
-    gc.collect()
+    later becomes part of unreachable cycles is not reclaimed: at most what the first step left alive.)
+
+    Only the young generations are collected first (what was allocated since the last automatic collection): a
+    full collection would walk every object the imports made, a large share of a short run's first step, to find
+    a few dozen small dead objects (no tensors, in a CPU run of the demo), which stay frozen instead."""
+    gc.collect(1)
     gc.freeze()
 
 
