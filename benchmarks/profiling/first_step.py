@@ -12,7 +12,8 @@ Each process is a variant: `plain`, `cprofile` (step 1 under cProfile: where its
 here is slower than the second, something outside those caches persists between processes; the last two variants
 say whether it is the driver's cache or Python's bytecode. Between processes: the size of the driver's cache
 (`~/.nv/ComputeCache`) and the number of `.pyc` files in the checkout and in torch, triton and transformers (a
-first process compiles the bytecode of every module that has none yet).
+first process compiles the bytecode of every module that has none yet), and which large libraries (cuDNN, cuBLAS,
+...) the process read into the page cache (`fincore`): a first process reads them from disk.
 """
 
 from __future__ import annotations
@@ -51,6 +52,34 @@ def disk_state() -> str:
     return f"~/.nv/ComputeCache {size / 2**20:.1f} MiB; .pyc files: " + ", ".join(f"{n} {c}" for n, c in pyc.items())
 
 
+def large_libraries() -> list[Path]:
+    """The shared libraries over 20 MB of torch and the NVIDIA wheels (cuDNN, cuBLAS, NVRTC ...): a process's first
+    use of one reads it from disk unless an earlier process left it in the page cache."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    files = [f for folder in (site / "nvidia", site / "torch" / "lib", site / "triton") if folder.is_dir()
+             for f in folder.rglob("*.so*") if f.is_file()]
+    return [f for f in files if f.stat().st_size > 20 * 2**20]
+
+
+def resident_bytes(files: list[Path]) -> dict[str, int]:
+    """Bytes of each file in the page cache (`fincore`; empty where the tool is missing)."""
+    if not files or shutil.which("fincore") is None:
+        return {}
+    done = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES,FILE", *map(str, files)],
+                          capture_output=True, text=True)
+    rows = (line.split(None, 1) for line in done.stdout.splitlines() if line.strip())
+    return {Path(name).name: int(size) for size, name in rows}
+
+
+def page_cache_change(before: dict[str, int], after: dict[str, int]) -> str:
+    grown = {name: after[name] - before.get(name, 0) for name in after if after[name] - before.get(name, 0) > 2**20}
+    if not after:
+        return "page cache: not measured (no fincore)"
+    return (f"page cache: large libraries {sum(after.values()) / 2**20:.0f} MiB resident; read in by this process: "
+            + (", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in sorted(grown.items(), key=lambda x: -x[1]))
+               or "none"))
+
+
 def child(variant: str, index: int, args: argparse.Namespace, model_dir: Path, start_caches: Path,
           out: Path) -> float:
     """One fresh process of `variant`; returns its wall seconds."""
@@ -65,11 +94,14 @@ def child(variant: str, index: int, args: argparse.Namespace, model_dir: Path, s
                str(scratch / "run"), *(["--tiny"] if args.tiny else []), *extra]
     print(f"\n==== process {index}: {variant} ({' '.join(f'{k}={v}' for k, v in environment.items()) or 'as is'})",
           flush=True)
+    libraries = large_libraries()
+    resident = resident_bytes(libraries)
     started = time.perf_counter()
     subprocess.run(command, cwd=ROOT, env=env, timeout=args.timeout)
     took = time.perf_counter() - started
     shutil.rmtree(scratch, ignore_errors=True)
-    print(f"==== process {index} took {took:.1f} s; after it: {disk_state()}", flush=True)
+    print(f"==== process {index} took {took:.1f} s; after it: {disk_state()}; "
+          f"{page_cache_change(resident, resident_bytes(libraries))}", flush=True)
     return took
 
 
