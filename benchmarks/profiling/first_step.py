@@ -1,6 +1,7 @@
 """Why the time-to-accuracy run's first hybridrl step costs what it does, and why it differs between runs: the TTA's
 first step (`short_steps.py --evaluate-first`) in several fresh processes, one after another, each loading the same
-saved model and starting from its own copy of the same Triton and Inductor caches (as the TTA's runs do).
+saved model and starting from its own copy of the same Triton and Inductor caches, which hold the optimizer's
+kernel (as the TTA's runs do: its SFT built it).
 
     python -m benchmarks.profiling.first_step                      # one GPU: 5 processes, ~70 s
     python -m benchmarks.profiling.first_step --tiny               # CPU, a tiny model: checks the script
@@ -105,6 +106,20 @@ def child(variant: str, index: int, args: argparse.Namespace, model_dir: Path, s
     return took
 
 
+def build_optimizer_kernel() -> None:
+    """One LeanAdamW step of a bf16 tensor here, so the start caches hold its Triton kernel as the TTA's do (its
+    SFT, in the parent process, builds it)."""
+    import torch
+
+    from hybridrl.training.optim import build_optimizer
+
+    weight = torch.nn.Parameter(torch.zeros(4096, device="cuda", dtype=torch.bfloat16))
+    optimizer = build_optimizer([weight], lr=1e-6)
+    weight.grad = torch.ones_like(weight)
+    optimizer.step()
+    torch.cuda.synchronize()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="plain,plain,cprofile,no-cuda-cache,fresh-pyc",
@@ -127,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.update(tta.use_caches(start_caches))
     started = time.perf_counter()
     tta.build_model(settings.body, settings.device, work / "init")
+    if settings.device == "cuda":
+        build_optimizer_kernel()
     print(f"model {settings.body} saved in {time.perf_counter() - started:.1f} s; before the first process: "
           f"{disk_state()}", flush=True)
     took = [child(variant, index, args, work / "init", start_caches, out) for index, variant in enumerate(variants)]
