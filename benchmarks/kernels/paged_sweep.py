@@ -7,18 +7,14 @@ write): `512-mixed` (drawn lengths, median 1,024), `128x4k`, `64x6k`, `32x8k`, `
 early on), `4x8k` (the tail); `--batches` picks a subset. The paged pool holds only the blocks the lengths fill, in
 shuffled order (as blocks handed out window by window end up); unused table columns point at block 0.
 
-Variants, in this order (the engine's plan, `decode_launch.launch_plan`: block ids loaded one iteration ahead,
-balanced splits up to `BALANCED_MAX_SLOT_HEADS` (slot, KV head) pairs and capacity-sized ones above):
-- `contiguous`, `paged bs=64`: the engine's plan for each layout (the long-tail run's blocks of 64);
-- `... capacity`, `... balanced`: the same with capacity-sized, or balanced, splits at every batch, which places
-  the threshold;
-- `... BLOCK_N=64`: 64 keys per loop iteration instead of `BLOCK_N`, with the engine's split choice (paged: also
-  with each split kind forced).
-The contiguous plan first, then every paged variant, then the other contiguous ones.
-Each variant is checked against the PyTorch reference on the first layer, then timed over `--layers` layers' caches
-in one CUDA graph (`cuda_timing.graph_time_us`), so each layer is read from HBM. A variant that fails to compile or
-check prints its error and the sweep goes on; past `--budget` seconds the remaining variants are skipped (they run
-in the order above, most telling first).
+Variants (`VARIANTS`): the engine's plan (`decode_launch.launch_plan`) for the contiguous layout and the paged one
+(the long-tail run's blocks of 64), then the paged kernel with `decode_launch` constants overridden one knob or two at
+a time: warps per program, pipelining stages, the split count (twice or half the programs the split grid aims at),
+64 keys per loop iteration, and capacity-sized or balanced splits at every batch.
+Each variant is checked against the PyTorch reference on the first layer (its max abs error is printed), then timed
+over `--layers` layers' caches in one CUDA graph (`cuda_timing.graph_time_us`), so each layer is read from HBM.
+A variant that fails to compile or check prints its error and the sweep goes on; past `--budget` seconds the
+remaining variants are skipped (they run in the order above, most telling first).
 
     python -m benchmarks.kernels.paged_sweep [--cap 8192] [--layers 4] [--budget 90]
 
@@ -45,6 +41,8 @@ from hybridrl.rollout.kernels.paged_attention import reference_paged_decode_atte
 
 DEVICE = "cuda"
 """Where the cases are built (a CPU check of the script sets "cpu")."""
+DTYPE = torch.bfloat16
+"""The cases' dtype (a CPU check sets float32: Triton's interpreter has no bf16)."""
 TOLERANCE = dict(atol=2e-2, rtol=2e-2)
 """bf16 against a float32 reference."""
 
@@ -74,7 +72,7 @@ def paged_case(seed: int, lengths: list[int], cap: int, block_size: int) -> tupl
         at += count
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator, device=DEVICE, dtype=torch.bfloat16)
+        return torch.randn(*shape, generator=generator, device=DEVICE, dtype=DTYPE)
 
     pool = randn(2, num_blocks, KV_HEADS, block_size, HEAD_DIM)
     case = dict(q=randn(slots, KV_HEADS, GROUP, HEAD_DIM), k_pool=pool[0], v_pool=pool[1], response_k=pool[0],
@@ -82,7 +80,7 @@ def paged_case(seed: int, lengths: list[int], cap: int, block_size: int) -> tupl
                 prompt_len=torch.full((slots,), PROMPT_LEN, device=DEVICE), scale=HEAD_DIM ** -0.5,
                 prompt_columns=prompt_columns)
     cos, sin = randn(slots, HEAD_DIM).float().cos(), randn(slots, HEAD_DIM).float().sin()
-    return case, (randn(slots, 2, KV_HEADS, HEAD_DIM), (cos.to(torch.bfloat16), sin.to(torch.bfloat16)),
+    return case, (randn(slots, 2, KV_HEADS, HEAD_DIM), (cos.to(DTYPE), sin.to(DTYPE)),
                   randn((KV_HEADS * GROUP + 2 * KV_HEADS) * HEAD_DIM))
 
 
@@ -97,43 +95,50 @@ def copied(case: dict) -> dict:
     return out
 
 
-def check(case: dict, extras: tuple, ours, reference) -> None:
-    """The launch's output against the reference's on copies of one layer."""
+def check(case: dict, extras: tuple, ours, reference) -> float:
+    """The launch's output against the reference's on copies of one layer: its max abs error (raises past
+    `TOLERANCE`)."""
     new_kv, rope, bias = extras
     out = ours(**copied(case), new_kv=new_kv, rope=rope, qkv_bias=bias)
     expected = reference(**copied(case), new_kv=new_kv, rope=rope, qkv_bias=bias)
     torch.testing.assert_close(out, expected, **TOLERANCE)
+    return (out.float() - expected.float()).abs().max().item()
 
 
-SPLIT_KINDS = {None: None, "capacity": -1, "balanced": 1 << 30}
-"""`BALANCED_MAX_SLOT_HEADS` for a split kind: None keeps the engine's threshold; -1 (no grid is that small) gives
-capacity-sized splits at every batch; a bound no grid exceeds gives balanced ones at every batch."""
+CAPACITY_SPLITS, BALANCED_SPLITS = -1, 1 << 30
+"""`BALANCED_MAX_SLOT_HEADS` that gives capacity-sized splits (no grid is that small), or balanced ones (no grid
+exceeds it), at every batch."""
+VARIANTS = {
+    "contiguous": ("contiguous", {}),
+    "paged": ("paged", {}),
+    "paged warps=4": ("paged", dict(WIDE_HEAD_NUM_WARPS=4)),
+    "paged stages=2": ("paged", dict(NUM_STAGES=2)),
+    "paged stages=4": ("paged", dict(NUM_STAGES=4)),
+    "paged splits x2": ("paged", dict(SPLIT_PROGRAMS=4096, MIN_SPLITS=8, MAX_SPLITS=32)),
+    "paged splits /2": ("paged", dict(SPLIT_PROGRAMS=1024, MIN_SPLITS=2)),
+    "paged BLOCK_N=64 stages=2": ("paged", dict(BLOCK_N=64, NUM_STAGES=2)),
+    "paged BLOCK_N=64 warps=4": ("paged", dict(BLOCK_N=64, WIDE_HEAD_NUM_WARPS=4)),
+    "paged warps=4 stages=2": ("paged", dict(WIDE_HEAD_NUM_WARPS=4, NUM_STAGES=2)),
+    "paged capacity": ("paged", dict(BALANCED_MAX_SLOT_HEADS=CAPACITY_SPLITS)),
+    "paged balanced": ("paged", dict(BALANCED_MAX_SLOT_HEADS=BALANCED_SPLITS)),
+}
+"""name -> (layout, `decode_launch` constants it overrides); the engine's plan first for each layout, then the
+paged ones in the order most telling first (the budget may end the sweep). Paged blocks are the long-tail run's 64
+keys."""
+BLOCK_SIZE = 64
 
 
 @contextlib.contextmanager
-def knobs(splits: str | None = None, block_n: int | None = None):
-    """Launches inside use the given split kind (`SPLIT_KINDS`) and keys per loop iteration (None: the engine's)."""
-    saved = decode_launch.BLOCK_N, decode_launch.BALANCED_MAX_SLOT_HEADS
-    if splits is not None:
-        decode_launch.BALANCED_MAX_SLOT_HEADS = SPLIT_KINDS[splits]
-    if block_n is not None:
-        decode_launch.BLOCK_N = block_n
+def knobs(**overrides):
+    """Launches inside see `decode_launch`'s constants replaced by `overrides` (every plan reads them at launch)."""
+    saved = {name: getattr(decode_launch, name) for name in overrides}
+    for name, value in overrides.items():
+        setattr(decode_launch, name, value)
     try:
         yield
     finally:
-        decode_launch.BLOCK_N, decode_launch.BALANCED_MAX_SLOT_HEADS = saved
-
-
-def variants() -> list[tuple[str, str, int, dict]]:
-    """(name, layout, block size, knobs) of every variant (see the module docstring)."""
-    def row(layout: str, splits: str | None = None, block_n: int | None = None) -> tuple[str, str, int, dict]:
-        name = " ".join(part for part in ("contiguous" if layout == "contiguous" else "paged bs=64",
-                                          block_n and f"BLOCK_N={block_n}", splits) if part)
-        return name, layout, 64 if layout == "paged" else 0, dict(splits=splits, block_n=block_n)
-
-    paged = [row("paged", splits, block_n) for block_n in (None, 64) for splits in SPLIT_KINDS]
-    contiguous = [row("contiguous", splits) for splits in SPLIT_KINDS] + [row("contiguous", block_n=64)]
-    return contiguous[:1] + paged + contiguous[1:]  # the paged rows first after the baseline: the budget may end
+        for name, value in saved.items():
+            setattr(decode_launch, name, value)
 
 
 def time_variant(cases: list, attention) -> float:
@@ -154,12 +159,14 @@ def main() -> None:
     start = time.perf_counter()
     shapes = {name: lengths for name, lengths in batches(args.cap).items()
               if not args.batches or name in args.batches.split(",")}
-    results: dict[str, dict[str, float | str]] = {name: {} for name, _, _, _ in variants()}
+    results: dict[str, dict[str, float | str]] = {name: {} for name in VARIANTS}
+    errors: dict[str, dict[str, float]] = {name: {} for name in VARIANTS}
     floors = {name: floor_us(lengths, args.bandwidth_tbs) for name, lengths in shapes.items()}
     print(f"{torch.cuda.get_device_name()}: µs per layer-step over {args.layers} layers; floor: "
           + ", ".join(f"{name} {micros:.1f}" for name, micros in floors.items()), flush=True)
     built: dict = {}  # (shape, layout, block size) -> its layers' cases, kept for the later variants
-    for name, layout, block_size, knob in variants():  # variant-major: past the budget, whole variants are skipped
+    for name, (layout, overrides) in VARIANTS.items():  # variant-major: past the budget, whole variants are skipped
+        block_size = BLOCK_SIZE if layout == "paged" else 0
         for shape, lengths in shapes.items():
             if time.perf_counter() - start > args.budget:
                 results[name][shape] = "skipped"
@@ -171,23 +178,25 @@ def main() -> None:
             ours, reference = ((triton_decode_attention, reference_decode_attention) if layout == "contiguous" else
                                (triton_paged_decode_attention, reference_paged_decode_attention))
             try:
-                with knobs(**knob):
-                    check(*built[key][0], ours, reference)
+                with knobs(**overrides):
+                    errors[name][shape] = check(*built[key][0], ours, reference)
                     results[name][shape] = time_variant(built[key], ours)
             except Exception as error:  # noqa: BLE001 - a knob that does not compile is a result, not a stop
                 results[name][shape] = f"error: {type(error).__name__}: {str(error)[:120]}"
             value = results[name][shape]
-            shown = (f"{value:.1f} us ({100 * floors[shape] / value:.0f}% of floor)" if isinstance(value, float)
-                     else value)
+            shown = (f"{value:.1f} us ({100 * floors[shape] / value:.0f}% of floor, max abs error "
+                     f"{errors[name][shape]:.2e})" if isinstance(value, float) else value)
             print(f"{shape:>10} {name:>32}: {shown}", flush=True)
     print(f"\n{'variant':>32} " + " ".join(f"{name:>10}" for name in shapes))
     print(f"{'floor':>32} " + " ".join(f"{floors[name]:>10.1f}" for name in shapes))
     for name, row in results.items():
+        worst = max(errors[name].values(), default=0.0)
         print(f"{name:>32} " + " ".join(f"{row[s]:>10.1f}" if isinstance(row.get(s), float) else f"{'-':>10}"
-                                        for s in shapes))
+                                        for s in shapes) + f"   max abs error {worst:.1e}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "paged_sweep.json"), "w") as handle:
-            json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), floors_us=floors, us=results), handle,
+            json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), floors_us=floors, us=results,
+                           max_abs_error=errors, variants=VARIANTS), handle,
                       indent=1)
 
 

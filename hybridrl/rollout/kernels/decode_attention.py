@@ -173,7 +173,8 @@ def triton_decode_attention(
         cos, sin, bias, scale * math.log2(math.e), *strides, table_stride, prompt_columns, part_acc, part_ml,
         plan.split_len, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
         HAS_BIAS=rope is not None and qkv_bias is not None, PAGED=paged is not None, BLOCK_SIZE=block_size,
-        ONE_BLOCK=paged is not None and plan.one_block(block_size), num_warps=plan.num_warps, **sizes)
+        ONE_BLOCK=paged is not None and plan.one_block(block_size), num_warps=plan.num_warps,
+        num_stages=plan.num_stages, **sizes)
     if plan.num_splits > 1:
         _combine_splits_kernel[(batch, num_kv_heads)](part_acc, part_ml, prompt_len, response_len, out,
                                                       *out.stride()[:3], plan.split_len, **sizes)

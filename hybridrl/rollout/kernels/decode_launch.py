@@ -35,6 +35,8 @@ SM hide its latency better than more warps per program (`docs/benchmarks.md` has
 WIDE_HEAD_NUM_WARPS = 2
 """Warps per program above head_dim 64 (Qwen2.5-1.5B/7B, Llama 3: 128): with RoPE and the bias inside, one warp
 would need more than 255 registers a thread and spill (the no-spill test reads ptxas' report)."""
+NUM_STAGES = 3
+"""Software-pipelining stages of the key loop (Triton's own default on NVIDIA, stated so a sweep can vary it)."""
 BALANCED_MAX_SLOT_HEADS = 32
 """Balanced splits for grids of at most this many (slot, KV head) pairs (batch 16 at 2 KV heads), capacity-sized
 splits above. In a narrow batch the programs do not fill the GPU, so a step lasts as long as its longest program:
@@ -118,6 +120,8 @@ class LaunchPlan:
     """Response keys per split program (0 without split-KV)."""
     balanced: bool = False
     """Split-KV by each slot's own length (`balanced_splits`)."""
+    num_stages: int = NUM_STAGES
+    """Pipelining stages of the key loop (`NUM_STAGES`)."""
 
     def one_block(self, block_size: int) -> bool:
         """Paged: whether each loop iteration's keys lie in one block (`BLOCK_N` divides the block size; every
@@ -134,7 +138,7 @@ def launch_plan(group: int, head_dim: int, response_capacity: int, paged: bool, 
     num_splits, split_len = response_splits(response_capacity, slot_heads=slot_heads) or (1, 0)
     return LaunchPlan(group_pad=padded_tile(group), block_d=padded_tile(head_dim), block_n=BLOCK_N,
                       num_warps=default_num_warps(head_dim, paged), num_splits=num_splits, split_len=split_len,
-                      balanced=num_splits > 1 and balanced_splits(slot_heads))
+                      balanced=num_splits > 1 and balanced_splits(slot_heads), num_stages=NUM_STAGES)
 
 
 def partial_state(plan: LaunchPlan, batch: int, num_kv_heads: int, placeholder: torch.Tensor) -> tuple:
