@@ -28,7 +28,9 @@ except ImportError:  # CPU-only installs: F.linear everywhere
 
 MAX_ROWS = 32
 """Batches up to this many rows take the kernel (`applies`); larger ones are tiled well by cuBLAS."""
-BLOCK_K = 128
+NARROW_COLUMNS = 4096
+"""Products with at most this many output columns (q/k/v, o, down at the 1.5B shape) are narrow: too few column
+blocks to give every SM a program, so each program streams longer K tiles to keep enough bytes in flight."""
 NUM_WARPS, NUM_STAGES = 4, 4
 
 
@@ -37,10 +39,11 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
 
 
-def _block_n(columns: int) -> int:
-    """Output columns per program: enough programs to cover every SM at least twice for the narrow products (o,
-    down: 1536 columns -> 96 programs of 16), fewer, wider ones for the wide products."""
-    return 16 if columns <= 4096 else 32
+def launch(columns: int) -> tuple[int, int]:
+    """(output columns, K elements) per program tile. Narrow products: 16 columns (96-128 programs at 1536-2048
+    columns) of 512-element K tiles, 16 KB of weight per pipeline stage; wide ones (gate/up, the LM head): 32 columns
+    of 128, several programs per SM."""
+    return (16, 512) if columns <= NARROW_COLUMNS else (32, 128)
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
@@ -51,10 +54,10 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False)
     x = x if x.stride(-1) == 1 else x.contiguous()
     assert weight.stride(-1) == 1, "weight rows must be contiguous"
     out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
-    block_n = _block_n(columns)
+    block_n, block_k = launch(columns)
     _decode_linear_kernel[(triton.cdiv(columns, block_n),)](
         x, weight, out, rows, columns, x.stride(0), weight.stride(0), out.stride(0), K=depth,
-        BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=BLOCK_K, SILU_MUL=silu_mul,
+        BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul,
         IEEE=x.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
