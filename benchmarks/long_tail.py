@@ -18,8 +18,8 @@ Both layouts get the same KV budget (`--kv-cache-memory`, a fraction of free GPU
 defaults (compiled, CUDA graphs, prefix-shared Triton attention for `contiguous`, which is today's GPU default).
 `contiguous` sizes every slot for the longest possible response, so the budget holds far fewer sequences at once;
 `paged` holds blocks only for the tokens sequences have actually produced. Each layout first runs a warm-up call
-on the same batch and response capacity whose forced lengths halve the live sequences at every sync
-(`warm_up_lengths`), so it visits every batch-size bucket: the compilations, CUDA graphs and split-KV kernel variants
+on the same batch and response capacity whose forced lengths halve the live sequences every two syncs once none
+waits, whatever the layout's slot count (`warm_up_lengths`), so it visits every batch-size bucket: the compilations, CUDA graphs and split-KV kernel variants
 (their split count depends on the batch) that the timed call needs are made there, as a trainer's first step makes
 them for the rest (`warmup_s` in the table: what the timed call still spent on them). The timed calls then alternate
 between the layouts (`--repeats` each), so a shared machine's load hits both alike; the best of each is reported.
@@ -111,10 +111,18 @@ def response_lengths(num_sequences: int, median: int, sigma: float, low: int, ca
 
 
 def warm_up_lengths(num_sequences: int, sync_every: int, cap: int) -> list[int]:
-    """Forced lengths that halve the live sequences at every sync: sequence i of n runs 2 + sync_every *
-    floor(log2(n / (i + 1))) tokens (at most `cap`), so a call with them passes through every batch-size bucket in a
-    few hundred steps."""
-    return [min(cap, 2 + sync_every * ((num_sequences // (i + 1)).bit_length() - 1)) for i in range(num_sequences)]
+    """Forced lengths whose call passes through every batch-size bucket, however many slots the layout has: the
+    r-th sequence from the end (r = n - 1 - i) runs 2 + 2 * sync_every * (bit_length(n - 1) - bit_length(r)) tokens
+    (at most `cap`), so once none waits the live ones halve every two windows, to 2^k of them each time, down to one.
+
+    The last sequences run longest because a layout with fewer slots than sequences refills its slots in
+    prompt-major order: only the sequences admitted last decide which buckets the call's tail passes through (with
+    the first ones longest, the contiguous layout's 180 of 512 slots stayed full until a few sequences were left, so
+    buckets 64, 32 and 16 were first built inside the timed call). Two windows per halving because such a layout
+    admits those last sequences over two consecutive windows. `tests/test_builtin_engine_warm_up.py` checks every
+    slot count."""
+    top = (num_sequences - 1).bit_length()
+    return [min(cap, 2 + 2 * sync_every * (top - (num_sequences - 1 - i).bit_length())) for i in range(num_sequences)]
 
 
 def read_bytes(model) -> tuple[int, int]:

@@ -11,6 +11,8 @@ the events (once, after the call) and groups the windows by batch bucket:
 - `floor_ms_per_step`: what those steps must cost at the bandwidth (the weights once, each live sequence's KV);
 - `gap_ms_per_window`: GPU time from the end of one window to the start of the next, i.e. the GPU idle at the sync
   (the blocking read, the host's scheduling, the next launches) plus any prefill launched in between;
+- `warm_ups`: steps whose signature was new, so they ran for real before their capture (`graphs.py`): a
+  compilation or a kernel build inside the call, which a warm-up call should have done;
 - `host_ms_per_window`: the host phases run between the previous window's launch and this one's (so the blocking
   `read_progress` of a window counts in the next one; it is mostly the host waiting for the GPU).
 So a bucket whose gpu_ms_per_step is far above its floor loses time in the kernels, and a large gap loses it on the
@@ -106,10 +108,13 @@ def traced(engine, weight_bytes: float, kv_bytes_per_token: float, bandwidth: fl
     def decode(batch: int, kv_len: int, steps: int) -> None:
         start = time.perf_counter()
         window = trace.open_window(batch, steps)
+        counts = runner.run.counts
+        warmed_before = counts.captured - counts.captures_without_warmup
         window["start"].record()
         original_decode(batch, kv_len, steps)
         window["end"].record()
         window["host_ms"]["decode_launch"] = 1e3 * (time.perf_counter() - start)
+        window["warm_ups"] = counts.captured - counts.captures_without_warmup - warmed_before
 
     runner.decode = decode
     try:
@@ -136,8 +141,9 @@ def summary(trace: WindowTrace, weight_bytes: float, kv_bytes_per_token: float, 
         context = window["context"] * window["steps"] + window["live"] * window["steps"] * (window["steps"] - 1) / 2
         floor_ms = 1e3 * (weight_bytes * window["steps"] + kv_bytes_per_token * context) / bandwidth
         bucket = buckets.setdefault(window["batch"], dict(windows=0, steps=0, gpu_ms=0.0, floor_ms=0.0, gap_ms=0.0,
-                                                          live=0, host_ms=defaultdict(float)))
+                                                          live=0, warm_ups=0, host_ms=defaultdict(float)))
         bucket["windows"] += 1
+        bucket["warm_ups"] += window.get("warm_ups", 0)
         bucket["steps"] += window["steps"]
         bucket["gpu_ms"] += gpu_ms
         bucket["floor_ms"] += floor_ms
@@ -152,9 +158,10 @@ def summary(trace: WindowTrace, weight_bytes: float, kv_bytes_per_token: float, 
                          gpu_s=bucket["gpu_ms"] / 1e3, floor_s=bucket["floor_ms"] / 1e3, gap_s=bucket["gap_ms"] / 1e3,
                          gpu_ms_per_step=bucket["gpu_ms"] / bucket["steps"],
                          floor_ms_per_step=bucket["floor_ms"] / bucket["steps"],
-                         gap_ms_per_window=bucket["gap_ms"] / count,
+                         gap_ms_per_window=bucket["gap_ms"] / count, warm_ups=bucket["warm_ups"],
                          host_ms_per_window={phase: ms / count for phase, ms in sorted(bucket["host_ms"].items())}))
-    totals = {key: sum(row[key] for row in rows) for key in ("windows", "steps", "gpu_s", "floor_s", "gap_s")}
+    totals = {key: sum(row[key] for row in rows)
+              for key in ("windows", "steps", "gpu_s", "floor_s", "gap_s", "warm_ups")}
     return dict(buckets=rows, totals=totals)
 
 
@@ -164,11 +171,12 @@ def print_summary(layout: str, result: dict) -> None:
         return
     totals = result["totals"]
     print(f"\n{layout}: {totals['windows']} windows, {totals['steps']} steps; decode GPU {totals['gpu_s']:.2f} s "
-          f"(floor {totals['floor_s']:.2f} s), GPU gaps between windows {totals['gap_s']:.2f} s")
+          f"(floor {totals['floor_s']:.2f} s), GPU gaps between windows {totals['gap_s']:.2f} s, "
+          f"{totals['warm_ups']} steps warmed up (compiled or built) inside the call")
     print(f"{'batch':>6} {'windows':>8} {'steps':>6} {'live':>6} {'GPU s':>7} {'floor s':>8} {'ms/step':>8} "
-          f"{'floor ms':>9} {'gap s':>6} {'gap ms/win':>11}  host ms per window (phase: ms)")
+          f"{'floor ms':>9} {'gap s':>6} {'gap ms/win':>11} {'warm-ups':>9}  host ms per window (phase: ms)")
     for row in result["buckets"]:
         host = " ".join(f"{phase}:{ms:.2f}" for phase, ms in row["host_ms_per_window"].items() if ms >= 0.05)
         print(f"{row['batch']:>6} {row['windows']:>8} {row['steps']:>6} {row['mean_live']:>6.0f} {row['gpu_s']:>7.2f} "
               f"{row['floor_s']:>8.2f} {row['gpu_ms_per_step']:>8.3f} {row['floor_ms_per_step']:>9.3f} "
-              f"{row['gap_s']:>6.2f} {row['gap_ms_per_window']:>11.2f}  {host}")
+              f"{row['gap_s']:>6.2f} {row['gap_ms_per_window']:>11.2f} {row['warm_ups']:>9}  {host}")
