@@ -267,8 +267,8 @@ class StubRunner:
         time.sleep(max(0.0, self.idle_at - time.perf_counter()))
         return [int(count >= self.max_new_tokens) for count in self.generated[:rows]], self.generated[:rows]
 
-    def read_outputs(self, rows: int, columns: int | None = None):
-        return self.tokens[:rows, :columns], self.logprobs[:rows, :columns]
+    def read_outputs(self, rows: int, columns: int | None = None, slots: list[int] | None = None):
+        return self.tokens[:rows, :columns], self.logprobs[:rows, :columns]  # indexed by slot, whatever `slots`
 
     def pause(self, slots) -> None:
         self.live.difference_update(slots)

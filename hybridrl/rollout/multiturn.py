@@ -94,6 +94,8 @@ class EpisodeRun:
         self.messages = [dict(m) for m in messages]
         self.prompt_ids: list[int] = renderer.prompt_ids(self.messages)
         self._episode: Episode | None = None
+        self._unrecorded: tuple[StepResult, list[int]] | None = None  # a step taken, its record not made yet
+        self._unrecorded_len = 0
         self.last_turn_ids: list[int] = []
         self.num_turns = 0  # assistant turns recorded (the episode's `num_turns`, without counting its spans)
         self.done = False
@@ -119,7 +121,8 @@ class EpisodeRun:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) if self._episode is None else len(self._episode.token_ids)
+        """Tokens of the episode so far, the observation of a step taken but not yet recorded included."""
+        return (len(self.prompt_ids) if self._episode is None else len(self._episode.token_ids)) + self._unrecorded_len
 
     def turn_limit(self, max_new_tokens: int) -> int:
         """Tokens the next assistant turn may sample: the per-turn cap or what the episode budget leaves."""
@@ -147,6 +150,7 @@ class EpisodeRun:
         """Append a turn whose `text` is `turn_text(ids, ...)`: the ids and log-probs as they are (lists of Python ints
         and floats), and the assistant message. The engine's harvest does this after it has started every ended turn's
         environment step, which needs only the text."""
+        self.record_step()
         self.episode.add_sampled(ids, logprobs)
         self.num_turns += 1
         self.last_turn_ids = ids
@@ -154,13 +158,18 @@ class EpisodeRun:
 
     def add_step(self, result: StepResult) -> list[int] | None:
         """Record the environment's answer; the observation ids to feed next, or None when the episode is over."""
-        if result.reward is not None:
-            self.episode.reward = float(result.reward)
-        self.episode.tool_calls.extend(result.info.get("tool_calls", []))
-        if result.done:
-            return self._end("done")
-        if self.num_turns >= self.budget.max_turns:
-            return self._end("max_turns")
+        ids = self.take_step(result)
+        self.record_step()
+        return ids
+
+    def take_step(self, result: StepResult) -> list[int] | None:
+        """`add_step` less the record of an observation to feed (its message, ids, reward and tool calls), which
+        `record_step` makes later (`num_tokens` counts its ids meanwhile; the next `record_turn` makes it first). The
+        engine takes hundreds of steps as their answers come in, each turn boundary's last one with the GPU waiting,
+        and makes the records once the next decode block runs."""
+        if result.done or self.num_turns >= self.budget.max_turns:
+            self._record_result(result)
+            return self._end("done" if result.done else "max_turns")
         if not result.observation:
             raise EnvironmentCodeError(f"environment {self.session.name!r} returned no observation with done=False"
                                        f"{defined_at(self.session.env.step)} in step {self.session.num_steps} for "
@@ -175,10 +184,25 @@ class EpisodeRun:
             ) from error
         ids = self._truncated(ids, result.observation)
         if self.num_tokens + len(ids) >= self.budget.max_episode_tokens:
+            self._record_result(result)
             return self._end("max_tokens")  # unshown, so not in `messages` either (as with done and max_turns)
+        self._unrecorded, self._unrecorded_len = (result, ids), len(ids)
+        return ids
+
+    def record_step(self) -> None:
+        """Make the record of the observation `take_step` returned, if it is not made yet."""
+        if self._unrecorded is None:
+            return
+        (result, ids), self._unrecorded, self._unrecorded_len = self._unrecorded, None, 0
+        self._record_result(result)
         self.messages.extend(result.observation)
         self.episode.add_observation(ids)
-        return ids
+
+    def _record_result(self, result: StepResult) -> None:
+        if result.reward is not None:
+            self.episode.reward = float(result.reward)
+        if result.info:
+            self.episode.tool_calls.extend(result.info.get("tool_calls", ()))
 
     def _truncated(self, ids: list[int], observation: list[dict[str, Any]]) -> list[int]:
         """`ids` cut to `max_observation_tokens`: first ids + marker + the template's next-turn opening."""

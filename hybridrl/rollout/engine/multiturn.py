@@ -107,6 +107,7 @@ class EpisodeLoop:
         self.waiter: asyncio.Future | None = None  # set when an answer comes in or the alarm rings (`_next_wake`)
         self.rang = False  # the gather's alarm has rung (`_gather_answers`)
         self.ready: list[tuple[int, list[int], array.array]] = []  # slot, observation ids, the ids to feed
+        self.unrecorded: list[EpisodeRun] = []  # episodes with a step taken and not recorded yet (`_record_steps`)
         finished = records_made = False
         try:
             while scheduler.has_work or scheduler.paused:
@@ -131,6 +132,7 @@ class EpisodeLoop:
                     # The next key bucket, recorded while the GPU runs this block, when the turn (or a resume's
                     # observation) may reach it soon.
                     runner.capture_decode_ahead(batch, runner.kv_len(furthest + KV_LEN_BUCKET // 2))
+                    self._record_steps()
                     collect_due()  # garbage collection paused (`run`): its passes run here, while the GPU decodes
                     self.decode_blocks += 1
                     await self._harvest(scheduler)  # 5.
@@ -148,6 +150,7 @@ class EpisodeLoop:
                 self._collect(scheduler)  # 6.
             finished = True
         finally:
+            self._record_steps()
             for task in self.pending:
                 task.cancel()
             # An environment step cancelled here may still run in its thread; close() must not start beside it.
@@ -238,6 +241,7 @@ class EpisodeLoop:
             if sequence.needs_context:  # its blocks were taken while it was paused: from the prompt's end, or all
                 start = 0 if sequence.fills_entry else len(self.prompts[self.prompt_of[sequence.index]])
                 sequence.needs_context = False
+                run.record_step()
                 feed = run.episode.token_ids[start:]
             key = self.seed * _SEED_STRIDE + sequence.index * 1009 + run.num_turns  # the turn's uniforms
             resumes.append((slot, feed, start, key))
@@ -296,7 +300,7 @@ class EpisodeLoop:
             slot = self.pending.pop(task)
             del self.started_at[task]
             run = self.runs[scheduler.paused[slot].index]
-            ids = run.add_step(task.result())  # an environment error propagates here, as one sentence
+            ids = run.take_step(task.result())  # an environment error propagates here, as one sentence
             if ids is None:
                 scheduler.finish(slot)
                 ended.append(slot)
@@ -304,5 +308,15 @@ class EpisodeLoop:
                 # What the resume feeds (the turn's last sampled token, whose KV no decode step wrote, then the
                 # observation) as int64 already: converted here, while other tools are still out, not in the batch
                 # built after the last answer (`resume.host_batch` copies an int64 array whole).
-                self.ready.append((slot, ids, array.array("q", run.episode.token_ids[-len(ids) - 1:])))
+                feed = array.array("q", run.last_turn_ids[-1:])
+                feed.extend(ids)
+                self.ready.append((slot, ids, feed))
+                self.unrecorded.append(run)  # its record once the next decode block runs (`_record_steps`)
         self.runner.free(ended)
+
+    def _record_steps(self) -> None:
+        """The records of the steps `_collect` took (`EpisodeRun.record_step`), made while the GPU runs a decode block:
+        at a turn boundary the answers come in with the GPU waiting for the last one."""
+        unrecorded, self.unrecorded = self.unrecorded, []
+        for run in unrecorded:
+            run.record_step()
