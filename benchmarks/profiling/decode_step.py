@@ -11,12 +11,14 @@ around each window), and from the trace the busy and idle µs per step and the k
 µs per call, µs per step, largest first: the LM head's GEMM and the sampler's kernels are those called once per step.
 
     python -m benchmarks.profiling.decode_step [--batches 1,8,32,128] [--context 4096] [--layouts paged] [--no-tta]
-        [--out DIR]
+        [--compare] [--out DIR]
 
 Cases: the long-tail model (Qwen2.5-1.5B shape, random init) at each batch, n = min(batch, 8) samples of
 batch / n prompts of `--context` tokens (so the attention reads long contexts); then, unless `--no-tta`, the
 time-to-accuracy run's rollout (0.5B body, 64-token vocabulary, 32 prompts x 8 = 256 rows, the light options: SDPA,
-PyTorch sampler, uncompiled). `--out`: each case's trace (`trace_<case>.json.gz`) and all tables (`decode_step.json`).
+PyTorch sampler, uncompiled). `--compare`: each 1.5B case of at most `decode_linear.MAX_ROWS` sequences runs
+twice in turn, without and with the narrow-batch pieces (`engine/small_batch.py`), as `<case>` and `<case>-small`.
+`--out`: each case's trace (`trace_<case>.json.gz`) and all tables (`decode_step.json`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from benchmarks.long_tail import QWEN25_15B, read_bytes
 from benchmarks.profiling.engine_ab import TTA_OPTIONS, tta_rollout
 from benchmarks.rollout import build_model, sync
 from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine import small_batch
 from hybridrl.rollout.engine.backend import BuiltinBackend
+from hybridrl.rollout.kernels.decode_linear import MAX_ROWS
 
 MARKER = "spin_kernel"
 """The kernel `torch.cuda._sleep` launches: it brackets each decode window in the trace."""
@@ -52,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layouts", default="paged", help="KV cache layouts of the 1.5B cases, comma-separated")
     parser.add_argument("--windows", type=int, default=5, help="decode windows per call (16 steps each)")
     parser.add_argument("--no-tta", action="store_true", help="skip the time-to-accuracy rollout's case")
+    parser.add_argument("--compare", action="store_true",
+                        help="each 1.5B case of a narrow batch also with the narrow-batch pieces (small_batch.py)")
     parser.add_argument("--top", type=int, default=24, help="kernel rows printed per case")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="where traces and tables go (default $OUT)")
     return parser.parse_args(argv)
@@ -173,6 +179,20 @@ def print_case(result: dict, top: int) -> None:
               f"{row['name']}", flush=True)
 
 
+@contextlib.contextmanager
+def small_batch_pieces(engine: BuiltinBackend, enabled: bool):
+    """The calls inside with the narrow-batch decode pieces on or off. Warmed signatures are forgotten on both sides:
+    they do not tell the two apart, and a step captured without its warm-up would compile inside the capture."""
+    before = small_batch.ENABLED
+    small_batch.ENABLED = enabled
+    engine.runner.graphs.warmed.clear()
+    try:
+        yield
+    finally:
+        small_batch.ENABLED = before
+        engine.runner.graphs.warmed.clear()
+
+
 def long_tail_cases(args) -> list[dict]:
     model = build_model("cuda", QWEN25_15B)
     weight_bytes, kv_per_token = read_bytes(model)
@@ -187,7 +207,10 @@ def long_tail_cases(args) -> list[dict]:
                                     seed=0)
             context = args.context + 8 * args.windows  # the mean context of the timed windows, roughly
             floor_ms = 1e3 * (weight_bytes + batch * context * kv_per_token) / BANDWIDTH
-            results.append(run_case(f"1.5b-{layout}-b{batch}", engine, prompts.tolist(), params, floor_ms, args))
+            for small in (False, True) if args.compare and batch <= MAX_ROWS else (small_batch.ENABLED,):
+                with small_batch_pieces(engine, small):
+                    name = f"1.5b-{layout}-b{batch}" + ("-small" if small else "")
+                    results.append(run_case(name, engine, prompts.tolist(), params, floor_ms, args))
         del engine
     return results
 

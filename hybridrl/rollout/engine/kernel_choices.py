@@ -185,6 +185,12 @@ def sampling_kernels_on(sampler: str, device: torch.device) -> bool:
     return sampler == "auto" and device.type == "cuda" and triton_available()
 
 
+def small_batch_projections_on(device: torch.device) -> bool:
+    """Whether narrow decode batches run their projections through the skinny-batch kernel (`small_batch.py`):
+    on CUDA with triton installed."""
+    return device.type == "cuda" and triton_available()
+
+
 def sampler_name(sampler: str, settings: SamplerSettings, device: torch.device, vocab: int) -> str:
     """Which sampler a call's decode steps run: "triton" (`sampling_kernels.py`) or "torch" (the compiled or eager
     `sample_and_record`); `sampling_kernels.with_sampling_kernel` decides the same way."""

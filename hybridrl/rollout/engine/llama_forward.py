@@ -291,19 +291,20 @@ extend_attention = "auto"
 
 
 def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, pending: tuple[torch.Tensor, ...],
-                     cos: torch.Tensor, sin: torch.Tensor):
+                     cos: torch.Tensor, sin: torch.Tensor, project: Callable = F.linear):
     """Decode: the previous layer's residuals (`pending`: its attention output and MLP output, added in that
     order; empty before the first layer), input RMSNorm, q/k/v projections, q/k norm, RoPE. h (B, hidden),
     cos/sin (B, D) -> h with the residuals added; q (B, Hkv, group, D) with the query heads of one KV head
     folded together; kv (B, 2, Hkv, D), keys and values stacked so the cache write is one store (q and kv
     are views of one buffer, so compiled, the RoPEs and the stack are one kernel, and the residual adds fuse
     into the norm: no kernel of their own). cos = sin = None (fused q/k/v, no q/k norm): q and kv are the raw
-    projection, without bias or RoPE, for an attention that applies both (`decode_attention.rotate_projections`)."""
+    projection, without bias or RoPE, for an attention that applies both (`decode_attention.rotate_projections`).
+    `project(x, weight)`: that fused projection's matmul (`small_batch.py` passes its kernel for narrow batches)."""
     for residual in pending:
         h = h + residual
     batch = h.shape[0]
     if cos is None:  # RoPE and the q/k/v bias are left to the attention kernel: q and kv are views of one matmul
-        qkv = F.linear(rms_norm(h, lw.input_norm, w.rms_eps), lw.qkv_weight).view(batch, -1, w.head_dim)
+        qkv = project(rms_norm(h, lw.input_norm, w.rms_eps), lw.qkv_weight).view(batch, -1, w.head_dim)
     else:
         q, k, v = _qkv(w, lw, rms_norm(h, lw.input_norm, w.rms_eps), cos, sin)
         # One buffer (B, H + 2 Hkv, D) for q and the new K/V: compiled, both RoPEs and the stack are one kernel.
@@ -312,19 +313,28 @@ def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, pending
         qkv[:, w.num_heads:].view(batch, 2, w.num_kv_heads, w.head_dim)
 
 
-def attention_output_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, attn: torch.Tensor):
+def attention_output_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, attn: torch.Tensor,
+                             project: Callable | None = None):
     """Decode: o projection, post-attention RMSNorm of h + o, MLP. attn (B, Hkv, group, D) -> the residuals
     (o, MLP output), which the next piece adds to h (see `attention_inputs`). h + o is not returned: a
     matmul + add whose sum leaves the compiled graph becomes cuBLAS addmm, whose beta-add needs h copied
-    into its output first (a device-to-device copy per layer); used only by the norm, the add fuses there."""
-    o = _linear(attn.reshape(h.shape[0], -1), lw.o_weight, lw.o_bias, lw.o_lora)
-    return o, _mlp(lw, rms_norm(h + o, lw.post_norm, w.rms_eps))
+    into its output first (a device-to-device copy per layer); used only by the norm, the add fuses there.
+    `project(x, weight, silu_mul=False)` (`small_batch.py`'s kernel for narrow batches) replaces F.linear where the
+    projection is plain: o without bias or adapter, stacked gate/up (SiLU-mul applied inside), down without adapter."""
+    attn = attn.reshape(h.shape[0], -1)
+    plain_o = project is not None and lw.o_bias is None and lw.o_lora is None
+    o = project(attn, lw.o_weight) if plain_o else _linear(attn, lw.o_weight, lw.o_bias, lw.o_lora)
+    normed = rms_norm(h + o, lw.post_norm, w.rms_eps)
+    if project is None or lw.gate_up_weight is None or lw.down_lora is not None:
+        return o, _mlp(lw, normed)
+    return o, project(project(normed, lw.gate_up_weight, True), lw.down_weight)
 
 
-def final_logits(w: ModelWeights, h: torch.Tensor, pending: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def final_logits(w: ModelWeights, h: torch.Tensor, pending: tuple[torch.Tensor, ...],
+                 project: Callable = F.linear) -> torch.Tensor:
     for residual in pending:
         h = h + residual
-    return F.linear(rms_norm(h, w.final_norm, w.rms_eps), w.lm_head)
+    return project(rms_norm(h, w.final_norm, w.rms_eps), w.lm_head)
 
 
 @dataclass(frozen=True)
@@ -338,9 +348,23 @@ class DecodeFunctions:
     prefill_layer: Callable = prefill_layer
     extend_inputs: Callable = extend_inputs
     extend_attention_and_mlp: Callable = extend_attention_and_mlp
+    small_batch: DecodeFunctions | None = None
+    """The decode pieces for batches of at most `small_batch_rows` (`small_batch.py`; the runner sets them on CUDA)."""
+    small_batch_rows: int = 0
 
 
 EAGER_DECODE = DecodeFunctions(attention_inputs, attention_output_and_mlp, final_logits, prefill_layer)
+
+
+def dynamic_batch(fn: Callable, activation_arg: int) -> Callable:
+    """`fn` with dimension 0 of every tensor argument from `activation_arg` on (the batch) marked dynamic."""
+    def call(*args):
+        for extra in args[activation_arg:]:
+            for tensor in extra if isinstance(extra, tuple) else (extra,):
+                if isinstance(tensor, torch.Tensor):
+                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        return fn(*args)
+    return call
 
 
 def compiled_decode_functions() -> DecodeFunctions:
@@ -353,15 +377,6 @@ def compiled_decode_functions() -> DecodeFunctions:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = [torch.compile(fn, fullgraph=True) for fn in (attention_inputs, attention_output_and_mlp, final_logits,
                                                              prefill_layer, extend_inputs, extend_attention_and_mlp)]
-
-    def dynamic_batch(fn, activation_arg: int):
-        def call(*args):
-            for extra in args[activation_arg:]:
-                for tensor in extra if isinstance(extra, tuple) else (extra,):
-                    if isinstance(tensor, torch.Tensor):
-                        torch._dynamo.maybe_mark_dynamic(tensor, 0)
-            return fn(*args)
-        return call
 
     def dynamic_dims(fn, *dims_per_tensor: tuple[int, ...]):
         """The prefill's prompt count and length vary from chunk to chunk, and a resume's rows, length and key
@@ -459,6 +474,8 @@ def _decode_layers(w: ModelWeights, tokens: torch.Tensor, cos: torch.Tensor | No
     """The decode layer stack with the KV write + attention passed in (it is what the cache layouts differ
     in): attend(layer_index, q (B, Hkv, group, D), kv (B, 2, Hkv, D)) -> (B, Hkv, group, D). cos = sin =
     None: `attend` gets raw projections and applies RoPE itself (see `attention_inputs`)."""
+    if functions.small_batch is not None and tokens.shape[0] <= functions.small_batch_rows:
+        functions = functions.small_batch
     h, pending = F.embedding(tokens, w.embed), ()  # (B, hidden); residuals not yet added to h
     for layer_index, lw in enumerate(w.layers):
         lw = unpacked(lw)

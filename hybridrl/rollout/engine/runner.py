@@ -34,6 +34,7 @@ from hybridrl.rollout.engine.kernel_choices import (
     dequantized_layer_bytes,
     sampler_name,
     sampling_kernels_on,
+    small_batch_projections_on,
 )
 from hybridrl.rollout.engine.blocks import BlockAllocator
 from hybridrl.rollout.engine.kv_cache import (
@@ -155,6 +156,18 @@ class RunState:
     for; the paged layout, dequantized copies: remade every call; too large)."""
     addresses: tuple | None = None
     """`kept_runs.weight_addresses` of the run's weights (with a key)."""
+
+
+class SlotRows:
+    """Rows read for some slots only (`ModelRunner.read_outputs`), indexed by slot as the full per-slot array is:
+    `rows[slot, :length]`."""
+
+    def __init__(self, rows, slots: list[int]) -> None:
+        self.rows, self.position = rows, {slot: row for row, slot in enumerate(slots)}
+
+    def __getitem__(self, key):
+        slot, *rest = key if isinstance(key, tuple) else (key,)
+        return self.rows[(self.position[slot], *rest)]
 
 
 def decode_step(run: RunState, batch: int, kv_len: int) -> None:
@@ -372,6 +385,10 @@ class ModelRunner:
             if self._compiled is None:
                 self._compiled = (compiled_decode_functions(), compiled_sample_and_record())
             functions, sampler = self._compiled
+        if small_batch_projections_on(device):
+            from hybridrl.rollout.engine.small_batch import with_small_batch  # imports triton
+
+            functions = with_small_batch(functions, self._compiles(device))
         if sampling_kernels_on(self.options.sampler, device):
             from hybridrl.rollout.kernels.sampling_kernels import with_sampling_kernel  # imports triton
 
@@ -506,20 +523,26 @@ class ModelRunner:
         self.run.timeline.mark("sync", last=True)
         return done, gen_len
 
-    def read_outputs(self, batch: int, columns: int | None = None):
+    def read_outputs(self, batch: int, columns: int | None = None, slots: list[int] | None = None):
         """Tokens and log-probs of slots 0..batch-1 (their first `columns` positions: long responses make the full
         rows large) as numpy rows (Python lists of a large batch cost host time with the GPU idle; `Generation` makes
         them if asked). copy=True: on CPU `.cpu()` would return the state itself, which later waves overwrite under
-        the rows."""
+        the rows. `slots`: only those rows, gathered on the device (`SlotRows`, indexed by slot all the same): at a
+        sync a few of hundreds of slots finish, and copying every row cost the idle GPU most of a millisecond."""
         state = self.run.state
+        if slots is not None:
+            index = host_to_device(torch.tensor(slots), state.done.device)
+            return (SlotRows(state.out_tokens[:, :columns].index_select(0, index).cpu().numpy(), slots),
+                    SlotRows(state.out_logprobs[:, :columns].index_select(0, index).cpu().numpy(), slots))
         return (state.out_tokens[:batch, :columns].to("cpu", copy=True).numpy(),
                 state.out_logprobs[:batch, :columns].to("cpu", copy=True).numpy())
 
     def free(self, slots: list[int]) -> None:
         """Park freed slots (`DecodeState.free`) and point their block-table rows at scratch (paged layout)."""
         if slots:
-            self.run.state.free(slots)
-            self.run.cache.free(host_to_device(torch.tensor(slots), self.run.state.done.device))
+            index = host_to_device(torch.tensor(slots), self.run.state.done.device)  # one copy for both
+            self.run.state.free(index)
+            self.run.cache.free(index)
 
     def move(self, moves: list[tuple[int, int]]) -> None:
         """Copy the KV and per-slot state of each (source, destination) slot pair, then free the sources."""
