@@ -117,10 +117,6 @@ class EpisodeLoop:
                         sequence.limit = self.runs[sequence.index].turn_limit(params.max_new_tokens)
                     self._apply_blocks(scheduler, [])
                     runner.prefill(self.prompts, admitted)
-                    if not records_made:  # the episodes' records, made while the GPU runs the first prefill
-                        for run in self.runs:
-                            run.make_record()
-                        records_made = True
                     collect_due()
                 self._resume(scheduler)  # 3.
                 self._apply_blocks(scheduler, scheduler.reserve())  # paged: blocks for the next window
@@ -132,6 +128,12 @@ class EpisodeLoop:
                     # The next key bucket, recorded while the GPU runs this block, when the turn (or a resume's
                     # observation) may reach it soon.
                     runner.capture_decode_ahead(batch, runner.kv_len(furthest + KV_LEN_BUCKET // 2))
+                    if not records_made:
+                        # The episodes' records, made while the GPU runs the first decode block: not earlier, where
+                        # they would hold back the first block's launch (with its graph's capture) behind the prefill.
+                        for run in self.runs:
+                            run.make_record()
+                        records_made = True
                     self._record_steps()
                     collect_due()  # garbage collection paused (`run`): its passes run here, while the GPU decodes
                     self.decode_blocks += 1
