@@ -83,7 +83,11 @@ class EpisodeLoop:
         self.backend, self.runner, self.runs, self.params = backend, backend.runner, runs, params
         self.stop_ids = stop_ids
         distinct: dict[tuple[int, ...], int] = {}
-        self.prompt_of = [distinct.setdefault(tuple(r.prompt_ids), len(distinct)) for r in runs]
+        self.prompt_of, previous, index = [], None, -1
+        for run in runs:  # the samples of a prompt come together: a tuple (and its hash) per prompt, not per episode
+            if run.prompt_ids != previous:
+                index, previous = distinct.setdefault(tuple(run.prompt_ids), len(distinct)), run.prompt_ids
+            self.prompt_of.append(index)
         self.prompts = [list(p) for p in distinct]
         self.budget = budget
         self.seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
