@@ -197,10 +197,13 @@ class BuiltinBackend:
         done, gen_len = self.runner.read_progress(rows)
         scheduler.record_progress(gen_len)
         cut = self._stop_string_cut(params)
-        at_limit = any(s.limit is not None and s.generated >= s.limit for s in scheduler.live.values())
-        if not (cut or at_limit or any(done[slot] for slot in scheduler.live)):
+        # Without stop strings only the finished rows are read (`harvest` looks at no other).
+        ended = list(scheduler.live) if cut else [slot for slot, s in scheduler.live.items()
+                                                  if done[slot] or (s.limit is not None and s.generated >= s.limit)]
+        if not ended:
             return
-        tokens, logprobs = self.runner.read_outputs(rows, max(gen_len[slot] for slot in scheduler.live))
+        tokens, logprobs = self.runner.read_outputs(rows, max(gen_len[slot] for slot in ended),
+                                                    None if cut else ended)
         finished = scheduler.harvest(done, tokens, stop_ids, cut)
         for item in finished:
             results[item.sequence.index] = Generation(item.sequence.prompt_index, tokens[item.slot, :item.length],

@@ -46,10 +46,10 @@ class DecodeState:
         return [self.last_token, self.prompt_len, self.prompt_entry, self.gen_len, self.done, self.out_tokens,
                 self.out_logprobs, self.uniform_table]
 
-    def free(self, slots: list[int]) -> None:
-        """Park freed slots at position 0: a stale position could lie past a later, shorter key bucket.
-        (prompt_len 0 also makes a freed slot read no prompt keys, so its stale entry index is harmless.)"""
-        index = host_to_device(torch.tensor(slots), self.done.device)
+    def free(self, index: torch.Tensor) -> None:
+        """Park the freed slots `index` (on the device) at position 0: a stale position could lie past a later,
+        shorter key bucket. (prompt_len 0 also makes a freed slot read no prompt keys, so its stale entry index is
+        harmless.)"""
         # index_fill_, not `tensor[index] = value`: a Python scalar assigned through a tensor index is first
         # made a CPU tensor and copied over from pageable memory, which synchronizes the stream.
         self.done.index_fill_(0, index, True)
