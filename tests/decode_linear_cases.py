@@ -46,7 +46,7 @@ def check_engine_with_kernel() -> None:
     from hybridrl.rollout.base import SamplingParams
     from hybridrl.rollout.engine import runner
     from hybridrl.rollout.engine.backend import BuiltinBackend
-    from hybridrl.rollout.engine.small_batch import with_small_batch
+    from hybridrl.rollout.engine import small_batch
 
     torch.set_num_threads(1)
     calls = []
@@ -55,9 +55,10 @@ def check_engine_with_kernel() -> None:
 
     def with_pieces(self, device):
         functions, sampler = original(self, device)
-        return with_small_batch(functions, compiled=False), sampler
+        return small_batch.with_small_batch(functions, compiled=False), sampler
 
     runner.ModelRunner._decode_functions = with_pieces
+    small_batch.ENABLED = True
     model = make_model("qwen2")
     engine = BuiltinBackend(model, attention="triton", fuse_qkv=True, fuse_gate_up=True, max_num_seqs=3, sync_every=2)
     generations = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0, n=1))

@@ -83,3 +83,58 @@ def test_small_batch_pieces_equal_the_regular_ones_with_f_linear():
     for got, want in zip(small_batch.small_attention_output_and_mlp(weights, layer, h, attn),
                          attention_output_and_mlp(weights, layer, h, attn)):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or decode_linear.triton is None,
+                                reason="needs CUDA and triton")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_kernel_in_bf16_on_the_gpu_is_as_close_to_float32_as_cublas(rows):
+    """The 1.5B shape's products in bf16: the kernel's largest error against F.linear in float32 at most twice
+    cuBLAS's own (both round the float32 sums to bf16 once; SiLU-mul adds one rounding on cuBLAS's side)."""
+    torch.manual_seed(rows)
+    for columns, depth, silu_mul in [(2048, 1536, False), (1536, 8960, False), (17920, 1536, True)]:
+        x = torch.randn(rows, depth, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(columns, depth, device="cuda", dtype=torch.bfloat16) / depth**0.5
+        expected, cublas = F.linear(x.float(), weight.float()), F.linear(x, weight).float()
+        if silu_mul:
+            expected, cublas = (F.silu(gate) * up for gate, up in (expected.chunk(2, -1), cublas.chunk(2, -1)))
+        error = (decode_linear.decode_linear(x, weight, silu_mul).float() - expected).abs().max()
+        assert error <= 2 * (cublas - expected).abs().max() + 1e-3, (columns, error)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_engine_with_small_batch_pieces_on_the_gpu(monkeypatch):
+    """Compiled pieces and CUDA graphs with the narrow-batch pieces on: float32 greedy tokens equal HF's and the
+    pieces-off engine's; bf16 log-probs of the same sampled tokens within bf16 noise of the pieces-off engine."""
+    from test_builtin_engine import PROMPTS, hf_logprobs, make_model
+
+    from hybridrl.rollout.base import SamplingParams
+    from hybridrl.rollout.engine import small_batch
+    from hybridrl.rollout.engine.backend import BuiltinBackend
+
+    model = make_model("qwen2").cuda()
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, n=2)
+    off = BuiltinBackend(model, max_num_seqs=5, sync_every=3, fuse_gate_up=True).generate(PROMPTS, greedy)
+    monkeypatch.setattr(small_batch, "ENABLED", True)
+    engine = BuiltinBackend(model, max_num_seqs=5, sync_every=3, fuse_gate_up=True)
+    on = engine.generate(PROMPTS, greedy)
+    assert engine.last_stats["compiled"] and engine.last_stats["graphs_captured"] >= 1
+    assert [g.token_ids for g in on] == [g.token_ids for g in off]
+    reference = make_model("qwen2")  # the same weights, on the CPU (seeded)
+    for generation in on[::2]:
+        expected = hf_logprobs(reference, PROMPTS[generation.prompt_index], generation.token_ids)
+        assert (torch.tensor(generation.logprobs) - expected).abs().max() < 1e-3
+    bf16 = make_model("qwen2").to("cuda", torch.bfloat16)
+    sampled = SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=4)
+    on = BuiltinBackend(bf16, max_num_seqs=5, fuse_gate_up=True).generate(PROMPTS, sampled)
+    monkeypatch.setattr(small_batch, "ENABLED", False)
+    off = BuiltinBackend(bf16, max_num_seqs=5, fuse_gate_up=True).generate(PROMPTS, sampled)
+    same = [(a, b) for a, b in zip(on, off) if a.token_ids == b.token_ids]
+    assert len(same) >= len(on) // 2
+    for a, b in same:
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 0.1
