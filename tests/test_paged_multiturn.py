@@ -167,6 +167,35 @@ def test_a_resume_preempts_first_turns_then_evicts_paused_episodes_or_waits():
     assert first.fills_entry and allocator.in_use == 1 + 4 and scheduler.evicted == [0, 1]  # its prompt taken anew
 
 
+
+def test_a_resume_that_fits_does_not_sort_the_live_sequences(monkeypatch):
+    """A wave of resumes with blocks to spare sorts nothing: the queue of possible victims (every live sequence by
+    age) is made only when the pool is short, or a wave of 512 resumes sorted 512 sequences 512 times. The pool
+    then runs short and the next resume sorts once and preempts the youngest first turn, as the test above."""
+    from hybridrl.rollout.engine import scheduler as scheduler_module
+
+    sorts = []  # the lengths of the lists sorted, but for the empty ones (`_requeue` of no preempted sequence)
+
+    def counting_sorted(items, **kwargs):
+        items = list(items)
+        if items:
+            sorts.append(len(items))
+        return sorted(items, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "sorted", counting_sorted, raising=False)
+    allocator = BlockAllocator(num_blocks=1 + 20, block_size=4, prompt_columns=1)
+    scheduler = Scheduler([0] * 6, [4], num_slots=6, blocks=allocator, window=4, max_new_tokens=4)
+    sequences = scheduler.admit()  # one shared prompt block and a window's block each: 7 of 20
+    scheduler.record_progress([4] * 6)
+    for slot in range(4):
+        scheduler.pause(slot)
+    for slot in range(4):  # 9 + 3 rows: 3 blocks, 2 more each: 15 of 20
+        assert scheduler.resume(slot, context_len=4 + 9, limit=4) == (True, [])
+    assert sorts == [] and allocator.in_use == 15
+    scheduler.pause(0)
+    resumed, preempted = scheduler.resume(0, context_len=4 + 30, limit=4)  # 6 more blocks: the youngest gives one
+    assert resumed and preempted == [sequences[5]] and sorts[0] == 5  # the other live and paused-then-live ones
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_paged_episodes_on_cuda_equal_the_per_slot_ones(monkeypatch):

@@ -4,6 +4,10 @@ steps, blocks of 64, a pool that holds every sequence at full length, so nothing
 
     python -m benchmarks.profiling.paged_host [--prompts 64] [--n 8] [--prompt-len 256] [--response-len 256]
     python -m benchmarks.profiling.paged_host --long-tail      # long_tail.py's batch, every sync's host work
+    python -m benchmarks.profiling.paged_host --resumes        # multi-turn: a wave of resumes of every sequence
+
+`--resumes` admits the batch, pauses every sequence at the end of its turn (`--response-len` tokens) and resumes
+each after a 32-token observation, for 3 turns: `Scheduler.resume` per wave of resumes (the pool holds them all).
 
 `--long-tail` replays the long-tail rollout's syncs instead (`benchmarks/long_tail.py`: 64 x 8, prompt 512, forced
 lengths drawn log-normal, median 1,024, cap 8,192; blocks of 64, a pool of the benchmark's 23,595 blocks): at each
@@ -42,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--long-tail", action="store_true", help="replay long_tail.py's batch (see above)")
+    parser.add_argument("--resumes", action="store_true", help="time waves of multi-turn resumes (see above)")
     return parser.parse_args(argv)
 
 
@@ -129,10 +134,38 @@ def main_long_tail(args) -> None:
     print(f"  {'all':<18} {total * 1e3 / syncs:8.3f}  ({total * 1e3:8.1f})")
 
 
+def resume_waves(args, turns: int = 3, observation: int = 32) -> list[float]:
+    """Seconds of each wave of `Scheduler.resume` calls, one per sequence (see the module docstring)."""
+    num_sequences = args.prompts * args.n
+    columns = blocks_for(args.prompt_len, args.block_size)
+    episode = turns * (args.response_len + observation)
+    pool = 1 + args.prompts * columns + num_sequences * blocks_for(episode, args.block_size)
+    scheduler = Scheduler([i // args.n for i in range(num_sequences)], [args.prompt_len] * args.prompts,
+                          num_sequences, BlockAllocator(pool, args.block_size, columns), args.sync_every,
+                          args.response_len)
+    scheduler.admit()
+    context, waves = args.prompt_len, []
+    for _ in range(turns - 1):
+        context += args.response_len + observation
+        for slot in list(scheduler.live):
+            scheduler.pause(slot)
+        start = time.perf_counter()
+        for slot in list(scheduler.paused):
+            resumed, preempted = scheduler.resume(slot, context, args.response_len)
+            assert resumed and not preempted, "the pool holds every episode"
+        waves.append(time.perf_counter() - start)
+    return waves
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.long_tail:
         main_long_tail(args)
+        return
+    if args.resumes:
+        waves = min((resume_waves(args) for _ in range(args.repeats)), key=sum)
+        print(f"{args.prompts} x {args.n} episodes, prompt {args.prompt_len}, turns of {args.response_len} tokens; "
+              f"least of {args.repeats} calls: a wave of resumes " + ", ".join(f"{w * 1e3:.1f}" for w in waves) + " ms")
         return
     calls = [one_call(args) for _ in range(args.repeats)]
     best = {key: min(call[key] for call in calls) for key in ("admit_s", "reserve_s")}

@@ -214,8 +214,8 @@ class Scheduler:
                 wanted.append((sequence, rows, need))
         return wanted
 
-    def _make_room(self, sequence: SequenceSlot, queue: deque[SequenceSlot], preempted: list[SequenceSlot],
-                   rows: int | None = None, extra: int = 0) -> bool:
+    def _make_room(self, sequence: SequenceSlot, queue: deque[SequenceSlot] | Callable[[], deque[SequenceSlot]],
+                   preempted: list[SequenceSlot], rows: int | None = None, extra: int = 0) -> bool:
         """Preempt the youngest of `queue` (live, younger than `sequence`) in their first turn until the blocks of
         `sequence`'s next window are free; then `sequence` itself if it is in its first turn; past it, evict paused
         episodes, youngest first (`_evict`). A live sequence past its first turn is never taken (a re-admission
@@ -227,6 +227,8 @@ class Scheduler:
         # a scan each made that quadratic (128 ms per 512 x 256-token rollout on the CPU).
         if need <= len(self.blocks.free):
             return True
+        if callable(queue):  # `resume`: the queue is made only when someone must give blocks back
+            queue = queue()
         candidates = [s for s in queue if s.context == 0]
         while need > len(self.blocks.free) and candidates:
             victim = candidates.pop()
@@ -294,7 +296,10 @@ class Scheduler:
         self.live[slot] = sequence
         preempted: list[SequenceSlot] = []
         if self.blocks is not None:
-            queue = deque(sorted((s for s in self.live.values() if s is not sequence), key=lambda s: s.admitted_at))
+            # Sorting every live sequence at every resume made a wave of 512 resumes quadratic; it is needed only
+            # when the pool is short, so `_make_room` makes it then.
+            queue = lambda: deque(sorted((s for s in self.live.values() if s is not sequence),  # noqa: E731
+                                         key=lambda s: s.admitted_at))
             rows = sequence.context + self._limit(sequence, self.max_new_tokens) - 1
             prompt = self.prompt_lens[sequence.prompt_index]
             # Evicted: room for its prompt's blocks too, even if a sample holds them now (evicting it may free them).
