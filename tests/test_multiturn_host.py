@@ -107,9 +107,10 @@ def test_the_stub_runner_drives_the_loop_through_whole_episodes():
     assert engine.last_stats["decode_steps"] == 3 * 3  # each turn's first token comes from its prefill
 
 
-def test_the_episodes_records_are_made_after_the_first_prefill_is_launched(monkeypatch):
+def test_the_episodes_records_are_made_after_the_first_decode_block_is_launched(monkeypatch):
     """The record of each episode (its prompt's ids, mask and log-prob lists) is made while the GPU runs the first
-    prefill, not before it with the GPU waiting; the episodes are the same."""
+    decode block, not before it with the GPU waiting, nor between the prefill's launch and the first block's (whose
+    graph capture it would hold back); the episodes are the same."""
     events = []
     make_record = rollout_multiturn.EpisodeRun.make_record
     monkeypatch.setattr(rollout_multiturn.EpisodeRun, "make_record",
@@ -118,12 +119,38 @@ def test_the_episodes_records_are_made_after_the_first_prefill_is_launched(monke
     engine.runner = StubRunner()
     prefill = engine.runner.prefill
     engine.runner.prefill = lambda prompts, admitted: (events.append("prefill"), prefill(prompts, admitted))[1]
+    decode = engine.runner.decode
+    engine.runner.decode = lambda *args: (events.append("decode"), decode(*args))[1]
     sessions = [EnvironmentSession(lambda row: SlowTool(row, 2, 0.001), {"ids": [1, 2, 3]}, name="slow", sample=i)
                 for i in range(4)]
     episodes = engine.generate_episodes(sessions, FixedIds([9]), SamplingParams(max_new_tokens=2, ignore_eos=True),
                                         EpisodeBudget(max_turns=2, max_episode_tokens=64))
-    assert events == ["prefill"] + ["record"] * 4
+    assert events[:6] == ["prefill", "decode"] + ["record"] * 4 and events.count("record") == 4
     assert all(episode.token_ids == [1, 2, 3, 7, 7, 9, 7, 7] for episode in episodes)
+
+
+def test_a_boundarys_observations_are_recorded_once_the_next_decode_block_is_launched(monkeypatch):
+    """The answers of a turn boundary are taken as they come (what the resume feeds); their records (messages,
+    observation ids) are made after the resume's prefill and the next decode block are launched, while the GPU runs
+    them; the episodes are whole all the same."""
+    events = []
+    record_step = rollout_multiturn.EpisodeRun.record_step
+    monkeypatch.setattr(rollout_multiturn.EpisodeRun, "record_step", lambda run: (
+        events.append("record") if run._unrecorded is not None else None, record_step(run))[1])
+    engine = BuiltinBackend(make_model("llama"), tokenizer=TOKENIZER)
+    engine.runner = StubRunner()
+    for name in ("extend", "decode"):
+        method = getattr(engine.runner, name)
+        setattr(engine.runner, name, lambda *args, name=name, method=method: (events.append(name), method(*args))[1])
+    sessions = [EnvironmentSession(lambda row: SlowTool(row, 3, 0.001), {"ids": [1, 2, 3]}, name="slow", sample=i)
+                for i in range(4)]
+    episodes = engine.generate_episodes(sessions, FixedIds([9, 8]), SamplingParams(max_new_tokens=2, ignore_eos=True),
+                                        EpisodeBudget(max_turns=3, max_episode_tokens=64))
+    assert events.count("record") == 8
+    first = events.index("record")
+    assert events[first - 2:first] == ["extend", "decode"] and "extend" not in events[first:first + 4]
+    assert all(episode.token_ids == [1, 2, 3, 7, 7, 9, 8, 7, 7, 9, 8, 7, 7] for episode in episodes)
+    assert all(len(episode.spans) == 6 and len(episode.messages) == 6 for episode in episodes)
 
 
 def test_the_trace_tool_runs_the_loops_on_the_stub_and_reports_the_calls_edges():
