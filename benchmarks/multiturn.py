@@ -154,6 +154,14 @@ def time_best(fn, repeats: int, before=lambda: None, after=lambda seconds: None)
     return best, result
 
 
+def episode_tokens(args: argparse.Namespace) -> int:
+    """The episode budget: an episode's tokens exactly (prompt, the turns, an observation between each two), as the
+    single-turn side's sequences get their prompt and response exactly. The engine sizes each slot by it and the decode
+    steps' key length stops at it, so slack there (an observation after the last turn, which no episode shows: it
+    ends) would be read as keys by every step of the last turn."""
+    return args.prompt_len + args.turns * args.turn_len + (args.turns - 1) * args.observation_len
+
+
 def definitions(args: argparse.Namespace) -> list[bool]:
     """The episode definitions to time, as `tool_after_last_turn` values: the one asked for, or both."""
     return [False, True] if args.both_definitions else [args.tool_after_last_turn]
@@ -167,7 +175,7 @@ def run_multiturn(engine: BuiltinBackend, prompts: list[list[int]], args, tool_a
         tool_after_last_turn = args.tool_after_last_turn
     renderer = FixedIds(list(range(10, 10 + args.observation_len)))
     budget = EpisodeBudget(max_turns=args.turns, max_observation_tokens=args.observation_len,
-                           max_episode_tokens=args.prompt_len + args.turns * (args.turn_len + args.observation_len) + 1)
+                           max_episode_tokens=episode_tokens(args))
     params = SamplingParams(max_new_tokens=args.turn_len, temperature=1.0, ignore_eos=True, seed=0)
 
     def episodes(rows):
