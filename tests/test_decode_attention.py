@@ -151,6 +151,17 @@ def test_split_count_gives_wide_batches_few_splits_and_narrow_tails_many(monkeyp
     assert unsplit.num_splits == 1 and not unsplit.balanced
 
 
+def test_combine_chunk_keeps_every_split_of_a_chunk_in_one_tile(monkeypatch):
+    """By hand at `COMBINE_TILE` 8,192 elements, group 6 (8 rows padded), head_dim 128: 4 splits -> 8192 // 32 = 256,
+    capped at 128 (one program per slot and head); 3 splits pad to 4 -> 128; 16 -> 64; 64 -> 16; 128 -> 8, raised to
+    the floor of 16. 0 turns the one-load merge off (the per-split loop)."""
+    chunks = {splits: decode_launch.combine_chunk(splits, 6, 128) for splits in (3, 4, 16, 64, 128)}
+    assert decode_launch.COMBINE_TILE == 8192 and chunks == {3: 128, 4: 128, 16: 64, 64: 16, 128: 16}
+    assert decode_launch.combine_chunk(16, 2, 16) == 16  # never wider than the head
+    monkeypatch.setattr(decode_launch, "COMBINE_TILE", 0)
+    assert decode_launch.combine_chunk(16, 6, 128) == 0
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
 @pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW_TESTS"), reason="set HYBRIDRL_SLOW_TESTS=1 (~10 s: the engine "
@@ -226,22 +237,24 @@ def ptxas_report(compiled) -> str:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
-@pytest.mark.parametrize("num_splits", [4, 16])
+@pytest.mark.parametrize("num_splits", [4, 8, 16, 64])
 def test_combine_kernel_and_prefetched_block_ids_compile_for_hopper_without_spills(num_splits):
-    """The split-KV combine kernel with balanced splits at Qwen2.5-1.5B's heads, and the paged kernel with balanced
+    """The split-KV combine kernel (every split's partial state in one load, head dims chunked by
+    `decode_launch.combine_chunk`) with balanced splits at Qwen2.5-1.5B's heads, and the paged kernel with balanced
     splits and block ids loaded one iteration ahead (blocks of 64, as the engine's narrow batches run it): lowered
     for sm_90 and within the registers."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if not isinstance(decode_attention._combine_splits_kernel, decode_attention.triton.runtime.JITFunction):
+    if not isinstance(decode_attention._combine_all_splits_kernel, decode_attention.triton.runtime.JITFunction):
         pytest.skip("the kernel was built in interpret mode (TRITON_INTERPRET is set)")
-    kernel = decode_attention._combine_splits_kernel
+    kernel = decode_attention._combine_all_splits_kernel
     signature = {name: "constexpr" for name in kernel.arg_names}
     signature.update(PART_ACC="*fp32", PART_ML="*fp32", PROMPT_LEN="*i64", RESPONSE_LEN="*i64", OUT="*bf16",
                      stride_ob="i32", stride_oh="i32", stride_og="i32", split_len="i32")
     constants = dict(GROUP=6, HEAD_DIM=128, GROUP_PAD=16, BLOCK_D=128, NUM_SPLITS=num_splits, WRITE_NEW=True,
-                     BALANCED=True, BLOCK_N=32)
+                     BALANCED=True, BLOCK_N=32, ROWS=8, SPLITS_PAD=num_splits,
+                     CHUNK_D=decode_launch.combine_chunk(num_splits, 6, 128))
     compiled = decode_attention.triton.compile(ASTSource(kernel, signature, constants),
                                                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert "0 bytes spill stores" in ptxas_report(compiled)

@@ -9,8 +9,9 @@ shuffled order (as blocks handed out window by window end up); unused table colu
 
 Variants (`VARIANTS`): the engine's plan (`decode_launch.launch_plan`) for the contiguous layout and the paged one
 (the long-tail run's blocks of 64), then the paged kernel with `decode_launch` constants overridden one knob or two at
-a time: warps per program, pipelining stages, the split count (twice or half the programs the split grid aims at),
-64 keys per loop iteration, and capacity-sized or balanced splits at every batch.
+a time: the split combine as a loop over splits (`decode_launch.COMBINE_TILE` 0) rather than one load of all, the
+split count (2 or 4 times, or half, the programs the split grid aims at), warps per program, pipelining stages, 64
+keys per loop iteration, and capacity-sized or balanced splits at every batch.
 Each variant is checked against the PyTorch reference on the first layer (its max abs error is printed), then timed
 over `--layers` layers' caches in one CUDA graph (`cuda_timing.graph_time_us`), so each layer is read from HBM.
 A variant that fails to compile or check prints its error and the sweep goes on; past `--budget` seconds the
@@ -111,10 +112,12 @@ exceeds it), at every batch."""
 VARIANTS = {
     "contiguous": ("contiguous", {}),
     "paged": ("paged", {}),
+    "paged combine loop": ("paged", dict(COMBINE_TILE=0)),
+    "paged splits x2": ("paged", dict(SPLIT_PROGRAMS=4096, MIN_SPLITS=8, MAX_SPLITS=32)),
+    "paged splits x4": ("paged", dict(SPLIT_PROGRAMS=8192, MIN_SPLITS=8, MAX_SPLITS=64)),
     "paged warps=4": ("paged", dict(WIDE_HEAD_NUM_WARPS=4)),
     "paged stages=2": ("paged", dict(NUM_STAGES=2)),
     "paged stages=4": ("paged", dict(NUM_STAGES=4)),
-    "paged splits x2": ("paged", dict(SPLIT_PROGRAMS=4096, MIN_SPLITS=8, MAX_SPLITS=32)),
     "paged splits /2": ("paged", dict(SPLIT_PROGRAMS=1024, MIN_SPLITS=2)),
     "paged BLOCK_N=64 stages=2": ("paged", dict(BLOCK_N=64, NUM_STAGES=2)),
     "paged BLOCK_N=64 warps=4": ("paged", dict(BLOCK_N=64, WIDE_HEAD_NUM_WARPS=4)),

@@ -55,7 +55,7 @@ import math
 
 import torch
 
-from hybridrl.rollout.kernels.decode_launch import launch_arguments, launch_plan, partial_state
+from hybridrl.rollout.kernels.decode_launch import combine_chunk, launch_arguments, launch_plan, partial_state
 
 try:
     import triton
@@ -176,8 +176,15 @@ def triton_decode_attention(
         ONE_BLOCK=paged is not None and plan.one_block(block_size), num_warps=plan.num_warps,
         num_stages=plan.num_stages, **sizes)
     if plan.num_splits > 1:
-        _combine_splits_kernel[(batch, num_kv_heads)](part_acc, part_ml, prompt_len, response_len, out,
-                                                      *out.stride()[:3], plan.split_len, **sizes)
+        chunk = combine_chunk(plan.num_splits, group, plan.block_d)
+        if chunk:
+            _combine_all_splits_kernel[(batch, num_kv_heads, plan.block_d // chunk)](
+                part_acc, part_ml, prompt_len, response_len, out, *out.stride()[:3], plan.split_len,
+                ROWS=1 << (group - 1).bit_length(), SPLITS_PAD=1 << (plan.num_splits - 1).bit_length(),
+                CHUNK_D=chunk, **sizes)
+        else:
+            _combine_splits_kernel[(batch, num_kv_heads)](part_acc, part_ml, prompt_len, response_len, out,
+                                                          *out.stride()[:3], plan.split_len, **sizes)
     return out
 
 
@@ -418,14 +425,7 @@ if triton is not None:
         head = tl.program_id(1).to(tl.int64)
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, BLOCK_D)
-        response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
-        cached = response_len - 1 if WRITE_NEW else response_len
-        if BALANCED:
-            prompt_blocks, response_blocks, per = _balanced_blocks(tl.load(PROMPT_LEN + slot).to(tl.int32), cached,
-                                                                   NUM_SPLITS, BLOCK_N)
-            count = tl.maximum(1, tl.cdiv(prompt_blocks + response_blocks, per))
-        else:
-            count = tl.maximum(1, tl.cdiv(tl.maximum(cached, 0), split_len))
+        count = _held_splits(PROMPT_LEN, RESPONSE_LEN, slot, split_len, NUM_SPLITS, WRITE_NEW, BALANCED, BLOCK_N)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
@@ -443,6 +443,50 @@ if triton is not None:
             acc = acc * alpha[:, None] + acc_s * beta[:, None]
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        row_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
+        tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=row_mask)
+
+    @triton.jit
+    def _held_splits(PROMPT_LEN, RESPONSE_LEN, slot, split_len, NUM_SPLITS: tl.constexpr, WRITE_NEW: tl.constexpr,
+                     BALANCED: tl.constexpr, BLOCK_N: tl.constexpr):
+        """How many of a slot's splits hold keys and left a partial state (the first ones; split 0 always)."""
+        response_len = tl.load(RESPONSE_LEN + slot).to(tl.int32)
+        cached = response_len - 1 if WRITE_NEW else response_len
+        if BALANCED:
+            prompt_blocks, response_blocks, per = _balanced_blocks(tl.load(PROMPT_LEN + slot).to(tl.int32), cached,
+                                                                   NUM_SPLITS, BLOCK_N)
+            count = tl.maximum(1, tl.cdiv(prompt_blocks + response_blocks, per))
+        else:
+            count = tl.maximum(1, tl.cdiv(tl.maximum(cached, 0), split_len))
+        return count
+
+    @triton.jit
+    def _combine_all_splits_kernel(PART_ACC, PART_ML, PROMPT_LEN, RESPONSE_LEN, OUT, stride_ob, stride_oh,
+                                   stride_og, split_len,
+                                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr,
+                                   BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_NEW: tl.constexpr,
+                                   BALANCED: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                                   SPLITS_PAD: tl.constexpr, CHUNK_D: tl.constexpr):
+        """One (slot, KV head, chunk of CHUNK_D head dims): every held split's partial state loaded at once
+        (SPLITS_PAD, ROWS[, CHUNK_D]: NUM_SPLITS and GROUP padded to powers of two), merged by log-sum-exp weights (`decode_launch.COMBINE_TILE` says why)."""
+        slot = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_g = tl.arange(0, ROWS)
+        offs_d = tl.program_id(2) * CHUNK_D + tl.arange(0, CHUNK_D)
+        count = _held_splits(PROMPT_LEN, RESPONSE_LEN, slot, split_len, NUM_SPLITS, WRITE_NEW, BALANCED, BLOCK_N)
+        part = (slot * tl.num_programs(1) + head) * NUM_SPLITS + offs_s  # (SPLITS_PAD,); count <= NUM_SPLITS
+        held = (offs_s[:, None] < count) & (offs_g[None, :] < GROUP)  # splits not held were never written
+        ml = PART_ML + part[:, None] * 2 * GROUP_PAD + offs_g[None, :]
+        m_s = tl.load(ml, mask=held, other=float("-inf"))  # (SPLITS_PAD, ROWS)
+        l_s = tl.load(ml + GROUP_PAD, mask=held, other=0.0)
+        m = tl.max(m_s, 0)  # (ROWS,); -inf only for a row no split saw a key of
+        weight = tl.where(m_s > float("-inf"), tl.math.exp2(m_s - m[None, :]), 0.0)
+        l_i = tl.sum(l_s * weight, 0)
+        acc_at = (part[:, None, None] * GROUP_PAD + offs_g[None, :, None]) * BLOCK_D + offs_d[None, None, :]
+        acc_s = tl.load(PART_ACC + acc_at, mask=held[:, :, None] & (offs_d[None, None, :] < HEAD_DIM), other=0.0)
+        out = tl.sum(acc_s * weight[:, :, None], 0) / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (ROWS, CHUNK_D)
         row_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
         tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_mask)

@@ -45,6 +45,11 @@ a 512-token prompt), with balanced ones every split holds an equal share. In a w
 waves anyway, and balanced splits only add work: every split of every slot then holds keys, and the combine merges
 them all, where capacity-sized splits past a slot's length return at once. In the sweep (`docs/benchmarks.md`,
 "Paged kernel: launch sweep") balanced splits won at 16 and 4 slots of 8k keys, tied or lost from 32 slots up."""
+COMBINE_TILE = 8192
+"""Partial-state elements (splits x query rows x head dims) one combine program loads at once: all of a (slot, KV
+head)'s splits together, so the merge is one round of loads rather than a chain of one per split (which at a
+narrow tail's 16 splits is a row of dependent HBM round trips); head dims are cut into chunks to stay inside it
+(`combine_chunk`). 0: the per-split loop (kept for the sweep's comparison)."""
 MIN_DOT_ROWS = 16
 """`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
 SPLIT_KEYS = 512
@@ -67,6 +72,15 @@ def default_num_warps(head_dim: int, paged: bool = False) -> int:
 def padded_tile(size: int) -> int:
     """A tile side of `tl.dot`: the next power of two, at least `MIN_DOT_ROWS`."""
     return max(MIN_DOT_ROWS, 1 << (max(size, 1) - 1).bit_length())
+
+
+def combine_chunk(num_splits: int, group: int, block_d: int) -> int:
+    """Head dims per combine program (`COMBINE_TILE`): all of block_d when the tile holds every split's rows,
+    else the largest power of two that fits (at least 16); 0 for the per-split loop."""
+    if not COMBINE_TILE:
+        return 0
+    rows, splits = (1 << (max(size, 1) - 1).bit_length() for size in (group, num_splits))
+    return min(block_d, max(16, COMBINE_TILE // (splits * rows)))
 
 
 def split_count(slot_heads: int) -> int:
