@@ -16,7 +16,9 @@ the events (once, after the call) and groups the windows by batch bucket:
 - `host_ms_per_window`: the host phases run between the previous window's launch and this one's (so the blocking
   `read_progress` of a window counts in the next one; it is mostly the host waiting for the GPU).
 So a bucket whose gpu_ms_per_step is far above its floor loses time in the kernels, and a large gap loses it on the
-host. Used by `benchmarks/long_tail.py --trace`.
+host. `edges`: the call's head (from its start to the first window: `begin`, admission, the first prefill and the
+first capture) and tail (from the last window's end to the call's end: the last harvest, `end`), with the prefills'
+GPU time (events around `prefill`), so the GPU busy share's first and last stretches can be read. Used by `benchmarks/long_tail.py --trace`.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class WindowTrace:
         self.windows: list[dict] = []
         self.pending: dict[str, float] = defaultdict(float)
         self.live = (0, 0)
+        self.call = (event(), event())
+        """Recorded when the trace begins and ends (the caller has synchronized before the end): the call's edges."""
+        self.prefills: list[tuple] = []
+        """(start, end) events of each prefill wave."""
 
     def add_host(self, phase: str, seconds: float) -> None:
         self.pending[phase] += 1e3 * seconds
@@ -117,8 +123,20 @@ def traced(engine, weight_bytes: float, kv_bytes_per_token: float, bandwidth: fl
         window["warm_ups"] = counts.captured - counts.captures_without_warmup - warmed_before
 
     runner.decode = decode
+    original_prefill = runner.prefill  # the host timer above, bracketed by GPU events too
+
+    def prefill(*args, **kwargs) -> None:
+        events = (event(), event())
+        events[0].record()
+        original_prefill(*args, **kwargs)
+        events[1].record()
+        trace.prefills.append(events)
+
+    runner.prefill = prefill
+    trace.call[0].record()
     try:
         yield trace
+        trace.call[1].record()
     finally:
         for name, method in saved_scheduler.items():
             setattr(Scheduler, name, method)
@@ -162,7 +180,13 @@ def summary(trace: WindowTrace, weight_bytes: float, kv_bytes_per_token: float, 
                          host_ms_per_window={phase: ms / count for phase, ms in sorted(bucket["host_ms"].items())}))
     totals = {key: sum(row[key] for row in rows)
               for key in ("windows", "steps", "gpu_s", "floor_s", "gap_s", "warm_ups")}
-    return dict(buckets=rows, totals=totals)
+    first_prefill = trace.prefills[0] if trace.prefills else (windows[0]["start"], windows[0]["start"])
+    edges = dict(head_ms=trace.call[0].elapsed_time(windows[0]["start"]),
+                 first_prefill_gpu_ms=first_prefill[0].elapsed_time(first_prefill[1]),
+                 before_first_prefill_ms=trace.call[0].elapsed_time(first_prefill[0]),
+                 tail_ms=windows[-1]["end"].elapsed_time(trace.call[1]),
+                 prefill_gpu_ms=sum(start.elapsed_time(end) for start, end in trace.prefills))
+    return dict(buckets=rows, totals=totals, edges=edges)
 
 
 def print_summary(layout: str, result: dict) -> None:
@@ -173,6 +197,12 @@ def print_summary(layout: str, result: dict) -> None:
     print(f"\n{layout}: {totals['windows']} windows, {totals['steps']} steps; decode GPU {totals['gpu_s']:.2f} s "
           f"(floor {totals['floor_s']:.2f} s), GPU gaps between windows {totals['gap_s']:.2f} s, "
           f"{totals['warm_ups']} steps warmed up (compiled or built) inside the call")
+    if "edges" in result:
+        edges = result["edges"]
+        print(f"call's edges: {edges['head_ms']:.1f} ms from the call's start to the first window (before the first "
+              f"prefill {edges['before_first_prefill_ms']:.1f}, its GPU {edges['first_prefill_gpu_ms']:.1f}); "
+              f"{edges['tail_ms']:.1f} ms from the last window's end to the call's end; prefills' GPU in all "
+              f"{edges['prefill_gpu_ms']:.1f} ms")
     print(f"{'batch':>6} {'windows':>8} {'steps':>6} {'live':>6} {'GPU s':>7} {'floor s':>8} {'ms/step':>8} "
           f"{'floor ms':>9} {'gap s':>6} {'gap ms/win':>11} {'warm-ups':>9}  host ms per window (phase: ms)")
     for row in result["buckets"]:
