@@ -125,10 +125,12 @@ class Recorder:
                     calls=list(self.calls))  # a copy: the next run's warm-up records into the same list
 
 
-BOUNDARY_MARKS = ("outputs read", "tools started", "harvested", "answers in", "collected", "extend called",
-                  "forward launched", "next decode")
+BOUNDARY_MARKS = ("outputs read", "first tool started", "tools started", "harvested", "first answer", "last answer",
+                  "answers in", "collected", "extend called", "forward launched", "next decode")
 """A turn boundary on the host, each mark in ms after the harvest's `read_progress` returned (the GPU has finished the
-turn's last block there and waits until the forward is launched, tool latency included)."""
+turn's last block there and waits until the forward is launched, tool latency included). "tools started": the last
+of them; "first answer" and "last answer": the first and last step's done callback (`EpisodeLoop._answered`), so
+"last answer" - "tools started" - the tool's latency is how far the event loop's handling of the answers lagged."""
 
 
 class BoundaryClock:
@@ -179,15 +181,26 @@ class BoundaryClock:
         if name == "_harvest":
             started = [moment for moment in loop.started_at.values() if moment >= self.synced]
             if started:
-                moments = dict(self.early, **{"tools started": max(started), "harvested": time.perf_counter()})
+                moments = dict(self.early, **{"first tool started": min(started), "tools started": max(started),
+                                              "harvested": time.perf_counter()})
                 self.boundaries.append(dict(t0=self.synced, tools=len(started),
                                             **{k: round(1e3 * (v - self.synced), 2) for k, v in moments.items()}))
         elif name == "_gather_answers" and self.boundaries:
             current = self.boundaries[-1]
             current.setdefault("answers in", round(1e3 * (time.perf_counter() - current["t0"]), 2))
 
+    def answered(self) -> None:
+        """A started environment step's done callback ran (`EpisodeLoop._answered`)."""
+        if self.boundaries and "answers in" not in self.boundaries[-1]:
+            current = self.boundaries[-1]
+            moment = round(1e3 * (time.perf_counter() - current["t0"]), 2)
+            current.setdefault("first answer", moment)
+            current["last answer"] = moment
+
     def report(self) -> list[dict]:
-        return [{k: v for k, v in b.items() if k != "t0"} for b in self.boundaries]
+        order = {name: index for index, name in enumerate(BOUNDARY_MARKS)}
+        return [dict(sorted(((k, v) for k, v in b.items() if k != "t0"), key=lambda item: order.get(item[0], -1)))
+                for b in self.boundaries]
 
 
 def instrument_boundaries(engine: BuiltinBackend, clock: BoundaryClock, loops: list[type]) -> None:
@@ -201,6 +214,8 @@ def instrument_boundaries(engine: BuiltinBackend, clock: BoundaryClock, loops: l
         clock.wrap(loop, "_harvest")
         clock.wrap(loop, "_gather_answers")
         clock.wrap(loop, "_collect", after="collected")
+        answered = loop._answered
+        loop._answered = lambda self, task, answered=answered: (clock.answered(), answered(self, task))[1]
 
 
 def instrument(engine: BuiltinBackend, recorder: Recorder, loops: list[type]) -> None:
