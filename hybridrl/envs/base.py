@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import math
 import numbers
@@ -95,11 +96,17 @@ class EnvironmentSession:
                 raise EnvironmentCodeError(f"environment {name!r} made {type(self.env).__name__} for sample {sample}, "
                                        f"which has no {method}() method; give it reset() and step(assistant_text).")
         # Asked once, not at every call: an engine starts hundreds of resets and steps at once.
-        self._async_step = inspect.iscoroutinefunction(self.env.step)
-        self._async_reset = inspect.iscoroutinefunction(self.env.reset)
+        self._async_step = _is_coroutine_function(self.env.step)
+        self._async_reset = _is_coroutine_function(self.env.reset)
 
     async def reset(self) -> list[Message]:
-        messages = await self._call("reset()", self.env.reset, is_async=self._async_reset)
+        if self._async_reset:  # awaited here, not through `_call`: hundreds start at once, the GPU waiting for them
+            try:
+                messages = await self.env.reset()
+            except Exception as error:
+                raise self._error("reset()", f"raised {type(error).__name__}: {error}{where(error)}") from error
+        else:
+            messages = await self._call("reset()", self.env.reset, is_async=False)
         return self._checked_messages(messages, "reset()", self.env.reset)
 
     async def step(self, assistant_text: str) -> StepResult:
@@ -163,6 +170,21 @@ class EnvironmentSession:
                 raise self._error(call, f"returned message {i} as {message!r}; each message must be a dict with "
                                         f"string 'role' and 'content'{defined_at(method)}")
         return messages
+
+
+def _is_coroutine_function(method: Callable) -> bool:
+    """`inspect.iscoroutinefunction`, asked once per function: a method's answer is its function's, and sessions
+    are made by the hundred from one environment class (a microsecond each, at a rollout's start)."""
+    function = getattr(method, "__func__", method)
+    try:
+        return _coroutine_function(function)
+    except TypeError:  # unhashable
+        return inspect.iscoroutinefunction(method)
+
+
+@functools.lru_cache(maxsize=256)
+def _coroutine_function(function: Callable) -> bool:
+    return inspect.iscoroutinefunction(function)
 
 
 def _finite_number(value: Any) -> bool:
