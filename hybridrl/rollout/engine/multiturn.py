@@ -110,7 +110,7 @@ class EpisodeLoop:
         self.answers: list[asyncio.Task] = []  # finished environment steps not yet collected, in finishing order
         self.waiter: asyncio.Future | None = None  # set when an answer comes in or the alarm rings (`_next_wake`)
         self.rang = False  # the gather's alarm has rung (`_gather_answers`)
-        self.ready: list[tuple[int, list[int], array.array]] = []  # slot, observation ids, the ids to feed
+        self.ready: list[tuple[int, array.array, int, int, int]] = []  # slot, ids to feed, context, limit, key
         self.unrecorded: list[EpisodeRun] = []  # episodes with a step taken and not recorded yet (`_record_steps`)
         finished = records_made = False
         try:
@@ -234,22 +234,22 @@ class EpisodeLoop:
 
     def _resume(self, scheduler: Scheduler) -> None:
         resumes, preempted, deferred = [], [], []
-        for slot, ids, feed in self.ready:
-            sequence = scheduler.paused[slot]
-            run = self.runs[sequence.index]
+        for item in self.ready:
+            slot, feed, context_len, limit, key = item
             # Before the prefill: the paged layout takes the blocks it writes here, or has the resume wait.
-            resumed, taken = scheduler.resume(slot, run.num_tokens, run.turn_limit(self.params.max_new_tokens))
+            resumed, taken = scheduler.resume(slot, context_len, limit)
             preempted += taken
             if not resumed:
-                deferred.append((slot, ids, feed))
+                deferred.append(item)
                 continue
-            start = run.num_tokens - len(ids) - 1  # the last sampled token's position: its KV is not written yet
+            start = context_len - len(feed)  # the last sampled token's position: its KV is not written yet
+            sequence = scheduler.live[slot]
             if sequence.needs_context:  # its blocks were taken while it was paused: from the prompt's end, or all
                 start = 0 if sequence.fills_entry else len(self.prompts[self.prompt_of[sequence.index]])
                 sequence.needs_context = False
+                run = self.runs[sequence.index]
                 run.record_step()
                 feed = run.episode.token_ids[start:]
-            key = self.seed * _SEED_STRIDE + sequence.index * 1009 + run.num_turns  # the turn's uniforms
             resumes.append((slot, feed, start, key))
         self._apply_blocks(scheduler, preempted)
         if resumes:
@@ -301,22 +301,25 @@ class EpisodeLoop:
         """Finished environment steps (`answers`, in the order they finished): end the episode (free its slot) or queue
         its observation."""
         answers, self.answers = self.answers, []
-        ended = []
+        ended, max_new_tokens = [], self.params.max_new_tokens
         for task in answers:
             slot = self.pending.pop(task)
             del self.started_at[task]
-            run = self.runs[scheduler.paused[slot].index]
+            index = scheduler.paused[slot].index
+            run = self.runs[index]
             ids = run.take_step(task.result())  # an environment error propagates here, as one sentence
             if ids is None:
                 scheduler.finish(slot)
                 ended.append(slot)
             else:
-                # What the resume feeds (the turn's last sampled token, whose KV no decode step wrote, then the
-                # observation) as int64 already: converted here, while other tools are still out, not in the batch
-                # built after the last answer (`resume.host_batch` copies an int64 array whole).
+                # What the resume needs, made here while other tools are still out, not after the last answer: the
+                # ids to feed (the turn's last sampled token, whose KV no decode step wrote, then the observation) as
+                # int64 already (`resume.host_batch` copies an int64 array whole), the context they complete, the
+                # next turn's limit and its uniforms' key.
                 feed = array.array("q", run.last_turn_ids[-1:])
                 feed.extend(ids)
-                self.ready.append((slot, ids, feed))
+                self.ready.append((slot, feed, run.num_tokens, run.turn_limit(max_new_tokens),
+                                   self.seed * _SEED_STRIDE + index * 1009 + run.num_turns))
                 self.unrecorded.append(run)  # its record once the next decode block runs (`_record_steps`)
         self.runner.free(ended)
 
