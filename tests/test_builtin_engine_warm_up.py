@@ -18,6 +18,7 @@ import pytest
 
 from benchmarks.long_tail import response_lengths, warm_up_lengths
 from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.engine.backend import BuiltinBackend
 from hybridrl.rollout.engine.scheduler import Scheduler, batch_buckets
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -91,3 +92,33 @@ def test_after_the_warm_up_call_the_timed_call_warms_nothing_up(layout, monkeypa
     assert [len(output.token_ids) for output in outputs] == lengths
     assert "warm_up" not in graphs.events and graphs.events.count("capture") >= 4, graphs.events
     assert engine.last_stats["captures_without_warmup"] == engine.last_stats["graphs_captured"]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_a_thinning_batch_records_each_smaller_buckets_step_ahead(layout, monkeypatch):
+    """Sequences finish one a window: each smaller batch bucket's step is recorded while the GPU still runs the window
+    before (`Scheduler.next_batch_size`, `capture_decode_ahead`), so only the call's first bucket is recorded when
+    due, with the GPU idle (on the H200 each was a dip in the GPU busy share at the bucket changes). Tokens equal the
+    engine without graphs. A batch that never thins (every length the same) records nothing ahead."""
+    model = make_model("qwen2")
+    prompts = [[3 + p, 4, 5 + p] for p in range(5)]
+    params = SamplingParams(max_new_tokens=40, n=2, temperature=1.0, seed=3, ignore_eos=True)
+    lengths = [4 + 2 * i for i in range(10)]  # with a sync every 2 steps: one sequence finishes at each sync
+    engine, graphs = engine_with_recorded_graphs(model, monkeypatch, sync_every=2, keep_runs=False,
+                                                 attention="triton", kv_cache=layout, kv_block_size=4)
+    due, ahead = [], []
+    step, capture_ahead = graphs.step, graphs.capture_ahead
+    monkeypatch.setattr(graphs, "step", lambda key, *args, **kwargs: (
+        due.append(key) if key not in graphs.graphs else None, step(key, *args, **kwargs))[1])
+    monkeypatch.setattr(graphs, "capture_ahead", lambda key, *args: (
+        ahead.append(key) if key not in graphs.graphs else None, capture_ahead(key, *args))[1])
+    engine.generate(prompts, params, response_lengths=lengths)  # warms every bucket's signature
+    due.clear(), ahead.clear()
+    outputs = engine.generate(prompts, params, response_lengths=lengths)
+    assert due == [(10, 0)] and ahead == [(8, 0), (4, 0), (2, 0), (1, 0)], (due, ahead)
+    reference = BuiltinBackend(model, sync_every=2, use_cuda_graphs=False, attention="triton", kv_cache=layout,
+                               kv_block_size=4).generate(prompts, params, response_lengths=lengths)
+    assert [output.token_ids for output in outputs] == [output.token_ids for output in reference]
+    due.clear(), ahead.clear()
+    engine.generate(prompts, params, response_lengths=[12] * 10)
+    assert due == [(10, 0)] and ahead == []

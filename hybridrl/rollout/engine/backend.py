@@ -154,6 +154,10 @@ class BuiltinBackend:
                 steps = scheduler.steps_until_sync(self.sync_every, params.max_new_tokens)  # 3. decode
                 kv_len = self.runner.kv_len(scheduler.furthest_position() + steps)
                 self.runner.decode(scheduler.batch_size(), kv_len, steps)
+                # The smaller batch's step recorded while the GPU runs this window, not when it is due with the GPU
+                # idle (layouts without key buckets: with them, the next window's bucket is not known yet).
+                if kv_len == 0 and (smaller := scheduler.next_batch_size()):
+                    self.runner.capture_decode_ahead(smaller, kv_len)
                 self._harvest(scheduler, params, set(stop_ids), results)  # 4. sync, harvest, compact
                 self.runner.move(scheduler.compaction_moves())
             finished = True

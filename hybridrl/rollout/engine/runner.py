@@ -502,9 +502,10 @@ class ModelRunner:
     def capture_decode_ahead(self, batch: int, kv_len: int) -> None:
         """Record the decode step at (batch, kv_len) before it is due, if its signature was warmed in an earlier call
         (`DecodeGraphs.capture_ahead`): called just after a decode block is launched, the host records it while the
-        GPU runs the block, not when the sequences reach that key bucket with the GPU waiting."""
+        GPU runs the block, not when the sequences reach that key bucket (or, as they finish, that batch bucket) with
+        the GPU waiting."""
         run = self.run
-        if run.use_graphs and kv_len:
+        if run.use_graphs:
             self.graphs.capture_ahead((batch, kv_len), lambda: self.step_signature(batch, kv_len),
                                       lambda: decode_step(run, batch, kv_len), run.counts)
 

@@ -370,6 +370,17 @@ class Scheduler:
             return 0
         return self.buckets[bisect.bisect_left(self.buckets, max(self.live) + 1)]
 
+    def next_batch_size(self) -> int | None:
+        """The bucket below the current batch's when the live sequences thin out and are about to fit it (fewer than
+        the slots, at most a quarter more than that bucket, nothing waiting): the batch a compaction will soon move
+        to, whose decode step is worth recording ahead (`ModelRunner.capture_decode_ahead`); None otherwise (a batch
+        whose sequences all end together never needs it)."""
+        if self.waiting or not self.live or len(self.live) == self.num_slots:
+            return None
+        index = bisect.bisect_left(self.buckets, self.batch_size())
+        smaller = self.buckets[index - 1] if index else None
+        return smaller if smaller and len(self.live) <= smaller + max(1, smaller // 4) else None
+
     def compaction_moves(self) -> list[tuple[int, int]]:
         """(source, destination) slot pairs that pack live sequences into a smaller bucket; may be empty."""
         if self.waiting or not self.live:
