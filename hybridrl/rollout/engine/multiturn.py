@@ -120,8 +120,7 @@ class EpisodeLoop:
                     for sequence in admitted:
                         sequence.limit = self.runs[sequence.index].turn_limit(params.max_new_tokens)
                     self._apply_blocks(scheduler, [])
-                    runner.prefill(self.prompts, admitted)
-                    collect_due()
+                    runner.prefill(self.prompts, admitted)  # (no collection here: the first block's launch is next)
                 self._resume(scheduler)  # 3.
                 self._apply_blocks(scheduler, scheduler.reserve())  # paged: blocks for the next window
                 if scheduler.live:
@@ -145,7 +144,7 @@ class EpisodeLoop:
                     if steps == self.backend.sync_every:  # a full block; a short one is mostly its harvest
                         self.step_seconds = (time.perf_counter() - started) / steps
                     runner.move(scheduler.compaction_moves())
-                    for _ in range(2):  # answers already due: the timer's callback, then the task it wakes
+                    for _ in range(2 if self.pending else 0):  # answers due: the timer's callback, the task it wakes
                         await asyncio.sleep(0)
                 elif self.pending:
                     started = time.perf_counter()
