@@ -57,6 +57,8 @@ def resume_chunks(lengths: list[int], budget: int) -> list[list[int]]:
     tens of milliseconds of host time whatever its rows (two compiled pieces and two indexing ops per layer to
     launch), so a tail of a few rows costs as much as the hundreds before it (512 resumes of 33 ids: 16,896 tokens,
     496 + 16 rows at the default 16,384)."""
+    if max(lengths) * len(lengths) * 8 <= budget * 9:  # one chunk, as below but without the chunking pass
+        return [sorted(range(len(lengths)), key=lengths.__getitem__)]
     chunks = prefill_chunks(lengths, list(range(len(lengths))), budget)
     if len(chunks) > 1:
         merged = chunks[-2] + chunks[-1]
@@ -121,16 +123,19 @@ def host_batch(resumes: list[Resume], rows: int, width: int, device) -> HostBatc
     filled through a boolean mask took several milliseconds of host time at every turn boundary, with the GPU idle."""
     padding = rows - len(resumes)
     first_slot, first_ids, first_start, _ = resumes[0]
-    packed = array.array("q")
+    zeros = bytes(8 * width)
+    parts: list = []  # int64 buffers, joined in one call
     for _, ids, _, _ in resumes:
-        packed.extend(ids)
-        packed.extend([0] * (width - len(ids)))
-    packed.extend([0] * (width * padding))
-    packed.extend([len(ids) for _, ids, _, _ in resumes] + [0] * padding)
-    packed.extend([slot for slot, _, _, _ in resumes] + [first_slot] * padding)
-    packed.extend([start for _, _, start, _ in resumes] + [first_start + len(first_ids)] * padding)
-    packed.extend([key & _KEY_MASK for _, _, _, key in resumes] + [0] * padding)
-    values = torch.from_numpy(numpy.frombuffer(packed, dtype=numpy.int64))
+        parts.append(ids if isinstance(ids, array.array) and ids.typecode == "q" else array.array("q", ids))
+        if len(ids) < width:
+            parts.append(zeros[:8 * (width - len(ids))])
+    parts.append(zeros * padding)
+    tail = array.array("q", [len(ids) for _, ids, _, _ in resumes] + [0] * padding)
+    tail.extend([slot for slot, _, _, _ in resumes] + [first_slot] * padding)
+    tail.extend([start for _, _, start, _ in resumes] + [first_start + len(first_ids)] * padding)
+    tail.extend([key & _KEY_MASK for _, _, _, key in resumes] + [0] * padding)
+    parts.append(tail)
+    values = torch.from_numpy(numpy.frombuffer(bytearray(b"".join(parts)), dtype=numpy.int64))
     return HostBatch.of(host_to_device(values, device), rows, width)
 
 
