@@ -66,9 +66,13 @@ def test_tiny_run_splits_the_rollout_and_profiles_the_chosen_phases(tmp_path):
 def test_first_step_refuses_an_unknown_variant():
     from benchmarks.profiling.first_step import VARIANTS, main
 
+    from benchmarks.profiling.first_step import variant_settings
+
     with pytest.raises(SystemExit, match="unknown warm"):
-        main(["--variants", "plain,warm"])
-    assert {"plain", "cprofile", "no-cuda-cache", "fresh-pyc"} <= set(VARIANTS)
+        main(["--variants", "plain,fresh-jit+warm"])
+    assert {"plain", "cprofile", "no-cuda-cache", "fresh-pyc", "fresh-jit", "cudnn"} <= set(VARIANTS)
+    assert variant_settings("fresh-jit+cudnn+cprofile") == (
+        ["trainer.cudnn_attention=true", "--cprofile-step1", "40"], {"CUDA_CACHE_PATH": "{scratch}/nv"})
 
 
 def test_short_steps_loads_a_given_model_and_profiles_step_one(tmp_path):

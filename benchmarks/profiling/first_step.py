@@ -3,12 +3,14 @@ first step (`short_steps.py --evaluate-first`) in several fresh processes, one a
 saved model and starting from its own copy of the same Triton and Inductor caches, which hold the optimizer's
 kernel (as the TTA's runs do: its SFT built it).
 
-    python -m benchmarks.profiling.first_step                      # one GPU: 5 processes, ~70 s
+    python -m benchmarks.profiling.first_step                      # one GPU: 4 processes, ~100 s
     python -m benchmarks.profiling.first_step --tiny               # CPU, a tiny model: checks the script
 
 Each process is a variant: `plain`, `cprofile` (step 1 under cProfile: where its seconds go), `no-cuda-cache`
-(`CUDA_CACHE_DISABLE=1`: the driver's on-disk cache of kernels compiled from PTX not used) and `fresh-pyc`
-(`PYTHONPYCACHEPREFIX` an empty folder: every module compiled to bytecode again). The TTA's first hybridrl run paid
+(`CUDA_CACHE_DISABLE=1`: the driver's on-disk cache of kernels compiled from PTX not used), `fresh-jit` (that cache
+in an empty folder of the process's own: as on a new machine), `fresh-pyc` (`PYTHONPYCACHEPREFIX` an empty folder:
+every module compiled to bytecode again) and `cudnn` (`trainer.cudnn_attention=true`: SDPA may use cuDNN's kernels,
+as before `training/attention_choice.py`), or several joined by `+`. The TTA's first hybridrl run paid
 ~1.4 s more in its first step than the runs after it, each with the same copied kernel caches: if the first process
 here is slower than the second, something outside those caches persists between processes; the last two variants
 say whether it is the driver's cache or Python's bytecode. Between processes: the size of the driver's cache
@@ -36,9 +38,21 @@ VARIANTS = {
     "plain": ([], {}),
     "cprofile": (["--cprofile-step1", "40"], {}),
     "no-cuda-cache": ([], {"CUDA_CACHE_DISABLE": "1"}),
+    "fresh-jit": ([], {"CUDA_CACHE_PATH": "{scratch}/nv"}),
     "fresh-pyc": ([], {"PYTHONPYCACHEPREFIX": "{scratch}/pycache"}),
+    "cudnn": (["trainer.cudnn_attention=true"], {}),
 }
-"""variant -> (short_steps.py arguments, environment variables; `{scratch}` a new empty folder per process)."""
+"""variant -> (short_steps.py arguments, environment variables; `{scratch}` a new empty folder per process). A
+process's variant may combine several with `+` (e.g. `fresh-jit+cudnn`)."""
+
+
+def variant_settings(variant: str) -> tuple[list[str], dict[str, str]]:
+    """The arguments and environment of `variant`'s parts together."""
+    arguments, environment = [], {}
+    for part in variant.split("+"):
+        arguments += VARIANTS[part][0]
+        environment.update(VARIANTS[part][1])
+    return arguments, environment
 
 
 def disk_state() -> str:
@@ -84,7 +98,7 @@ def page_cache_change(before: dict[str, int], after: dict[str, int]) -> str:
 def child(variant: str, index: int, args: argparse.Namespace, model_dir: Path, start_caches: Path,
           out: Path) -> float:
     """One fresh process of `variant`; returns its wall seconds."""
-    extra, environment = VARIANTS[variant]
+    extra, environment = variant_settings(variant)
     scratch = Path(tempfile.mkdtemp(prefix=f"first_step_{index}_"))
     caches = scratch / "caches"
     shutil.copytree(start_caches, caches)
@@ -92,7 +106,8 @@ def child(variant: str, index: int, args: argparse.Namespace, model_dir: Path, s
     env["OUT"] = str(out / f"{index}_{variant}")
     command = [sys.executable, "-m", "benchmarks.profiling.short_steps", "--steps", str(args.steps), "--profile",
                "none", "--evaluate-first", "--warm-cache", "--model-dir", str(model_dir), "--out-dir",
-               str(scratch / "run"), *(["--tiny"] if args.tiny else []), *extra]
+               str(scratch / "run"), *(["--tiny"] if args.tiny else []),
+               *[a for a in extra if "=" not in a], *[a for a in extra if "=" in a]]  # overrides last
     print(f"\n==== process {index}: {variant} ({' '.join(f'{k}={v}' for k, v in environment.items()) or 'as is'})",
           flush=True)
     libraries = large_libraries()
@@ -122,7 +137,7 @@ def build_optimizer_kernel() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="plain,plain,cprofile,no-cuda-cache,fresh-pyc",
+    parser.add_argument("--variants", default="fresh-jit+cudnn,fresh-jit,fresh-jit+cprofile,plain",
                         help=f"comma-separated, run in this order; from {', '.join(VARIANTS)}")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=45.0, help="seconds per process")
@@ -130,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the script")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [part for v in variants for part in v.split("+") if part not in VARIANTS]
     if unknown:
         raise SystemExit(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}.")
     settings = tta.parse_args(["--tiny"] if args.tiny else [])

@@ -420,6 +420,12 @@ class TrainerConfig:
     """Seed for data order, sampling and initialisation."""
     device: str = "auto"
     """`auto` (cuda if visible, else cpu), `cpu`, `cuda` or `cuda:N`."""
+    cudnn_attention: bool | Literal["auto"] = "auto"
+    """Let PyTorch's SDPA use cuDNN's attention kernels in the steps (rollout and update). cuDNN builds them at
+    run time, per process and shape (and, on a machine whose CUDA cache lacks them, the driver compiles their
+    PTX too): seconds of a run's first step. `auto`: off for light runs (short prompts and responses:
+    `kernel_choices.light_rollout`), where the precompiled flash / memory-efficient kernels serve and attention
+    is a sliver of the step; PyTorch's default order otherwise (`training/attention_choice.py`)."""
     output_dir: str = "runs/default"
     """Where metrics, samples and models are written."""
     eval_every: int = 0

@@ -35,6 +35,7 @@ from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.kernel_choices import resolve_attention
 from hybridrl.rollout.timeline import phase_seconds
 from hybridrl.training.async_pipeline import AsyncPipeline
+from hybridrl.training.attention_choice import step_attention
 from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_responses
 from hybridrl.training.components import Components, build_components
 from hybridrl.training.divergence import DivergenceGuard, Limits
@@ -113,6 +114,7 @@ class RLTrainer:
         self.parts: Components = build_components(config, actor=actor, reward_fn=reward_fn, dataset=dataset,
                                                   eval_dataset=eval_dataset)
         self.device = self.parts.device
+        self.attention = step_attention(config, self.device)  # cuDNN's SDPA kernels or the precompiled ones
         self.step_count = 0
         self.stopped_by: str | None = None
         """What stopped the last `train()` early (a signal's name), or None when it ran to its last step."""
@@ -207,6 +209,10 @@ class RLTrainer:
 
     def step(self) -> dict[str, float]:
         """One rollout-and-update step: rollout -> score -> log-probs -> advantages -> update; its metrics."""
+        with self.attention():
+            return self.step_phases()
+
+    def step_phases(self) -> dict[str, float]:
         timer = PhaseTimer(self.device)
         self.step_count += 1
         if self.pipeline is not None:
