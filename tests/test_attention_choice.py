@@ -51,3 +51,31 @@ def test_a_step_runs_with_the_choice_and_restores_pytorch_s(tmp_path, choice):
     trainer.step()
     assert seen == [choice]
     assert torch.backends.cuda.cudnn_sdp_enabled(), "PyTorch's own choice is back after the step"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("choice", ["auto", True])
+def test_light_steps_on_the_gpu_launch_no_cudnn_attention(tmp_path, choice):
+    """Two steps of a light run (engine rollout with its CUDA graphs, graphed update) under the profiler: with
+    `auto` no cuDNN attention runs anywhere in them, captures included; with true, whether it did is printed."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from torch.profiler import ProfilerActivity, profile
+
+    actor = tiny_actor("qwen2", hidden_size=64)
+    actor.model.to(device="cuda", dtype=torch.bfloat16)
+    trainer = RLTrainer(actor=actor, reward_fn=lambda prompts, completions, **_: [float("7" in c) for c in completions],
+                        dataset=PromptDataset(toy_prompts(), actor.tokenizer, max_length=16),
+                        trainer__output_dir=str(tmp_path), trainer__device="cuda", trainer__prompts_per_step=4,
+                        rollout__num_samples_per_prompt=2, rollout__max_new_tokens=6, rollout__backend="builtin",
+                        trainer__cudnn_attention=choice, logging__sinks=["jsonl"])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):  # the update's graph is captured at the second step
+            metrics = trainer.step()
+        torch.cuda.synchronize()
+    names = {event.name for event in prof.events()}
+    cudnn = sorted(name for name in names if "cudnn" in name.lower() and "attention" in name.lower())
+    print(f"cudnn_attention={choice}: cuDNN attention ops {cudnn or 'none'}")
+    assert torch.isfinite(torch.tensor(metrics["actor/policy_loss"]))
+    if choice == "auto":
+        assert not cudnn
