@@ -115,7 +115,7 @@ class EpisodeRun:
 
     def make_record(self) -> None:
         """Start the episode's record with its prompt. The engine makes hundreds at a call's start: it does so once the
-        first prefill is launched, while the GPU runs it, not before with the GPU waiting."""
+        first decode block is launched, while the GPU runs it, not before with the GPU waiting."""
         self._episode = Episode(messages=self.messages)
         self._episode.add_prompt(self.prompt_ids)
 
