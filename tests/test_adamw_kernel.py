@@ -1,6 +1,8 @@
 """LeanAdamW's Triton update kernel (`training/adamw_kernel.py`) against `optim.adamw_chunk`, the eager reference:
 in Triton's interpreter on CPU here, compiled on CUDA in the GPU test."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -87,8 +89,8 @@ def test_a_kernel_that_fails_to_build_falls_back_with_a_warning(monkeypatch):
 
 
 def test_the_triton_cache_key_is_computed_in_the_background():
-    """LeanAdamW on CUDA starts `triton_key` (Triton's hash of itself, 0.4 s at a process's first kernel lookup) in a
-    thread, so the first optimizer step finds it cached."""
+    """The trainer's first step starts `triton_key` (Triton's hash of itself, 0.4 s at a process's first kernel
+    lookup) in a thread, so the first optimizer step finds it cached."""
     from hybridrl.training import adamw_kernel
 
     if adamw_kernel.triton_key is None:
@@ -97,3 +99,36 @@ def test_the_triton_cache_key_is_computed_in_the_background():
     thread = adamw_kernel.prefetch_cache_key()
     thread.join(timeout=120)
     assert not thread.is_alive() and adamw_kernel.triton_key.cache_info().currsize == 1
+
+
+def test_a_kernel_launch_waits_for_a_running_prefetch_instead_of_hashing_beside_it(monkeypatch):
+    from hybridrl.training import adamw_kernel
+
+    joined = []
+    monkeypatch.setattr(adamw_kernel, "_pending", SimpleNamespace(join=lambda: joined.append(1)))
+    adamw_kernel.wait_for_cache_key()
+    adamw_kernel.wait_for_cache_key()
+    assert joined == [1] and adamw_kernel._pending is None
+
+
+def test_the_prefetch_starts_with_the_first_step_not_before(tmp_path, monkeypatch):
+    """Started at construction it would run during whatever comes before step 1 (a benchmark's untimed
+    evaluation), off the steps' clock."""
+    from conftest import contains_seven, tiny_actor, toy_prompts
+
+    from hybridrl import RLTrainer
+    from hybridrl.data.datasets import PromptDataset
+    from hybridrl.training import adamw_kernel
+
+    started = []
+    monkeypatch.setattr(adamw_kernel, "available", lambda device: True)
+    monkeypatch.setattr(adamw_kernel, "prefetch_cache_key", lambda: started.append(1))
+    actor = tiny_actor()
+    trainer = RLTrainer(actor=actor, reward_fn=contains_seven, dataset=PromptDataset(toy_prompts(), actor.tokenizer,
+                                                                                     max_length=16),
+                        trainer__output_dir=str(tmp_path), trainer__device="cpu", trainer__prompts_per_step=2,
+                        rollout__num_samples_per_prompt=2, rollout__max_new_tokens=4, logging__sinks=["jsonl"])
+    assert started == []
+    trainer.step()
+    trainer.step()
+    assert started == [1]

@@ -76,11 +76,16 @@ if triton is not None:
         tl.store(OUT + offsets, updated.to(OUT.dtype.element_ty), mask=valid)
 
 
+_pending: threading.Thread | None = None
+"""The running `prefetch_cache_key` thread, joined before the first launch (`wait_for_cache_key`)."""
+
+
 def prefetch_cache_key() -> threading.Thread | None:
     """Compute `triton_key` in a background thread (the thread, or None without Triton 3). Computed once per process,
     at the first kernel a process looks up: it hashes Triton's sources and its ~400 MB library, 0.4 s of the first
-    optimizer step on the GPU machines. Started when the optimizer is built, it is ready by the first step (a rollout
-    comes first); the hashing releases the GIL, so the main thread goes on meanwhile."""
+    optimizer step on the GPU machines. The trainer starts it with its first step, so it runs while the first rollout
+    does (the hashing releases the GIL); started any earlier, its seconds would leave the steps' clock."""
+    global _pending
     if triton_key is None:
         return None
 
@@ -89,9 +94,17 @@ def prefetch_cache_key() -> threading.Thread | None:
             triton_key()
         except Exception:  # noqa: BLE001 - an unusual install; the first kernel lookup computes (or reports) it
             pass
-    thread = threading.Thread(target=compute, name="triton-cache-key", daemon=True)
-    thread.start()
-    return thread
+    _pending = threading.Thread(target=compute, name="triton-cache-key", daemon=True)
+    _pending.start()
+    return _pending
+
+
+def wait_for_cache_key() -> None:
+    """Join a running `prefetch_cache_key`: a kernel lookup meanwhile would compute the same hash again beside it."""
+    global _pending
+    if _pending is not None:
+        _pending.join()
+        _pending = None
 
 
 def available(device: torch.device) -> bool:
@@ -109,6 +122,7 @@ def triton_adamw_chunk(weights: torch.Tensor, grad: torch.Tensor, m: torch.Tenso
     out = torch.empty_like(weights)
     numel = weights.numel()
     if numel:
+        wait_for_cache_key()
         rounded = noise_base is not None
         _adamw_kernel[(triton.cdiv(numel, BLOCK),)](
             weights, grad, m, v, out, hyper, noise_base if rounded else hyper, numel, ROUND=rounded,

@@ -21,7 +21,7 @@ import torch
 
 from hybridrl.config.schema import MissingExtra
 from hybridrl.devices import host_to_device
-from hybridrl.training.adamw_kernel import available as adamw_kernel_available, prefetch_cache_key, triton_adamw_chunk
+from hybridrl.training.adamw_kernel import available as adamw_kernel_available, triton_adamw_chunk
 
 SCHEDULES = {
     "constant": lambda progress: 1.0,
@@ -194,9 +194,6 @@ class LeanAdamW(torch.optim.Optimizer):
         self._offloaded_ids = offloaded_parameters([p for g in self.param_groups for p in g["params"]], fraction)
         self._copy_streams = None
         self._fresh_moments: dict[int, dict[str, torch.Tensor]] = {}  # see `_allocate_moments_together`
-        devices = {p.device for g in self.param_groups for p in g["params"]}
-        if any(adamw_kernel_available(device) for device in devices):
-            prefetch_cache_key()  # the kernel's first lookup then skips Triton's hashing of itself
 
     def _allocate_moments_together(self) -> None:
         """The moments of the parameters about to get their first step, resident and plain (not DTensors), as views

@@ -34,6 +34,7 @@ from hybridrl.rewards import RewardError
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.kernel_choices import resolve_attention
 from hybridrl.rollout.timeline import phase_seconds
+from hybridrl.training import adamw_kernel
 from hybridrl.training.async_pipeline import AsyncPipeline
 from hybridrl.training.attention_choice import step_attention
 from hybridrl.training.batch import RolloutBatch, build_rollout_batch, decode_responses
@@ -209,6 +210,8 @@ class RLTrainer:
 
     def step(self) -> dict[str, float]:
         """One rollout-and-update step: rollout -> score -> log-probs -> advantages -> update; its metrics."""
+        if self.step_count == 0 and adamw_kernel.available(self.device):
+            adamw_kernel.prefetch_cache_key()  # for the first update's kernel lookup, while the rollout runs
         with self.attention():
             return self.step_phases()
 
