@@ -277,17 +277,21 @@ class EpisodeLoop:
         # One conversion of every ended row to Python lists (of ints and floats), not one per row and then one per
         # element: at 512 turns a boundary that is most of the harvest's own host time.
         width = max((item.length for item in ended), default=0)
-        token_rows = [ids[:item.length] for item, ids in zip(ended, tokens[slots, :width].tolist())]
-        texts = []
+        token_rows = [ids if len(ids) == item.length else ids[:item.length]
+                      for item, ids in zip(ended, tokens[slots, :width].tolist())]
+        # The boundary's answers fall due as long after the last start as the tool takes: the loop's names are local.
+        texts, runs, pending, started_at, answers = [], self.runs, self.pending, self.started_at, self.answers
+        answered, now = self._answered, time.perf_counter
         for count, (item, ids) in enumerate(zip(ended, token_rows), 1):
-            run = self.runs[item.sequence.index]
-            texts.append(run.turn_text(ids, item.reason))
-            task = start_task(run.session.step(texts[-1]))
-            self.pending[task], self.started_at[task] = item.slot, time.perf_counter()
+            run = runs[item.sequence.index]
+            text = run.turn_text(ids, item.reason)
+            texts.append(text)
+            task = start_task(run.session.step(text))
+            pending[task], started_at[task] = item.slot, now()
             if task.done():  # eagerly, with no waiting (a final answer's step): no callback through the event loop
-                self.answers.append(task)
+                answers.append(task)
             else:
-                task.add_done_callback(self._answered)
+                task.add_done_callback(answered)
             if count % _START_EVERY == 0 and not EAGER_TASKS:
                 await asyncio.sleep(0)
         # Once every step has started (the steps need only the text, and the tools' latency hides this): the paused
