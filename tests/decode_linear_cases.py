@@ -29,6 +29,11 @@ def check_kernel_matches_linear() -> None:
             torch.testing.assert_close(kernel(x, weight).float(), expected, **TOLERANCE[dtype])
             gate, up = expected.chunk(2, dim=-1)
             torch.testing.assert_close(kernel(x, weight, silu_mul=True).float(), F.silu(gate) * up, **TOLERANCE[dtype])
+    # Split-K: float32 partial sums over K ranges (the last one short), added up by the second kernel.
+    for tile in (decode_linear.Launch(16, 128, 3), decode_linear.Launch(32, 64, 8)):
+        x = torch.randn(6, 1000, generator=generator)
+        weight = torch.randn(40, 1000, generator=generator) / 1000**0.5
+        torch.testing.assert_close(kernel(x, weight, tile=tile), F.linear(x, weight), **TOLERANCE[torch.float32])
     # A strided x (a row-sliced view) and a finished row of zeros.
     x = torch.randn(8, 64, generator=generator)[::2]
     x[1] = 0
@@ -39,7 +44,7 @@ def check_kernel_matches_linear() -> None:
 
 def check_engine_with_kernel() -> None:
     """The engine's decode with the narrow-batch pieces and the kernel itself (interpret mode) in every plain
-    projection (fused q/k/v, o, gate/up with SiLU-mul, down), float32 on CPU: greedy tokens equal HF's, log-probs
+    projection (fused q/k/v, o, gate/up with SiLU-mul, down split-K, the LM head), float32 on CPU: greedy tokens equal HF's, log-probs
     within 1e-4 of HF's forward pass, with continuous batching (3 slots)."""
     from test_builtin_engine import PROMPTS, hf_greedy, hf_logprobs, make_model
 
@@ -51,6 +56,9 @@ def check_engine_with_kernel() -> None:
     torch.set_num_threads(1)
     calls = []
     decode_linear.applies = lambda x, weight: calls.append(x.shape) or x.shape[0] <= decode_linear.MAX_ROWS
+    # Every product through the kernel (the tiny model's are all narrow), down (K > columns) split-K.
+    decode_linear.launch = lambda columns, depth, rows: (decode_linear.Launch(16, 32, 2) if depth > columns
+                                                         else decode_linear.Launch(16, 64))
     original = runner.ModelRunner._decode_functions
 
     def with_pieces(self, device):
@@ -63,7 +71,7 @@ def check_engine_with_kernel() -> None:
     engine = BuiltinBackend(model, attention="triton", fuse_qkv=True, fuse_gate_up=True, max_num_seqs=3, sync_every=2)
     generations = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0, n=1))
     assert engine.last_stats["rope_in_attention"] and engine.last_stats["fuse_gate_up"]
-    assert len(calls) >= 4 * model.config.num_hidden_layers, "the kernel did not run in the decode"
+    assert len(calls) >= 4 * model.config.num_hidden_layers + 1, "the kernel did not run in the decode"
     for generation in generations:
         prompt = PROMPTS[generation.prompt_index]
         assert generation.token_ids == hf_greedy(model, prompt, 6), generation

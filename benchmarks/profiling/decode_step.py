@@ -14,7 +14,9 @@ around each window), and from the trace the busy and idle µs per step and the k
         [--compare] [--out DIR]
 
 Cases: the long-tail model (Qwen2.5-1.5B shape, random init) at each batch, n = min(batch, 8) samples of
-batch / n prompts of `--context` tokens (so the attention reads long contexts); then, unless `--no-tta`, the
+batch / n prompts of `--context` tokens (so the attention reads long contexts), with the long-tail's response capacity
+(`--capacity`, so the attention splits its keys as there: balanced splits up to 16 sequences, capacity-sized ones
+above, where split 0 then holds the whole prompt) and each response forced to the profiled windows' length; then, unless `--no-tta`, the
 time-to-accuracy run's rollout (0.5B body, 64-token vocabulary, 32 prompts x 8 = 256 rows, the light options: SDPA,
 PyTorch sampler, uncompiled). `--compare`: each 1.5B case of at most `decode_linear.MAX_ROWS` sequences runs
 twice in turn, without and with the narrow-batch pieces (`engine/small_batch.py`), as `<case>` and `<case>-small`.
@@ -51,10 +53,12 @@ BANDWIDTH = 4.8e12
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", default="1,8,32,128", help="sequences per decode step, comma-separated")
+    parser.add_argument("--batches", default="1,8,16,128", help="sequences per decode step, comma-separated")
     parser.add_argument("--context", type=int, default=4096, help="prompt tokens of each 1.5B-shape sequence")
     parser.add_argument("--layouts", default="paged", help="KV cache layouts of the 1.5B cases, comma-separated")
     parser.add_argument("--windows", type=int, default=5, help="decode windows per call (16 steps each)")
+    parser.add_argument("--capacity", type=int, default=8192,
+                        help="max_new_tokens of the 1.5B cases (each response forced to the windows' length)")
     parser.add_argument("--no-tta", action="store_true", help="skip the time-to-accuracy rollout's case")
     parser.add_argument("--compare", action="store_true",
                         help="each 1.5B case of a narrow batch also with the narrow-batch pieces (small_batch.py)")
@@ -122,22 +126,22 @@ def step_figures(windows: list[list[dict]], steps: int) -> dict:
                 activities_per_step=sum(len(window) for window in windows) / steps)
 
 
-def timed_call(engine: BuiltinBackend, prompts, params) -> tuple[float, list]:
+def timed_call(engine: BuiltinBackend, prompts, params, lengths) -> tuple[float, list]:
     """GPU ms per decode step over the windows after the first, and the windows' step counts."""
     with marked_windows(engine) as windows:
-        engine.generate(prompts, params)
+        engine.generate(prompts, params, lengths)
         sync()
     later = windows[1:]
     steps = sum(window[0] for window in later)
     return sum(start.elapsed_time(end) for _, start, end in later) / max(steps, 1), [w[0] for w in windows]
 
 
-def profiled_call(engine: BuiltinBackend, prompts, params, trace_path: str | None) -> tuple[list, int]:
+def profiled_call(engine: BuiltinBackend, prompts, params, lengths, trace_path: str | None) -> tuple[list, int]:
     """The windows' GPU activities (the first window left out) and their decode steps, from a profiled call."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof, marked_windows(engine) as windows:
-        engine.generate(prompts, params)
+        engine.generate(prompts, params, lengths)
         sync()
     path = trace_path or "/tmp/decode_step_trace.json"
     prof.export_chrome_trace(path)
@@ -151,14 +155,14 @@ def profiled_call(engine: BuiltinBackend, prompts, params, trace_path: str | Non
     return window_activities(activities)[1:], sum(window[0] for window in windows[1:])
 
 
-def run_case(name: str, engine: BuiltinBackend, prompts, params, floor_ms: float, args) -> dict:
+def run_case(name: str, engine: BuiltinBackend, prompts, params, floor_ms: float, args, lengths=None) -> dict:
     start = time.perf_counter()
-    engine.generate(prompts, params)  # compiles, builds kernels, warms the step signature up
+    engine.generate(prompts, params, lengths)  # compiles, builds kernels, warms the step signature up
     sync()
     warm_s = time.perf_counter() - start
-    ms_per_step, window_steps = timed_call(engine, prompts, params)
+    ms_per_step, window_steps = timed_call(engine, prompts, params, lengths)
     trace_path = os.path.join(args.out, f"trace_{name}.json") if args.out else None
-    windows, steps = profiled_call(engine, prompts, params, trace_path)
+    windows, steps = profiled_call(engine, prompts, params, lengths, trace_path)
     result = dict(case=name, warm_call_s=warm_s, ms_per_step=ms_per_step, floor_ms=floor_ms,
                   window_steps=window_steps, attention=engine.last_stats.get("attention"),
                   sampler=engine.last_stats.get("sampler"), **step_figures(windows, steps),
@@ -203,14 +207,14 @@ def long_tail_cases(args) -> list[dict]:
         for batch in (int(value) for value in args.batches.split(",")):
             n = min(batch, 8)
             prompts = torch.randint(1, model.config.vocab_size, (batch // n, args.context), generator=generator)
-            params = SamplingParams(max_new_tokens=1 + 16 * args.windows, n=n, temperature=1.0, ignore_eos=True,
-                                    seed=0)
+            params = SamplingParams(max_new_tokens=args.capacity, n=n, temperature=1.0, ignore_eos=True, seed=0)
+            lengths = [1 + 16 * args.windows] * batch
             context = args.context + 8 * args.windows  # the mean context of the timed windows, roughly
             floor_ms = 1e3 * (weight_bytes + batch * context * kv_per_token) / BANDWIDTH
             for small in (False, True) if args.compare and batch <= MAX_ROWS else (small_batch.ENABLED,):
                 with small_batch_pieces(engine, small):
                     name = f"1.5b-{layout}-b{batch}" + ("-small" if small else "")
-                    results.append(run_case(name, engine, prompts.tolist(), params, floor_ms, args))
+                    results.append(run_case(name, engine, prompts.tolist(), params, floor_ms, args, lengths))
         del engine
     return results
 

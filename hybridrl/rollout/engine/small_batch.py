@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from hybridrl.rollout.engine.llama_forward import (DecodeFunctions, attention_inputs, attention_output_and_mlp,
-                                                   dynamic_batch)
+                                                   dynamic_batch, final_logits)
 from hybridrl.rollout.kernels.decode_linear import MAX_ROWS, small_batch_linear
 
 ENABLED = False
@@ -38,12 +38,17 @@ def small_attention_output_and_mlp(w, lw, h, attn):
     return attention_output_and_mlp(w, lw, h, attn, project)
 
 
+def small_final_logits(w, h, pending):
+    return final_logits(w, h, pending, project)
+
+
 @functools.cache
 def _pieces(compiled: bool) -> tuple:
     if not compiled:
-        return small_attention_inputs, small_attention_output_and_mlp
-    return tuple(dynamic_batch(torch.compile(fn, fullgraph=True), 2)
-                 for fn in (small_attention_inputs, small_attention_output_and_mlp))
+        return small_attention_inputs, small_attention_output_and_mlp, small_final_logits
+    return tuple(dynamic_batch(torch.compile(fn, fullgraph=True), first_activation)
+                 for fn, first_activation in ((small_attention_inputs, 2), (small_attention_output_and_mlp, 2),
+                                              (small_final_logits, 1)))
 
 
 def with_small_batch(functions: DecodeFunctions, compiled: bool) -> DecodeFunctions:
@@ -51,6 +56,7 @@ def with_small_batch(functions: DecodeFunctions, compiled: bool) -> DecodeFuncti
     same `functions` while `ENABLED` is off."""
     if not ENABLED:
         return functions
-    inputs, output_and_mlp = _pieces(compiled)
-    small = replace(functions, attention_inputs=inputs, attention_output_and_mlp=output_and_mlp, small_batch=None)
+    inputs, output_and_mlp, logits = _pieces(compiled)
+    small = replace(functions, attention_inputs=inputs, attention_output_and_mlp=output_and_mlp, final_logits=logits,
+                    small_batch=None)
     return replace(functions, small_batch=small, small_batch_rows=MAX_ROWS)

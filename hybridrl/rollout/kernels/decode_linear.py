@@ -18,6 +18,8 @@ wrong for bf16).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -26,12 +28,38 @@ try:
 except ImportError:  # CPU-only installs: F.linear everywhere
     triton = None
 
-MAX_ROWS = 32
-"""Batches up to this many rows take the kernel (`applies`); larger ones are tiled well by cuBLAS."""
+MAX_ROWS = 16
+"""Batches up to this many rows take the kernel (`applies`); at 32 rows its gate/up was already slower than cuBLAS's
+product plus the SiLU-mul kernel (21.7 against 19.7 µs, H200)."""
+NUM_WARPS, NUM_STAGES = 4, 4
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A program's tile: `columns` output columns over `depth`-element K tiles; `splits` programs share each column
+    block's K (split-K: float32 partial sums, added up by a second kernel)."""
+
+    columns: int
+    depth: int
+    splits: int = 1
+
+
 NARROW_COLUMNS = 4096
 """Products with at most this many output columns (q/k/v, o, down at the 1.5B shape) are narrow: too few column
-blocks to give every SM a program, so each program streams longer K tiles to keep enough bytes in flight."""
-NUM_WARPS, NUM_STAGES = 4, 4
+blocks of 16 to give every SM a program, so the kernel needs split-K there to keep enough bytes in flight."""
+DEFAULT = Launch(16, 512)
+
+
+def launch(columns: int, depth: int, rows: int) -> Launch | None:
+    """The tile for a product of `columns` outputs over `depth` inputs at `rows` rows, or None where cuBLAS is as
+    fast. Wide products (gate/up, the LM head): 32 columns of 128, several programs per SM (gate/up with SiLU-mul
+    16.8-17.1 µs against cuBLAS's 17.4-17.7 plus a 1.1-1.3 µs SiLU-mul; the LM head 108.5-112 against 119-120 at 1-8
+    rows). Narrow products over a long K (down): split-K, 4 x 96 programs (one program per 16 columns over the whole
+    K ran at 1.45 TB/s, 19 µs against cuBLAS's 12). Narrow products over a short K (q/k/v, o: ~5 µs for ~1 µs of
+    weights, latency-bound both ways): cuBLAS."""
+    if columns > NARROW_COLUMNS:
+        return Launch(32, 128)
+    return Launch(16, 128, 4) if depth > 2 * NARROW_COLUMNS else None
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -39,43 +67,47 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
 
 
-def launch(columns: int) -> tuple[int, int]:
-    """(output columns, K elements) per program tile. Narrow products: 16 columns (96-128 programs at 1536-2048
-    columns) of 512-element K tiles, 16 KB of weight per pipeline stage; wide ones (gate/up, the LM head): 32 columns
-    of 128, several programs per SM."""
-    return (16, 512) if columns <= NARROW_COLUMNS else (32, 128)
-
-
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
+                  tile: Launch | None = None) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T -> (M, N); with `silu_mul`, weight is gate and up stacked (2I, K) and the result
-    SiLU(x @ gate^T) * (x @ up^T), (M, I)."""
+    SiLU(x @ gate^T) * (x @ up^T), (M, I). `tile`: the launch (`launch` by default)."""
     rows, depth = x.shape
     columns = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     assert weight.stride(-1) == 1, "weight rows must be contiguous"
-    out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
-    block_n, block_k = launch(columns)
-    _decode_linear_kernel[(triton.cdiv(columns, block_n),)](
-        x, weight, out, rows, columns, x.stride(0), weight.stride(0), out.stride(0), K=depth,
-        BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul,
-        IEEE=x.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    return out
+    tile = tile or launch(columns, depth, rows) or DEFAULT
+    assert tile.splits == 1 or not silu_mul, "SiLU-mul needs whole sums: no split-K"
+    k_per_split = triton.cdiv(triton.cdiv(depth, tile.splits), tile.depth) * tile.depth
+    splits = triton.cdiv(depth, k_per_split)
+    out = torch.empty(splits, rows, columns, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    _decode_linear_kernel[(triton.cdiv(columns, tile.columns), splits)](
+        x, weight, out, rows, columns, x.stride(0), weight.stride(0), out.stride(1), out.stride(0), K=depth,
+        K_PER_SPLIT=k_per_split, BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=tile.columns,
+        BLOCK_K=tile.depth, SILU_MUL=silu_mul, IEEE=x.dtype == torch.float32, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
+    if splits == 1:
+        return out[0]
+    total = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(rows * columns, block),)](out, total, rows * columns, SPLITS=splits, BLOCK=block)
+    return total
 
 
 if triton is not None:
 
     @triton.jit
-    def _decode_linear_kernel(X, W, OUT, M, N, stride_xm, stride_wn, stride_om, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
-                              IEEE: tl.constexpr):
+    def _decode_linear_kernel(X, W, OUT, M, N, stride_xm, stride_wn, stride_om, stride_os, K: tl.constexpr,
+                              K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, IEEE: tl.constexpr):
         columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         depth = tl.arange(0, BLOCK_K)
         w_rows = W + columns[:, None].to(tl.int64) * stride_wn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            k = start + depth
+        for start in range(0, K_PER_SPLIT, BLOCK_K):
+            k = split * K_PER_SPLIT + start + depth
             x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
                         other=0.0)
             w_mask = (columns[:, None] < N) & (k[None, :] < K)
@@ -93,15 +125,28 @@ if triton is not None:
         if SILU_MUL:
             acc = acc * tl.sigmoid(acc) * acc_up
         mask = (rows[:, None] < M) & (columns[None, :] < N)
-        tl.store(OUT + rows[:, None] * stride_om + columns[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
+        out = OUT + split * stride_os + rows[:, None] * stride_om + columns[None, :]
+        tl.store(out, acc.to(OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _sum_splits_kernel(PARTIALS, OUT, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+        """OUT (numel,) = the sum over SPLITS float32 partials (SPLITS, numel), rounded once to OUT's dtype."""
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for split in range(SPLITS):
+            total += tl.load(PARTIALS + split * numel + offsets, mask=mask, other=0.0)
+        tl.store(OUT + offsets, total.to(OUT.dtype.element_ty), mask=mask)
 
 
 @torch.library.custom_op("hybridrl::decode_linear", mutates_args=())
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-    """`decode_linear` where it `applies`, else F.linear (and SiLU-mul): an operator of its own so that a compiled
-    decode piece calls it as it is, and the choice by batch is made when the step runs (or is captured), not traced."""
-    if applies(x, weight):
-        return decode_linear(x, weight, silu_mul)
+    """`decode_linear` where it `applies` and `launch` has a tile for the product, else F.linear (and SiLU-mul): an
+    operator of its own so that a compiled decode piece calls it as it is, and the choice by batch is made when the
+    step runs (or is captured), not traced."""
+    tile = launch(weight.shape[0] // 2 if silu_mul else weight.shape[0], x.shape[-1], x.shape[0])
+    if tile is not None and applies(x, weight):
+        return decode_linear(x, weight, silu_mul, tile)
     out = torch.nn.functional.linear(x, weight)
     if not silu_mul:
         return out
