@@ -56,9 +56,10 @@ def check_engine_with_kernel() -> None:
     torch.set_num_threads(1)
     calls = []
     decode_linear.applies = lambda x, weight: calls.append(x.shape) or x.shape[0] <= decode_linear.MAX_ROWS
-    # Every product through the kernel (the tiny model's are all narrow), down (K > columns) split-K.
-    decode_linear.launch = lambda columns, depth, rows: (decode_linear.Launch(16, 32, 2) if depth > columns
-                                                         else decode_linear.Launch(16, 64))
+    # Every product through the kernel (the tiny model's are all narrow), o and down (K >= columns) split-K, their
+    # partial sums added up by the next fused piece.
+    decode_linear.launch = lambda columns, depth: (decode_linear.Launch(16, 32, 2) if depth >= columns
+                                                   else decode_linear.Launch(16, 64))
     original = runner.ModelRunner._decode_functions
 
     def with_pieces(self, device):

@@ -50,8 +50,8 @@ def test_kernel_pipelines_its_loads_on_hopper(columns, depth, silu_mul, block_m)
     # Triton specialises arguments divisible by 16 at launch (all of these are at this shape): so here.
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
              for name in ("X", "W", "OUT", "N", "stride_xm", "stride_wn", "stride_om", "stride_os")}
-    tile = decode_linear.launch(columns // 2 if silu_mul else columns, depth, block_m) or decode_linear.DEFAULT
-    k_per_split = -(-depth // tile.splits // tile.depth) * tile.depth
+    tile = decode_linear.launch(columns // 2 if silu_mul else columns, depth) or decode_linear.DEFAULT
+    k_per_split = decode_linear.split_sizes(depth, tile)[0]
     constants = dict(K=depth, K_PER_SPLIT=k_per_split, BLOCK_M=block_m, BLOCK_N=tile.columns, BLOCK_K=tile.depth,
                      SILU_MUL=silu_mul, IEEE=False)
     compiled = decode_linear.triton.compile(ASTSource(kernel, signature, constants, attrs),
@@ -120,9 +120,9 @@ def test_engine_with_small_batch_pieces_on_the_gpu(monkeypatch):
     from hybridrl.rollout.engine.backend import BuiltinBackend
 
     model = make_model("qwen2").cuda()
-    # Every product of the tiny model through the kernel (its products are all narrow), down (K > columns) split-K.
-    monkeypatch.setattr(decode_linear, "launch", lambda columns, depth, rows: (
-        decode_linear.Launch(16, 128, 2) if depth > columns else decode_linear.Launch(16, 128)))
+    # Every product of the tiny model through the kernel (its products are all narrow), o and down split-K.
+    monkeypatch.setattr(decode_linear, "launch", lambda columns, depth: (
+        decode_linear.Launch(16, 128, 2) if depth >= columns else decode_linear.Launch(16, 128)))
     greedy = SamplingParams(max_new_tokens=12, temperature=0, n=2)
     off = BuiltinBackend(model, max_num_seqs=5, sync_every=3, fuse_gate_up=True).generate(PROMPTS, greedy)
     monkeypatch.setattr(small_batch, "ENABLED", True)

@@ -6,7 +6,8 @@ weights come from HBM, not L2. Prints the kernel's and cuBLAS's largest differen
     python -m benchmarks.kernels.decode_linear [--rows 1,8,16]
 
 Prints, for each (product, rows), µs and TB/s of one read of the weight for cuBLAS and each launch tile of the kernel
-in `TILES` (split-K tiles include their reduction kernel); the floor is that read at --bandwidth.
+in `TILES` (split-K tiles include their reduction kernel here; in the engine o's and down's partial sums are added
+inside the next fused kernel instead); the floor is that read at --bandwidth.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ SHAPES = {"qkv": (2048, 1536, False), "o": (1536, 1536, False), "gate_up": (1792
 NARROW_TILES = (Launch(16, 512), Launch(16, 256, 2), Launch(16, 128, 4), Launch(16, 128, 8))
 TILES = {"qkv": NARROW_TILES, "o": NARROW_TILES, "down": NARROW_TILES, "gate_up": (Launch(32, 128), Launch(16, 128)),
          "lm_head": (Launch(32, 128), Launch(64, 128))}
-"""The launches timed per product (`decode_linear.launch` picks the first of each today)."""
+"""The launches timed per product, from which `decode_linear.launch`'s table is chosen."""
 HBM_BYTES = 256 * 2**20
 """Weights per graph pass: well over the H200's 50 MB L2."""
 

@@ -300,8 +300,7 @@ def attention_inputs(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, pending
     into the norm: no kernel of their own). cos = sin = None (fused q/k/v, no q/k norm): q and kv are the raw
     projection, without bias or RoPE, for an attention that applies both (`decode_attention.rotate_projections`).
     `project(x, weight)`: that fused projection's matmul (`small_batch.py` passes its kernel for narrow batches)."""
-    for residual in pending:
-        h = h + residual
+    h = _with_residuals(h, pending)
     batch = h.shape[0]
     if cos is None:  # RoPE and the q/k/v bias are left to the attention kernel: q and kv are views of one matmul
         qkv = project(rms_norm(h, lw.input_norm, w.rms_eps), lw.qkv_weight).view(batch, -1, w.head_dim)
@@ -319,21 +318,31 @@ def attention_output_and_mlp(w: ModelWeights, lw: LayerWeights, h: torch.Tensor,
     (o, MLP output), which the next piece adds to h (see `attention_inputs`). h + o is not returned: a
     matmul + add whose sum leaves the compiled graph becomes cuBLAS addmm, whose beta-add needs h copied
     into its output first (a device-to-device copy per layer); used only by the norm, the add fuses there.
-    `project(x, weight, silu_mul=False)` (`small_batch.py`'s kernel for narrow batches) replaces F.linear where the
-    projection is plain: o without bias or adapter, stacked gate/up (SiLU-mul applied inside), down without adapter."""
+    `project(x, weight, silu_mul=False, partial=False)` (`small_batch.py`'s kernel for narrow batches) replaces
+    F.linear where the projection is plain: o without bias or adapter, stacked gate/up (SiLU-mul applied inside), down
+    without adapter; o and down as split-K partial sums where it splits them (`partial`), added up inside the fused
+    norm that reads them (`_with_residuals`), so no reduction kernel of their own."""
     attn = attn.reshape(h.shape[0], -1)
     plain_o = project is not None and lw.o_bias is None and lw.o_lora is None
-    o = project(attn, lw.o_weight) if plain_o else _linear(attn, lw.o_weight, lw.o_bias, lw.o_lora)
+    o = project(attn, lw.o_weight, partial=True) if plain_o else _linear(attn, lw.o_weight, lw.o_bias, lw.o_lora)
+    o = o.sum(0).to(h.dtype) if o.dim() == 3 else o
     normed = rms_norm(h + o, lw.post_norm, w.rms_eps)
     if project is None or lw.gate_up_weight is None or lw.down_lora is not None:
         return o, _mlp(lw, normed)
-    return o, project(project(normed, lw.gate_up_weight, True), lw.down_weight)
+    return o, project(project(normed, lw.gate_up_weight, True), lw.down_weight, partial=True)
+
+
+def _with_residuals(h: torch.Tensor, pending: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """h plus the residuals not yet added; one of three dims is split-K partial sums (S, B, N) float32, added up and
+    rounded to h's dtype as the product's own output would have been."""
+    for residual in pending:
+        h = h + (residual.sum(0).to(h.dtype) if residual.dim() == 3 else residual)
+    return h
 
 
 def final_logits(w: ModelWeights, h: torch.Tensor, pending: tuple[torch.Tensor, ...],
                  project: Callable = F.linear) -> torch.Tensor:
-    for residual in pending:
-        h = h + residual
+    h = _with_residuals(h, pending)
     return project(rms_norm(h, w.final_norm, w.rms_eps), w.lm_head)
 
 

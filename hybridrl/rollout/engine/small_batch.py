@@ -26,8 +26,9 @@ ENABLED = False
 without these pieces (`benchmarks/profiling/decode_step.py --compare`)."""
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-    return small_batch_linear(x, weight, silu_mul)
+def project(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, partial: bool = False) -> torch.Tensor:
+    """`llama_forward`'s projection contract: (M, N), or with `partial` possibly split-K partial sums (S, M, N)."""
+    return small_batch_linear(x, weight, silu_mul, partial)
 
 
 def small_attention_inputs(w, lw, h, pending, cos, sin):

@@ -50,16 +50,27 @@ blocks of 16 to give every SM a program, so the kernel needs split-K there to ke
 DEFAULT = Launch(16, 512)
 
 
-def launch(columns: int, depth: int, rows: int) -> Launch | None:
-    """The tile for a product of `columns` outputs over `depth` inputs at `rows` rows, or None where cuBLAS is as
+def launch(columns: int, depth: int) -> Launch | None:
+    """The tile for a product of `columns` outputs over `depth` inputs (at any rows up to MAX_ROWS: the split count
+    fixes the shape of `partial` results, which a compiled piece sees for every batch), or None where cuBLAS is as
     fast. Wide products (gate/up, the LM head): 32 columns of 128, several programs per SM (gate/up with SiLU-mul
     16.8-17.1 µs against cuBLAS's 17.4-17.7 plus a 1.1-1.3 µs SiLU-mul; the LM head 108.5-112 against 119-120 at 1-8
-    rows). Narrow products over a long K (down): split-K, 4 x 96 programs (one program per 16 columns over the whole
-    K ran at 1.45 TB/s, 19 µs against cuBLAS's 12). Narrow products over a short K (q/k/v, o: ~5 µs for ~1 µs of
-    weights, latency-bound both ways): cuBLAS."""
+    rows). Narrow products (o, down): split-K, 4 x 96 programs (one program per 16 columns over the whole K ran
+    down at 1.45 TB/s, 19 µs against cuBLAS's 12), whose partial sums the engine adds up inside the next fused
+    kernel (`partial`). q/k/v (~5 µs for ~1 µs of weights, latency-bound both ways, and read by the attention
+    kernel, which cannot add partial sums): cuBLAS."""
     if columns > NARROW_COLUMNS:
         return Launch(32, 128)
-    return Launch(16, 128, 4) if depth > 2 * NARROW_COLUMNS else None
+    return Launch(16, 128, 4) if columns == depth or depth > 2 * NARROW_COLUMNS else None
+
+
+def split_sizes(depth: int, tile: Launch) -> tuple[int, int]:
+    """(K per split program, splits): K shared over at most `tile.splits` programs in whole K tiles."""
+    def ceil_div(a: int, b: int) -> int:
+        return -(-a // b)
+
+    k_per_split = ceil_div(ceil_div(depth, tile.splits), tile.depth) * tile.depth
+    return k_per_split, ceil_div(depth, k_per_split)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -67,18 +78,18 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
-                  tile: Launch | None = None) -> torch.Tensor:
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, tile: Launch | None = None,
+                  partial: bool = False) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T -> (M, N); with `silu_mul`, weight is gate and up stacked (2I, K) and the result
-    SiLU(x @ gate^T) * (x @ up^T), (M, I). `tile`: the launch (`launch` by default)."""
+    SiLU(x @ gate^T) * (x @ up^T), (M, I). `tile`: the launch (`launch` by default). `partial` with split-K: the
+    float32 partial sums (splits, M, N) as they are, for a consumer that adds them up itself."""
     rows, depth = x.shape
     columns = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     assert weight.stride(-1) == 1, "weight rows must be contiguous"
-    tile = tile or launch(columns, depth, rows) or DEFAULT
+    tile = tile or launch(columns, depth) or DEFAULT
     assert tile.splits == 1 or not silu_mul, "SiLU-mul needs whole sums: no split-K"
-    k_per_split = triton.cdiv(triton.cdiv(depth, tile.splits), tile.depth) * tile.depth
-    splits = triton.cdiv(depth, k_per_split)
+    k_per_split, splits = split_sizes(depth, tile)
     out = torch.empty(splits, rows, columns, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
     _decode_linear_kernel[(triton.cdiv(columns, tile.columns), splits)](
         x, weight, out, rows, columns, x.stride(0), weight.stride(0), out.stride(1), out.stride(0), K=depth,
@@ -87,6 +98,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
         num_stages=NUM_STAGES)
     if splits == 1:
         return out[0]
+    if partial:
+        return out
     total = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
     block = 1024
     _sum_splits_kernel[(triton.cdiv(rows * columns, block),)](out, total, rows * columns, SPLITS=splits, BLOCK=block)
@@ -140,20 +153,36 @@ if triton is not None:
 
 
 @torch.library.custom_op("hybridrl::decode_linear", mutates_args=())
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, partial: bool) -> torch.Tensor:
     """`decode_linear` where it `applies` and `launch` has a tile for the product, else F.linear (and SiLU-mul): an
     operator of its own so that a compiled decode piece calls it as it is, and the choice by batch is made when the
-    step runs (or is captured), not traced."""
-    tile = launch(weight.shape[0] // 2 if silu_mul else weight.shape[0], x.shape[-1], x.shape[0])
+    step runs (or is captured), not traced. `partial`: the result of a split-K launch stays (splits, M, N) float32
+    partial sums (`partial_splits` of them; F.linear's result then comes as the first of zero-padded ones)."""
+    tile = launch(weight.shape[0] // 2 if silu_mul else weight.shape[0], x.shape[-1])
     if tile is not None and applies(x, weight):
-        return decode_linear(x, weight, silu_mul, tile)
+        return decode_linear(x, weight, silu_mul, tile, partial)
     out = torch.nn.functional.linear(x, weight)
+    splits = partial_splits(weight, silu_mul, partial)
+    if splits > 1:
+        padded = out.new_zeros(splits, *out.shape, dtype=torch.float32)
+        padded[0] = out
+        return padded
     if not silu_mul:
         return out
     gate, up = out.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 
+def partial_splits(weight: torch.Tensor, silu_mul: bool, partial: bool) -> int:
+    """How many partial sums `small_batch_linear` returns for this weight (1: a plain (M, N) result)."""
+    tile = launch(weight.shape[0] // 2 if silu_mul else weight.shape[0], weight.shape[1])
+    return split_sizes(weight.shape[1], tile)[1] if partial and tile is not None else 1
+
+
 @small_batch_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0] // 2 if silu_mul else weight.shape[0])
+def _(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, partial: bool) -> torch.Tensor:
+    columns = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    splits = partial_splits(weight, silu_mul, partial)
+    if splits > 1:
+        return x.new_empty(splits, x.shape[0], columns, dtype=torch.float32)
+    return x.new_empty(x.shape[0], columns)
