@@ -185,10 +185,11 @@ def sampling_kernels_on(sampler: str, device: torch.device) -> bool:
     return sampler == "auto" and device.type == "cuda" and triton_available()
 
 
-def small_batch_projections_on(device: torch.device) -> bool:
-    """Whether narrow decode batches run their projections through the skinny-batch kernel (`small_batch.py`):
-    on CUDA with triton installed."""
-    return device.type == "cuda" and triton_available()
+def small_batch_projections_on(device: torch.device, compiled: bool) -> bool:
+    """Whether narrow decode batches run their projections through the skinny-batch kernel (`small_batch.py`): on
+    CUDA with triton installed, for a compiled step. An uncompiled one is the light rollout's (`light_rollout`), which
+    avoids building kernels in its first call; the skinny kernel would be built there for every narrow batch."""
+    return compiled and device.type == "cuda" and triton_available()
 
 
 def sampler_name(sampler: str, settings: SamplerSettings, device: torch.device, vocab: int) -> str:

@@ -385,10 +385,10 @@ class ModelRunner:
             if self._compiled is None:
                 self._compiled = (compiled_decode_functions(), compiled_sample_and_record())
             functions, sampler = self._compiled
-        if small_batch_projections_on(device):
+        if small_batch_projections_on(device, self._compiles(device)):
             from hybridrl.rollout.engine.small_batch import with_small_batch  # imports triton
 
-            functions = with_small_batch(functions, self._compiles(device))
+            functions = with_small_batch(functions, compiled=True)
         if sampling_kernels_on(self.options.sampler, device):
             from hybridrl.rollout.kernels.sampling_kernels import with_sampling_kernel  # imports triton
 
