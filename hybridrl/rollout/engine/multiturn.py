@@ -112,6 +112,9 @@ class EpisodeLoop:
         self.rang = False  # the gather's alarm has rung (`_gather_answers`)
         self.ready: list[tuple[int, array.array, int, int, int]] = []  # slot, ids to feed, context, limit, key
         self.unrecorded: list[EpisodeRun] = []  # episodes with a step taken and not recorded yet (`_record_steps`)
+        # Episode -> its sequence, for turns the budget ends before `max_new_tokens`: the device stops a turn at
+        # `max_new_tokens` (its done flag), the harvest looks for these itself (not through every live sequence).
+        self.short_turns: dict[int, object] = {}
         finished = records_made = False
         try:
             while scheduler.has_work or scheduler.paused:
@@ -119,6 +122,8 @@ class EpisodeLoop:
                 if admitted:
                     for sequence in admitted:
                         sequence.limit = self.runs[sequence.index].turn_limit(params.max_new_tokens)
+                        if sequence.limit < params.max_new_tokens:
+                            self.short_turns[sequence.index] = sequence
                     self._apply_blocks(scheduler, [])
                     runner.prefill(self.prompts, admitted)  # (no collection here: the first block's launch is next)
                 self._resume(scheduler)  # 3.
@@ -243,6 +248,8 @@ class EpisodeLoop:
                 continue
             start = context_len - len(feed)  # the last sampled token's position: its KV is not written yet
             sequence = scheduler.live[slot]
+            if limit < self.params.max_new_tokens:
+                self.short_turns[sequence.index] = sequence
             if sequence.needs_context:  # its blocks were taken while it was paused: from the prompt's end, or all
                 start = 0 if sequence.fills_entry else len(self.prompts[self.prompt_of[sequence.index]])
                 sequence.needs_context = False
@@ -268,11 +275,14 @@ class EpisodeLoop:
         done, gen_len = self.runner.read_progress(rows)
         scheduler.record_progress(gen_len)
         cut = self.backend._stop_string_cut(self.params)
-        limits = any(s.limit is not None and s.generated >= s.limit for s in scheduler.live.values())
-        if not (cut or limits or any(done[slot] for slot in scheduler.live)):
+        live = scheduler.live
+        limits = any(s.generated >= s.limit for s in self.short_turns.values() if live.get(s.slot) is s)
+        if not (cut or limits or any(done[slot] for slot in live)):
             return
         tokens, logprobs = self.runner.read_outputs(rows)
         ended = scheduler.harvest(done, tokens, set(self.stop_ids), cut, pause=True)
+        for item in ended:
+            self.short_turns.pop(item.sequence.index, None)
         slots = [item.slot for item in ended]
         # One conversion of every ended row to Python lists (of ints and floats), not one per row and then one per
         # element: at 512 turns a boundary that is most of the harvest's own host time.
