@@ -52,8 +52,10 @@ def rope_table(model, max_len: int, device, dtype) -> tuple[torch.Tensor, torch.
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Same arithmetic as HF's LlamaRMSNorm (normalize in float32, cast back, then scale), fewer kernels."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    """Same arithmetic as HF's LlamaRMSNorm (normalize in float32, cast back, then scale), fewer kernels: F.rms_norm
+    normalizes a 16-bit x in float32 itself and rounds once, so an uncompiled step (the light rollout's) does without
+    the two casts around it."""
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -79,6 +81,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 def _qkv(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos, sin):
     """Projections + q/k norm + RoPE. h: (..., hidden) -> q (..., H, D), k/v (..., Hkv, D)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    if lw.qkv_weight is not None and lw.q_norm is None:
+        # q and k are adjacent heads of one product: one RoPE over both (four kernels fewer uncompiled; the roll of
+        # the whole contiguous product, v's heads included, spares torch.roll a copy of a sliced view).
+        qkv = F.linear(h, lw.qkv_weight, lw.qkv_bias).unflatten(-1, (-1, w.head_dim))  # (..., H + 2 Hkv, D)
+        heads = w.num_heads + w.num_kv_heads
+        qk = qkv[..., :heads, :] * cos + qkv.roll(w.head_dim // 2, dims=-1)[..., :heads, :] * sin  # = _apply_rope
+        return qk[..., : w.num_heads, :], qk[..., w.num_heads:, :], qkv[..., heads:, :]
     if lw.qkv_weight is not None:
         q_size, kv_size = w.num_heads * w.head_dim, w.num_kv_heads * w.head_dim
         q, k, v = F.linear(h, lw.qkv_weight, lw.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
@@ -91,7 +101,6 @@ def _qkv(w: ModelWeights, lw: LayerWeights, h: torch.Tensor, cos, sin):
     if lw.q_norm is not None:
         q = rms_norm(q, lw.q_norm, w.rms_eps)
         k = rms_norm(k, lw.k_norm, w.rms_eps)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
 
 
