@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--both-definitions", action="store_true",
                         help="time multi-turn with and without the tool after the last turn (a row each; the "
                              "earlier definition with the first --extend-attention only)")
+    parser.add_argument("--budget-slack", default="0",
+                        help="tokens of episode budget over an episode's own (`episode_tokens`), or several "
+                             "comma-separated (a row each, the first attention only): 33 is the budget used before, "
+                             "with room for a third observation")
     parser.add_argument("--extend-attention", default=llama_forward.extend_attention,
                         help="the observation prefill's attention, or several comma-separated (a row each): "
                              f"{', '.join(llama_forward.EXTEND_ATTENTIONS)}")
@@ -74,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parse_with_quick(build_parser(), argv, prompts=16, turn_len=32)
     args.extend_attentions = args.extend_attention.split(",")
+    try:
+        args.budget_slacks = [int(value) for value in args.budget_slack.split(",")]
+    except ValueError:
+        raise SystemExit(f"--budget-slack takes whole numbers of tokens, comma-separated; got {args.budget_slack!r}.")
     unknown = [name for name in args.extend_attentions if name not in llama_forward.EXTEND_ATTENTIONS]
     if unknown:
         raise SystemExit(f"--extend-attention {','.join(unknown)} is not one of "
@@ -168,14 +176,14 @@ def definitions(args: argparse.Namespace) -> list[bool]:
 
 
 def run_multiturn(engine: BuiltinBackend, prompts: list[list[int]], args, tool_after_last_turn: bool | None = None,
-                  **hooks) -> dict:
+                  slack: int = 0, **hooks) -> dict:
     """The timed multi-turn calls (`hooks`: `time_best`'s before/after); `tool_after_last_turn` (default: the flag's)
-    picks the episode definition."""
+    picks the episode definition, `slack` the budget's tokens over an episode's own."""
     if tool_after_last_turn is None:
         tool_after_last_turn = args.tool_after_last_turn
     renderer = FixedIds(list(range(10, 10 + args.observation_len)))
     budget = EpisodeBudget(max_turns=args.turns, max_observation_tokens=args.observation_len,
-                           max_episode_tokens=episode_tokens(args))
+                           max_episode_tokens=episode_tokens(args) + slack)
     params = SamplingParams(max_new_tokens=args.turn_len, temperature=1.0, ignore_eos=True, seed=0)
 
     def episodes(rows):
@@ -238,24 +246,28 @@ def floor(model, args, multiturn: bool, bandwidth: float, peak: float) -> dict:
 
 def multiturn_runs(engine: BuiltinBackend, prompts: list[list[int]], args, report=print, on_run=lambda run: None,
                    **hooks) -> list[dict]:
-    """Multi-turn timed for each `--extend-attention` and episode definition asked for (the earlier definition with
-    the first attention only), each with a `name` and passed to `on_run` once timed; a variant that fails (a kernel that does not compile on this machine, say) is reported and
-    skipped, so one run still times the others."""
+    """Multi-turn timed for each `--extend-attention`, episode definition and budget slack asked for (the other
+    definition and slacks with the first attention only), each with a `name` and passed to `on_run` once timed; a
+    variant that fails (a kernel that does not compile on this machine, say) is reported and skipped, so one run
+    still times the others."""
     runs = []
-    for index, attention in enumerate(args.extend_attentions):
+    variants = [(attention, definition, slack) for index, attention in enumerate(args.extend_attentions)
+                for definition in definitions(args)[:None if index == 0 else 1]
+                for slack in args.budget_slacks[:None if index == 0 else 1]]
+    for attention, tool_after_last_turn, slack in variants:
         llama_forward.extend_attention = attention
-        for tool_after_last_turn in definitions(args)[:None if index == 0 else 1]:
-            name = (f"{args.turns} turns + tool{', tool after last turn' if tool_after_last_turn else ''}"
-                    f"{f', extend {attention}' if len(args.extend_attentions) > 1 else ''}")
-            try:
-                run = run_multiturn(engine, prompts, args, tool_after_last_turn, **hooks)
-            except Exception as error:  # noqa: BLE001: reported, the other variants still run
-                report(f"{name}: FAILED: {type(error).__name__}: {str(error)[:2000]}")
-                continue
-            run.update(name=name, extend_attention=attention)
-            on_run(run)
-            report(f"{name}: {run['seconds']:.3f} s, stats {run['stats']}")
-            runs.append(run)
+        name = (f"{args.turns} turns + tool{', tool after last turn' if tool_after_last_turn else ''}"
+                f"{f', extend {attention}' if len(args.extend_attentions) > 1 else ''}"
+                f"{f', budget +{slack}' if slack else ''}")
+        try:
+            run = run_multiturn(engine, prompts, args, tool_after_last_turn, slack, **hooks)
+        except Exception as error:  # noqa: BLE001: reported, the other variants still run
+            report(f"{name}: FAILED: {type(error).__name__}: {str(error)[:2000]}")
+            continue
+        run.update(name=name, extend_attention=attention)
+        on_run(run)
+        report(f"{name}: {run['seconds']:.3f} s, stats {run['stats']}")
+        runs.append(run)
     llama_forward.extend_attention = args.extend_attentions[0]
     return runs
 
