@@ -143,3 +143,32 @@ def test_engine_with_small_batch_pieces_on_the_gpu(monkeypatch):
     assert len(same) >= len(on) // 2
     for a, b in same:
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 0.1
+
+
+def test_compiled_pieces_with_split_k_partials_equal_the_eager_step(monkeypatch):
+    """On CPU (the operator is F.linear, zero-padded into partial sums where a launch splits): the compiled narrow-batch
+    pieces, with o and down as (splits, B, N) partials added up by the next piece, give the eager regular step's
+    logits at several batches, compiled once for all batches but 1 (dynamo specialises 1)."""
+    from test_builtin_engine import make_model
+
+    from hybridrl.rollout.engine import small_batch
+    from hybridrl.rollout.engine.llama_forward import EAGER_DECODE, _decode_layers
+    from hybridrl.rollout.engine.weights import resolve_weights
+
+    monkeypatch.setattr(decode_linear, "launch", lambda columns, depth: (decode_linear.Launch(16, 32, 2)
+                                                                         if depth >= columns else None))
+    monkeypatch.setattr(small_batch, "ENABLED", True)
+    torch._dynamo.reset()
+    model = make_model("qwen2")
+    weights = resolve_weights(model, fuse_qkv=True, fuse_gate_up=True)
+    pieces = small_batch.with_small_batch(EAGER_DECODE, compiled=True)
+    generator = torch.Generator().manual_seed(0)
+    cos, sin = torch.randn(8, weights.head_dim, generator=generator), torch.randn(8, weights.head_dim, generator=generator)
+    with torch.no_grad():
+        for batch in (1, 3, 5, 7):
+            tokens = torch.randint(0, model.config.vocab_size, (batch,), generator=generator)
+            positions = torch.arange(batch)
+            step = [_decode_layers(weights, tokens, cos[positions], sin[positions], functions,
+                                   lambda layer, q, kv: q.contiguous()) for functions in (EAGER_DECODE, pieces)]
+            torch.testing.assert_close(step[1], step[0], atol=1e-5, rtol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 8  # 3 pieces (+ the first layer's inputs) x 2

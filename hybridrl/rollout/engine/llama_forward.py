@@ -374,13 +374,14 @@ class DecodeFunctions:
 EAGER_DECODE = DecodeFunctions(attention_inputs, attention_output_and_mlp, final_logits, prefill_layer)
 
 
-def dynamic_batch(fn: Callable, activation_arg: int) -> Callable:
-    """`fn` with dimension 0 of every tensor argument from `activation_arg` on (the batch) marked dynamic."""
+def dynamic_batch(fn: Callable, activation_arg: int, batch_dim: Callable = lambda tensor: 0) -> Callable:
+    """`fn` with the batch dimension (`batch_dim(tensor)`, 0 by default) of every tensor argument from `activation_arg`
+    on marked dynamic."""
     def call(*args):
         for extra in args[activation_arg:]:
             for tensor in extra if isinstance(extra, tuple) else (extra,):
                 if isinstance(tensor, torch.Tensor):
-                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                    torch._dynamo.maybe_mark_dynamic(tensor, batch_dim(tensor))
         return fn(*args)
     return call
 

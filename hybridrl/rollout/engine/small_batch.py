@@ -43,11 +43,17 @@ def small_final_logits(w, h, pending):
     return final_logits(w, h, pending, project)
 
 
+def _batch_dim(tensor: torch.Tensor) -> int:
+    """A residual of three dims is split-K partial sums (splits, B, N), whose batch is dimension 1 (the split count is
+    fixed by the weight's shape); every other activation has the batch first."""
+    return 1 if tensor.dim() == 3 else 0
+
+
 @functools.cache
 def _pieces(compiled: bool) -> tuple:
     if not compiled:
         return small_attention_inputs, small_attention_output_and_mlp, small_final_logits
-    return tuple(dynamic_batch(torch.compile(fn, fullgraph=True), first_activation)
+    return tuple(dynamic_batch(torch.compile(fn, fullgraph=True), first_activation, _batch_dim)
                  for fn, first_activation in ((small_attention_inputs, 2), (small_attention_output_and_mlp, 2),
                                               (small_final_logits, 1)))
 
