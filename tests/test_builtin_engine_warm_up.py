@@ -103,7 +103,7 @@ def test_a_thinning_batch_records_each_smaller_buckets_step_ahead(layout, monkey
     model = make_model("qwen2")
     prompts = [[3 + p, 4, 5 + p] for p in range(5)]
     params = SamplingParams(max_new_tokens=40, n=2, temperature=1.0, seed=3, ignore_eos=True)
-    lengths = [4 + 2 * i for i in range(10)]  # with a sync every 2 steps: one sequence finishes at each sync
+    lengths = [4 + 4 * i for i in range(10)]  # a sync every 3 steps (2 and the one ahead): at most one finishes at each
     engine, graphs = engine_with_recorded_graphs(model, monkeypatch, sync_every=2, keep_runs=False,
                                                  attention="triton", kv_cache=layout, kv_block_size=4)
     due, ahead = [], []

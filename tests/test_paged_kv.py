@@ -147,7 +147,7 @@ def test_paged_gives_the_contiguous_tokens_and_logprobs_with_and_without_preempt
     assert_same_generations(shared, per_slot)
     assert len({len(g.token_ids) for g in per_slot}) > 3
     schedulers, preemptions = watch_schedulers(monkeypatch), []
-    for num_blocks, block_size in ((400, 4), (9, 4), (14, 2), (6, 8)):
+    for num_blocks, block_size in ((400, 4), (8, 4), (14, 2), (6, 8)):
         engine = BuiltinBackend(model, kv_cache="paged", kv_block_size=block_size, sync_every=3,
                                 kv_cache_memory=memory_for_blocks(model, num_blocks, block_size))
         paged = engine.generate(prompts, params)

@@ -36,6 +36,10 @@ from hybridrl.rollout.engine.scheduler import Scheduler, find_stop_string
 from hybridrl.rollout.engine.weights import supports as _supports
 from hybridrl.rollout.multiturn import EpisodeBudget, check_episode_request, close_runs, start_runs
 
+STEPS_AHEAD_ROWS = 2
+"""Response rows a `generate` window's blocks and key length cover past its own steps: the step launched at the sync
+before it, which the scheduler's lengths do not count yet, and the one launched at the sync after it (`_harvest`)."""
+
 
 class BuiltinBackend:
     """Rollout backend for Llama-family models that generates from the model's parameters in place.
@@ -139,9 +143,11 @@ class BuiltinBackend:
                              f"({num_sequences}); got {len(response_lengths)} values.")
         stop_ids = sorted(set(params.stop_token_ids) | set(self._eos_ids(params)))
         num_slots = self.runner.begin(prompts, params, stop_ids, keep=True)  # 1. weights, KV cache, per-slot state
+        # Paged: each window's blocks also cover the step launched at the sync after it and the one at the sync
+        # before, which ran ahead of the host's plan (`_harvest`).
         scheduler = Scheduler([i // params.n for i in range(num_sequences)], [len(p) for p in prompts], num_slots,
-                              self.runner.block_allocator(), self.sync_every, params.max_new_tokens, response_lengths,
-                              limits_at_sync=True)
+                              self.runner.block_allocator(), self.sync_every + STEPS_AHEAD_ROWS,
+                              params.max_new_tokens, response_lengths, limits_at_sync=True)
         results: list[Generation | None] = [None] * num_sequences
         finished = False
         try:
@@ -152,13 +158,14 @@ class BuiltinBackend:
                 if admitted:
                     self.runner.prefill(prompts, admitted)
                 steps = scheduler.steps_until_sync(self.sync_every, params.max_new_tokens)  # 3. decode
-                kv_len = self.runner.kv_len(scheduler.furthest_position() + steps)
-                self.runner.decode(scheduler.batch_size(), kv_len, steps)
+                kv_len = self.runner.kv_len(scheduler.furthest_position() + steps + STEPS_AHEAD_ROWS)
+                window = scheduler.batch_size(), kv_len
+                self.runner.decode(*window, steps)
                 # The smaller batch's step recorded while the GPU runs this window, not when it is due with the GPU
                 # idle (layouts without key buckets: with them, the next window's bucket is not known yet).
                 if kv_len == 0 and (smaller := scheduler.next_batch_size()):
                     self.runner.capture_decode_ahead(smaller, kv_len)
-                self._harvest(scheduler, params, set(stop_ids), results)  # 4. sync, harvest, compact
+                self._harvest(scheduler, params, set(stop_ids), results, window)  # 4. sync, harvest, compact
                 self.runner.move(scheduler.compaction_moves())
             finished = True
         finally:
@@ -192,22 +199,38 @@ class BuiltinBackend:
         is short of memory."""
         self.runner.release(keep=keep_small)
 
-    def _harvest(self, scheduler: Scheduler, params: SamplingParams, stop_ids: set[int], results: list) -> None:
+    def _harvest(self, scheduler: Scheduler, params: SamplingParams, stop_ids: set[int], results: list,
+                 window: tuple[int, int]) -> None:
         """At a sync point: read the slots' progress, turn finished sequences (and those cut by a stop string)
-        into `Generation`s and free their slots."""
+        into `Generation`s and free their slots.
+
+        Once the finished rows are read, one more decode step of the last `window` (batch, kv_len) is launched
+        before the host's work here and at the loop's top (harvest, frees, compaction, blocks, admission: about
+        2 ms at 512 live sequences), which would otherwise leave the GPU idle at every sync. It is the first step of
+        the next window, run with the last window's batch: finished rows in it change nothing (a done slot keeps its
+        state; a sequence past its forced length samples a token that is dropped, as within a window), and every
+        device operation the host plans next follows it in stream order. The scheduler's lengths stay the
+        snapshot's, one behind the device for the rows that ran it; the paged blocks and key lengths cover it
+        (`STEPS_AHEAD_ROWS`), and a sequence preempted now keeps the snapshot's tokens (the step's is drawn again
+        after its re-admission, from the same uniform)."""
         rows = scheduler.rows_in_use()
         if rows == 0:
             return
         done, gen_len = self.runner.read_progress(rows)
         scheduler.record_progress(gen_len)
         cut = self._stop_string_cut(params)
+        running = [slot for slot, s in scheduler.live.items()
+                   if not (done[slot] or (s.limit is not None and s.generated >= s.limit))]
         # Without stop strings only the finished rows are read (`harvest` looks at no other).
-        ended = list(scheduler.live) if cut else [slot for slot, s in scheduler.live.items()
-                                                  if done[slot] or (s.limit is not None and s.generated >= s.limit)]
+        ended = list(scheduler.live) if cut else sorted(set(scheduler.live) - set(running))
+        tokens = logprobs = None
+        if ended:
+            tokens, logprobs = self.runner.read_outputs(rows, max(gen_len[slot] for slot in ended),
+                                                        None if cut else ended)
+        if running:
+            self.runner.decode(*window, 1)
         if not ended:
             return
-        tokens, logprobs = self.runner.read_outputs(rows, max(gen_len[slot] for slot in ended),
-                                                    None if cut else ended)
         finished = scheduler.harvest(done, tokens, stop_ids, cut)
         for item in finished:
             results[item.sequence.index] = Generation(item.sequence.prompt_index, tokens[item.slot, :item.length],
