@@ -72,9 +72,12 @@ def check_kernel_cases() -> None:
     print("kernel cases passed")
 
 
-SPLIT_CASES = [(7, 2, 7, 64, 3, 40, 150), (5, 3, 4, 32, 2, 20, 100), (4, 1, 16, 64, 4, 17, 70), (3, 2, 1, 32, 1, 9, 40)]
+SPLIT_CASES = [(7, 2, 7, 64, 3, 40, 150), (5, 3, 4, 32, 2, 20, 100), (4, 1, 16, 64, 4, 17, 70), (3, 2, 1, 32, 1, 9, 40),
+               (3, 2, 6, 128, 2, 30, 150)]
 """Shapes for split-KV (responses above the checks' 32-key splits): GQA groups 7 (Qwen2-0.5B), 4, 16 and 1 (no
-sharing); no capacity is a multiple of the split length, so each one's last split is partial."""
+sharing), and Qwen2.5-1.5B's heads (6 of 128 dims) at 6 (slot, KV head) pairs, which the plan gives its narrow-grid
+tiles (`decode_launch.NARROW_SLOT_HEADS`); no capacity is a multiple of the split length, so each one's last split
+is partial."""
 
 
 def at_split_edges(case: dict, split_len: int) -> dict:

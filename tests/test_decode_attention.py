@@ -151,6 +151,20 @@ def test_split_count_gives_wide_batches_few_splits_and_narrow_tails_many(monkeyp
     assert unsplit.num_splits == 1 and not unsplit.balanced
 
 
+def test_narrowest_grids_take_wide_tiles_over_more_warps():
+    """`NARROW_SLOT_HEADS` = 8 pairs: 4 slots of Qwen2.5-1.5B's heads (2 KV heads of 128 dims) take 64 keys per
+    iteration over 4 warps, and their split length stays a whole number of those 64-key blocks; 8 slots (16 pairs)
+    and head dims of 64 keep the plan's 32 keys over 2 warps (paged) or 1 (contiguous)."""
+    def plan(slots: int, head_dim: int = 128, paged: bool = True, capacity: int = 8192) -> tuple:
+        chosen = decode_launch.launch_plan(6, head_dim, capacity, paged=paged, slot_heads=2 * slots)
+        return chosen.block_n, chosen.num_warps, chosen.num_splits, chosen.split_len, chosen.balanced
+
+    assert decode_launch.NARROW_SLOT_HEADS == 8
+    assert plan(4) == (64, 4, 16, 512, True) and plan(1) == (64, 4, 16, 512, True)
+    assert plan(4, capacity=1000) == (64, 4, 16, 64, True)  # 1000 / 16 = 63 keys, rounded up to one 64-key block
+    assert plan(8) == (32, 2, 16, 512, True) and plan(4, head_dim=64, paged=False) == (32, 1, 16, 512, True)
+
+
 def test_combine_chunk_keeps_every_split_of_a_chunk_in_one_tile(monkeypatch):
     """By hand at `COMBINE_TILE` 8,192 elements, group 6 (8 rows padded), head_dim 128: 4 splits -> 8192 // 32 = 256,
     capped at 128 (one program per slot and head); 3 splits pad to 4 -> 128; 16 -> 64; 64 -> 16; 128 -> 8, raised to
@@ -181,10 +195,12 @@ def test_engine_with_split_kv_kernel_in_interpret_mode_matches_sdpa():
 
 
 def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool = False, arch: int = 90,
-                              block_size: int | None = None, num_splits: int = 1, balanced: bool = False):
+                              block_size: int | None = None, num_splits: int = 1, balanced: bool = False,
+                              slot_heads: int = 1024):
     """Compile the kernel ahead of time for sm_<arch> (Triton's own ptxas; no GPU or driver needed); with
     `block_size`, its paged variant (`paged_attention.py`); with `num_splits` > 1, its split-KV variant (`balanced`:
-    each slot's own keys shared evenly)."""
+    each slot's own keys shared evenly); tiles and warps as the plan gives a grid of `slot_heads` (slot, KV head)
+    pairs (the default: a wide batch; `decode_launch.NARROW_SLOT_HEADS` or fewer: the narrow tail's)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -195,7 +211,7 @@ def compile_kernel_for_hopper(dtype: str, group: int, head_dim: int, rope: bool 
     signature.update({name: "*i64" for name in ("PROMPT_INDEX", "PROMPT_LEN", "RESPONSE_LEN")})
     signature.update({name: "i32" for name in kernel.arg_names if name.startswith("stride")}, qk_scale="fp32",
                      prompt_columns="i32", split_len="i32", PART_ACC="*fp32", PART_ML="*fp32")
-    plan = decode_launch.launch_plan(group, head_dim, 0, block_size is not None)
+    plan = decode_launch.launch_plan(group, head_dim, 0, block_size is not None, slot_heads=slot_heads)
     constants = dict(GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=plan.group_pad, BLOCK_D=plan.block_d,
                      BLOCK_N=plan.block_n, IEEE=dtype == "fp32",
                      WRITE_NEW=True, ROPE=rope, HAS_BIAS=rope,  # the variants the engine runs
@@ -258,8 +274,10 @@ def test_combine_kernel_and_prefetched_block_ids_compile_for_hopper_without_spil
     compiled = decode_attention.triton.compile(ASTSource(kernel, signature, constants),
                                                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert "0 bytes spill stores" in ptxas_report(compiled)
-    prefetch = compile_kernel_for_hopper("bf16", 6, 128, rope=True, block_size=64, num_splits=num_splits, balanced=True)
-    assert "0 bytes spill stores" in ptxas_report(prefetch)
+    for slot_heads in (32, decode_launch.NARROW_SLOT_HEADS):  # the plan's tiles and warps, then the narrowest grids'
+        prefetch = compile_kernel_for_hopper("bf16", 6, 128, rope=True, block_size=64, num_splits=num_splits,
+                                             balanced=True, slot_heads=slot_heads)
+        assert "0 bytes spill stores" in ptxas_report(prefetch)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it is optional; the reference covers CPU)")
@@ -463,7 +481,7 @@ def test_split_kv_kernel_and_engine_on_cuda(monkeypatch):
     default_split_keys = decode_launch.SPLIT_KEYS
     for seed, (shape, split_keys) in enumerate([(cases.SPLIT_CASES[0], 32), ((64, 2, 6, 128, 8, 512, 2000), None)]):
         monkeypatch.setattr(decode_launch, "SPLIT_KEYS", split_keys or default_split_keys)
-        plan = decode_launch.launch_plan(shape[2], shape[3], shape[6], paged=False)
+        plan = decode_launch.launch_plan(shape[2], shape[3], shape[6], paged=False, slot_heads=shape[0] * shape[1])
         assert plan.num_splits > 1
         case = make_case(seed, *shape, dtype=torch.bfloat16, device="cuda")
         tolerance = TOLERANCE[torch.bfloat16]

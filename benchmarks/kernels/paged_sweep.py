@@ -3,15 +3,17 @@ contiguous (prefix-shared) kernel and the bandwidth floor.
 
 Shapes as `benchmarks/long_tail.py` runs them (Qwen2.5-1.5B heads: 2 KV heads, group 6, head_dim 128; bf16; prompt
 512 shared by 8 samples; response capacity `--cap` 8,192; the engine's call with RoPE, q/k/v bias and the fused cache
-write): `512-mixed` (drawn lengths, median 1,024), `128x4k`, `64x6k`, `32x8k`, `16x8k`, `512x1k` (the whole batch
-early on), `4x8k` (the tail); `--batches` picks a subset. The paged pool holds only the blocks the lengths fill, in
-shuffled order (as blocks handed out window by window end up); unused table columns point at block 0.
+write): `512-mixed` (drawn lengths, median 1,024), and the run's live batches, whose sequences all have the length
+of the steps so far (it admits every sequence at once): `512x1k` (the whole batch at the median), `256x2k`, `128x4k`,
+`64x6k`, `32x8k`, `16x8k`, `8x8k`, `4x8k` (the tail); `--batches` picks a subset. The paged pool holds only the
+blocks the lengths fill, in shuffled order (as blocks handed out window by window end up); unused table columns
+point at block 0.
 
 Variants (`VARIANTS`): the engine's plan (`decode_launch.launch_plan`) for the contiguous layout and the paged one
-(the long-tail run's blocks of 64), then the paged kernel with `decode_launch` constants overridden one knob or two at
-a time: the split combine as a loop over splits (`decode_launch.COMBINE_TILE` 0) rather than one load of all, the
-split count (2 or 4 times, or half, the programs the split grid aims at), warps per program, pipelining stages, 64
-keys per loop iteration, and capacity-sized or balanced splits at every batch.
+(the long-tail run's blocks of 64), then the paged kernel with `decode_launch` constants overridden: the split
+combine as a loop over splits (`COMBINE_TILE` 0) rather than one load of all, the narrow-grid tiles up to 16 (slot,
+KV head) pairs or never (`NARROW_SLOT_HEADS`), the split count (half, 2 or 4 times the programs the split grid aims
+at), and 64 keys per iteration over 4 warps at every shape.
 Each variant is checked against the PyTorch reference on the first layer (its max abs error is printed), then timed
 over `--layers` layers' caches in one CUDA graph (`cuda_timing.graph_time_us`), so each layer is read from HBM.
 A variant that fails to compile or check prints its error and the sweep goes on; past `--budget` seconds the
@@ -51,8 +53,9 @@ TOLERANCE = dict(atol=2e-2, rtol=2e-2)
 def batches(cap: int) -> dict[str, list[int]]:
     """Response keys per slot of each live shape (see the module docstring); drawn lengths are seeded."""
     drawn = np.clip(np.round(1024 * np.exp(np.random.default_rng(0).standard_normal(512))), 16, cap)
-    return {"512-mixed": drawn.astype(int).tolist(), "128x4k": [4096] * 128, "64x6k": [min(6144, cap)] * 64,
-            "32x8k": [cap - 5] * 32, "16x8k": [cap - 3] * 16, "512x1k": [1024] * 512, "4x8k": [cap - 1] * 4}
+    return {"512-mixed": drawn.astype(int).tolist(), "512x1k": [1024] * 512, "256x2k": [min(2048, cap)] * 256,
+            "128x4k": [min(4096, cap)] * 128, "64x6k": [min(6144, cap)] * 64, "32x8k": [cap - 5] * 32,
+            "16x8k": [cap - 3] * 16, "8x8k": [cap - 2] * 8, "4x8k": [cap - 1] * 4}
 
 
 def paged_case(seed: int, lengths: list[int], cap: int, block_size: int) -> tuple[dict, tuple]:
@@ -106,28 +109,19 @@ def check(case: dict, extras: tuple, ours, reference) -> float:
     return (out.float() - expected.float()).abs().max().item()
 
 
-CAPACITY_SPLITS, BALANCED_SPLITS = -1, 1 << 30
-"""`BALANCED_MAX_SLOT_HEADS` that gives capacity-sized splits (no grid is that small), or balanced ones (no grid
-exceeds it), at every batch."""
 VARIANTS = {
     "contiguous": ("contiguous", {}),
     "paged": ("paged", {}),
     "paged combine loop": ("paged", dict(COMBINE_TILE=0)),
+    "paged narrow<=16": ("paged", dict(NARROW_SLOT_HEADS=16)),
+    "paged narrow off": ("paged", dict(NARROW_SLOT_HEADS=0)),
+    "paged splits /2": ("paged", dict(SPLIT_PROGRAMS=1024, MIN_SPLITS=2)),
     "paged splits x2": ("paged", dict(SPLIT_PROGRAMS=4096, MIN_SPLITS=8, MAX_SPLITS=32)),
     "paged splits x4": ("paged", dict(SPLIT_PROGRAMS=8192, MIN_SPLITS=8, MAX_SPLITS=64)),
-    "paged warps=4": ("paged", dict(WIDE_HEAD_NUM_WARPS=4)),
-    "paged stages=2": ("paged", dict(NUM_STAGES=2)),
-    "paged stages=4": ("paged", dict(NUM_STAGES=4)),
-    "paged splits /2": ("paged", dict(SPLIT_PROGRAMS=1024, MIN_SPLITS=2)),
-    "paged BLOCK_N=64 stages=2": ("paged", dict(BLOCK_N=64, NUM_STAGES=2)),
     "paged BLOCK_N=64 warps=4": ("paged", dict(BLOCK_N=64, WIDE_HEAD_NUM_WARPS=4)),
-    "paged warps=4 stages=2": ("paged", dict(WIDE_HEAD_NUM_WARPS=4, NUM_STAGES=2)),
-    "paged capacity": ("paged", dict(BALANCED_MAX_SLOT_HEADS=CAPACITY_SPLITS)),
-    "paged balanced": ("paged", dict(BALANCED_MAX_SLOT_HEADS=BALANCED_SPLITS)),
 }
 """name -> (layout, `decode_launch` constants it overrides); the engine's plan first for each layout, then the
-paged ones in the order most telling first (the budget may end the sweep). Paged blocks are the long-tail run's 64
-keys."""
+paged ones, most telling first (the budget may end the sweep). Paged blocks are the long-tail run's 64 keys."""
 BLOCK_SIZE = 64
 
 

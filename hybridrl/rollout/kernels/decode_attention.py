@@ -173,8 +173,7 @@ def triton_decode_attention(
         cos, sin, bias, scale * math.log2(math.e), *strides, table_stride, prompt_columns, part_acc, part_ml,
         plan.split_len, IEEE=q.dtype == torch.float32, ROPE=rope is not None,
         HAS_BIAS=rope is not None and qkv_bias is not None, PAGED=paged is not None, BLOCK_SIZE=block_size,
-        ONE_BLOCK=paged is not None and plan.one_block(block_size), num_warps=plan.num_warps,
-        num_stages=plan.num_stages, **sizes)
+        ONE_BLOCK=paged is not None and plan.one_block(block_size), num_warps=plan.num_warps, **sizes)
     if plan.num_splits > 1:
         chunk = combine_chunk(plan.num_splits, group, plan.block_d)
         if chunk:
@@ -381,16 +380,22 @@ if triton is not None:
             m_i, l_i, acc = _attend_new(q, RK + response, RV + response, k_new, v_new, stride_rl, new_at,
                                         m_i, l_i, acc, qk_scale, table + prompt_columns, stride_rb, HEAD_DIM, BLOCK_D,
                                         PAGED, BLOCK_SIZE)
-        if NUM_SPLITS > 1:  # the partial state of a split that holds keys (split 0 always), for the combine kernel
+        # With splits, a slot whose keys all fell to split 0 (count 1) is finished here and the combine skips it;
+        # otherwise each split that holds keys leaves its partial state (the group's rows only) for the combine.
+        alone = split == 0
+        if NUM_SPLITS > 1:
+            count = _held_splits(PROMPT_LEN, RESPONSE_LEN, slot, split_len, NUM_SPLITS, WRITE_NEW, BALANCED, BLOCK_N)
             part = (slot * tl.num_programs(1) + head) * NUM_SPLITS + split
+            partial = holds & (count > 1)
+            rows = offs_g < GROUP
             tl.store(PART_ACC + part * GROUP_PAD * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc,
-                     mask=holds)
-            tl.store(PART_ML + part * 2 * GROUP_PAD + offs_g, m_i, mask=holds)
-            tl.store(PART_ML + part * 2 * GROUP_PAD + GROUP_PAD + offs_g, l_i, mask=holds)
-        else:
-            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
-            tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
-                     out.to(OUT.dtype.element_ty), mask=row_mask)
+                     mask=row_mask & partial)
+            tl.store(PART_ML + part * 2 * GROUP_PAD + offs_g, m_i, mask=rows & partial)
+            tl.store(PART_ML + part * 2 * GROUP_PAD + GROUP_PAD + offs_g, l_i, mask=rows & partial)
+            alone = alone & (count == 1)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only when the slot sees no key: zeros
+        tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=row_mask & alone)
 
     @triton.jit
     def _balanced_blocks(prompt_len, cached, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -443,7 +448,7 @@ if triton is not None:
             acc = acc * alpha[:, None] + acc_s * beta[:, None]
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        row_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
+        row_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM) & (count > 1)  # 1: written already
         tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_mask)
 
@@ -477,7 +482,8 @@ if triton is not None:
         offs_d = tl.program_id(2) * CHUNK_D + tl.arange(0, CHUNK_D)
         count = _held_splits(PROMPT_LEN, RESPONSE_LEN, slot, split_len, NUM_SPLITS, WRITE_NEW, BALANCED, BLOCK_N)
         part = (slot * tl.num_programs(1) + head) * NUM_SPLITS + offs_s  # (SPLITS_PAD,); count <= NUM_SPLITS
-        held = (offs_s[:, None] < count) & (offs_g[None, :] < GROUP)  # splits not held were never written
+        # splits not held were never written; a count of 1 was finished by its split 0
+        held = (offs_s[:, None] < count) & (offs_g[None, :] < GROUP) & (count > 1)
         ml = PART_ML + part[:, None] * 2 * GROUP_PAD + offs_g[None, :]
         m_s = tl.load(ml, mask=held, other=float("-inf"))  # (SPLITS_PAD, ROWS)
         l_s = tl.load(ml + GROUP_PAD, mask=held, other=0.0)
@@ -487,6 +493,6 @@ if triton is not None:
         acc_at = (part[:, None, None] * GROUP_PAD + offs_g[None, :, None]) * BLOCK_D + offs_d[None, None, :]
         acc_s = tl.load(PART_ACC + acc_at, mask=held[:, :, None] & (offs_d[None, None, :] < HEAD_DIM), other=0.0)
         out = tl.sum(acc_s * weight[:, :, None], 0) / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (ROWS, CHUNK_D)
-        row_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
+        row_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM) & (count > 1)
         tl.store(OUT + slot * stride_ob + head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_mask)

@@ -16,8 +16,10 @@ keys a slot can hold) exceeds `SPLIT_KEYS`, the keys are cut over `num_splits` p
 (`balanced_splits`): capacity-sized splits (response keys in parts of `split_len`; split 0 also takes the prompt and
 this step's new key) for wide batches, or balanced splits (each slot's own prompt and response keys in equal runs of
 whole key blocks, read on the device) for narrow ones. Each program leaves its partial softmax state (running max,
-sum, accumulator, float32) in a buffer and a second kernel merges them (log-sum-exp). The grid depends on the
-capacity and the batch (shapes) only, so splits past a slot's own length do no work.
+sum, accumulator, float32) in a buffer and a second kernel merges them (log-sum-exp), loading all of a slot's
+splits at once (`COMBINE_TILE`); a slot whose keys all fell to split 0 is finished by that program and the merge
+skips it. The grid depends on the capacity and the batch (shapes) only, so splits past a slot's own length do no
+work. The narrowest grids (`NARROW_SLOT_HEADS`) take wider key tiles over more warps.
 """
 
 from __future__ import annotations
@@ -35,8 +37,6 @@ SM hide its latency better than more warps per program (`docs/benchmarks.md` has
 WIDE_HEAD_NUM_WARPS = 2
 """Warps per program above head_dim 64 (Qwen2.5-1.5B/7B, Llama 3: 128): with RoPE and the bias inside, one warp
 would need more than 255 registers a thread and spill (the no-spill test reads ptxas' report)."""
-NUM_STAGES = 3
-"""Software-pipelining stages of the key loop (Triton's own default on NVIDIA, stated so a sweep can vary it)."""
 BALANCED_MAX_SLOT_HEADS = 32
 """Balanced splits for grids of at most this many (slot, KV head) pairs (batch 16 at 2 KV heads), capacity-sized
 splits above. In a narrow batch the programs do not fill the GPU, so a step lasts as long as its longest program:
@@ -50,6 +50,13 @@ COMBINE_TILE = 8192
 head)'s splits together, so the merge is one round of loads rather than a chain of one per split (which at a
 narrow tail's 16 splits is a row of dependent HBM round trips); head dims are cut into chunks to stay inside it
 (`combine_chunk`). 0: the per-split loop (kept for the sweep's comparison)."""
+NARROW_SLOT_HEADS = 8
+"""Grids of at most this many (slot, KV head) pairs (batch 4 at 2 KV heads), at head dims above 64, take
+`NARROW_BLOCK_N` keys per loop iteration and `NARROW_NUM_WARPS` warps: such a tail runs one program per SM at most,
+so each program's bytes in flight set the time, and a wider tile over more warps keeps more of them in flight. In
+the sweep (`docs/benchmarks.md`, "Paged kernel: launch sweep") this won at 4 slots of 8k keys and lost at 16."""
+NARROW_BLOCK_N = 64
+NARROW_NUM_WARPS = 4
 MIN_DOT_ROWS = 16
 """`tl.dot` needs at least 16 rows (and 16 columns); query groups and head dims are padded up to it."""
 SPLIT_KEYS = 512
@@ -98,10 +105,10 @@ def balanced_splits(slot_heads: int) -> bool:
 
 
 def response_splits(response_capacity: int, split_keys: int | None = None,
-                    slot_heads: int = 1) -> tuple[int, int] | None:
+                    slot_heads: int = 1, block_n: int | None = None) -> tuple[int, int] | None:
     """(num_splits, split_len) for responses of up to `response_capacity` keys, or None (one program per slot and
     head) when they fit one split: short responses gain nothing from a second kernel. split_len is a whole number of
-    `BLOCK_N` key blocks, so no loop iteration straddles two splits.
+    `block_n` (the plan's; default `BLOCK_N`) key blocks, so no loop iteration straddles two splits.
 
     `slot_heads` (batch x KV heads, the programs one split would run) bounds the count further: a wide batch already
     fills the GPU and pays for every extra split (splits past a slot's length still launch and are merged), so
@@ -113,8 +120,8 @@ def response_splits(response_capacity: int, split_keys: int | None = None,
     # Balanced splits share each slot's own keys, so their count need not follow the capacity; capacity-sized ones
     # get no more splits than `split_keys`-key parts of it.
     num_splits = most if balanced_splits(slot_heads) else min(-(-response_capacity // split_keys), most)
-    split_len = -(-response_capacity // num_splits)
-    return num_splits, -(-split_len // BLOCK_N) * BLOCK_N
+    split_len, block_n = -(-response_capacity // num_splits), block_n or BLOCK_N
+    return num_splits, -(-split_len // block_n) * block_n
 
 
 @dataclass(frozen=True)
@@ -134,8 +141,6 @@ class LaunchPlan:
     """Response keys per split program (0 without split-KV)."""
     balanced: bool = False
     """Split-KV by each slot's own length (`balanced_splits`)."""
-    num_stages: int = NUM_STAGES
-    """Pipelining stages of the key loop (`NUM_STAGES`)."""
 
     def one_block(self, block_size: int) -> bool:
         """Paged: whether each loop iteration's keys lie in one block (`BLOCK_N` divides the block size; every
@@ -148,11 +153,14 @@ class LaunchPlan:
 def launch_plan(group: int, head_dim: int, response_capacity: int, paged: bool, slot_heads: int = 1) -> LaunchPlan:
     """The plan for query groups of `group` rows of `head_dim`, over responses of up to `response_capacity` keys,
     for `slot_heads` (batch x KV heads) programs per split (the same rule for both layouts; see the module
-    docstring)."""
-    num_splits, split_len = response_splits(response_capacity, slot_heads=slot_heads) or (1, 0)
-    return LaunchPlan(group_pad=padded_tile(group), block_d=padded_tile(head_dim), block_n=BLOCK_N,
-                      num_warps=default_num_warps(head_dim, paged), num_splits=num_splits, split_len=split_len,
-                      balanced=num_splits > 1 and balanced_splits(slot_heads), num_stages=NUM_STAGES)
+    docstring; `NARROW_SLOT_HEADS` for the narrowest grids)."""
+    narrow = head_dim > 64 and slot_heads <= NARROW_SLOT_HEADS
+    block_n = NARROW_BLOCK_N if narrow else BLOCK_N
+    num_splits, split_len = response_splits(response_capacity, slot_heads=slot_heads, block_n=block_n) or (1, 0)
+    return LaunchPlan(group_pad=padded_tile(group), block_d=padded_tile(head_dim), block_n=block_n,
+                      num_warps=NARROW_NUM_WARPS if narrow else default_num_warps(head_dim, paged),
+                      num_splits=num_splits, split_len=split_len,
+                      balanced=num_splits > 1 and balanced_splits(slot_heads))
 
 
 def partial_state(plan: LaunchPlan, batch: int, num_kv_heads: int, placeholder: torch.Tensor) -> tuple:
