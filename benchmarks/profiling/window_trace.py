@@ -15,7 +15,9 @@ the events (once, after the call) and groups the windows by batch bucket:
   compilation or a kernel build inside the call, which a warm-up call should have done;
 - `host_ms_per_window`: the host phases run between the previous window's launch and this one's (so the blocking
   `read_progress` of a window counts in the next one; it is mostly the host waiting for the GPU).
-So a bucket whose gpu_ms_per_step is far above its floor loses time in the kernels, and a large gap loses it on the
+Each sync's step launched ahead of the host's work (`BuiltinBackend._harvest`) is a `decode` of its own, so it shows
+as a window of one step before the rest of its window. So a bucket whose gpu_ms_per_step is far above its floor loses
+time in the kernels, and a large gap loses it on the
 host. `edges`: the call's head (from its start to the first window: `begin`, admission, the first prefill and the
 first capture) and tail (from the last window's end to the call's end: the last harvest, `end`), with the prefills'
 GPU time (events around `prefill`), so the GPU busy share's first and last stretches can be read. Used by `benchmarks/long_tail.py --trace`.
