@@ -31,3 +31,18 @@ def test_windows_are_grouped_by_bucket_with_their_floor_and_the_gaps_between_the
     assert abs(four["gap_s"] - 0.75) < 1e-9 and two["gap_s"] == 0
     assert four["host_ms_per_window"] == {"reserve": 3.0, "read_progress": 3.0} and four["mean_live"] == 2.5
     assert result["totals"]["steps"] == 5 and abs(result["totals"]["gpu_s"] - 1.75) < 1e-9
+
+
+def test_the_calls_edges_are_its_head_and_tail_around_the_windows():
+    """The call starts at 0.0, its prefill runs on the GPU 0.1-0.4, the first window starts at 0.5 and the last ends at
+    2.5, the call at 2.6: a head of 500 ms (100 before the prefill, 300 of prefill) and a tail of 100 ms."""
+    trace = WindowTrace(100, 10, 1000)
+    trace.call = (HostEvent(), HostEvent())
+    trace.call[0].at, trace.call[1].at, trace.ended = 0.0, 2.6, True
+    trace.prefills = [(HostEvent(), HostEvent())]
+    trace.prefills[0][0].at, trace.prefills[0][1].at = 0.1, 0.4
+    window(trace, 4, 2, 3, 30, 0.5, 1.0, {})
+    window(trace, 2, 2, 1, 50, 2.0, 2.5, {})
+    edges = summary(trace, *trace.bytes)["edges"]
+    expected = dict(head_ms=500, before_first_prefill_ms=100, first_prefill_gpu_ms=300, tail_ms=100, prefill_gpu_ms=300)
+    assert all(abs(edges[key] - value) < 1e-6 for key, value in expected.items()), edges

@@ -66,6 +66,8 @@ class WindowTrace:
         """Recorded when the trace begins and ends (the caller has synchronized before the end): the call's edges."""
         self.prefills: list[tuple] = []
         """(start, end) events of each prefill wave."""
+        self.ended = False
+        """Whether both `call` events were recorded (the call's edges are reported only then)."""
 
     def add_host(self, phase: str, seconds: float) -> None:
         self.pending[phase] += 1e3 * seconds
@@ -139,6 +141,7 @@ def traced(engine, weight_bytes: float, kv_bytes_per_token: float, bandwidth: fl
     try:
         yield trace
         trace.call[1].record()
+        trace.ended = True
     finally:
         for name, method in saved_scheduler.items():
             setattr(Scheduler, name, method)
@@ -182,6 +185,8 @@ def summary(trace: WindowTrace, weight_bytes: float, kv_bytes_per_token: float, 
                          host_ms_per_window={phase: ms / count for phase, ms in sorted(bucket["host_ms"].items())}))
     totals = {key: sum(row[key] for row in rows)
               for key in ("windows", "steps", "gpu_s", "floor_s", "gap_s", "warm_ups")}
+    if not trace.ended:
+        return dict(buckets=rows, totals=totals)
     first_prefill = trace.prefills[0] if trace.prefills else (windows[0]["start"], windows[0]["start"])
     edges = dict(head_ms=trace.call[0].elapsed_time(windows[0]["start"]),
                  first_prefill_gpu_ms=first_prefill[0].elapsed_time(first_prefill[1]),
