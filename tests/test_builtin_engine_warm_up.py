@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,11 +20,13 @@ import pytest
 from benchmarks.long_tail import response_lengths, warm_up_lengths
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.engine.backend import BuiltinBackend
+from hybridrl.rollout.engine.runner import steady_pool
 from hybridrl.rollout.engine.scheduler import Scheduler, batch_buckets
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_builtin_engine import make_model  # noqa: E402
 from test_builtin_engine import engine_with_recorded_graphs  # noqa: E402
+from test_paged_kv import memory_for_blocks  # noqa: E402
 
 
 def buckets_visited(num_slots: int, lengths: list[int], n: int, sync_every: int, cap: int) -> collections.Counter:
@@ -122,3 +125,26 @@ def test_a_thinning_batch_records_each_smaller_buckets_step_ahead(layout, monkey
     due.clear(), ahead.clear()
     engine.generate(prompts, params, response_lengths=[12] * 10)
     assert due == [(10, 0)] and ahead == []
+
+
+def test_nearby_budgets_give_the_same_paged_pool_and_warm_nothing_up(monkeypatch):
+    """The paged pool bound by a budget keeps 6 significant bits of its block count (`steady_pool`), so a fraction
+    of free memory that moved a little since the last call gives the same pool shape, and the same step signatures:
+    the second call warms nothing up. (On the H200 the paged timed call warmed up every batch bucket: its pool had a
+    few blocks fewer than the warm-up call's.)"""
+    assert [steady_pool(blocks) for blocks in (1, 63, 64, 65, 127, 128, 130, 23594, 23595)] == \
+        [1, 63, 64, 64, 126, 128, 128, 23552, 23552]
+    assert all(blocks - steady_pool(blocks) <= blocks / 32 for blocks in range(1, 5000))
+    model = make_model("qwen2")
+    prompts = [[3 + p, 4, 5 + p] for p in range(6)]
+    params = SamplingParams(max_new_tokens=24, n=2, temperature=1.0, seed=0, ignore_eos=True)
+    engine, graphs = engine_with_recorded_graphs(model, monkeypatch, sync_every=2, keep_runs=False,
+                                                 attention="triton", kv_cache="paged", kv_block_size=2,
+                                                 kv_cache_memory=memory_for_blocks(model, 203, 2))
+    engine.generate(prompts, params)
+    assert engine.last_stats["kv_blocks"] == 200 and "warm_up" in graphs.events
+    graphs.events.clear()
+    engine.options = replace(engine.options, kv_cache_memory=memory_for_blocks(model, 201, 2))
+    engine.runner.options = engine.options
+    engine.generate(prompts, params)
+    assert engine.last_stats["kv_blocks"] == 200 and "warm_up" not in graphs.events, graphs.events

@@ -158,6 +158,19 @@ class RunState:
     """`kept_runs.weight_addresses` of the run's weights (with a key)."""
 
 
+POOL_SIGNIFICANT_BITS = 6
+"""A budget-bound paged pool keeps this many significant bits of its block count (`steady_pool`)."""
+
+
+def steady_pool(blocks: int) -> int:
+    """`blocks` rounded down to `POOL_SIGNIFICANT_BITS` significant bits (at most 1/32 fewer). A budget given as a
+    fraction of the free memory moves a little from call to call, and the pool's block count is a tensor shape:
+    unrounded, each call's decode steps had a new signature, so each batch bucket's first step was warmed up (run for
+    real, synchronizing) inside every call (`graphs.py`); rounded, nearby budgets give the same pool."""
+    granule = 1 << max(0, blocks.bit_length() - POOL_SIGNIFICANT_BITS)
+    return blocks // granule * granule
+
+
 class SlotRows:
     """Rows read for some slots only (`ModelRunner.read_outputs`), indexed by slot as the full per-slot array is:
     `rows[slot, :length]`."""
@@ -364,7 +377,7 @@ class ModelRunner:
         # Never more than every sequence at full length could fill (each prompt's blocks once), as the contiguous
         # layouts are never given more slots than sequences.
         most = 1 + geometry.num_prompts * (needed - 1) + num_sequences * (needed - 1)
-        num_blocks = min(most, PagedKVCache.blocks_within(geometry, block_size, budget))
+        num_blocks = min(most, steady_pool(PagedKVCache.blocks_within(geometry, block_size, budget)))
         if num_blocks < needed:
             raise ValueError(f"rollout.kv_cache_memory={self.options.kv_cache_memory} holds {num_blocks} KV blocks of "
                              f"{block_size} tokens ({budget / _GIB:.3f} GiB), fewer than the {needed} that one sequence "
