@@ -124,6 +124,7 @@ def test_engine_with_small_batch_pieces_on_the_gpu(monkeypatch):
     monkeypatch.setattr(decode_linear, "launch", lambda columns, depth: (
         decode_linear.Launch(16, 128, 2) if depth >= columns else decode_linear.Launch(16, 128)))
     greedy = SamplingParams(max_new_tokens=12, temperature=0, n=2)
+    monkeypatch.setattr(small_batch, "ENABLED", False)
     off = BuiltinBackend(model, max_num_seqs=5, sync_every=3, fuse_gate_up=True).generate(PROMPTS, greedy)
     monkeypatch.setattr(small_batch, "ENABLED", True)
     engine = BuiltinBackend(model, max_num_seqs=5, sync_every=3, fuse_gate_up=True)
