@@ -68,7 +68,9 @@ def test_light_steps_on_the_gpu_launch_no_cudnn_attention(tmp_path, choice):
                         dataset=PromptDataset(toy_prompts(), actor.tokenizer, max_length=16),
                         trainer__output_dir=str(tmp_path), trainer__device="cuda", trainer__prompts_per_step=4,
                         rollout__num_samples_per_prompt=2, rollout__max_new_tokens=6, rollout__backend="builtin",
+                        data__max_prompt_length=16,  # light: `auto` reads the config's limit, not the dataset's
                         trainer__cudnn_attention=choice, logging__sinks=["jsonl"])
+    assert uses_cudnn_attention(trainer.config, trainer.device) is (choice is True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):  # the update's graph is captured at the second step
             metrics = trainer.step()
