@@ -173,3 +173,13 @@ def test_compiled_pieces_with_split_k_partials_equal_the_eager_step(monkeypatch)
                                    lambda layer, q, kv: q.contiguous()) for functions in (EAGER_DECODE, pieces)]
             torch.testing.assert_close(step[1], step[0], atol=1e-5, rtol=1e-5)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 8  # 3 pieces (+ the first layer's inputs) x 2
+
+
+def test_the_pieces_run_only_for_compiled_cuda_steps():
+    """The light rollout's uncompiled step and CPU steps keep F.linear (no kernel built in their first call)."""
+    from hybridrl.rollout.engine import kernel_choices
+
+    assert not kernel_choices.small_batch_projections_on(torch.device("cpu"), compiled=True)
+    assert not kernel_choices.small_batch_projections_on(torch.device("cuda"), compiled=False)
+    assert kernel_choices.small_batch_projections_on(torch.device("cuda"), compiled=True) == \
+        kernel_choices.triton_available()
