@@ -22,8 +22,8 @@ from hybridrl.rollout.engine.llama_forward import (DecodeFunctions, attention_in
 from hybridrl.rollout.kernels.decode_linear import MAX_ROWS, small_batch_linear
 
 ENABLED = True
-"""On: at the 1.5B shape they took 0.10-0.15 ms off a decode step of 1-16 sequences (5-8%, H200; docs/benchmarks.md,
-"Where a decode step's time goes"). A module setting so that one benchmark process can time the decode step with and
+"""On: at the 1.5B shape they shorten a decode step of 1-16 sequences (figures in docs/benchmarks.md, "Where a
+decode step's time goes"). A module setting so that one benchmark process can time the decode step with and
 without them (`benchmarks/profiling/decode_step.py --compare`)."""
 
 

@@ -30,7 +30,7 @@ except ImportError:  # CPU-only installs: F.linear everywhere
 
 MAX_ROWS = 16
 """Batches up to this many rows take the kernel (`applies`); at 32 rows its gate/up was already slower than cuBLAS's
-product plus the SiLU-mul kernel (21.7 against 19.7 µs, H200)."""
+product plus the SiLU-mul kernel (docs/benchmarks.md, "Where a decode step's time goes")."""
 NUM_WARPS, NUM_STAGES = 4, 4
 
 
